@@ -1,0 +1,1 @@
+"""rollout: RL-side orchestration on Ray (engines behind a router, samples, rewards)."""

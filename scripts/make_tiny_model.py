@@ -1,0 +1,115 @@
+"""Build a tiny random Hugging Face checkpoint and a locally trained tokenizer (no hub access).
+
+    python scripts/make_tiny_model.py --out /tmp/tiny-llama [--arch llama|qwen2|qwen3]
+
+The checkpoint is written by transformers' own `save_pretrained` (config.json + safetensors),
+the tokenizer is a byte-level BPE trained with `tokenizers` on a generated corpus, with a
+ChatML chat template. Tests and examples use the same functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from typing import Any
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_WORDS = (
+    "the a an one two three four five six seven eight nine ten cat dog bird fish tree river stone "
+    "house road city light dark red green blue small large quick slow runs jumps sees finds makes "
+    "takes gives and or but if then when where why how what who is are was were be been has have "
+    "had do does did plus minus times equals answer question number sum of to in on at by for with"
+).split()
+
+
+def corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 16))]
+        if rng.random() < 0.3:
+            words.append(f"{rng.randint(0, 999)} + {rng.randint(0, 999)} = {rng.randint(0, 1998)}")
+        lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ""]))
+    return lines
+
+
+def build_tokenizer(out_dir: str, vocab_size: int = 512) -> Any:
+    """Train a byte-level BPE tokenizer and save it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    os.makedirs(out_dir, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_checkpoint(out_dir: str, arch: str = "llama", vocab_size: int = 512, hidden_size: int = 64,
+                     intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                     head_dim: int | None = None, max_position_embeddings: int = 512, tie_word_embeddings: bool = False,
+                     rope_scaling: dict | None = None, initializer_range: float = 0.1, seed: int = 0,
+                     max_shard_size: str | None = None, bos_token_id: int = 1, eos_token_id: int = 2) -> str:
+    """Save a random model of the given family with `save_pretrained` (safetensors)."""
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    families = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    if arch not in families:
+        raise ValueError(f"--arch must be one of {', '.join(families)}, got {arch!r}")
+    config_cls, model_cls = families[arch]
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+        pad_token_id=0,
+    )
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **save_kwargs)
+    return out_dir
+
+
+def build_tiny_model(out_dir: str, arch: str = "llama", **kwargs: Any) -> str:
+    """A tokenizer and a checkpoint in one directory, ready for --model-path."""
+    tokenizer = build_tokenizer(out_dir, vocab_size=kwargs.get("vocab_size", 512))
+    ids = tokenizer.convert_tokens_to_ids(["<s>", "</s>"])
+    return build_checkpoint(out_dir, arch=arch, bos_token_id=ids[0], eos_token_id=ids[1], **kwargs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    args = parser.parse_args()
+    build_tiny_model(args.out, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                     vocab_size=args.vocab_size, intermediate_size=2 * args.hidden_size)
+    print(f"wrote {args.arch} checkpoint and tokenizer to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Attention backends behind one interface (spec_engine.attention.base.AttentionBackend)."""

@@ -1,0 +1,226 @@
+"""EngineArgs: every engine option under SGLang's ServerArgs name, its CLI, and its validation.
+
+One dataclass is the single source of truth. `add_cli_args` generates argparse flags from it
+(`--model-path` for the server, `--sglang-model-path` when given a prefix inside a launcher);
+help text comes from field metadata. `EngineArgs.__post_init__` checks everything that can be
+checked without the model; `resolve_auto` fills the auto values that need the device or the
+model's config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import random
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("torch_native", "flashinfer")
+SCHEDULE_POLICIES = ("fcfs",)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+# Auto chunked-prefill budgets: SGLang's default on large GPUs, and a smaller one for CPU
+# where a 2048-token chunk already keeps the cores busy for a while.
+CHUNKED_PREFILL_CUDA = 8192
+CHUNKED_PREFILL_CPU = 2048
+MAX_RUNNING_REQUESTS_DEFAULT = 256
+# Fraction of memory given to weights + KV when --mem-fraction-static is unset. On CPU the
+# engine shares RAM with the trainer and tests, so it takes far less than SGLang's GPU default.
+MEM_FRACTION_CUDA = 0.88
+MEM_FRACTION_CPU = 0.10
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field carrying its CLI help (and optional `choices`/`metavar`)."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class EngineArgs:
+    """Engine options. Names and defaults follow SGLang's ServerArgs where SGLang has them."""
+
+    # Model and tokenizer
+    model_path: Optional[str] = _opt(None, "Hugging Face checkpoint directory of the target model (config.json + *.safetensors).")
+    tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory; defaults to --model-path.")
+    skip_tokenizer_init: bool = _opt(False, "Do not load a tokenizer: requests must give input_ids and outputs carry no text.")
+    dtype: str = _opt("auto", "Weight and activation dtype. auto: float32 on CPU, the checkpoint's 16-bit dtype (else bfloat16) on CUDA.", choices=DTYPE_CHOICES)
+    device: str = _opt("auto", "Device to run on. auto: CUDA when available, else CPU.", choices=DEVICE_CHOICES)
+    context_length: Optional[int] = _opt(None, "Maximum tokens per request (prompt + output); defaults to the model's max_position_embeddings. Larger values are refused.")
+    served_model_name: Optional[str] = _opt(None, "Model name reported by the OpenAI-compatible API; defaults to --model-path.")
+    chat_template: Optional[str] = _opt(None, "Path to a Jinja chat template; defaults to the tokenizer's own template.")
+    # Server
+    host: str = _opt("127.0.0.1", "HTTP server host.")
+    port: int = _opt(30000, "HTTP server port.")
+    api_key: Optional[str] = _opt(None, "If set, the HTTP server requires 'Authorization: Bearer <key>'.")
+    skip_server_warmup: bool = _opt(False, "Do not run a one-token warmup request when the server starts.")
+    # Memory and scheduling
+    mem_fraction_static: Optional[float] = _opt(None, f"Fraction of device memory for weights + KV cache (auto: {MEM_FRACTION_CUDA} on CUDA, {MEM_FRACTION_CPU} of RAM on CPU). Ignored when --max-total-tokens is set.")
+    max_total_tokens: Optional[int] = _opt(None, "Size of the KV cache pool in tokens; overrides --mem-fraction-static.")
+    max_running_requests: Optional[int] = _opt(None, f"Maximum requests decoded together (auto: {MAX_RUNNING_REQUESTS_DEFAULT}).")
+    chunked_prefill_size: Optional[int] = _opt(None, f"Maximum prompt tokens prefilled in one forward; longer prompts are split into chunks. -1 disables chunking (auto: {CHUNKED_PREFILL_CUDA} on CUDA, {CHUNKED_PREFILL_CPU} on CPU).")
+    max_prefill_tokens: int = _opt(16384, "Maximum prompt tokens in one prefill batch.")
+    schedule_policy: str = _opt("fcfs", "Order in which waiting requests are admitted.", choices=SCHEDULE_POLICIES)
+    schedule_conservativeness: float = _opt(1.0, "Larger values reserve more KV for running requests' future tokens (fewer retractions, less concurrency).")
+    page_size: int = _opt(1, "Tokens per KV cache page; the prefix cache shares whole pages.")
+    disable_radix_cache: bool = _opt(False, "Disable the prefix (radix) cache: no KV sharing between requests.")
+    random_seed: Optional[int] = _opt(None, "Seed for sampling; with the same seed and requests, sampled outputs repeat exactly (auto: random).")
+    stream_interval: int = _opt(1, "Stream an update every N generated tokens.")
+    # Kernels
+    attention_backend: Optional[str] = _opt(None, "Attention kernels (auto: torch_native; flashinfer is not available yet).", choices=ATTENTION_BACKENDS)
+    # Weights
+    weight_version: str = _opt("default", "Version label of the loaded weights, reported in every response's meta_info.")
+    # Logging
+    log_level: str = _opt("info", "Logging level.", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        self.dtype = _normalize_dtype(self.dtype)
+        _check_choice("dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
+        _check_choice("device", self.device, DEVICE_CHOICES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS, allow_none=True)
+        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        _check_choice("log_level", self.log_level, LOG_LEVELS)
+        _check_positive("context_length", self.context_length, allow_none=True)
+        _check_positive("max_total_tokens", self.max_total_tokens, allow_none=True)
+        _check_positive("max_running_requests", self.max_running_requests, allow_none=True)
+        _check_positive("max_prefill_tokens", self.max_prefill_tokens)
+        _check_positive("page_size", self.page_size)
+        _check_positive("stream_interval", self.stream_interval)
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size <= 0:
+            raise ValueError(f"--chunked-prefill-size must be positive or -1 (disabled), got {self.chunked_prefill_size}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.schedule_conservativeness <= 0:
+            raise ValueError(f"--schedule-conservativeness must be positive, got {self.schedule_conservativeness}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def resolve_auto(args: EngineArgs, *, cuda_available: bool, checkpoint_dtype: Optional[str]) -> EngineArgs:
+    """Return a copy of `args` with every `auto`/None default replaced by a concrete value."""
+    if args.model_path is None:
+        raise ValueError("--model-path is required: a Hugging Face checkpoint directory")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+    if device == "cuda" and not cuda_available:
+        raise ValueError("--device cuda was given but CUDA is not available; use --device cpu or auto")
+    dtype = args.dtype
+    if dtype == "auto":
+        if device == "cpu":
+            dtype = "float32"
+        else:
+            dtype = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
+    backend = args.attention_backend or "torch_native"
+    if backend == "flashinfer":
+        raise ValueError("--attention-backend flashinfer is not available in this version; use --attention-backend torch_native")
+    chunk = args.chunked_prefill_size
+    if chunk is None:
+        chunk = CHUNKED_PREFILL_CUDA if device == "cuda" else CHUNKED_PREFILL_CPU
+    if chunk != -1 and chunk % args.page_size != 0:
+        raise ValueError(f"--chunked-prefill-size {chunk} must be a multiple of --page-size {args.page_size}")
+    return dataclasses.replace(
+        args,
+        device=device,
+        dtype=dtype,
+        attention_backend=backend,
+        chunked_prefill_size=chunk,
+        max_running_requests=args.max_running_requests or MAX_RUNNING_REQUESTS_DEFAULT,
+        tokenizer_path=args.tokenizer_path or args.model_path,
+        served_model_name=args.served_model_name or args.model_path,
+        random_seed=args.random_seed if args.random_seed is not None else random.randrange(2**31),
+        mem_fraction_static=args.mem_fraction_static or (MEM_FRACTION_CUDA if device == "cuda" else MEM_FRACTION_CPU),
+    )
+
+
+# ---------------------------------------------------------------- CLI generation
+
+
+def add_cli_args(parser: argparse.ArgumentParser, prefix: str = "", exclude: typing.Iterable[str] = ()) -> None:
+    """Add one flag per EngineArgs field: `--{prefix}{name-with-dashes}` (underscores also accepted)."""
+    hints = typing.get_type_hints(EngineArgs)
+    skip = set(exclude)
+    group = parser.add_argument_group(f"engine options ({'--' + prefix + '*' if prefix else 'EngineArgs'})")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        flag = f"--{prefix}{f.name}".replace("_", "-")
+        names = [flag]
+        alias = f"--{prefix.replace('-', '_')}{f.name}"
+        if alias != flag:
+            names.append(alias)
+        kind, inner = _flag_type(hints[f.name])
+        kwargs: dict[str, Any] = {"dest": _dest(prefix, f.name), "default": f.default, "help": f.metadata.get("help", "")}
+        if kind is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = inner
+            if kind is list:
+                kwargs["nargs"] = "+"
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+        group.add_argument(*names, **kwargs)
+
+
+def from_cli_args(namespace: argparse.Namespace, prefix: str = "", **overrides: Any) -> EngineArgs:
+    """Build EngineArgs from parsed flags; `overrides` (launcher-owned values) win."""
+    values = {}
+    for f in dataclasses.fields(EngineArgs):
+        dest = _dest(prefix, f.name)
+        if hasattr(namespace, dest):
+            values[f.name] = getattr(namespace, dest)
+    values.update(overrides)
+    return EngineArgs(**values)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(EngineArgs)]
+
+
+def closest_field(name: str) -> Optional[str]:
+    """The EngineArgs field most like `name`, for 'did you mean' messages."""
+    matches = difflib.get_close_matches(name.replace("-", "_"), field_names(), n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+def _dest(prefix: str, name: str) -> str:
+    return f"{prefix.replace('-', '_')}{name}"
+
+
+def _flag_type(hint: Any) -> tuple[type, type]:
+    """Map a field's type hint to (kind, element type) for argparse."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _flag_type(args[0])
+    if origin is list:
+        return list, typing.get_args(hint)[0]
+    if hint is bool:
+        return bool, bool
+    return hint, hint
+
+
+def _normalize_dtype(dtype: str) -> str:
+    return {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
+
+
+def _check_choice(name: str, value: Any, choices: tuple, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value not in choices:
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def _check_positive(name: str, value: Optional[int], allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")

@@ -1,0 +1,44 @@
+"""Launch the HTTP server: `python -m spec_engine.launch_server --model-path DIR [engine flags]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+import uvicorn
+
+from spec_engine.config import add_cli_args, from_cli_args
+from spec_engine.engine import Engine
+from spec_engine.http_server import create_app
+
+logger = logging.getLogger("spec_engine.launch_server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m spec_engine.launch_server", allow_abbrev=False,
+                                     description="Serve a model over SGLang-native and OpenAI-compatible HTTP APIs.")
+    add_cli_args(parser)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = build_parser()
+    args = from_cli_args(parser.parse_args(argv))
+    if args.model_path is None:
+        parser.error("--model-path is required")
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    engine = Engine(args)
+    if not engine.args.skip_server_warmup:
+        engine.generate(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+    app = create_app(engine)
+    logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

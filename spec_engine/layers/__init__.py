@@ -1,0 +1,1 @@
+"""Model building blocks: attention, rotary, norms, embeddings/head, sampler."""

@@ -1,0 +1,149 @@
+"""Sampler: next tokens and their log-probs from logits, per-request params in one batch.
+
+Filtering follows transformers' generate order: temperature, top-k, top-p (on the top-k
+renormalised distribution), min-p. A token is drawn by inverse-CDF with one uniform per row
+that is a hash of (request seed, output index): the draw does not depend on which other
+requests share the batch, so outputs repeat exactly under a fixed seed, across retractions too.
+
+Returned log-probs are log_softmax(logits / temperature) of the chosen token, before any
+top-k/top-p/min-p filtering (what a trainer recomputes); temperature 0 counts as 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from spec_engine.request import Req
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def request_uniform(seed: int, index: int, stream: int = 0) -> float:
+    """A uniform in [0, 1) that depends only on (seed, index, stream)."""
+    return (_splitmix64(_splitmix64(seed) ^ _splitmix64((index << 8) | stream)) >> 11) * 2.0 ** -53
+
+
+def derive_seed(base: int, index: int) -> int:
+    return _splitmix64(base ^ _splitmix64(index)) >> 1
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors, built once per step from the requests."""
+
+    temperatures: torch.Tensor   # [B] float; 1.0 where the temperature is 0 (greedy)
+    top_ks: torch.Tensor         # [B] int64, vocab size when disabled
+    top_ps: torch.Tensor         # [B] float
+    min_ps: torch.Tensor         # [B] float
+    uniforms: torch.Tensor       # [B] float64
+    all_greedy: bool
+    unit_temperature: bool       # every row has temperature 1 (no division needed)
+    plain_rows: Optional[torch.Tensor]   # sampled rows without filters
+    filter_rows: Optional[torch.Tensor]  # sampled rows with a top-k/top-p/min-p filter
+    need_logprobs: bool
+    top_logprobs_num: int
+
+    @classmethod
+    def from_reqs(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device) -> "SamplingBatch":
+        temps, ks, ps, mins, uniforms, plain, filtered = [], [], [], [], [], [], []
+        for i, req in enumerate(reqs):
+            sp = req.sampling_params
+            temps.append(sp.temperature if sp.temperature > 0 else 1.0)
+            k = vocab_size if sp.top_k < 0 else min(sp.top_k, vocab_size)
+            ks.append(k)
+            ps.append(sp.top_p)
+            mins.append(sp.min_p)
+            greedy = sp.is_greedy
+            uniforms.append(0.0 if greedy else request_uniform(req.seed, len(req.output_ids)))
+            if not greedy:
+                (filtered if k < vocab_size or sp.top_p < 1.0 or sp.min_p > 0.0 else plain).append(i)
+
+        def rows(indices: list[int]) -> Optional[torch.Tensor]:
+            return torch.tensor(indices, dtype=torch.int64, device=device) if indices else None
+
+        return cls(
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
+            top_ps=torch.tensor(ps, dtype=torch.float32, device=device),
+            min_ps=torch.tensor(mins, dtype=torch.float32, device=device),
+            uniforms=torch.tensor(uniforms, dtype=torch.float64, device=device),
+            all_greedy=not plain and not filtered,
+            unit_temperature=all(t == 1.0 for t in temps),
+            plain_rows=rows(plain),
+            filter_rows=rows(filtered),
+            need_logprobs=any(r.return_logprob for r in reqs),
+            top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
+        )
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: Optional[list[float]]
+    top_logprobs: Optional[list[list[tuple[float, int]]]]
+
+
+def filtered_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                   min_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply top-k, top-p, min-p to rows of probabilities.
+
+    Returns (kept probabilities sorted descending, unnormalised, zero where filtered; their
+    token ids). Only the largest top-k across rows is sorted when every row has a top-k.
+    """
+    vocab = probs.shape[-1]
+    k_max = int(top_ks.max())
+    if k_max < vocab:
+        sorted_p, sorted_ids = probs.topk(k_max, dim=-1)
+    else:
+        sorted_p, sorted_ids = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(sorted_p.shape[-1], device=probs.device)[None, :]
+    sorted_p = sorted_p.masked_fill(ranks >= top_ks[:, None], 0.0)
+    # top-p on the renormalised top-k distribution: keep a token while the mass before it < p.
+    mass_before = (sorted_p.cumsum(-1) - sorted_p) / sorted_p.sum(-1, keepdim=True)
+    sorted_p = sorted_p.masked_fill(mass_before >= top_ps[:, None], 0.0)
+    sorted_p = sorted_p.masked_fill(sorted_p < min_ps[:, None] * sorted_p[:, :1], 0.0)
+    return sorted_p, sorted_ids
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of unnormalised `probs` using that row's uniform."""
+    cdf = probs.double().cumsum(-1)
+    target = (uniforms * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """logits: [B, vocab] float32."""
+        logp = None
+        if not batch.all_greedy or batch.need_logprobs or batch.top_logprobs_num:
+            logp = torch.log_softmax(logits if batch.unit_temperature else logits / batch.temperatures[:, None], -1)
+        if batch.all_greedy:
+            token_ids = logits.argmax(-1)
+        else:
+            probs = logp.exp()
+            token_ids = logits.argmax(-1)
+            if batch.plain_rows is not None:
+                rows = batch.plain_rows
+                token_ids[rows] = inverse_cdf(probs[rows], batch.uniforms[rows])
+            if batch.filter_rows is not None:
+                rows = batch.filter_rows
+                kept, ids = filtered_probs(probs[rows], batch.top_ks[rows], batch.top_ps[rows], batch.min_ps[rows])
+                token_ids[rows] = ids.gather(1, inverse_cdf(kept, batch.uniforms[rows])[:, None]).squeeze(1)
+        logprobs = top = None
+        if batch.need_logprobs:
+            logprobs = logp.gather(1, token_ids[:, None]).squeeze(1).tolist()
+        if batch.top_logprobs_num:
+            vals, ids = logp.topk(batch.top_logprobs_num, dim=-1)
+            top = [list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())]
+        return SampleOutput(token_ids.tolist(), logprobs, top)

@@ -1,0 +1,1 @@
+"""KV memory: slot pools, the page allocator, and the prefix (radix) cache."""

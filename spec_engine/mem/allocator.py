@@ -1,0 +1,80 @@
+"""Page allocator for KV slots.
+
+Slots are grouped in pages of `page_size`; slot s belongs to page s // page_size, and a
+request's token at position p always sits at a slot with s % page_size == p % page_size, so a
+request fills its last page before taking a new one. Page 0 is the reserved dummy page.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+
+class PageAllocator:
+    def __init__(self, num_tokens: int, page_size: int, device: torch.device) -> None:
+        if num_tokens < page_size:
+            raise ValueError(f"KV pool of {num_tokens} tokens is smaller than one page ({page_size})")
+        self.page_size = page_size
+        self.num_pages = num_tokens // page_size
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        # Pages 1..num_pages; popped from the end, so low pages are used first.
+        self._free = list(range(self.num_pages, 0, -1))
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def available_size(self) -> int:
+        """Free tokens (whole free pages)."""
+        return len(self._free) * self.page_size
+
+    def pages_needed(self, start_lens: Sequence[int], end_lens: Sequence[int]) -> int:
+        p = self.page_size
+        return sum(-(-end // p) - (-(-start // p)) for start, end in zip(start_lens, end_lens))
+
+    def alloc(self, start_lens: Sequence[int], end_lens: Sequence[int], last_slots: Sequence[int]) -> Optional[torch.Tensor]:
+        """Slots for positions [start, end) of each request, concatenated; None if out of pages.
+
+        `last_slots[i]` is the slot of position start-1 (ignored when start is page-aligned).
+        """
+        p = self.page_size
+        needed = self.pages_needed(start_lens, end_lens)
+        if needed > len(self._free):
+            return None
+        if p == 1:
+            total = sum(end - start for start, end in zip(start_lens, end_lens))
+            slots = self._free[len(self._free) - total:]
+            del self._free[len(self._free) - total:]
+            return torch.tensor(slots, dtype=torch.int64, device=self.device)
+        out: list[int] = []
+        for start, end, last in zip(start_lens, end_lens, last_slots):
+            pos = start
+            if pos % p:
+                # Continue the partly filled last page.
+                fill = min(end, pos + p - pos % p)
+                out.extend(range(last + 1, last + 1 + fill - pos))
+                pos = fill
+            while pos < end:
+                page = self._free.pop()
+                n = min(p, end - pos)
+                out.extend(range(page * p, page * p + n))
+                pos += n
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Free the pages that hold `slots`; the slots must cover whole pages from page starts
+        (a request's tail page counts as whole: nobody else holds its unused slots)."""
+        if slots.numel() == 0:
+            return
+        if self.page_size == 1:
+            self._free.extend(slots.tolist())
+        else:
+            self._free.extend(torch.unique(slots // self.page_size).tolist())
+
+    def free_pages(self) -> list[int]:
+        return list(self._free)

@@ -1,0 +1,64 @@
+"""KV storage: the per-layer K/V slot buffers and the request-to-token table."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V buffers per layer, shape [num_slots, num_kv_heads, head_dim].
+
+    Page 0 (slots 0..page_size-1) is reserved: padded rows write there and masked reads
+    point there, so it is kept zero-initialised and never handed to a request.
+    """
+
+    def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_tokens = num_tokens
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = device
+        shape = (num_tokens + page_size, num_kv_heads, head_dim)
+        # torch.empty: slots are always written before they are read, and on CPU an untouched
+        # allocation costs no RAM, so a generous pool is free until it is used.
+        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k_buffer + self.v_buffer:
+            buf[:page_size].zero_()
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+
+
+class ReqToTokenPool:
+    """Row r holds the KV slot of every token position of the request that owns row r."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        self._free_rows = list(range(self.size))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("request-to-token table is full; this is a scheduler bug (admission must check rows)")
+        return self._free_rows.pop()
+
+    def free(self, row: int) -> None:
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token[row, start:start + len(slots)] = slots.to(torch.int32)
+
+    def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
+        return self.req_to_token[row, start:end].to(torch.int64)

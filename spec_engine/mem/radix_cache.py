@@ -1,0 +1,216 @@
+"""Prefix cache: a radix tree from token ids to KV slots, shared by requests, LRU-evicted.
+
+Keys are cut to whole pages, so the tree only ever owns whole pages. A request owns the tree
+nodes on the path to its `last_node` through a lock (lock_ref > 0 means not evictable), and
+owns outright the slots from `prefix_len` to `kv_len` in its row of the request-to-token table.
+With `disable=True` nothing is shared and the request-level calls just free.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from spec_engine.mem.allocator import PageAllocator
+from spec_engine.mem.kv_pool import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from spec_engine.request import Req
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+_tick = itertools.count()
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+
+    def __init__(self, parent: Optional["TreeNode"] = None, key: Optional[list[int]] = None,
+                 value: Optional[torch.Tensor] = None) -> None:
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.parent = parent
+        self.key: list[int] = key or []
+        self.value: torch.Tensor = value if value is not None else _EMPTY
+        self.lock_ref = 0
+        self.last_access = next(_tick)
+
+    def __lt__(self, other: "TreeNode") -> bool:
+        return self.last_access < other.last_access
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool, page_size: int,
+                 disable: bool = False) -> None:
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.page_size = page_size
+        self.disable = disable
+        self.reset()
+
+    def reset(self) -> None:
+        self.root = TreeNode()
+        self.root.lock_ref = 1
+        self._evictable = 0
+        self._protected = 0
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def total_size(self) -> int:
+        return self._evictable + self._protected
+
+    # ------------------------------------------------------------ tree operations
+
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of `key` (whole pages): its KV slots and its last node."""
+        if self.disable:
+            return _EMPTY.to(self.allocator.device), self.root
+        node, _, values = self._descend(key[: len(key) // self.page_size * self.page_size])
+        value = torch.cat(values) if values else _EMPTY.to(self.allocator.device)
+        return value, node
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Insert key -> slots; returns how many leading tokens were already cached (the caller
+        still owns its own slots for those and must free the ones that are not the tree's)."""
+        assert len(key) % self.page_size == 0 and len(key) == len(value)
+        node, matched, _ = self._descend(key)
+        if matched < len(key):
+            rest = key[matched:]
+            node.children[self._edge(rest)] = TreeNode(node, rest, value[matched:].clone())
+            self._evictable += len(rest)
+        return matched
+
+    def _descend(self, key: list[int]) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow `key` from the root (splitting the node where the match ends, so the match
+        ends on a node); returns (last node, tokens matched, the slots along the way)."""
+        node, matched, values = self.root, 0, []
+        stamp = next(_tick)
+        while matched < len(key):
+            rest = key[matched:]
+            child = node.children.get(self._edge(rest))
+            if child is None:
+                break
+            n = self._match_len(child.key, rest)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = stamp
+            values.append(child.value)
+            matched += n
+            node = child
+        return node, matched, values
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlocked_len(self, node: TreeNode) -> int:
+        """Tokens on the path to `node` that are evictable now (what locking it would protect)."""
+        total = 0
+        while node is not self.root:
+            if node.lock_ref == 0:
+                total += len(node.key)
+            node = node.parent
+        return total
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 1:
+                self._evictable += len(node.key)
+                self._protected -= len(node.key)
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "radix cache lock released twice"
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` from unlocked leaves, least recently used first."""
+        if self.disable or num_tokens <= 0:
+            return 0
+        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while leaves and freed < num_tokens:
+            leaf = heapq.heappop(leaves)
+            self.allocator.free(leaf.value)
+            freed += len(leaf.key)
+            self._evictable -= len(leaf.key)
+            parent = leaf.parent
+            del parent.children[self._edge(leaf.key)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, parent)
+        return freed
+
+    # ------------------------------------------------------------ request-level
+
+    def cache_unfinished_req(self, req: "Req") -> None:
+        """Move the request's computed whole pages into the tree and lock them for it."""
+        if self.disable:
+            return
+        aligned = req.kv_len // self.page_size * self.page_size
+        if aligned <= req.prefix_len:
+            return
+        key = req.fill_ids[:aligned]
+        slots = self.req_to_token.read(req.req_pool_idx, aligned)
+        already = self.insert(key, slots)
+        self.allocator.free(slots[req.prefix_len:already])
+        new_slots, node = self.match_prefix(key)
+        assert len(new_slots) == aligned, "radix cache lost a just-inserted prefix"
+        self.req_to_token.write(req.req_pool_idx, req.prefix_len, new_slots[req.prefix_len:])
+        self.inc_lock_ref(node)
+        self.dec_lock_ref(req.last_node)
+        req.prefix_len, req.last_node = aligned, node
+
+    def cache_finished_req(self, req: "Req") -> None:
+        """Release a request's KV: whole pages go to the tree (unlocked), the rest is freed."""
+        row = req.req_pool_idx
+        slots = self.req_to_token.read(row, req.kv_len)
+        if self.disable:
+            self.allocator.free(slots)
+        else:
+            aligned = req.kv_len // self.page_size * self.page_size
+            already = self.insert(req.fill_ids[:aligned], slots[:aligned])
+            self.allocator.free(slots[req.prefix_len:already])
+            self.allocator.free(slots[aligned:])
+            self.dec_lock_ref(req.last_node)
+        self.req_to_token.free(row)
+        req.req_pool_idx, req.last_node, req.prefix_len, req.kv_len = None, None, 0, 0
+
+    # ------------------------------------------------------------ helpers
+
+    def _edge(self, key: list[int]) -> tuple[int, ...]:
+        return tuple(key[: self.page_size])
+
+    def _match_len(self, a: list[int], b: list[int]) -> int:
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n // self.page_size * self.page_size
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Split `child` so its first n tokens become a new parent node; returns that parent."""
+        mid = TreeNode(child.parent, child.key[:n], child.value[:n].clone())
+        mid.lock_ref = child.lock_ref
+        mid.last_access = child.last_access
+        child.parent.children[self._edge(child.key)] = mid
+        child.key, child.value = child.key[n:], child.value[n:].clone()
+        child.parent = mid
+        mid.children[self._edge(child.key)] = child
+        return mid
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node is not self.root:
+                yield node
+            stack.extend(node.children.values())

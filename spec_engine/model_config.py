@@ -1,0 +1,123 @@
+"""ModelConfig: a Hugging Face config.json normalized into the fields the engine uses."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# architecture name -> family; the family decides biases and norms the config does not state.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]]
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    torch_dtype: Optional[str]
+    eos_token_ids: list[int] = field(default_factory=list)
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str) -> "ModelConfig":
+        path = os.path.join(model_path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"no config.json in {model_path!r}: --model-path must be a Hugging Face checkpoint directory")
+        with open(path) as f:
+            cfg = json.load(f)
+        eos = _as_list(cfg.get("eos_token_id"))
+        gen_path = os.path.join(model_path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                eos += [t for t in _as_list(json.load(f).get("eos_token_id")) if t not in eos]
+        return cls.from_dict(cfg, eos_token_ids=eos)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], eos_token_ids: Optional[list[int]] = None) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+            raise ValueError(f"{arch} with sliding-window attention is not supported; use a config with use_sliding_window=false")
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_theta, rope_scaling = _rope(cfg)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Qwen3 follow attention_bias.
+            qkv_bias=True if family == "qwen2" else attention_bias,
+            o_bias=False if family == "qwen2" else attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            eos_token_ids=list(eos_token_ids if eos_token_ids is not None else _as_list(cfg.get("eos_token_id"))),
+            hf_config=cfg,
+        )
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Elements of K and V that one token occupies across all layers."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    """Rope theta and scaling from either transformers-5 `rope_parameters` or the older keys."""
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        params = dict(params)
+        theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        params = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else {}
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **params}

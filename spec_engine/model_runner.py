@@ -1,0 +1,95 @@
+"""ModelRunner: owns the model, its KV memory and attention backend; runs one forward batch."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from spec_engine.attention.torch_native import TorchNativeBackend
+from spec_engine.config import EngineArgs
+from spec_engine.forward_batch import ForwardBatch
+from spec_engine.mem.allocator import PageAllocator
+from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
+from spec_engine.model_config import ModelConfig
+from spec_engine.models import model_class
+from spec_engine.weights import load_checkpoint
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, args: EngineArgs) -> None:
+        self.model_config = model_config
+        self.args = args
+        self.device = torch.device(args.device)
+        self.dtype = _DTYPES[args.dtype]
+        self.context_len = context_length(model_config, args)
+        self.model = self._load_model(args.model_path)
+        self.max_running_requests = args.max_running_requests
+        self.max_total_tokens = self._kv_pool_tokens()
+        self.kv_pool = KVPool(self.max_total_tokens, args.page_size, model_config.num_hidden_layers,
+                              model_config.num_key_value_heads, model_config.head_dim, self.dtype, self.device)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len, self.device)
+        self.allocator = PageAllocator(self.max_total_tokens, args.page_size, self.device)
+        self.attn_backend = TorchNativeBackend(self.device)
+        logger.info("model %s loaded on %s (%s): KV pool of %d tokens, %.1f MiB",
+                    model_config.architecture, self.device, args.dtype, self.max_total_tokens,
+                    self.kv_pool.nbytes() / 2**20)
+
+    def _load_model(self, model_path: str) -> torch.nn.Module:
+        # Build on the meta device and allocate once on the target: no wasted random init.
+        with torch.device("meta"):
+            model = model_class(self.model_config)(self.model_config)
+        model = model.to(self.dtype).to_empty(device=self.device)
+        model.tie_weights()
+        load_checkpoint(model, model_path)
+        return model.eval().requires_grad_(False)
+
+    def weight_bytes(self) -> int:
+        params = {p.data_ptr(): p for p in self.model.parameters()}
+        return sum(p.numel() * p.element_size() for p in params.values())
+
+    def _kv_pool_tokens(self) -> int:
+        args, page = self.args, self.args.page_size
+        if args.max_total_tokens is not None:
+            tokens = args.max_total_tokens
+        else:
+            per_token = self.model_config.kv_elements_per_token * torch.tensor([], dtype=self.dtype).element_size()
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = free - total * (1.0 - args.mem_fraction_static)
+            else:
+                total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                budget = total * args.mem_fraction_static - self.weight_bytes()
+            tokens = int(budget // per_token)
+            # More than every running request at full context can never be used.
+            tokens = min(tokens, self.max_running_requests * self.context_len)
+        tokens = tokens // page * page
+        if tokens < 2 * page:
+            raise ValueError(f"KV cache would hold only {tokens} tokens; raise --mem-fraction-static or set --max-total-tokens")
+        return tokens
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the model; returns (float32 logits at batch.logits_indices, their hidden states)."""
+        batch.kv_pool = self.kv_pool
+        batch.req_to_token_pool = self.req_to_token_pool
+        batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        return self.model.compute_logits(hidden), hidden
+
+
+def context_length(model_config: ModelConfig, args: EngineArgs) -> int:
+    limit = model_config.max_position_embeddings
+    if args.context_length is None:
+        return limit
+    if args.context_length > limit:
+        raise ValueError(f"--context-length {args.context_length} exceeds the model's max_position_embeddings ({limit}); lower it")
+    return args.context_length

@@ -1,0 +1,95 @@
+"""OpenAI-compatible request schemas and their mapping to SGLang sampling params."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    # Unknown fields are errors (400), never silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions, plus SGLang's extensions."""
+
+    model: Optional[str] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    user: Optional[str] = None
+    # SGLang extensions
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    min_tokens: Optional[int] = None
+    ignore_eos: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    stop_token_ids: Optional[list[int]] = None
+    no_stop_trim: Optional[bool] = None
+    rid: Optional[str] = None
+
+    def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            value = getattr(self, name)
+            if value not in (None, neutral):
+                raise ValueError(f"{name} is not supported by specrl (only {neutral} is accepted)")
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": self.n}
+        for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+                         ("min_tokens", "min_new_tokens"), ("ignore_eos", "ignore_eos"), ("stop", "stop"),
+                         ("skip_special_tokens", "skip_special_tokens"), ("stop_token_ids", "stop_token_ids"),
+                         ("no_stop_trim", "no_stop_trim"), ("seed", "sampling_seed")):
+            value = getattr(self, src)
+            if value is not None:
+                params[dst] = value
+        return params
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"message content part of type {part.get('type')!r} is not supported; send text parts")
+            parts.append(part.get("text", ""))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None

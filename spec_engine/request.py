@@ -1,0 +1,87 @@
+"""Req: one generation request as the scheduler tracks it, from admission to finish."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from spec_engine.sampling_params import SamplingParams
+
+# How many trailing tokens are decoded to look for a stop string, beyond its length in chars:
+# a token decodes to at least one character except for partial UTF-8 sequences.
+_STOP_TAIL_EXTRA_TOKENS = 4
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    # The rid the caller used when this request is one of its n samples.
+    parent_rid: Optional[str] = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # KV state: positions [0, kv_len) have KV at req_to_token[req_pool_idx, :kv_len];
+    # [0, prefix_len) of those belong to the prefix cache, locked through last_node.
+    req_pool_idx: Optional[int] = None
+    kv_len: int = 0
+    prefix_len: int = 0
+    last_node: Any = None
+    cached_tokens: int = 0
+    # Tokens this request still has to prefill before it can decode (chunked prefill).
+    extend_len: int = 0
+    finished_reason: Optional[dict[str, Any]] = None
+    retractions: int = 0
+    # Speculative decoding bookkeeping (verify passes, accepted draft tokens).
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
+    created_time: float = field(default_factory=time.perf_counter)
+    first_token_time: Optional[float] = None
+    # Set by the engine: called from the scheduler thread with (req, finished) on new output.
+    on_output: Optional[Callable[["Req", bool], None]] = None
+    last_streamed_len: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the request needs: the prompt, then what it generated."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def max_new_tokens(self) -> int:
+        assert self.sampling_params.max_new_tokens is not None, "max_new_tokens is resolved at admission"
+        return self.sampling_params.max_new_tokens
+
+    def check_finished(self, eos_token_ids: frozenset[int], decode_tail: Optional[Callable[[list[int]], str]]) -> None:
+        """Set finished_reason if the last emitted token ends the request (SGLang's rules)."""
+        if self.finished_reason is not None:
+            return
+        sp = self.sampling_params
+        n_out = len(self.output_ids)
+        if n_out >= self.max_new_tokens():
+            self.finished_reason = {"type": "length", "length": n_out}
+            return
+        if n_out < sp.min_new_tokens:
+            return
+        last = self.output_ids[-1]
+        if (not sp.ignore_eos and last in eos_token_ids) or (sp.stop_token_ids and last in sp.stop_token_ids):
+            self.finished_reason = {"type": "stop", "matched": last}
+            return
+        if sp.stop and decode_tail is not None:
+            longest = max(len(s) for s in sp.stop)
+            tail = decode_tail(self.output_ids[-(longest + _STOP_TAIL_EXTRA_TOKENS):])
+            for stop in sp.stop:
+                if stop in tail:
+                    self.finished_reason = {"type": "stop", "matched": stop}
+                    return

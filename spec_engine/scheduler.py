@@ -1,0 +1,296 @@
+"""Scheduler: continuous batching over one worker.
+
+Each step either prefills (new requests, or the next chunk of a long prompt) or decodes every
+running request. Admission is first-come-first-served and bounded by free KV (counting what
+the prefix cache could evict and a reserve for running requests' future tokens, SGLang's
+new-token ratio), by --max-running-requests and by the prefill token budget. When a decode
+step cannot get KV, requests are retracted (their KV released, put back at the head of the
+queue) and later resumed from where they stopped. Requests with the same prompt are not
+prefilled side by side: the later ones wait one step and reuse the first one's cached KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from spec_engine.config import EngineArgs
+from spec_engine.mem.radix_cache import RadixCache
+from spec_engine.model_runner import ModelRunner
+from spec_engine.request import Req
+from spec_engine.worker import ModelWorker, StepResult
+
+logger = logging.getLogger(__name__)
+
+CLIP_MAX_NEW_TOKENS = 4096          # cap on one request's future tokens counted in the reserve
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY_STEPS = 600   # steps to decay from the initial to the minimum ratio
+
+
+class Scheduler:
+    def __init__(self, args: EngineArgs, runner: ModelRunner, eos_token_ids: frozenset[int],
+                 decode_tail: Optional[Callable[[list[int]], str]] = None) -> None:
+        self.args = args
+        self.runner = runner
+        self.allocator = runner.allocator
+        self.req_to_token = runner.req_to_token_pool
+        self.page_size = args.page_size
+        self.tree_cache = RadixCache(self.allocator, self.req_to_token, args.page_size, disable=args.disable_radix_cache)
+        self.worker = ModelWorker(runner, self.alloc_kv)
+        self.eos_token_ids = eos_token_ids
+        self.decode_tail = decode_tail
+        self.max_running = runner.max_running_requests
+        chunk = args.chunked_prefill_size
+        self.chunking = chunk != -1
+        self.prefill_budget = min(args.max_prefill_tokens, chunk) if self.chunking else args.max_prefill_tokens
+        self.init_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness)
+        self.min_ratio = min(self.init_ratio, MIN_NEW_TOKEN_RATIO * args.schedule_conservativeness)
+        self.new_token_ratio = self.init_ratio
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Optional[Req] = None
+        # The prefill batch being run: admitted, but not yet running (needed if the step fails).
+        self.prefilling: list[Req] = []
+        self.num_retractions = 0
+        self.num_generated_tokens = 0
+        self.last_gen_throughput = 0.0
+
+    # ------------------------------------------------------------ public
+
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def step(self) -> None:
+        batch = self._schedule_prefill()
+        if batch:
+            self.prefilling = batch
+            result = self.worker.prefill(batch)
+            self.prefilling = []
+            self._after_prefill(batch, result)
+        elif self.running:
+            self._ensure_decode_room()
+            start = time.perf_counter()
+            result = self.worker.decode(self.running)
+            n = self._process_outputs(self.running, result)
+            self.last_gen_throughput = n / max(time.perf_counter() - start, 1e-9)
+            self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS)
+
+    def abort(self, rid: str, message: str = "aborted by request") -> int:
+        """Abort every request with this rid (or whose n-sample parent has it); returns how many."""
+        victims = [r for r in self._all_reqs() if r.rid == rid or r.parent_rid == rid]
+        for req in victims:
+            self._finish_abort(req, message)
+        return len(victims)
+
+    def abort_all(self, message: str) -> None:
+        for req in list(self._all_reqs()):
+            self._finish_abort(req, message)
+
+    def fail_all(self, message: str) -> None:
+        """After a failed step: end every request with an error and start KV memory afresh
+        (the step may have left slots half-assigned)."""
+        reqs = self._all_reqs() + [r for r in self.prefilling if r not in self.running and r is not self.chunked]
+        self.waiting.clear()
+        self.running = []
+        self.chunked = None
+        self.prefilling = []
+        self.allocator.reset()
+        self.req_to_token.reset()
+        self.tree_cache.reset()
+        for req in reqs:
+            req.finished_reason = {"type": "abort", "message": message, "status_code": 500}
+            req.req_pool_idx, req.last_node = None, None
+            self._notify(req, True)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while any request is queued or running."""
+        if self.has_work():
+            return False
+        self.tree_cache.evict(self.tree_cache.total_size())
+        self.tree_cache.reset()
+        return True
+
+    def alloc_kv(self, starts: Sequence[int], ends: Sequence[int], last_slots: Sequence[int]) -> torch.Tensor:
+        short = self.allocator.pages_needed(starts, ends) * self.page_size - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+        slots = self.allocator.alloc(starts, ends, last_slots)
+        if slots is None:
+            raise RuntimeError("KV cache exhausted although the scheduler reserved room; this is a bug")
+        return slots
+
+    def available_tokens(self) -> int:
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def memory_report(self) -> dict[str, int]:
+        """Where every KV token is: free, cached (tree), owned by requests; sums to the total."""
+        owned = sum(r.kv_len - r.prefix_len for r in self._active_reqs())
+        return {
+            "total": self.allocator.total_tokens,
+            "free": self.allocator.available_size(),
+            "cached": self.tree_cache.total_size(),
+            "owned_by_requests": owned,
+        }
+
+    # ------------------------------------------------------------ admission
+
+    def _schedule_prefill(self) -> list[Req]:
+        if not self.waiting and self.chunked is None:
+            return []
+        budget = self.prefill_budget
+        batch: list[Req] = []
+        if self.chunked is not None:
+            req = self.chunked
+            remaining = req.seq_len - req.kv_len
+            req.extend_len = min(remaining, budget) if self.chunking else remaining
+            budget -= req.extend_len
+            batch.append(req)
+            if req.extend_len < remaining:
+                return batch
+            self.chunked = None
+        rem_tokens = self.available_tokens() - self._reserved_tokens()
+        prompts_in_batch = {tuple(r.origin_input_ids) for r in batch} if not self.tree_cache.disable else set()
+        admitted: list[Req] = []
+        for req in self.waiting:
+            if budget <= 0 or len(self.running) + len(batch) >= self.max_running:
+                break
+            if self.req_to_token.available_size() == 0:
+                break
+            prefix, node = self.tree_cache.match_prefix(req.fill_ids[:-1])
+            prefix_len = len(prefix)
+            cacheable = (req.seq_len - 1) // self.page_size * self.page_size
+            if prefix_len < cacheable and tuple(req.origin_input_ids) in prompts_in_batch:
+                continue  # an identical prompt is being prefilled: reuse its KV next step
+            extend = req.seq_len - prefix_len
+            future = min(req.max_new_tokens() - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+            # Locking the matched prefix takes it out of the evictable room as well.
+            need = (self.allocator.pages_needed([prefix_len], [req.seq_len]) * self.page_size
+                    + future * self.new_token_ratio + self.tree_cache.unlocked_len(node))
+            if need > rem_tokens and (batch or self.running):
+                break
+            n = min(extend, budget) if self.chunking else extend
+            if not self.chunking and extend > budget and batch:
+                break
+            self.tree_cache.inc_lock_ref(node)
+            req.req_pool_idx = self.req_to_token.alloc()
+            self.req_to_token.write(req.req_pool_idx, 0, prefix)
+            req.prefix_len = req.kv_len = prefix_len
+            req.last_node = node
+            if req.retractions == 0:
+                req.cached_tokens = prefix_len
+            req.extend_len = n
+            rem_tokens -= need
+            budget -= n
+            batch.append(req)
+            admitted.append(req)
+            if not self.tree_cache.disable:
+                prompts_in_batch.add(tuple(req.origin_input_ids))
+            if n < extend:
+                self.chunked = req
+                break
+        if admitted:
+            taken = set(map(id, admitted))
+            self.waiting = deque(r for r in self.waiting if id(r) not in taken)
+        return batch
+
+    def _reserved_tokens(self) -> float:
+        """KV kept back for the future tokens of requests already running."""
+        return sum(min(r.max_new_tokens() - len(r.output_ids), CLIP_MAX_NEW_TOKENS) for r in self.running) * self.new_token_ratio
+
+    def _after_prefill(self, batch: list[Req], result: StepResult) -> None:
+        finished_prefill = []
+        for req, tokens in zip(batch, result.tokens):
+            # Share the computed prompt pages at once (chunk by chunk for long prompts).
+            self.tree_cache.cache_unfinished_req(req)
+            if tokens:
+                finished_prefill.append(req)
+                self.running.append(req)
+        if finished_prefill:
+            idx = [i for i, t in enumerate(result.tokens) if t]
+            sub = StepResult(
+                tokens=[result.tokens[i] for i in idx],
+                logprobs=[result.logprobs[i] for i in idx] if result.logprobs is not None else None,
+                top_logprobs=[result.top_logprobs[i] for i in idx] if result.top_logprobs is not None else None,
+            )
+            self._process_outputs(finished_prefill, sub)
+
+    # ------------------------------------------------------------ decode memory
+
+    def _ensure_decode_room(self) -> None:
+        retracted = 0
+        while self.worker.decode_kv_demand(self.running) > self.available_tokens():
+            if len(self.running) == 1:
+                raise RuntimeError("a single request does not fit in the KV cache; admission should have refused it")
+            # SGLang's choice: the request with the fewest outputs, then the longest prompt.
+            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            self.running.remove(victim)
+            self.tree_cache.cache_finished_req(victim)
+            victim.retractions += 1
+            self.waiting.appendleft(victim)
+            retracted += 1
+        if retracted:
+            self.num_retractions += retracted
+            self.new_token_ratio = self.init_ratio
+            logger.warning("KV cache full: retracted %d request(s); they resume when memory frees up "
+                           "(raise --max-total-tokens or lower --max-running-requests to avoid this)", retracted)
+
+    # ------------------------------------------------------------ outputs
+
+    def _process_outputs(self, reqs: list[Req], result: StepResult) -> int:
+        """Append emitted tokens, finish and release requests that are done; returns tokens added."""
+        added = 0
+        now = time.perf_counter()
+        for i, req in enumerate(reqs):
+            for j, token in enumerate(result.tokens[i]):
+                req.output_ids.append(token)
+                added += 1
+                if result.logprobs is not None:
+                    req.output_logprobs.append(result.logprobs[i][j])
+                if result.top_logprobs is not None:
+                    req.output_top_logprobs.append(result.top_logprobs[i][j])
+                req.check_finished(self.eos_token_ids, self.decode_tail)
+                if req.finished:
+                    break
+            if req.first_token_time is None and req.output_ids:
+                req.first_token_time = now
+            if req.finished:
+                self.tree_cache.cache_finished_req(req)
+                self._notify(req, True)
+            elif req.on_output is not None and len(req.output_ids) - req.last_streamed_len >= self.args.stream_interval:
+                self._notify(req, False)
+        if any(r.finished for r in reqs):
+            self.running = [r for r in self.running if not r.finished]
+        self.num_generated_tokens += added
+        return added
+
+    def _notify(self, req: Req, finished: bool) -> None:
+        req.last_streamed_len = len(req.output_ids)
+        if req.on_output is not None:
+            req.on_output(req, finished)
+
+    def _finish_abort(self, req: Req, message: str) -> None:
+        req.finished_reason = {"type": "abort", "message": message}
+        if req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req)
+        if req is self.chunked:
+            self.chunked = None
+        self.running = [r for r in self.running if r is not req]
+        self.waiting = deque(r for r in self.waiting if r is not req)
+        self._notify(req, True)
+
+    def _active_reqs(self) -> list[Req]:
+        reqs = list(self.running)
+        if self.chunked is not None and self.chunked not in reqs:
+            reqs.append(self.chunked)
+        return reqs
+
+    def _all_reqs(self) -> list[Req]:
+        return list(self.waiting) + self._active_reqs()

@@ -1,0 +1,116 @@
+"""Weights: read Hugging Face safetensors checkpoints and copy named tensors into a model.
+
+A model describes the Hugging Face names it takes with `hf_weight_spec()`: for each name the
+parameter it lands in, the row range inside a fused parameter, and the expected shape. Loading
+from disk and updates from a trainer both check every tensor (`check_weights`) before copying
+any (`copy_weights`), so a bad request leaves the model unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# Names some checkpoints carry that are derived, not learned; skipped without error.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# safetensors dtype names (and torch's, upper-cased) that weights may have.
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "FLOAT64", "FLOAT32", "FLOAT16", "BFLOAT16", "FLOAT", "HALF", "DOUBLE"}
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    param: str                                # parameter name in the model
+    shape: tuple[int, ...]                    # expected Hugging Face tensor shape
+    rows: Optional[tuple[int, int]] = None    # row range inside a fused parameter
+    transposed: bool = False                  # parameter stores the tensor transposed
+    optional: bool = False                    # may be absent from a checkpoint (tied head)
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    """The checkpoint's safetensors files: from the shard index when there is one."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_path, s) for s in shards]
+    single = os.path.join(model_path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    found = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    if not found:
+        raise ValueError(f"no *.safetensors files in {model_path!r}; specrl loads safetensors checkpoints only")
+    return [os.path.join(model_path, f) for f in found]
+
+
+def iterate_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def safetensors_metadata(model_path: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every tensor in the checkpoint, without reading the data."""
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                yield name, tuple(sl.get_shape()), sl.get_dtype()
+
+
+def load_checkpoint(model: nn.Module, model_path: str) -> None:
+    """Load a full Hugging Face safetensors checkpoint (checked before anything is copied)."""
+    check_weights(model, safetensors_metadata(model_path), require_all=True)
+    copy_weights(model, iterate_safetensors(model_path))
+
+
+def check_weights(model: nn.Module, metadata: Iterable[tuple[str, tuple[int, ...], str]],
+                  require_all: bool = False) -> None:
+    """Raise ValueError naming the first tensor the model cannot take (name, shape or dtype).
+
+    With `require_all`, every non-optional name of the model's spec must be present.
+    """
+    spec: dict[str, WeightSlot] = model.hf_weight_spec()
+    seen = set()
+    for name, shape, dtype in metadata:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        slot = spec.get(name)
+        if slot is None:
+            raise ValueError(f"unknown weight {name!r} for {type(model).__name__}")
+        if tuple(shape) != slot.shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {slot.shape}")
+        if str(dtype).replace("torch.", "").upper() not in _FLOAT_DTYPES:
+            raise ValueError(f"weight {name!r} has dtype {dtype}, expected a floating-point tensor")
+        seen.add(name)
+    if require_all:
+        missing = sorted(n for n, s in spec.items() if not s.optional and n not in seen)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
+
+
+def copy_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Copy already-checked Hugging Face-named tensors into the model; returns the names."""
+    spec: dict[str, WeightSlot] = model.hf_weight_spec()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = []
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            slot = spec[name]
+            target = params[slot.param]
+            if slot.transposed:
+                target = target.t()
+            if slot.rows is not None:
+                target = target[slot.rows[0]:slot.rows[1]]
+            target.copy_(tensor)
+            loaded.append(name)
+    return loaded

@@ -1,0 +1,134 @@
+"""The decoding worker interface, and ModelWorker: plain (non-speculative) decoding.
+
+The scheduler decides which requests run and keeps KV headroom; a worker turns requests into
+forward batches, allocates the KV slots its forwards write, and returns the tokens each
+request emitted. Speculative workers implement the same three methods and may emit several
+tokens per request per decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from spec_engine.forward_batch import ForwardBatch, ForwardMode
+from spec_engine.layers.sampler import Sampler, SamplingBatch
+from spec_engine.model_runner import ModelRunner
+from spec_engine.request import Req
+
+# alloc_kv(start_lens, end_lens, last_slots) -> slots; evicts cached prefixes when needed.
+AllocFn = Callable[[Sequence[int], Sequence[int], Sequence[int]], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """Per request, the tokens emitted this step (empty for an unfinished prefill chunk)."""
+
+    tokens: list[list[int]]
+    logprobs: Optional[list[list[float]]] = None
+    top_logprobs: Optional[list[list[list[tuple[float, int]]]]] = None
+
+
+class ModelWorker:
+    def __init__(self, runner: ModelRunner, alloc_kv: AllocFn) -> None:
+        self.runner = runner
+        self.alloc_kv = alloc_kv
+        self.sampler = Sampler()
+        self.page_size = runner.args.page_size
+        self.device = runner.device
+        self.vocab_size = runner.model_config.vocab_size
+
+    def decode_kv_demand(self, reqs: Sequence[Req]) -> int:
+        """KV tokens (whole pages) the next decode step of `reqs` will allocate."""
+        return self.page_size * sum(1 for r in reqs if r.kv_len % self.page_size == 0)
+
+    def prefill(self, reqs: Sequence[Req]) -> StepResult:
+        """Compute KV for each request's next `extend_len` tokens; sample where the prompt ends."""
+        starts = [r.kv_len for r in reqs]
+        ends = [r.kv_len + r.extend_len for r in reqs]
+        out_loc = self._alloc(reqs, starts, ends)
+        input_ids, positions, logits_rows, done = [], [], [], []
+        offset = 0
+        for i, (r, s, e) in enumerate(zip(reqs, starts, ends)):
+            input_ids.extend(r.fill_ids[s:e])
+            positions.extend(range(s, e))
+            offset += e - s
+            if e == r.seq_len:
+                logits_rows.append(offset - 1)
+                done.append(i)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            out_cache_loc=out_loc,
+            req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
+            seq_lens=self._tensor(ends),
+            seq_lens_cpu=ends,
+            extend_seq_lens_cpu=[r.extend_len for r in reqs],
+            extend_prefix_lens_cpu=starts,
+            logits_indices=self._tensor(logits_rows),
+        )
+        logits, _ = self.runner.forward(batch)
+        for r, e in zip(reqs, ends):
+            r.kv_len = e
+            r.extend_len = 0
+        result = StepResult(tokens=[[] for _ in reqs])
+        if done:
+            self._sample_into(result, logits, [reqs[i] for i in done], done)
+        return result
+
+    def decode(self, reqs: Sequence[Req]) -> StepResult:
+        starts = [r.kv_len for r in reqs]
+        ends = [s + 1 for s in starts]
+        out_loc = self._alloc(reqs, starts, ends)
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=self._tensor([r.output_ids[-1] for r in reqs]),
+            positions=self._tensor(starts),
+            out_cache_loc=out_loc,
+            req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
+            seq_lens=self._tensor(ends),
+            seq_lens_cpu=ends,
+        )
+        logits, _ = self.runner.forward(batch)
+        for r in reqs:
+            r.kv_len += 1
+        result = StepResult(tokens=[[] for _ in reqs])
+        self._sample_into(result, logits, reqs, range(len(reqs)))
+        return result
+
+    def _alloc(self, reqs: Sequence[Req], starts: list[int], ends: list[int]) -> torch.Tensor:
+        table = self.runner.req_to_token_pool
+        last_slots = [0] * len(reqs)
+        if self.page_size > 1:
+            need_last = [i for i, s in enumerate(starts) if s % self.page_size]
+            if need_last:
+                rows = self._tensor([reqs[i].req_pool_idx for i in need_last])
+                cols = self._tensor([starts[i] - 1 for i in need_last])
+                for i, slot in zip(need_last, table.req_to_token[rows, cols].tolist()):
+                    last_slots[i] = slot
+        out_loc = self.alloc_kv(starts, ends, last_slots)
+        offset = 0
+        for r, s, e in zip(reqs, starts, ends):
+            table.write(r.req_pool_idx, s, out_loc[offset:offset + e - s])
+            offset += e - s
+        return out_loc
+
+    def _sample_into(self, result: StepResult, logits: torch.Tensor, reqs: Sequence[Req], rows: Sequence[int]) -> None:
+        """Sample one token per logits row; row j belongs to request rows[j] of the result."""
+        sampled = self.sampler(logits, SamplingBatch.from_reqs(reqs, self.vocab_size, self.device))
+        if sampled.logprobs is not None:
+            result.logprobs = [[] for _ in result.tokens]
+        if sampled.top_logprobs is not None:
+            result.top_logprobs = [[] for _ in result.tokens]
+        for j, i in enumerate(rows):
+            result.tokens[i].append(sampled.token_ids[j])
+            if sampled.logprobs is not None:
+                result.logprobs[i].append(sampled.logprobs[j])
+            if sampled.top_logprobs is not None:
+                result.top_logprobs[i].append(sampled.top_logprobs[j])
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -1,0 +1,113 @@
+"""Shared fixtures: tiny random checkpoints (saved by transformers) with a locally trained tokenizer,
+and a transformers reference to compare against."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import pytest
+import torch
+
+from scripts.make_tiny_model import build_checkpoint, build_tokenizer
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Feature coverage per family: llama has llama3 rope scaling, GQA and an untied head; qwen2 has
+# q/k/v biases and tied embeddings; qwen3 has q/k norms and head_dim != hidden / heads.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(arch="llama", rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": dict(arch="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(arch="qwen3", head_dim=32),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    d = str(tmp_path_factory.mktemp("tokenizer"))
+    build_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory, tokenizer_dir):
+    """make_model(arch=..., **checkpoint kwargs) -> path of a cached tiny checkpoint."""
+    cache: dict[str, str] = {}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    bos, eos = tok.convert_tokens_to_ids(["<s>", "</s>"])
+
+    def make(arch: str = "llama", **kwargs: Any) -> str:
+        key = json.dumps({"arch": arch, **kwargs}, sort_keys=True)
+        if key not in cache:
+            d = str(tmp_path_factory.mktemp(arch))
+            for name in os.listdir(tokenizer_dir):
+                shutil.copy(os.path.join(tokenizer_dir, name), d)
+            build_checkpoint(d, arch=arch, bos_token_id=bos, eos_token_id=eos, **kwargs)
+            cache[key] = d
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def family_path(request, make_model) -> str:
+    return make_model(**FAMILIES[request.param])
+
+
+@pytest.fixture(scope="session")
+def llama_path(make_model) -> str:
+    return make_model(**FAMILIES["llama"])
+
+
+class HFReference:
+    """Greedy generation and log-probs from transformers, the oracle for the engine."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, Any] = {}
+
+    def model(self, path: str):
+        from transformers import AutoModelForCausalLM
+
+        if path not in self._models:
+            self._models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return self._models[path]
+
+    @torch.no_grad()
+    def greedy(self, path: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+        """Tokens of generate(do_sample=False) and the log-softmax of each chosen token."""
+        out = self.model(path).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                        max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                                        return_dict_in_generate=True)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
+        return tokens, logprobs
+
+    @torch.no_grad()
+    def next_token_logits(self, path: str, prompt: list[int]) -> torch.Tensor:
+        return self.model(path)(torch.tensor([prompt])).logits[0, -1].float()
+
+
+@pytest.fixture(scope="session")
+def hf() -> HFReference:
+    return HFReference()
+
+
+def random_prompts(count: int, min_len: int, max_len: int, vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=g).tolist()
+    # Ids from 5 up: 0-4 are the special tokens (pad, bos, eos, chat markers).
+    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,20 @@
+"""The benchmark script runs end to end (tiny sizes) and reports both engines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_engine_script_runs(tmp_path):
+    out_json = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_engine", "--hidden-size", "64", "--num-layers", "2", "--vocab-size", "512",
+         "--batch-sizes", "1", "3", "--input-len", "8", "--output-len", "5", "--repeats", "1", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| 3 |" in proc.stdout
+    results = json.loads(out_json.read_text())["results"]
+    assert [r["batch"] for r in results] == [1, 3]
+    assert all(r["spec_engine_tok_s"] > 0 and r["transformers_tok_s"] > 0 for r in results)

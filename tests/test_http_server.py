@@ -1,0 +1,193 @@
+"""A real server on 127.0.0.1: the OpenAI client, plain HTTP to /generate, and bad input."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+CONTEXT = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(make_model):
+    path = make_model("llama", max_position_embeddings=CONTEXT)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "spec_engine.launch_server", "--model-path", path, "--port", str(port),
+                             "--random-seed", "0", "--max-total-tokens", "2048", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{proc.stdout.read().decode()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not come up")
+    yield url, path
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused")
+
+
+def test_generate_plain_http_matches_transformers(server, hf):
+    url, path = server
+    prompt = [5, 60, 7, 300, 42]
+    r = httpx.post(url + "/generate", json={"input_ids": prompt, "return_logprob": True,
+                                            "sampling_params": {"temperature": 0, "max_new_tokens": 12}})
+    assert r.status_code == 200
+    out = r.json()
+    ref, ref_lp = hf.greedy(path, prompt, 12)
+    assert out["output_ids"] == ref
+    assert max(abs(e[0] - b) for e, b in zip(out["meta_info"]["output_token_logprobs"], ref_lp)) < 1e-4
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_generate_batch_and_stream(server):
+    url, _ = server
+    params = {"temperature": 0, "max_new_tokens": 10}
+    batch = httpx.post(url + "/generate", json={"text": ["The cat", "A dog runs"], "sampling_params": params}).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    chunks = []
+    with httpx.stream("POST", url + "/generate", json={"text": "The cat", "sampling_params": params, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[len("data: "):])
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    assert len(events) >= 2
+    assert events[-1]["output_ids"] == batch[0]["output_ids"]
+    assert events[-1]["text"] == batch[0]["text"]
+    assert [len(e["output_ids"]) for e in events] == sorted(len(e["output_ids"]) for e in events)
+
+
+def test_openai_completions(client, server):
+    url, _ = server
+    r = client.completions.create(model="any", prompt="The cat runs", max_tokens=8, temperature=0, logprobs=3)
+    native = httpx.post(url + "/generate", json={"text": "The cat runs",
+                                                 "sampling_params": {"temperature": 0, "max_new_tokens": 8}}).json()
+    assert r.choices[0].text == native["text"]
+    assert r.usage.completion_tokens == 8
+    assert len(r.choices[0].logprobs.token_logprobs) == 8
+    assert all(len(top) <= 3 for top in r.choices[0].logprobs.top_logprobs)
+    assert r.choices[0].finish_reason == "length"
+    many = client.completions.create(model="any", prompt="The cat", max_tokens=4, temperature=1.0, n=3, seed=1)
+    assert len(many.choices) == 3
+
+
+def test_openai_chat_completions_stream_equals_non_stream(client):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is two plus two?"}]
+    full = client.chat.completions.create(model="any", messages=messages, max_tokens=12, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    assert full.choices[0].message.role == "assistant"
+    assert len(full.choices[0].logprobs.content) == full.usage.completion_tokens
+    pieces = []
+    usage = None
+    for chunk in client.chat.completions.create(model="any", messages=messages, max_tokens=12, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == full.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert [m.id for m in client.models.list().data] != []
+
+
+BAD_BODIES = [
+    ('{"text": "hi", "sampling_params": {"max_new_tokens": 4,', "malformed JSON"),
+    ({"text": "hi", "sampling_params": {"temprature": 0.5}}, "temprature"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": CONTEXT + 10}}, "context length"),
+    ({"input_ids": [5] * (CONTEXT + 1)}, "context length"),
+    ({"text": ""}, "empty"),
+    ({"input_ids": [5, 100000]}, "vocabulary"),
+    ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
+    ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
+    ({"text": "hi", "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"text": "hi", "bogus": 1}, "bogus"),
+]
+
+
+@pytest.mark.parametrize("body,needle", BAD_BODIES, ids=[n for _, n in BAD_BODIES])
+def test_bad_input_gets_400_and_server_keeps_serving(server, body, needle):
+    url, _ = server
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(url + "/generate", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert needle in r.json()["error"]["message"]
+    assert httpx.get(url + "/health_generate", timeout=60).status_code == 200
+
+
+def test_openai_bad_input_is_a_bad_request_error(client, server):
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model="any", prompt="hi", max_tokens=4, top_p=1.5)
+    with pytest.raises(openai.BadRequestError, match="max_new_tokens"):
+        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+    r = httpx.post(server[0] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "nonsense": True})
+    assert r.status_code == 400 and "nonsense" in r.json()["message"]
+    assert httpx.get(server[0] + "/health_generate", timeout=60).status_code == 200
+
+
+def test_bad_requests_do_not_disturb_running_ones(server):
+    url, _ = server
+    result = {}
+
+    def long_request() -> None:
+        result["r"] = httpx.post(url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 120, "ignore_eos": True, "temperature": 0}}, timeout=120)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    for body, _ in BAD_BODIES[1:5]:
+        assert httpx.post(url + "/generate", json=body).status_code == 400
+    t.join()
+    assert result["r"].status_code == 200
+    assert len(result["r"].json()["output_ids"]) == 120
+
+
+def test_info_flush_and_abort_endpoints(server):
+    url, path = server
+    info = httpx.get(url + "/get_model_info").json()
+    assert info["model_path"] == path and info["is_generation"] is True
+    server_info = httpx.get(url + "/get_server_info").json()
+    assert server_info["max_total_num_tokens"] == 2048 and server_info["random_seed"] == 0
+    assert server_info["internal_states"][0]["num_running_reqs"] == 0
+    assert httpx.post(url + "/flush_cache").status_code == 200
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(url + "/generate", json={
+        "input_ids": [5, 6], "rid": "to-abort", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}},
+        timeout=60)))
+    t.start()
+    deadline = time.time() + 30
+    while httpx.get(url + "/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
+        assert time.time() < deadline
+    assert httpx.post(url + "/abort_request", json={"rid": "to-abort"}).status_code == 200
+    t.join()
+    out = result["r"].json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(out["output_ids"]) < 200
+    assert httpx.post(url + "/abort_request", json={}).status_code == 400

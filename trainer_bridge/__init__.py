@@ -1,0 +1,1 @@
+"""trainer_bridge: the megatron-core side of specrl (policy training, weight push into engines)."""
