@@ -10,11 +10,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import itertools
 import logging
 import queue
 import threading
-import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
@@ -25,10 +23,11 @@ from spec_engine.config import EngineArgs, resolve_auto
 from spec_engine.layers.sampler import derive_seed
 from spec_engine.model_config import ModelConfig
 from spec_engine.model_runner import ModelRunner
+from spec_engine.outputs import Delivery, RequestOutput
 from spec_engine.request import Req
 from spec_engine.sampling_params import SamplingParams
 from spec_engine.scheduler import Scheduler
-from spec_engine.tokenizer import decode_text, load_tokenizer
+from spec_engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -37,27 +36,46 @@ InputIds = Union[list[int], list[list[int]], None]
 Params = Union[dict[str, Any], list[dict[str, Any]], None]
 
 _STOP = object()
+_POLL_S = 1.0  # how often a waiting caller checks that the scheduler thread is alive
 
 
 class _Channel:
-    """Outputs of one call's requests: (index, snapshot) items, from the scheduler thread."""
+    """Deliveries for one call's requests, put by the scheduler thread."""
 
-    def __init__(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+    def __init__(self, alive: Callable[[], bool], loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        self._alive = alive
         self._loop = loop
         self._sync: queue.SimpleQueue = queue.SimpleQueue()
         self._async: Optional[asyncio.Queue] = asyncio.Queue() if loop is not None else None
 
-    def put(self, item: tuple[int, dict[str, Any]]) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, item)
-        else:
+    def put(self, item: Delivery) -> bool:
+        """False when the caller's event loop is gone (nobody will read this)."""
+        if self._loop is None:
             self._sync.put(item)
+            return True
+        try:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, item)
+        except RuntimeError:  # the loop is closed
+            return False
+        return True
 
-    def get(self) -> tuple[int, dict[str, Any]]:
-        return self._sync.get()
+    def get(self) -> Delivery:
+        while True:
+            try:
+                return self._sync.get(timeout=_POLL_S)
+            except queue.Empty:
+                self._check_alive()
 
-    async def aget(self) -> tuple[int, dict[str, Any]]:
-        return await self._async.get()
+    async def aget(self) -> Delivery:
+        while True:
+            try:
+                return await asyncio.wait_for(self._async.get(), _POLL_S)
+            except asyncio.TimeoutError:
+                self._check_alive()
+
+    def _check_alive(self) -> None:
+        if not self._alive():
+            raise RuntimeError("the engine's scheduler thread has stopped")
 
 
 class Engine:
@@ -80,8 +98,9 @@ class Engine:
         decode_tail = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
         self.scheduler = Scheduler(self.args, self.runner, frozenset(eos), decode_tail)
         self.weight_version = self.args.weight_version
-        self._req_counter = itertools.count()
+        self._submitted = 0  # requests submitted so far: the default per-request seed index
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="spec-engine-scheduler", daemon=True)
         self._thread.start()
@@ -95,88 +114,104 @@ class Engine:
 
         With stream=True returns an iterator of cumulative output dicts (batch items carry "index").
         """
-        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid)
-        channel = _Channel()
-        self._submit(reqs, channel)
+        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                                           rid, stream)
+        channel = _Channel(self._thread.is_alive)
+        outputs = self._submit(reqs, channel)
         if stream:
-            return self._stream(reqs, single, channel)
-        finals: list[Optional[dict]] = [None] * len(reqs)
-        for _ in range(len(reqs)):
-            while True:
-                index, snap = channel.get()
-                if snap["finished"]:
-                    break
-            finals[index] = self._format(reqs[index], snap)
-        return finals[0] if single else finals
+            return self._stream(outputs, single, channel)
+        pending = len(outputs)
+        while pending:
+            delivery = channel.get()
+            outputs[delivery.index].add(delivery)
+            pending -= delivery.finished
+        results = [o.to_dict() for o in outputs]
+        return results[0] if single else results
 
-    def _stream(self, reqs: list[Req], single: bool, channel: _Channel) -> Iterator[dict]:
-        remaining = len(reqs)
-        while remaining:
-            index, snap = channel.get()
-            remaining -= snap["finished"]
-            yield self._format(reqs[index], snap, index=None if single else index)
+    def _stream(self, outputs: list[RequestOutput], single: bool, channel: _Channel) -> Iterator[dict]:
+        pending = len(outputs)
+        try:
+            while pending:
+                delivery = channel.get()
+                out = outputs[delivery.index]
+                out.add(delivery)
+                pending -= delivery.finished
+                yield out.to_dict(None if single else delivery.index)
+        finally:
+            if pending:  # the caller stopped reading: stop the work
+                self._abort_unfinished(outputs)
 
     async def async_generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: InputIds = None,
                              return_logprob: bool = False, top_logprobs_num: int = 0, stream: bool = False,
                              rid: Union[str, list[str], None] = None) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """Async form of `generate`; with stream=True returns an async iterator."""
-        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid)
-        channel = _Channel(asyncio.get_running_loop())
-        self._submit(reqs, channel)
+        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                                           rid, stream)
+        channel = _Channel(self._thread.is_alive, asyncio.get_running_loop())
+        outputs = self._submit(reqs, channel)
         if stream:
-            return self._astream(reqs, single, channel)
-        finals: list[Optional[dict]] = [None] * len(reqs)
+            return self._astream(outputs, single, channel)
+        pending = len(outputs)
         try:
-            for _ in range(len(reqs)):
-                while True:
-                    index, snap = await channel.aget()
-                    if snap["finished"]:
-                        break
-                finals[index] = self._format(reqs[index], snap)
-        except asyncio.CancelledError:
-            # The caller went away (e.g. an HTTP client disconnected): stop the work.
-            for r in reqs:
-                self.abort_request(r.rid)
-            raise
-        return finals[0] if single else finals
-
-    async def _astream(self, reqs: list[Req], single: bool, channel: _Channel) -> AsyncIterator[dict]:
-        remaining = len(reqs)
-        try:
-            while remaining:
-                index, snap = await channel.aget()
-                remaining -= snap["finished"]
-                yield self._format(reqs[index], snap, index=None if single else index)
+            while pending:
+                delivery = await channel.aget()
+                outputs[delivery.index].add(delivery)
+                pending -= delivery.finished
         finally:
-            if remaining:
-                for r in reqs:
-                    self.abort_request(r.rid)
+            if pending:  # cancelled, e.g. an HTTP client went away: stop the work
+                self._abort_unfinished(outputs)
+        results = [o.to_dict() for o in outputs]
+        return results[0] if single else results
+
+    async def _astream(self, outputs: list[RequestOutput], single: bool, channel: _Channel) -> AsyncIterator[dict]:
+        pending = len(outputs)
+        try:
+            while pending:
+                delivery = await channel.aget()
+                out = outputs[delivery.index]
+                out.add(delivery)
+                pending -= delivery.finished
+                yield out.to_dict(None if single else delivery.index)
+        finally:
+            if pending:
+                self._abort_unfinished(outputs)
+
+    def _abort_unfinished(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if not out.finished:
+                self.abort_request(out.req.rid)
 
     # ------------------------------------------------------------ control
 
-    def abort_request(self, rid: str) -> None:
+    def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         """Abort a request (or all n samples of one) by rid; it finishes with finish_reason abort."""
-        self._post(lambda: self.scheduler.abort(rid))
+        if not self._closed:  # after shutdown every request has been aborted already
+            self._post(lambda: self.scheduler.abort(rid, message))
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache. Refused (False) while requests are queued or running."""
         return self._call(self.scheduler.flush_cache)
 
     def get_server_info(self) -> dict[str, Any]:
-        s = self.scheduler
+        """Engine options (without the API key), sizes, and the scheduler's current state."""
+        args = {k: v for k, v in self.args.to_dict().items() if k != "api_key"}
         return {
-            **self.args.to_dict(),
+            **args,
             "version": spec_engine.__version__,
             "context_length": self.context_len,
             "max_total_num_tokens": self.runner.max_total_tokens,
             "weight_version": self.weight_version,
-            "internal_states": [{
-                "num_running_reqs": len(s.running),
-                "num_waiting_reqs": len(s.waiting),
-                "token_usage": round(1.0 - s.available_tokens() / s.allocator.total_tokens, 4),
-                "num_retractions": s.num_retractions,
-                "last_gen_throughput": s.last_gen_throughput,
-            }],
+            "internal_states": [self._call(self._internal_state)],
+        }
+
+    def _internal_state(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "num_running_reqs": len(s.running),
+            "num_waiting_reqs": len(s.waiting),
+            "token_usage": round(1.0 - s.available_tokens() / s.allocator.total_tokens, 4),
+            "num_retractions": s.num_retractions,
+            "last_gen_throughput": s.last_gen_throughput,
         }
 
     def get_model_info(self) -> dict[str, Any]:
@@ -189,10 +224,12 @@ class Engine:
         }
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._inbox.put(_STOP)
+        """Abort whatever is in flight and stop the scheduler thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._inbox.put(_STOP)
         self._thread.join(timeout=30)
 
     def __enter__(self) -> "Engine":
@@ -204,7 +241,8 @@ class Engine:
     # ------------------------------------------------------------ requests
 
     def _make_requests(self, prompt: Prompt, input_ids: InputIds, sampling_params: Params, return_logprob: bool,
-                       top_logprobs_num: int, rid: Union[str, list[str], None]) -> tuple[list[Req], bool]:
+                       top_logprobs_num: int, rid: Union[str, list[str], None], stream: bool) -> tuple[list[Req], bool]:
+        """Validate a call and expand it into requests (n per prompt); raises ValueError naming the field."""
         if self._closed:
             raise RuntimeError("engine is shut down")
         ids_list, single = self._tokenize(prompt, input_ids)
@@ -216,23 +254,31 @@ class Engine:
             params = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
         if not isinstance(return_logprob, bool):
             raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
-        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= self.model_config.vocab_size:
+        if (isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int)
+                or not 0 <= top_logprobs_num <= self.model_config.vocab_size):
             raise ValueError(f"top_logprobs_num must be an integer in [0, vocab size], got {top_logprobs_num!r}")
+        if not isinstance(stream, bool):
+            raise ValueError(f"stream must be true or false, got {stream!r}")
         rids = self._rids(rid, len(ids_list))
+        params = [self._check_request(ids, sp) for ids, sp in zip(ids_list, params)]
         reqs = []
         for ids, sp, base_rid in zip(ids_list, params, rids):
-            sp = self._check_lengths(ids, sp)
             for i in range(sp.n):
-                seed_base = sp.sampling_seed if sp.sampling_seed is not None else self.args.random_seed
-                seed_index = i if sp.sampling_seed is not None else next(self._req_counter)
+                if sp.sampling_seed is not None:
+                    seed = derive_seed(sp.sampling_seed, i)
+                else:
+                    seed = derive_seed(self.args.random_seed, self._submitted)
+                    self._submitted += 1
                 reqs.append(Req(
                     rid=base_rid if sp.n == 1 else f"{base_rid}-{i}",
                     parent_rid=None if sp.n == 1 else base_rid,
                     origin_input_ids=list(ids),
                     sampling_params=sp,
-                    seed=derive_seed(seed_base, seed_index),
+                    seed=seed,
                     return_logprob=return_logprob,
-                    top_logprobs_num=top_logprobs_num,
+                    # As in SGLang, top log-probs come only with return_logprob.
+                    top_logprobs_num=top_logprobs_num if return_logprob else 0,
+                    stream=stream,
                 ))
         return reqs, single and len(reqs) == 1
 
@@ -264,13 +310,19 @@ class Engine:
                     raise ValueError(f"input_ids has token id {t}, outside the vocabulary [0, {vocab})")
         return batch, single
 
-    def _check_lengths(self, ids: list[int], sp: SamplingParams) -> SamplingParams:
+    def _check_request(self, ids: list[int], sp: SamplingParams) -> SamplingParams:
+        """Refuse what the engine cannot serve; resolve max_new_tokens=None to what fits."""
         sp.check_vocab(self.model_config.vocab_size)
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop (strings) needs a tokenizer, but the engine runs with "
+                             "--skip-tokenizer-init; use stop_token_ids")
         n = len(ids)
-        if n >= self.context_len:
-            raise ValueError(f"the prompt has {n} tokens, which does not fit the context length {self.context_len}; shorten it")
+        limit = min(self.context_len, self.runner.max_total_tokens)
+        if n >= limit:
+            raise ValueError(f"the prompt has {n} tokens, which does not fit the context length {self.context_len}"
+                             f" / KV cache of {self.runner.max_total_tokens} tokens; shorten it")
         if sp.max_new_tokens is None:
-            sp = dataclasses.replace(sp, max_new_tokens=self.context_len - n)
+            sp = dataclasses.replace(sp, max_new_tokens=limit - n)
         if n + sp.max_new_tokens > self.context_len:
             raise ValueError(f"max_new_tokens={sp.max_new_tokens} with a {n}-token prompt exceeds the context length "
                              f"{self.context_len}; lower max_new_tokens to at most {self.context_len - n}")
@@ -289,7 +341,7 @@ class Engine:
             raise ValueError(f"rid must be a string per prompt ({count} expected), got {rid!r}")
         return rids
 
-    def _submit(self, reqs: list[Req], channel: _Channel) -> None:
+    def _submit(self, reqs: list[Req], channel: _Channel) -> list[RequestOutput]:
         for index, req in enumerate(reqs):
             req.on_output = self._make_callback(index, channel)
 
@@ -298,99 +350,60 @@ class Engine:
                 self.scheduler.add_request(req)
 
         self._post(add)
+        return [RequestOutput(req, self.tokenizer) for req in reqs]
 
     def _make_callback(self, index: int, channel: _Channel) -> Callable[[Req, bool], None]:
         def on_output(req: Req, finished: bool) -> None:
-            channel.put((index, self._snapshot(req, finished)))
+            delivered = channel.put(Delivery.of(index, req, finished, self.weight_version))
+            if not delivered and not finished and not self._closed:
+                self._post(lambda: self.scheduler.abort(req.rid, "the caller went away"))
 
         return on_output
-
-    def _snapshot(self, req: Req, finished: bool) -> dict[str, Any]:
-        """What a consumer needs of a request at this moment (copied: the scheduler goes on)."""
-        return {
-            "finished": finished,
-            "output_ids": list(req.output_ids),
-            "logprobs": list(req.output_logprobs) if req.return_logprob else None,
-            "top_logprobs": list(req.output_top_logprobs) if req.top_logprobs_num else None,
-            "finish_reason": req.finished_reason if finished else None,
-            "cached_tokens": req.cached_tokens,
-            "e2e_latency": time.perf_counter() - req.created_time,
-            "weight_version": self.weight_version,
-        }
-
-    def _format(self, req: Req, snap: dict[str, Any], index: Optional[int] = None) -> dict[str, Any]:
-        """An SGLang-style output dict."""
-        fr = snap["finish_reason"]
-        if fr is not None and fr.get("status_code", 200) >= 500:
-            raise RuntimeError(f"request {req.rid} failed: {fr['message']}")
-        ids = snap["output_ids"]
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": fr,
-            "prompt_tokens": len(req.origin_input_ids),
-            "completion_tokens": len(ids),
-            "cached_tokens": snap["cached_tokens"],
-            "e2e_latency": snap["e2e_latency"],
-            "weight_version": snap["weight_version"],
-        }
-        if snap["logprobs"] is not None:
-            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(snap["logprobs"], ids)]
-        if snap["top_logprobs"] is not None:
-            meta["output_top_logprobs"] = [[(lp, t, None) for lp, t in top] for top in snap["top_logprobs"]]
-        out = {"text": self._text(req, ids, fr, partial=not snap["finished"]), "output_ids": ids, "meta_info": meta}
-        if index is not None:
-            out["index"] = index
-        return out
-
-    def _text(self, req: Req, ids: list[int], finish_reason: Optional[dict], partial: bool) -> Optional[str]:
-        if self.tokenizer is None:
-            return None
-        sp = req.sampling_params
-        matched = (finish_reason or {}).get("matched")
-        trim = not sp.no_stop_trim and finish_reason is not None and finish_reason["type"] == "stop"
-        if trim and isinstance(matched, int):
-            ids = ids[:-1]
-        text = decode_text(self.tokenizer, ids, sp.skip_special_tokens, sp.spaces_between_special_tokens, partial)
-        if trim and isinstance(matched, str):
-            pos = text.find(matched)
-            if pos >= 0:
-                text = text[:pos]
-        return text
 
     # ------------------------------------------------------------ scheduler thread
 
     def _post(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run fn on the scheduler thread between steps; its result comes back in the future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put((fn, future))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            self._inbox.put((fn, future))
         return future
 
     def _call(self, fn: Callable[[], Any]) -> Any:
-        if self._closed:
-            raise RuntimeError("engine is shut down")
         return self._post(fn).result()
 
     def _loop(self) -> None:
         while True:
             try:
-                item = self._inbox.get(block=not self.scheduler.has_work())
-            except queue.Empty:
-                item = None
-            while item is not None:
-                if item is _STOP:
-                    self.scheduler.abort_all("engine shut down")
+                if not self._run_commands():
                     return
-                fn, future = item
-                try:
-                    future.set_result(fn())
-                except Exception as e:  # handed to the caller through the future
-                    future.set_exception(e)
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    item = None
-            if self.scheduler.has_work():
-                try:
+                if self.scheduler.has_work():
                     self.scheduler.step()
-                except Exception as e:
-                    logger.exception("engine step failed; failing the requests in flight")
+            except Exception as e:
+                logger.exception("engine step failed; failing the requests in flight")
+                try:
                     self.scheduler.fail_all(f"engine error: {e!r}")
+                except Exception:  # keep the thread alive: callers poll it
+                    logger.exception("failing the requests in flight failed too")
+
+    def _run_commands(self) -> bool:
+        """Run queued commands (waiting for one when idle); False once shut down."""
+        try:
+            item = self._inbox.get(block=not self.scheduler.has_work())
+        except queue.Empty:
+            return True
+        while True:
+            if item is _STOP:
+                self.scheduler.abort_all("engine shut down")
+                return False
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except Exception as e:  # handed to the caller through the future
+                future.set_exception(e)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,7 +35,9 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+        # Health probes stay open, as in SGLang.
+        if (api_key and request.url.path not in ("/health", "/health_generate")
+                and request.headers.get("authorization") != f"Bearer {api_key}"):
             return JSONResponse({"error": {"message": "missing or wrong API key (send 'Authorization: Bearer <key>')"}},
                                 status_code=401)
         return await call_next(request)
@@ -68,7 +71,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict:
-        return engine.get_server_info()
+        return await asyncio.to_thread(engine.get_server_info)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -130,6 +133,8 @@ def create_app(engine: Engine) -> FastAPI:
         as_text = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str))
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise BadRequest(f"logprobs must be in [0, 20], got {req.logprobs}")
+        if req.stream and req.logprobs is not None:
+            raise BadRequest("logprobs are not streamed by specrl; use stream=false, or /generate with stream")
         kwargs = dict(prompt=prompt if as_text else None, input_ids=None if as_text else prompt,
                       sampling_params=req.sampling_params(req.max_tokens), return_logprob=req.logprobs is not None,
                       top_logprobs_num=req.logprobs or 0, rid=req.rid)
@@ -158,13 +163,18 @@ def create_app(engine: Engine) -> FastAPI:
         if engine.tokenizer is None or engine.tokenizer.chat_template is None:
             raise BadRequest("this model has no chat template; pass --chat-template or use /v1/completions")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                    **(req.chat_template_kwargs or {}))
+        try:
+            text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                        **(req.chat_template_kwargs or {}))
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise BadRequest(f"the chat template could not render these messages: {e}") from None
         # The template already holds any special tokens it wants.
         input_ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs=true")
+        if req.stream and req.logprobs:
+            raise BadRequest("logprobs are not streamed by specrl; use stream=false, or /generate with stream")
         kwargs = dict(input_ids=list(input_ids), sampling_params=req.sampling_params(req.max_completion_tokens or req.max_tokens),
                       return_logprob=req.logprobs, top_logprobs_num=top, rid=req.rid)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -23,6 +23,7 @@ class Req:
     parent_rid: Optional[str] = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    stream: bool = False
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
@@ -37,14 +38,11 @@ class Req:
     extend_len: int = 0
     finished_reason: Optional[dict[str, Any]] = None
     retractions: int = 0
-    # Speculative decoding bookkeeping (verify passes, accepted draft tokens).
-    spec_verify_ct: int = 0
-    spec_accepted_tokens: int = 0
     created_time: float = field(default_factory=time.perf_counter)
-    first_token_time: Optional[float] = None
-    # Set by the engine: called from the scheduler thread with (req, finished) on new output.
+    # Set by the engine: called from the scheduler thread with (req, finished) when there is
+    # output to deliver; `delivered` counts the output tokens handed over so far.
     on_output: Optional[Callable[["Req", bool], None]] = None
-    last_streamed_len: int = 0
+    delivered: int = 0
 
     @property
     def fill_ids(self) -> list[int]:
@@ -63,6 +61,13 @@ class Req:
         assert self.sampling_params.max_new_tokens is not None, "max_new_tokens is resolved at admission"
         return self.sampling_params.max_new_tokens
 
+    def banned_tokens(self, eos_token_ids: frozenset[int]) -> list[int]:
+        """Tokens that may not be sampled next: EOS and stop ids before min_new_tokens."""
+        sp = self.sampling_params
+        if len(self.output_ids) >= sp.min_new_tokens or sp.ignore_eos:
+            return []
+        return sorted(eos_token_ids.union(sp.stop_token_ids or ()))
+
     def check_finished(self, eos_token_ids: frozenset[int], decode_tail: Optional[Callable[[list[int]], str]]) -> None:
         """Set finished_reason if the last emitted token ends the request (SGLang's rules)."""
         if self.finished_reason is not None:
@@ -75,7 +80,8 @@ class Req:
         if n_out < sp.min_new_tokens:
             return
         last = self.output_ids[-1]
-        if (not sp.ignore_eos and last in eos_token_ids) or (sp.stop_token_ids and last in sp.stop_token_ids):
+        # As in SGLang, ignore_eos also ignores stop_token_ids.
+        if not sp.ignore_eos and (last in eos_token_ids or (sp.stop_token_ids and last in sp.stop_token_ids)):
             self.finished_reason = {"type": "stop", "matched": last}
             return
         if sp.stop and decode_tail is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -116,5 +117,5 @@ def _int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
 
 
 def _number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"sampling_params.{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"sampling_params.{name} must be a finite number, got {value!r}")

@@ -41,7 +41,7 @@ class Scheduler:
         self.req_to_token = runner.req_to_token_pool
         self.page_size = args.page_size
         self.tree_cache = RadixCache(self.allocator, self.req_to_token, args.page_size, disable=args.disable_radix_cache)
-        self.worker = ModelWorker(runner, self.alloc_kv)
+        self.worker = ModelWorker(runner, self.alloc_kv, eos_token_ids)
         self.eos_token_ids = eos_token_ids
         self.decode_tail = decode_tail
         self.max_running = runner.max_running_requests
@@ -57,7 +57,6 @@ class Scheduler:
         # The prefill batch being run: admitted, but not yet running (needed if the step fails).
         self.prefilling: list[Req] = []
         self.num_retractions = 0
-        self.num_generated_tokens = 0
         self.last_gen_throughput = 0.0
 
     # ------------------------------------------------------------ public
@@ -73,8 +72,8 @@ class Scheduler:
         if batch:
             self.prefilling = batch
             result = self.worker.prefill(batch)
-            self.prefilling = []
             self._after_prefill(batch, result)
+            self.prefilling = []
         elif self.running:
             self._ensure_decode_room()
             start = time.perf_counter()
@@ -97,7 +96,7 @@ class Scheduler:
     def fail_all(self, message: str) -> None:
         """After a failed step: end every request with an error and start KV memory afresh
         (the step may have left slots half-assigned)."""
-        reqs = self._all_reqs() + [r for r in self.prefilling if r not in self.running and r is not self.chunked]
+        reqs = list({id(r): r for r in self._all_reqs() + self.prefilling}.values())
         self.waiting.clear()
         self.running = []
         self.chunked = None
@@ -131,8 +130,10 @@ class Scheduler:
         return self.allocator.available_size() + self.tree_cache.evictable_size()
 
     def memory_report(self) -> dict[str, int]:
-        """Where every KV token is: free, cached (tree), owned by requests; sums to the total."""
-        owned = sum(r.kv_len - r.prefix_len for r in self._active_reqs())
+        """Where every KV slot is: free, cached (tree), owned by requests (whole pages); the
+        three sum to the total."""
+        page = self.page_size
+        owned = sum(-(-r.kv_len // page) * page - r.prefix_len for r in self._active_reqs())
         return {
             "total": self.allocator.total_tokens,
             "free": self.allocator.available_size(),
@@ -147,6 +148,7 @@ class Scheduler:
             return []
         budget = self.prefill_budget
         batch: list[Req] = []
+        rem_tokens = self.available_tokens() - self._reserved_tokens()
         if self.chunked is not None:
             req = self.chunked
             remaining = req.seq_len - req.kv_len
@@ -155,8 +157,7 @@ class Scheduler:
             batch.append(req)
             if req.extend_len < remaining:
                 return batch
-            self.chunked = None
-        rem_tokens = self.available_tokens() - self._reserved_tokens()
+            self.chunked = None  # its last chunk; its KV was reserved (see _reserved_tokens)
         prompts_in_batch = {tuple(r.origin_input_ids) for r in batch} if not self.tree_cache.disable else set()
         admitted: list[Req] = []
         for req in self.waiting:
@@ -202,8 +203,15 @@ class Scheduler:
         return batch
 
     def _reserved_tokens(self) -> float:
-        """KV kept back for the future tokens of requests already running."""
-        return sum(min(r.max_new_tokens() - len(r.output_ids), CLIP_MAX_NEW_TOKENS) for r in self.running) * self.new_token_ratio
+        """KV kept back for requests already admitted: their future tokens, and the rest of the
+        prompt of the request being prefilled in chunks."""
+        reqs = self.running + ([self.chunked] if self.chunked is not None else [])
+        future = sum(min(r.max_new_tokens() - len(r.output_ids), CLIP_MAX_NEW_TOKENS) for r in reqs)
+        reserved = future * self.new_token_ratio
+        if self.chunked is not None:
+            r = self.chunked
+            reserved += self.allocator.pages_needed([r.kv_len], [r.seq_len]) * self.page_size
+        return reserved
 
     def _after_prefill(self, batch: list[Req], result: StepResult) -> None:
         finished_prefill = []
@@ -225,29 +233,33 @@ class Scheduler:
     # ------------------------------------------------------------ decode memory
 
     def _ensure_decode_room(self) -> None:
-        retracted = 0
+        retracted: list[Req] = []
         while self.worker.decode_kv_demand(self.running) > self.available_tokens():
-            if len(self.running) == 1:
+            if self.chunked is not None:
+                # A prompt half-way through chunked prefill has made the least progress.
+                victim, self.chunked = self.chunked, None
+            elif len(self.running) > 1:
+                # SGLang's choice: the request with the fewest outputs, then the longest prompt.
+                victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+                self.running.remove(victim)
+            else:
                 raise RuntimeError("a single request does not fit in the KV cache; admission should have refused it")
-            # SGLang's choice: the request with the fewest outputs, then the longest prompt.
-            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-            self.running.remove(victim)
             self.tree_cache.cache_finished_req(victim)
             victim.retractions += 1
-            self.waiting.appendleft(victim)
-            retracted += 1
+            retracted.append(victim)
         if retracted:
-            self.num_retractions += retracted
+            # Back to the head of the queue, in the order they were chosen.
+            self.waiting.extendleft(reversed(retracted))
+            self.num_retractions += len(retracted)
             self.new_token_ratio = self.init_ratio
             logger.warning("KV cache full: retracted %d request(s); they resume when memory frees up "
-                           "(raise --max-total-tokens or lower --max-running-requests to avoid this)", retracted)
+                           "(raise --max-total-tokens or lower --max-running-requests to avoid this)", len(retracted))
 
     # ------------------------------------------------------------ outputs
 
     def _process_outputs(self, reqs: list[Req], result: StepResult) -> int:
         """Append emitted tokens, finish and release requests that are done; returns tokens added."""
         added = 0
-        now = time.perf_counter()
         for i, req in enumerate(reqs):
             for j, token in enumerate(result.tokens[i]):
                 req.output_ids.append(token)
@@ -259,22 +271,23 @@ class Scheduler:
                 req.check_finished(self.eos_token_ids, self.decode_tail)
                 if req.finished:
                     break
-            if req.first_token_time is None and req.output_ids:
-                req.first_token_time = now
             if req.finished:
                 self.tree_cache.cache_finished_req(req)
                 self._notify(req, True)
-            elif req.on_output is not None and len(req.output_ids) - req.last_streamed_len >= self.args.stream_interval:
+            elif req.stream and len(req.output_ids) - req.delivered >= self.args.stream_interval:
                 self._notify(req, False)
         if any(r.finished for r in reqs):
             self.running = [r for r in self.running if not r.finished]
-        self.num_generated_tokens += added
         return added
 
     def _notify(self, req: Req, finished: bool) -> None:
-        req.last_streamed_len = len(req.output_ids)
-        if req.on_output is not None:
+        if req.on_output is None:
+            return
+        try:
             req.on_output(req, finished)
+        except Exception:  # a consumer's failure must not stop the engine; it is logged
+            logger.exception("delivering output of request %s failed", req.rid)
+        req.delivered = len(req.output_ids)
 
     def _finish_abort(self, req: Req, message: str) -> None:
         req.finished_reason = {"type": "abort", "message": message}

@@ -7,6 +7,10 @@ from typing import Optional
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+# Prompt tokens kept as left context when decoding a stream incrementally, so tokenizers whose
+# decoding depends on the previous token (sentencepiece's leading spaces) stay exact.
+_CONTEXT_TOKENS = 5
+
 
 def load_tokenizer(path: str, chat_template: Optional[str] = None) -> PreTrainedTokenizerBase:
     try:
@@ -23,10 +27,34 @@ def load_tokenizer(path: str, chat_template: Optional[str] = None) -> PreTrained
 
 
 def decode_text(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = True,
-                spaces_between_special_tokens: bool = True, partial: bool = False) -> str:
-    """Decode ids; with `partial`, drop a trailing incomplete UTF-8 character (shown as U+FFFD)."""
-    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                spaces_between_special_tokens: bool = True) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
                             spaces_between_special_tokens=spaces_between_special_tokens)
-    if partial:
-        text = text.rstrip("\ufffd")
-    return text
+
+
+class IncrementalDetokenizer:
+    """Text of a growing output, decoding only the newest tokens each time.
+
+    New text is taken once it no longer ends in an incomplete UTF-8 character (U+FFFD), so
+    streamed text never shows half a character.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.kwargs = {"skip_special_tokens": skip_special_tokens,
+                       "spaces_between_special_tokens": spaces_between_special_tokens}
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append tokens; returns all text that is complete so far."""
+        self.ids.extend(new_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], **self.kwargs)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], **self.kwargs)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self.text

@@ -101,16 +101,31 @@ def copy_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
     spec: dict[str, WeightSlot] = model.hf_weight_spec()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = []
+    touched_storages = set()
     with torch.no_grad():
         for name, tensor in named_tensors:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             slot = spec[name]
             target = params[slot.param]
+            touched_storages.add(target.untyped_storage().data_ptr())
             if slot.transposed:
                 target = target.t()
             if slot.rows is not None:
                 target = target[slot.rows[0]:slot.rows[1]]
             target.copy_(tensor)
             loaded.append(name)
+    refresh_derived(model, touched_storages)
     return loaded
+
+
+def refresh_derived(model: nn.Module, storages: Optional[set[int]] = None) -> None:
+    """Rebuild derived copies (packed weights, sliced heads) of modules whose parameters live
+    in the given storages (all when None). Storage, not name, decides: a tied embedding
+    written under its own name changes the LM head too."""
+    for module in model.modules():
+        refresh = getattr(module, "refresh_derived", None)
+        if refresh is None:
+            continue
+        if storages is None or any(p.untyped_storage().data_ptr() in storages for p in module.parameters(recurse=False)):
+            refresh()

@@ -32,9 +32,10 @@ class StepResult:
 
 
 class ModelWorker:
-    def __init__(self, runner: ModelRunner, alloc_kv: AllocFn) -> None:
+    def __init__(self, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int]) -> None:
         self.runner = runner
         self.alloc_kv = alloc_kv
+        self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
         self.page_size = runner.args.page_size
         self.device = runner.device
@@ -118,7 +119,7 @@ class ModelWorker:
 
     def _sample_into(self, result: StepResult, logits: torch.Tensor, reqs: Sequence[Req], rows: Sequence[int]) -> None:
         """Sample one token per logits row; row j belongs to request rows[j] of the result."""
-        sampled = self.sampler(logits, SamplingBatch.from_reqs(reqs, self.vocab_size, self.device))
+        sampled = self.sampler(logits, SamplingBatch.from_reqs(reqs, self.vocab_size, self.device, self.eos_token_ids))
         if sampled.logprobs is not None:
             result.logprobs = [[] for _ in result.tokens]
         if sampled.top_logprobs is not None:
@@ -128,7 +129,7 @@ class ModelWorker:
             if sampled.logprobs is not None:
                 result.logprobs[i].append(sampled.logprobs[j])
             if sampled.top_logprobs is not None:
-                result.top_logprobs[i].append(sampled.top_logprobs[j])
+                result.top_logprobs[i].append(sampled.top_logprobs[j][: reqs[j].top_logprobs_num])
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

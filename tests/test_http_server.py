@@ -191,3 +191,33 @@ def test_info_flush_and_abort_endpoints(server):
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(out["output_ids"]) < 200
     assert httpx.post(url + "/abort_request", json={}).status_code == 400
+
+
+def test_openai_refusals_are_clear(server):
+    url = server[0]
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                      "chat_template_kwargs": {"tokenize": True}})
+    assert r.status_code == 400 and "chat template" in r.json()["message"]
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                      "stream": True, "logprobs": True})
+    assert r.status_code == 400 and "logprobs" in r.json()["message"]
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True, "logprobs": 1})
+    assert r.status_code == 400
+
+
+def test_api_key_guards_everything_but_health(make_model):
+    from fastapi.testclient import TestClient
+
+    from spec_engine import Engine
+    from spec_engine.http_server import create_app
+
+    with Engine(model_path=make_model("llama"), random_seed=0, api_key="sekret") as engine:
+        client = TestClient(create_app(engine))
+        assert client.get("/health").status_code == 200
+        assert client.get("/health_generate").status_code == 200
+        assert client.post("/generate", json={"input_ids": [5, 6]}).status_code == 401
+        ok = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
+                         headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
+        info = client.get("/get_server_info", headers={"Authorization": "Bearer sekret"}).json()
+        assert "api_key" not in info

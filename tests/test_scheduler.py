@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from spec_engine import Engine
 from tests.conftest import random_prompts
@@ -172,31 +173,46 @@ def test_memory_options_keep_greedy_outputs(llama_path, hf, options):
         assert cached == [(len(p) - 1) // page * page for p in prompts]
 
 
-def test_stop_conditions(llama_path):
+def test_stop_conditions(llama_path, hf):
     prompt = random_prompts(1, 8, 8, seed=17)[0]
+    plain = {"temperature": 0.0, "max_new_tokens": 20}
     with Engine(model_path=llama_path, random_seed=0) as engine:
-        free = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 20})
-        ids = free["output_ids"]
-        text = free["text"]
-        # stop_token_ids: the first occurrence of the 5th token ends the output (the token is kept).
-        stop_id = ids[4]
-        out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "stop_token_ids": [stop_id]})
-        assert out["output_ids"] == ids[: ids.index(stop_id) + 1]
-        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
-        # min_new_tokens defers the stop token.
-        out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "stop_token_ids": [ids[0]], "min_new_tokens": 2})
-        assert len(out["output_ids"]) >= 2
-        # A stop string cuts the text before it; no_stop_trim keeps it.
-        stop_str = text[len(text) // 2: len(text) // 2 + 2]
-        if stop_str.strip():
-            out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "stop": stop_str})
-            assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
-            assert out["text"] == text[: text.find(stop_str)]
-            kept = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "stop": [stop_str], "no_stop_trim": True})
-            assert stop_str in kept["text"]
-        # EOS ends generation unless ignore_eos.
         eos = engine.tokenizer.eos_token_id
         assert eos in engine.scheduler.eos_token_ids
+        free = engine.generate(input_ids=prompt, sampling_params={**plain, "ignore_eos": True})
+        ids, text = free["output_ids"], free["text"]
+        # stop_token_ids: the first occurrence ends the output (the token is kept, its text dropped).
+        stop_id = ids[4]
+        out = engine.generate(input_ids=prompt, sampling_params={**plain, "stop_token_ids": [stop_id]})
+        cut = ids[: ids.index(stop_id) + 1]
+        assert out["output_ids"] == cut
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+        assert out["text"] == engine.tokenizer.decode(cut[:-1], skip_special_tokens=True)
+        # As in SGLang, ignore_eos ignores stop_token_ids too.
+        out = engine.generate(input_ids=prompt, sampling_params={**plain, "stop_token_ids": [stop_id], "ignore_eos": True})
+        assert out["output_ids"] == ids
+        # Before min_new_tokens, stop tokens (and EOS) are never drawn; the log-probs stay the model's.
+        first = ids[0]
+        out = engine.generate(input_ids=prompt, return_logprob=True,
+                              sampling_params={**plain, "stop_token_ids": [first], "min_new_tokens": 3})
+        assert first not in out["output_ids"][:3] and eos not in out["output_ids"][:3]
+        assert out["output_ids"][0] != first
+        model_logprobs = torch.log_softmax(hf.next_token_logits(llama_path, prompt), -1)
+        assert abs(out["meta_info"]["output_token_logprobs"][0][0] - model_logprobs[out["output_ids"][0]].item()) < 1e-4
+        # A stop string cuts the text before it; no_stop_trim keeps it.
+        stop_str = text[len(text) // 2: len(text) // 2 + 2]
+        assert stop_str.strip()
+        out = engine.generate(input_ids=prompt, sampling_params={**plain, "stop": stop_str, "ignore_eos": True})
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
+        assert out["text"] == text[: text.find(stop_str)]
+        kept = engine.generate(input_ids=prompt, sampling_params={**plain, "stop": [stop_str], "no_stop_trim": True,
+                                                                  "ignore_eos": True})
+        assert stop_str in kept["text"]
+        # Streaming never shows text that the final output trims.
+        chunks = list(engine.generate(input_ids=prompt, stream=True,
+                                      sampling_params={**plain, "stop": stop_str, "ignore_eos": True}))
+        assert all(out["text"].startswith(c["text"]) for c in chunks)
+        assert chunks[-1]["text"] == out["text"]
 
 
 def test_sampling_is_reproducible_and_batch_invariant(llama_path):
@@ -213,3 +229,16 @@ def test_sampling_is_reproducible_and_batch_invariant(llama_path):
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in together]
     assert [o["output_ids"] for o in alone] == [o["output_ids"] for o in batched]
     assert [o["output_ids"] for o in other_seed] != [o["output_ids"] for o in together]
+
+
+def test_chunked_prefill_under_a_tight_pool_never_overcommits(llama_path, hf):
+    """The rest of a chunked prompt is reserved, so later admissions cannot take its KV."""
+    prompts = [list(range(5, 45)), list(range(100, 130)), list(range(200, 236))]
+    params = [{"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+              {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},
+              {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}]
+    with Engine(model_path=llama_path, random_seed=0, max_total_tokens=64, chunked_prefill_size=16) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        assert_memory_clean(engine)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out["output_ids"] == hf.greedy(llama_path, prompt, p["max_new_tokens"])[0]

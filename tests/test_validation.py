@@ -23,6 +23,7 @@ BAD_REQUESTS = [
     (dict(input_ids=[5, 6], sampling_params={"min_p": 2.0}), "min_p"),
     (dict(input_ids=[5, 6], sampling_params={"n": 0}), "n"),
     (dict(input_ids=[5, 6], sampling_params={"temperature": "hot"}), "temperature"),
+    (dict(input_ids=[5, 6], sampling_params={"temperature": float("nan")}), "finite"),
     (dict(input_ids=[5, 6], sampling_params={"stop_token_ids": [9999]}), "stop_token_ids"),
     (dict(input_ids=[5, 6], sampling_params={"repetition_penalty": 1.3}), "repetition_penalty"),
     (dict(input_ids=[5, 6], sampling_params=[{}, {}]), "sampling_params"),
@@ -53,3 +54,13 @@ def test_request_larger_than_the_kv_pool_is_refused_not_left_hanging(make_model)
         with pytest.raises(ValueError, match="KV cache holds 64"):
             small.generate(input_ids=[5] * 40, sampling_params={"max_new_tokens": 40})
         assert len(small.generate(input_ids=[5] * 40, sampling_params={"max_new_tokens": 20})["output_ids"]) == 20
+
+
+def test_stop_strings_need_a_tokenizer(make_model):
+    with Engine(model_path=make_model("llama"), random_seed=0, skip_tokenizer_init=True) as e:
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            e.generate(input_ids=[5, 6], sampling_params={"stop": ["x"]})
+        with pytest.raises(ValueError, match="tokenizer"):
+            e.generate(prompt="hello")
+        out = e.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})
+        assert out["text"] is None and len(out["output_ids"]) == 2

@@ -52,11 +52,17 @@ class SamplingBatch:
     filter_rows: Optional[torch.Tensor]  # sampled rows with a top-k/top-p/min-p filter
     need_logprobs: bool
     top_logprobs_num: int
+    banned: Optional[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) that may not be drawn
 
     @classmethod
-    def from_reqs(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device) -> "SamplingBatch":
+    def from_reqs(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device,
+                  eos_token_ids: frozenset[int] = frozenset()) -> "SamplingBatch":
         temps, ks, ps, mins, uniforms, plain, filtered = [], [], [], [], [], [], []
+        banned_rows, banned_ids = [], []
         for i, req in enumerate(reqs):
+            for t in req.banned_tokens(eos_token_ids):
+                banned_rows.append(i)
+                banned_ids.append(t)
             sp = req.sampling_params
             temps.append(sp.temperature if sp.temperature > 0 else 1.0)
             k = vocab_size if sp.top_k < 0 else min(sp.top_k, vocab_size)
@@ -83,6 +89,7 @@ class SamplingBatch:
             filter_rows=rows(filtered),
             need_logprobs=any(r.return_logprob for r in reqs),
             top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
+            banned=(rows(banned_rows), rows(banned_ids)) if banned_rows else None,
         )
 
 
@@ -125,14 +132,18 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """logits: [B, vocab] float32."""
+        scaled = logits if batch.unit_temperature else logits / batch.temperatures[:, None]
         logp = None
         if not batch.all_greedy or batch.need_logprobs or batch.top_logprobs_num:
-            logp = torch.log_softmax(logits if batch.unit_temperature else logits / batch.temperatures[:, None], -1)
-        if batch.all_greedy:
-            token_ids = logits.argmax(-1)
-        else:
-            probs = logp.exp()
-            token_ids = logits.argmax(-1)
+            logp = torch.log_softmax(scaled, -1)
+        allowed = logits
+        if batch.banned is not None:
+            # Draws exclude banned tokens; reported log-probs stay those of the model.
+            allowed = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+            scaled = scaled.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+        token_ids = allowed.argmax(-1)
+        if not batch.all_greedy:
+            probs = logp.exp() if batch.banned is None else torch.softmax(scaled, -1)
             if batch.plain_rows is not None:
                 rows = batch.plain_rows
                 token_ids[rows] = inverse_cdf(probs[rows], batch.uniforms[rows])

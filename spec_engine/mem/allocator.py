@@ -75,6 +75,3 @@ class PageAllocator:
             self._free.extend(slots.tolist())
         else:
             self._free.extend(torch.unique(slots // self.page_size).tolist())
-
-    def free_pages(self) -> list[int]:
-        return list(self._free)

@@ -1,0 +1,125 @@
+"""Request outputs: what the scheduler thread hands over, and the SGLang-style dicts built from it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from transformers import PreTrainedTokenizerBase
+
+from spec_engine.request import Req
+from spec_engine.tokenizer import IncrementalDetokenizer, decode_text
+
+
+@dataclass
+class Delivery:
+    """New output of one request since its last delivery (copied: the scheduler goes on)."""
+
+    index: int
+    new_ids: list[int]
+    new_logprobs: Optional[list[float]]
+    new_top_logprobs: Optional[list[list[tuple[float, int]]]]
+    finished: bool
+    finish_reason: Optional[dict[str, Any]]
+    cached_tokens: int
+    e2e_latency: float
+    weight_version: str
+
+    @classmethod
+    def of(cls, index: int, req: Req, finished: bool, weight_version: str) -> "Delivery":
+        start = req.delivered
+        return cls(
+            index=index,
+            new_ids=req.output_ids[start:],
+            new_logprobs=req.output_logprobs[start:] if req.return_logprob else None,
+            new_top_logprobs=req.output_top_logprobs[start:] if req.top_logprobs_num else None,
+            finished=finished,
+            finish_reason=req.finished_reason if finished else None,
+            cached_tokens=req.cached_tokens,
+            e2e_latency=time.perf_counter() - req.created_time,
+            weight_version=weight_version,
+        )
+
+
+class RequestOutput:
+    """Everything a caller has received of one request; renders it as SGLang's output dict."""
+
+    def __init__(self, req: Req, tokenizer: Optional[PreTrainedTokenizerBase]) -> None:
+        self.req = req
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[float, int]]] = []
+        self.last: Optional[Delivery] = None
+        sp = req.sampling_params
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, req.origin_input_ids, sp.skip_special_tokens,
+                                                   sp.spaces_between_special_tokens)
+                            if tokenizer is not None and req.stream else None)
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+    def add(self, delivery: Delivery) -> None:
+        self.ids.extend(delivery.new_ids)
+        if delivery.new_logprobs is not None:
+            self.logprobs.extend(delivery.new_logprobs)
+        if delivery.new_top_logprobs is not None:
+            self.top_logprobs.extend(delivery.new_top_logprobs)
+        if self.detokenizer is not None and not delivery.finished:
+            self.detokenizer.add(delivery.new_ids)
+        self.last = delivery
+
+    def to_dict(self, index: Optional[int] = None) -> dict[str, Any]:
+        """The output so far (cumulative); raises if the engine failed the request."""
+        d = self.last
+        fr = d.finish_reason
+        if fr is not None and fr.get("status_code", 200) >= 500:
+            raise RuntimeError(f"request {self.req.rid} failed: {fr['message']}")
+        meta: dict[str, Any] = {
+            "id": self.req.rid,
+            "finish_reason": fr,
+            "prompt_tokens": len(self.req.origin_input_ids),
+            "completion_tokens": len(self.ids),
+            "cached_tokens": d.cached_tokens,
+            "e2e_latency": d.e2e_latency,
+            "weight_version": d.weight_version,
+        }
+        if self.req.return_logprob:
+            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(self.logprobs, self.ids)]
+            if self.req.top_logprobs_num:
+                meta["output_top_logprobs"] = [[(lp, t, None) for lp, t in top] for top in self.top_logprobs]
+        out = {"text": self._text(), "output_ids": list(self.ids), "meta_info": meta}
+        if index is not None:
+            out["index"] = index
+        return out
+
+    def _text(self) -> Optional[str]:
+        if self.tokenizer is None:
+            return None
+        sp = self.req.sampling_params
+        if not self.finished:
+            return _hold_back_stop_prefix(self.detokenizer.text, sp.stop) if self.detokenizer else None
+        fr = self.last.finish_reason
+        matched = fr.get("matched") if fr else None
+        trim = not sp.no_stop_trim and fr is not None and fr["type"] == "stop"
+        ids = self.ids[:-1] if trim and isinstance(matched, int) else self.ids
+        text = decode_text(self.tokenizer, ids, sp.skip_special_tokens, sp.spaces_between_special_tokens)
+        if trim and isinstance(matched, str):
+            pos = text.find(matched)
+            if pos >= 0:
+                text = text[:pos]
+        return text
+
+
+def _hold_back_stop_prefix(text: str, stops: Optional[list[str]]) -> str:
+    """Drop a tail that could be the start of a stop string, so a stream never shows text the
+    final output will trim."""
+    cut = 0
+    for stop in stops or []:
+        for k in range(min(len(stop) - 1, len(text)), cut, -1):
+            if text.endswith(stop[:k]):
+                cut = k
+                break
+    return text[: len(text) - cut]
