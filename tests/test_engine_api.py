@@ -68,24 +68,6 @@ def test_shutdown_refuses_new_work(llama_path):
         e.generate(input_ids=[5, 6])
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_recovers(engine):
-    worker = engine.scheduler.worker
-    original = worker.prefill
-
-    def broken(reqs):
-        raise RuntimeError("injected failure")
-
-    worker.prefill = broken
-    try:
-        with pytest.raises(RuntimeError, match="injected failure"):
-            engine.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={"max_new_tokens": 4})
-    finally:
-        worker.prefill = original
-    assert len(engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4})["output_ids"]) == 4
-    report = engine.scheduler.memory_report()
-    assert report["owned_by_requests"] == 0 and report["free"] + report["cached"] == report["total"]
-
-
 def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(engine):
     async def impatient():
         await asyncio.wait_for(engine.async_generate(input_ids=[5, 6, 7], stream=False, sampling_params={
@@ -105,20 +87,23 @@ def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(engine):
     assert engine._thread.is_alive()
 
 
-def test_a_failure_after_prefill_fails_its_requests_and_the_engine_recovers(engine):
-    cache = engine.scheduler.tree_cache
-    original = cache.cache_unfinished_req
+@pytest.mark.parametrize("where", ["forward", "bookkeeping after prefill"])
+def test_a_failing_step_fails_its_requests_and_the_engine_recovers(engine, where):
+    owner = engine.scheduler.worker if where == "forward" else engine.scheduler.tree_cache
+    name = "prefill" if where == "forward" else "cache_unfinished_req"
 
-    def broken(req):
-        raise RuntimeError("injected bookkeeping failure")
+    def broken(*args):
+        raise RuntimeError(f"injected failure in {where}")
 
-    cache.cache_unfinished_req = broken
+    setattr(owner, name, broken)
     try:
-        with pytest.raises(RuntimeError, match="injected bookkeeping failure"):
+        with pytest.raises(RuntimeError, match="injected failure"):
             engine.generate(input_ids=[[5, 6, 7], [8, 9], [10, 11, 12]], sampling_params={"max_new_tokens": 4})
     finally:
-        cache.cache_unfinished_req = original
+        delattr(owner, name)
     assert len(engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4})["output_ids"]) == 4
+    report = engine.scheduler.memory_report()
+    assert report["owned_by_requests"] == 0 and report["free"] + report["cached"] == report["total"]
 
 
 def test_top_logprobs_are_per_request(engine):
