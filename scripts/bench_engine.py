@@ -1,7 +1,7 @@
 """Decode throughput of spec_engine against transformers `generate` on the same checkpoint.
 
-    python scripts/bench_engine.py                       # random ~40M-parameter Llama, CPU
-    python scripts/bench_engine.py --model-path DIR --device cuda --batch-sizes 1 8 32 64
+    python -m scripts.bench_engine                       # random ~56M-parameter Llama, CPU
+    python -m scripts.bench_engine --model-path DIR --device cuda --dtype bfloat16
 
 For each batch size both engines generate greedily (EOS ignored) from the same random prompts.
 Decode tokens/s = batch * (output_len - 1) / (time of the full generation - time of a
