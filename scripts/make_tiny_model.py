@@ -91,6 +91,123 @@ def build_checkpoint(out_dir: str, arch: str = "llama", vocab_size: int = 512, h
     return out_dir
 
 
+def _draft_config(target_dir: str, architecture: str, num_layers: int, **extra: Any) -> dict[str, Any]:
+    import json
+
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target = json.load(f)
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
+            "bos_token_id", "eos_token_id", "pad_token_id")
+    config = {k: target[k] for k in keep if k in target}
+    config.update(architectures=[architecture], model_type="llama", num_hidden_layers=num_layers,
+                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False, hidden_act="silu", **extra)
+    return config
+
+
+def _random(shape: tuple[int, ...], std: float, generator: Any) -> Any:
+    import torch
+
+    return torch.randn(shape, generator=generator) * std
+
+
+def _llama_layer(prefix: str, config: dict[str, Any], generator: Any, attn_in: int | None = None,
+                 input_norm: bool = True, qkv_bias: bool = False, std: float = 0.1) -> dict[str, Any]:
+    import torch
+
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    d_in = attn_in or h
+    t = {
+        f"{prefix}self_attn.q_proj.weight": _random((q, d_in), std, generator),
+        f"{prefix}self_attn.k_proj.weight": _random((kv, d_in), std, generator),
+        f"{prefix}self_attn.v_proj.weight": _random((kv, d_in), std, generator),
+        f"{prefix}self_attn.o_proj.weight": _random((h, q), std, generator),
+        f"{prefix}mlp.gate_proj.weight": _random((inter, h), std, generator),
+        f"{prefix}mlp.up_proj.weight": _random((inter, h), std, generator),
+        f"{prefix}mlp.down_proj.weight": _random((h, inter), std, generator),
+        f"{prefix}post_attention_layernorm.weight": torch.ones(h),
+    }
+    if qkv_bias:
+        for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            t[f"{prefix}self_attn.{name}.bias"] = _random((n,), std, generator)
+    if input_norm:
+        t[f"{prefix}input_layernorm.weight"] = torch.ones(h)
+    return t
+
+
+def build_eagle_draft(out_dir: str, target_dir: str, version: int = 2, num_layers: int = 1,
+                      draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None,
+                      seed: int = 1, std: float = 0.1) -> str:
+    """A random EAGLE-2 (`LlamaForCausalLMEagle`) or EAGLE-3 (`LlamaForCausalLMEagle3`) draft for
+    the target, in the checkpoint layout SGLang loads (no `model.` prefix)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    if version == 2:
+        config = _draft_config(target_dir, "LlamaForCausalLMEagle", num_layers)
+        h = config["hidden_size"]
+        tensors = {"fc.weight": _random((h, 2 * h), std, g), "fc.bias": _random((h,), std, g),
+                   "embed_tokens.weight": _random((config["vocab_size"], h), std, g)}
+        for i in range(num_layers):
+            tensors.update(_llama_layer(f"layers.{i}.", config, g, input_norm=i > 0, std=std))
+    elif version == 3:
+        extra: dict[str, Any] = {}
+        if draft_vocab_size is not None:
+            extra["draft_vocab_size"] = draft_vocab_size
+        if aux_layer_ids is not None:
+            extra["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids}
+        config = _draft_config(target_dir, "LlamaForCausalLMEagle3", 1, **extra)
+        h, vocab = config["hidden_size"], config["vocab_size"]
+        tensors = {"fc.weight": _random((h, 3 * h), std, g), "norm.weight": torch.ones(h),
+                   "midlayer.hidden_norm.weight": torch.ones(h)}
+        tensors.update(_llama_layer("midlayer.", config, g, attn_in=2 * h, std=std))
+        if draft_vocab_size is not None:
+            hot = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab_size]).values
+            tensors["lm_head.weight"] = _random((draft_vocab_size, h), std, g)
+            tensors["d2t"] = hot - torch.arange(draft_vocab_size)
+            tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, hot, True)
+    else:
+        raise ValueError(f"EAGLE version must be 2 or 3, got {version}")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
+def add_mimo_mtp(checkpoint_dir: str, num_mtp_layers: int = 1, seed: int = 2, std: float = 0.1) -> str:
+    """Turn a Qwen2 checkpoint into a MiMo one: `model.mtp_layers.*` tensors and a MiMo config."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(checkpoint_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(architectures=["MiMoForCausalLM"], model_type="mimo", num_nextn_predict_layers=num_mtp_layers)
+    weights_path = os.path.join(checkpoint_dir, "model.safetensors")
+    tensors = load_file(weights_path)
+    g = torch.Generator().manual_seed(seed)
+    h = config["hidden_size"]
+    for i in range(num_mtp_layers):
+        prefix = f"model.mtp_layers.{i}."
+        tensors.update(_llama_layer(prefix, config, g, qkv_bias=True, std=std))
+        tensors[f"{prefix}token_layernorm.weight"] = torch.ones(h)
+        tensors[f"{prefix}hidden_layernorm.weight"] = torch.ones(h)
+        tensors[f"{prefix}final_layernorm.weight"] = torch.ones(h)
+        tensors[f"{prefix}input_proj.weight"] = _random((h, 2 * h), std, g)
+    save_file(tensors, weights_path)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+    return checkpoint_dir
+
+
 def build_tiny_model(out_dir: str, arch: str = "llama", **kwargs: Any) -> str:
     """A tokenizer and a checkpoint in one directory, ready for --model-path."""
     tokenizer = build_tokenizer(out_dir, vocab_size=kwargs.get("vocab_size", 512))

@@ -16,12 +16,17 @@ import random
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from spec_engine.model_config import ModelConfig
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 SCHEDULE_POLICIES = ("fcfs",)
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
+NGRAM_DEFAULT_DRAFT_TOKENS = 12
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 # Auto chunked-prefill budgets: SGLang's default on large GPUs, and a smaller one for CPU
@@ -70,6 +75,21 @@ class EngineArgs:
     disable_radix_cache: bool = _opt(False, "Disable the prefix (radix) cache: no KV sharing between requests.")
     random_seed: Optional[int] = _opt(None, "Seed for sampling; with the same seed and requests, sampled outputs repeat exactly (auto: random).")
     stream_interval: int = _opt(1, "Stream an update every N generated tokens.")
+    # Speculative decoding
+    speculative_algorithm: Optional[str] = _opt(None, "EAGLE (EAGLE-2, or MTP when the target has MTP layers and no draft is given), EAGLE3, STANDALONE (a small LM as draft) or NGRAM (no draft model).", choices=SPECULATIVE_ALGORITHMS + ("NEXTN",))
+    speculative_draft_model_path: Optional[str] = _opt(None, "Draft checkpoint: an EAGLE/EAGLE-3 draft, or a small LM for STANDALONE.")
+    speculative_num_steps: Optional[int] = _opt(None, "Draft depth (auto: 5 for Llama targets, 3 otherwise and for STANDALONE).")
+    speculative_eagle_topk: Optional[int] = _opt(None, "Branching factor of the draft tree per step (auto: 4 for Llama targets, 1 otherwise).")
+    speculative_num_draft_tokens: Optional[int] = _opt(None, f"Tokens verified per step, the root included (auto: 8 for Llama targets, 4 otherwise, {NGRAM_DEFAULT_DRAFT_TOKENS} for NGRAM; steps + 1 when topk is 1).")
+    speculative_accept_threshold_single: float = _opt(1.0, "Accept a draft token whose target probability reaches this (1.0 = lossless).")
+    speculative_accept_threshold_acc: float = _opt(1.0, "Scale the acceptance test by 1/this (1.0 = lossless; lower accepts more, lossy).")
+    speculative_token_map: Optional[str] = _opt(None, "FR-Spec: a .pt tensor of hot token ids restricting the EAGLE draft head (verification stays full-vocabulary).")
+    speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest context suffix matched against the n-gram cache.")
+    speculative_ngram_max_match_window_size: int = _opt(12, "NGRAM: longest context suffix matched.")
+    speculative_ngram_min_bfs_breadth: int = _opt(1, "NGRAM: branching of the draft tree for the longest matches.")
+    speculative_ngram_max_bfs_breadth: int = _opt(10, "NGRAM: branching of the draft tree for the shortest matches.")
+    speculative_ngram_branch_length: int = _opt(18, "NGRAM: tokens stored per cached branch (must exceed the max match window).")
+    speculative_ngram_capacity: int = _opt(10_000_000, "NGRAM: maximum nodes in the n-gram cache (it is cleared when full).")
     # Kernels
     attention_backend: Optional[str] = _opt(None, "Attention kernels (auto: torch_native; flashinfer is not available yet).", choices=ATTENTION_BACKENDS)
     # Weights
@@ -98,6 +118,40 @@ class EngineArgs:
             raise ValueError(f"--schedule-conservativeness must be positive, got {self.schedule_conservativeness}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        if self.speculative_algorithm is not None:
+            self.speculative_algorithm = self.speculative_algorithm.upper()
+            if self.speculative_algorithm == "NEXTN":  # SGLang's alias
+                self.speculative_algorithm = "EAGLE"
+        _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS, allow_none=True)
+        spec_flags = ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
+                      "speculative_num_draft_tokens", "speculative_token_map")
+        if self.speculative_algorithm is None:
+            given = [f for f in spec_flags if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"--{given[0].replace('_', '-')} needs --speculative-algorithm")
+            return
+        for name in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+            _check_positive(name, getattr(self, name), allow_none=True)
+        for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1] (1.0 is lossless), got {value}")
+        for name in ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
+                     "speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth",
+                     "speculative_ngram_branch_length", "speculative_ngram_capacity"):
+            _check_positive(name, getattr(self, name))
+        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
+            raise ValueError("--speculative-ngram-min-match-window-size exceeds --speculative-ngram-max-match-window-size")
+        if self.speculative_ngram_min_bfs_breadth > self.speculative_ngram_max_bfs_breadth:
+            raise ValueError("--speculative-ngram-min-bfs-breadth exceeds --speculative-ngram-max-bfs-breadth")
+        if self.speculative_ngram_max_match_window_size >= self.speculative_ngram_branch_length:
+            raise ValueError("--speculative-ngram-branch-length must exceed --speculative-ngram-max-match-window-size "
+                             f"({self.speculative_ngram_branch_length} <= {self.speculative_ngram_max_match_window_size})")
+        if self.speculative_token_map is not None and self.speculative_algorithm != "EAGLE":
+            raise ValueError("--speculative-token-map (FR-Spec) works with --speculative-algorithm EAGLE only")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -138,6 +192,68 @@ def resolve_auto(args: EngineArgs, *, cuda_available: bool, checkpoint_dtype: Op
         random_seed=args.random_seed if args.random_seed is not None else random.randrange(2**31),
         mem_fraction_static=args.mem_fraction_static or (MEM_FRACTION_CUDA if device == "cuda" else MEM_FRACTION_CPU),
     )
+
+
+def resolve_speculative(args: EngineArgs, target: "ModelConfig", draft: Optional["ModelConfig"],
+                        context_len: int) -> EngineArgs:
+    """Fill the auto speculative values (SGLang's defaults) and refuse combinations that cannot
+    work, naming the flag to change. Returns `args` unchanged without speculation."""
+    algo = args.speculative_algorithm
+    if algo is None:
+        return args
+    path = args.speculative_draft_model_path
+    if algo == "NGRAM":
+        if path is not None:
+            raise ValueError("--speculative-algorithm NGRAM uses no draft model; drop --speculative-draft-model-path")
+        if args.speculative_num_steps is not None or args.speculative_eagle_topk is not None:
+            raise ValueError("NGRAM builds its own draft trees: set only --speculative-num-draft-tokens and the "
+                             "--speculative-ngram-* flags, not --speculative-num-steps / --speculative-eagle-topk")
+        tokens = args.speculative_num_draft_tokens or NGRAM_DEFAULT_DRAFT_TOKENS
+        if tokens < 2:
+            raise ValueError(f"--speculative-num-draft-tokens must be at least 2 (the root and one draft), got {tokens}")
+        return dataclasses.replace(args, speculative_num_draft_tokens=tokens)
+    if path is None and not (algo == "EAGLE" and target.num_mtp_layers > 0):
+        raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path"
+                         + ("" if algo != "EAGLE" else " (or a target with MTP layers)"))
+    steps, topk, tokens = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    if steps is None:
+        if topk is not None or tokens is not None:
+            raise ValueError("--speculative-eagle-topk / --speculative-num-draft-tokens need --speculative-num-steps too")
+        steps, topk, tokens = (5, 4, 8) if target.architecture == "LlamaForCausalLM" and algo != "STANDALONE" else (3, 1, 4)
+    topk = topk or 1
+    if topk == 1:
+        tokens = steps + 1  # a chain: the root and one token per step
+    elif tokens is None:
+        raise ValueError(f"with --speculative-eagle-topk {topk}, set --speculative-num-draft-tokens (at most {topk * steps + 1})")
+    if tokens > topk * steps + 1:
+        raise ValueError(f"--speculative-num-draft-tokens {tokens} exceeds topk * steps + 1 = {topk * steps + 1}; lower it")
+    if tokens < 2:
+        raise ValueError(f"--speculative-num-draft-tokens must be at least 2, got {tokens}")
+    if draft is not None:
+        _check_draft(algo, target, draft, context_len)
+    return dataclasses.replace(args, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                               speculative_num_draft_tokens=tokens)
+
+
+def _check_draft(algo: str, target: "ModelConfig", draft: "ModelConfig", context_len: int) -> None:
+    expected = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}.get(algo)
+    if expected is not None and draft.architecture != expected:
+        raise ValueError(f"--speculative-algorithm {algo} needs a {expected} draft; "
+                         f"--speculative-draft-model-path is a {draft.architecture}")
+    if algo == "STANDALONE" and draft.is_draft:
+        raise ValueError(f"--speculative-algorithm STANDALONE needs a plain LM draft, not {draft.architecture}; "
+                         "use EAGLE / EAGLE3 for EAGLE drafts")
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"draft vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size}); "
+                         "--speculative-draft-model-path must be a draft for this target")
+    target_hidden = draft.target_hidden_size or draft.hidden_size
+    if algo in ("EAGLE", "EAGLE3") and target_hidden != target.hidden_size:
+        raise ValueError(f"draft expects target hidden size {target_hidden}, the target has {target.hidden_size}; "
+                         "--speculative-draft-model-path must be a draft for this target")
+    if draft.max_position_embeddings < context_len:
+        raise ValueError(f"the draft's context ({draft.max_position_embeddings} positions) is shorter than the "
+                         f"target's context length {context_len}; lower --context-length to at most "
+                         f"{draft.max_position_embeddings} (a shorter draft context caused illegal memory accesses in SGLang)")
 
 
 # ---------------------------------------------------------------- CLI generation

@@ -19,10 +19,10 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 import torch
 
 import spec_engine
-from spec_engine.config import EngineArgs, resolve_auto
+from spec_engine.config import EngineArgs, resolve_auto, resolve_speculative
 from spec_engine.layers.sampler import derive_seed
 from spec_engine.model_config import ModelConfig
-from spec_engine.model_runner import ModelRunner
+from spec_engine.model_runner import ModelRunner, context_length
 from spec_engine.outputs import Delivery, RequestOutput
 from spec_engine.request import Req
 from spec_engine.sampling_params import SamplingParams
@@ -87,10 +87,12 @@ class Engine:
         if args.model_path is None:
             raise ValueError("model_path is required: a Hugging Face checkpoint directory")
         self.model_config = ModelConfig.from_pretrained(args.model_path)
-        self.args = resolve_auto(args, cuda_available=torch.cuda.is_available(),
-                                 checkpoint_dtype=self.model_config.torch_dtype)
+        args = resolve_auto(args, cuda_available=torch.cuda.is_available(), checkpoint_dtype=self.model_config.torch_dtype)
+        draft_path = args.speculative_draft_model_path
+        draft_config = ModelConfig.from_pretrained(draft_path) if draft_path is not None else None
+        self.args = resolve_speculative(args, self.model_config, draft_config, context_length(self.model_config, args))
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(self.args.tokenizer_path, self.args.chat_template)
-        self.runner = ModelRunner(self.model_config, self.args)
+        self.runner = ModelRunner(self.model_config, self.args, extra_positions=self.args.speculative_num_draft_tokens or 0)
         self.context_len = self.runner.context_len
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -206,13 +208,18 @@ class Engine:
 
     def _internal_state(self) -> dict[str, Any]:
         s = self.scheduler
-        return {
+        state = {
             "num_running_reqs": len(s.running),
             "num_waiting_reqs": len(s.waiting),
             "token_usage": round(1.0 - s.available_tokens() / s.allocator.total_tokens, 4),
             "num_retractions": s.num_retractions,
             "last_gen_throughput": s.last_gen_throughput,
         }
+        if self.args.speculative_algorithm is not None:
+            state["avg_spec_accept_length"] = s.spec_emitted / s.spec_verify_ct if s.spec_verify_ct else None
+            state["spec_verify_ct"] = s.spec_verify_ct
+            state["spec_time_breakdown"] = dict(s.worker.timings)
+        return state
 
     def get_model_info(self) -> dict[str, Any]:
         return {
@@ -354,7 +361,8 @@ class Engine:
 
     def _make_callback(self, index: int, channel: _Channel) -> Callable[[Req, bool], None]:
         def on_output(req: Req, finished: bool) -> None:
-            delivered = channel.put(Delivery.of(index, req, finished, self.weight_version))
+            delivered = channel.put(Delivery.of(index, req, finished, self.weight_version,
+                                                self.args.speculative_algorithm is not None))
             if not delivered and not finished and not self._closed:
                 self._post(lambda: self.scheduler.abort(req.rid, "the caller went away"))
 

@@ -45,6 +45,12 @@ class ForwardBatch:
     logits_indices: Optional[torch.Tensor] = None
     # Optional [B] list of bool masks [q_len, kv_len] replacing the causal mask (tree verify).
     custom_masks: Optional[list[torch.Tensor]] = None
+    # DECODE rows that do not read a request's table row (draft tree branches): the KV slots
+    # each row attends to, padded, and which of them are real.
+    kv_indices: Optional[torch.Tensor] = None  # [B, L] int64
+    kv_mask: Optional[torch.Tensor] = None     # [B, L] bool
+    # Return hidden states for every token (speculative drafts read them), not only logits rows.
+    capture_hidden: bool = False
     # Set by the model runner.
     kv_pool: Optional["KVPool"] = None
     req_to_token_pool: Optional["ReqToTokenPool"] = None

@@ -12,7 +12,12 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MiMoForCausalLM": "qwen2",  # Qwen2 trunk + model.mtp_layers.*
+    # Draft-only formats (SGLang's names); refused as targets.
+    "LlamaForCausalLMEagle": "llama",
+    "LlamaForCausalLMEagle3": "llama",
 }
+DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -38,7 +43,19 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: Optional[str]
     eos_token_ids: list[int] = field(default_factory=list)
+    # Multi-token-prediction layers carried by the checkpoint (MiMo's num_nextn_predict_layers).
+    num_mtp_layers: int = 0
+    # EAGLE-3 drafts: own head size, the target's hidden size, target layers whose outputs it reads.
+    draft_vocab_size: Optional[int] = None
+    target_hidden_size: Optional[int] = None
+    eagle_aux_layer_ids: Optional[list[int]] = None
+    # Rows of the rotary tables; the runner raises it above max_position_embeddings for drafts.
+    rope_max_positions: Optional[int] = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def is_draft(self) -> bool:
+        return self.architecture in DRAFT_ARCHITECTURES
 
     @classmethod
     def from_pretrained(cls, model_path: str) -> "ModelConfig":
@@ -91,6 +108,10 @@ class ModelConfig:
             qk_norm=family == "qwen3",
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=list(eos_token_ids if eos_token_ids is not None else _as_list(cfg.get("eos_token_id"))),
+            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if arch == "MiMoForCausalLM" else 0,
+            draft_vocab_size=cfg.get("draft_vocab_size"),
+            target_hidden_size=cfg.get("target_hidden_size"),
+            eagle_aux_layer_ids=(cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
             hf_config=cfg,
         )
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from torch import nn
 
 from spec_engine.attention.torch_native import TorchNativeBackend
 from spec_engine.config import EngineArgs
@@ -18,36 +22,59 @@ from spec_engine.weights import load_checkpoint
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor               # float32, at batch.logits_indices (all rows when None)
+    hidden: torch.Tensor               # final hidden states, all rows when batch.capture_hidden
+    aux_hidden: Optional[torch.Tensor]  # captured layer inputs (EAGLE-3 targets), same rows
+
+
+def build_model(model_cls: type[nn.Module], config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                checkpoint: str, only_known: bool = False) -> nn.Module:
+    """Instantiate and load a model: built on the meta device and allocated once on the target
+    device, so no time goes to a random initialisation that loading overwrites."""
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to(dtype).to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    load_checkpoint(model, checkpoint, only_known=only_known)
+    return model.eval().requires_grad_(False)
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, args: EngineArgs) -> None:
-        self.model_config = model_config
+    """The target model with its KV pool, slot allocator and request-to-token table.
+
+    `extra_positions`: positions past the context length a forward may touch (speculative
+    tokens verified beyond a request's last position before they are cut).
+    """
+
+    def __init__(self, model_config: ModelConfig, args: EngineArgs, extra_positions: int = 0) -> None:
         self.args = args
         self.device = torch.device(args.device)
-        self.dtype = _DTYPES[args.dtype]
+        self.dtype = DTYPES[args.dtype]
         self.context_len = context_length(model_config, args)
-        self.model = self._load_model(args.model_path)
+        rope_rows = max(model_config.max_position_embeddings, self.context_len) + extra_positions
+        self.model_config = dataclasses.replace(model_config, rope_max_positions=rope_rows)
+        if self.model_config.is_draft:
+            raise ValueError(f"--model-path is a {model_config.architecture} draft; pass it as "
+                             "--speculative-draft-model-path and give the target model as --model-path")
+        self.model = build_model(model_class(self.model_config), self.model_config, self.dtype, self.device,
+                                 args.model_path)
         self.max_running_requests = args.max_running_requests
         self.max_total_tokens = self._kv_pool_tokens()
         self.kv_pool = KVPool(self.max_total_tokens, args.page_size, model_config.num_hidden_layers,
                               model_config.num_key_value_heads, model_config.head_dim, self.dtype, self.device)
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len, self.device)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + extra_positions,
+                                                self.device)
         self.allocator = PageAllocator(self.max_total_tokens, args.page_size, self.device)
         self.attn_backend = TorchNativeBackend(self.device)
         logger.info("model %s loaded on %s (%s): KV pool of %d tokens, %.1f MiB",
                     model_config.architecture, self.device, args.dtype, self.max_total_tokens,
                     self.kv_pool.nbytes() / 2**20)
-
-    def _load_model(self, model_path: str) -> torch.nn.Module:
-        # Build on the meta device and allocate once on the target: no wasted random init.
-        with torch.device("meta"):
-            model = model_class(self.model_config)(self.model_config)
-        model = model.to(self.dtype).to_empty(device=self.device)
-        model.tie_weights()
-        load_checkpoint(model, model_path)
-        return model.eval().requires_grad_(False)
 
     def weight_bytes(self) -> int:
         params = {p.data_ptr(): p for p in self.model.parameters()}
@@ -74,16 +101,18 @@ class ModelRunner:
         return tokens
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the model; returns (float32 logits at batch.logits_indices, their hidden states)."""
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         batch.kv_pool = self.kv_pool
         batch.req_to_token_pool = self.req_to_token_pool
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        if batch.logits_indices is not None:
-            hidden = hidden[batch.logits_indices]
-        return self.model.compute_logits(hidden), hidden
+        hidden, aux = self.model(batch.input_ids, batch.positions, batch)
+        rows = batch.logits_indices
+        at_rows = hidden if rows is None else hidden[rows]
+        logits = self.model.compute_logits(at_rows)
+        if not batch.capture_hidden:
+            hidden, aux = at_rows, (None if aux is None else aux if rows is None else aux[rows])
+        return ForwardOutput(logits, hidden, aux)
 
 
 def context_length(model_config: ModelConfig, args: EngineArgs) -> int:

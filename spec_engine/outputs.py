@@ -25,9 +25,11 @@ class Delivery:
     cached_tokens: int
     e2e_latency: float
     weight_version: str
+    # (verify passes, tokens they emitted, draft tokens proposed) under speculative decoding.
+    spec: Optional[tuple[int, int, int]] = None
 
     @classmethod
-    def of(cls, index: int, req: Req, finished: bool, weight_version: str) -> "Delivery":
+    def of(cls, index: int, req: Req, finished: bool, weight_version: str, speculative: bool = False) -> "Delivery":
         start = req.delivered
         return cls(
             index=index,
@@ -39,6 +41,7 @@ class Delivery:
             cached_tokens=req.cached_tokens,
             e2e_latency=time.perf_counter() - req.created_time,
             weight_version=weight_version,
+            spec=(req.spec_verify_ct, req.spec_emitted, req.spec_drafted) if speculative else None,
         )
 
 
@@ -86,6 +89,17 @@ class RequestOutput:
             "e2e_latency": d.e2e_latency,
             "weight_version": d.weight_version,
         }
+        if d.spec is not None:
+            verify_ct, emitted, drafted = d.spec
+            accepted = emitted - verify_ct
+            meta.update({
+                "spec_verify_ct": verify_ct,
+                # SGLang's count: tokens per verify pass, accepted drafts plus the bonus token.
+                "spec_accept_length": emitted / verify_ct if verify_ct else 0.0,
+                "spec_accept_token_num": accepted,
+                "spec_draft_token_num": drafted,
+                "spec_accept_rate": accepted / drafted if drafted else 0.0,
+            })
         if self.req.return_logprob:
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(self.logprobs, self.ids)]
             if self.req.top_logprobs_num:

@@ -38,6 +38,12 @@ class Req:
     extend_len: int = 0
     finished_reason: Optional[dict[str, Any]] = None
     retractions: int = 0
+    # Speculative decoding: the worker's per-request state (draft top-k and features, or n-gram
+    # cursors) and counters (verify passes, tokens they emitted, draft tokens proposed).
+    spec_state: Any = None
+    spec_verify_ct: int = 0
+    spec_emitted: int = 0
+    spec_drafted: int = 0
     created_time: float = field(default_factory=time.perf_counter)
     # Set by the engine: called from the scheduler thread with (req, finished) when there is
     # output to deliver; `delivered` counts the output tokens handed over so far.
@@ -61,10 +67,11 @@ class Req:
         assert self.sampling_params.max_new_tokens is not None, "max_new_tokens is resolved at admission"
         return self.sampling_params.max_new_tokens
 
-    def banned_tokens(self, eos_token_ids: frozenset[int]) -> list[int]:
-        """Tokens that may not be sampled next: EOS and stop ids before min_new_tokens."""
+    def banned_tokens(self, eos_token_ids: frozenset[int], ahead: int = 0) -> list[int]:
+        """Tokens that may not be emitted `ahead` tokens from now: EOS and stop ids before
+        min_new_tokens."""
         sp = self.sampling_params
-        if len(self.output_ids) >= sp.min_new_tokens or sp.ignore_eos:
+        if len(self.output_ids) + ahead >= sp.min_new_tokens or sp.ignore_eos:
             return []
         return sorted(eos_token_ids.union(sp.stop_token_ids or ()))
 

@@ -22,7 +22,8 @@ from spec_engine.config import EngineArgs
 from spec_engine.mem.radix_cache import RadixCache
 from spec_engine.model_runner import ModelRunner
 from spec_engine.request import Req
-from spec_engine.worker import ModelWorker, StepResult
+from spec_engine.speculative import create_worker
+from spec_engine.worker import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class Scheduler:
         self.req_to_token = runner.req_to_token_pool
         self.page_size = args.page_size
         self.tree_cache = RadixCache(self.allocator, self.req_to_token, args.page_size, disable=args.disable_radix_cache)
-        self.worker = ModelWorker(runner, self.alloc_kv, eos_token_ids)
+        self.worker = create_worker(args, runner, self.alloc_kv, eos_token_ids)
         self.eos_token_ids = eos_token_ids
         self.decode_tail = decode_tail
         self.max_running = runner.max_running_requests
@@ -58,6 +59,8 @@ class Scheduler:
         self.prefilling: list[Req] = []
         self.num_retractions = 0
         self.last_gen_throughput = 0.0
+        self.spec_verify_ct = 0   # verify passes, engine-wide
+        self.spec_emitted = 0     # tokens those passes emitted
 
     # ------------------------------------------------------------ public
 
@@ -261,9 +264,9 @@ class Scheduler:
         """Append emitted tokens, finish and release requests that are done; returns tokens added."""
         added = 0
         for i, req in enumerate(reqs):
+            before = len(req.output_ids)
             for j, token in enumerate(result.tokens[i]):
                 req.output_ids.append(token)
-                added += 1
                 if result.logprobs is not None:
                     req.output_logprobs.append(result.logprobs[i][j])
                 if result.top_logprobs is not None:
@@ -271,7 +274,16 @@ class Scheduler:
                 req.check_finished(self.eos_token_ids, self.decode_tail)
                 if req.finished:
                     break
+            emitted = len(req.output_ids) - before
+            added += emitted
+            if result.drafted is not None:
+                req.spec_verify_ct += 1
+                req.spec_emitted += emitted
+                req.spec_drafted += result.drafted[i]
+                self.spec_verify_ct += 1
+                self.spec_emitted += emitted
             if req.finished:
+                self._trim_kv(req)
                 self.tree_cache.cache_finished_req(req)
                 self._notify(req, True)
             elif req.stream and len(req.output_ids) - req.delivered >= self.args.stream_interval:
@@ -279,6 +291,15 @@ class Scheduler:
         if any(r.finished for r in reqs):
             self.running = [r for r in self.running if not r.finished]
         return added
+
+    def _trim_kv(self, req: Req) -> None:
+        """A speculative step can compute KV past the token a request stopped at: free it."""
+        if req.kv_len <= req.seq_len:
+            return
+        first_free = -(-req.seq_len // self.page_size) * self.page_size  # pages still holding kept tokens stay
+        if first_free < req.kv_len:
+            self.allocator.free(self.req_to_token.read(req.req_pool_idx, req.kv_len, start=first_free))
+        req.kv_len = req.seq_len
 
     def _notify(self, req: Req, finished: bool) -> None:
         if req.on_output is None:

@@ -25,11 +25,12 @@ _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "FLOAT64", "FLOAT32", "FLOAT16", "
 
 @dataclass(frozen=True)
 class WeightSlot:
-    param: str                                # parameter name in the model
+    param: Optional[str]                      # parameter name in the model; None: accepted, not used here
     shape: tuple[int, ...]                    # expected Hugging Face tensor shape
     rows: Optional[tuple[int, int]] = None    # row range inside a fused parameter
     transposed: bool = False                  # parameter stores the tensor transposed
     optional: bool = False                    # may be absent from a checkpoint (tied head)
+    integer: bool = False                     # an index table (EAGLE-3's d2t), not a float weight
 
 
 def safetensors_files(model_path: str) -> list[str]:
@@ -64,10 +65,16 @@ def safetensors_metadata(model_path: str) -> Iterator[tuple[str, tuple[int, ...]
                 yield name, tuple(sl.get_shape()), sl.get_dtype()
 
 
-def load_checkpoint(model: nn.Module, model_path: str) -> None:
-    """Load a full Hugging Face safetensors checkpoint (checked before anything is copied)."""
-    check_weights(model, safetensors_metadata(model_path), require_all=True)
-    copy_weights(model, iterate_safetensors(model_path))
+def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False) -> None:
+    """Load a Hugging Face safetensors checkpoint (checked before anything is copied).
+
+    With `only_known`, tensors the model does not name are skipped: a module that lives inside
+    a larger checkpoint (MiMo's MTP draft) takes just its own.
+    """
+    spec = model.hf_weight_spec()
+    keep = (lambda name: name in spec) if only_known else (lambda name: True)
+    check_weights(model, (m for m in safetensors_metadata(model_path) if keep(m[0])), require_all=True)
+    copy_weights(model, ((n, t) for n, t in iterate_safetensors(model_path) if keep(n)))
 
 
 def check_weights(model: nn.Module, metadata: Iterable[tuple[str, tuple[int, ...], str]],
@@ -86,8 +93,10 @@ def check_weights(model: nn.Module, metadata: Iterable[tuple[str, tuple[int, ...
             raise ValueError(f"unknown weight {name!r} for {type(model).__name__}")
         if tuple(shape) != slot.shape:
             raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {slot.shape}")
-        if str(dtype).replace("torch.", "").upper() not in _FLOAT_DTYPES:
-            raise ValueError(f"weight {name!r} has dtype {dtype}, expected a floating-point tensor")
+        is_float = str(dtype).replace("torch.", "").upper() in _FLOAT_DTYPES
+        if is_float == slot.integer:
+            kind = "an integer" if slot.integer else "a floating-point"
+            raise ValueError(f"weight {name!r} has dtype {dtype}, expected {kind} tensor")
         seen.add(name)
     if require_all:
         missing = sorted(n for n, s in spec.items() if not s.optional and n not in seen)
@@ -107,6 +116,8 @@ def copy_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             slot = spec[name]
+            if slot.param is None:
+                continue
             target = params[slot.param]
             touched_storages.add(target.untyped_storage().data_ptr())
             if slot.transposed:

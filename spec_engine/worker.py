@@ -15,7 +15,7 @@ import torch
 
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.sampler import Sampler, SamplingBatch
-from spec_engine.model_runner import ModelRunner
+from spec_engine.model_runner import ForwardOutput, ModelRunner
 from spec_engine.request import Req
 
 # alloc_kv(start_lens, end_lens, last_slots) -> slots; evicts cached prefixes when needed.
@@ -29,6 +29,8 @@ class StepResult:
     tokens: list[list[int]]
     logprobs: Optional[list[list[float]]] = None
     top_logprobs: Optional[list[list[list[tuple[float, int]]]]] = None
+    # Speculative decode steps: draft tokens proposed per request (None for plain steps).
+    drafted: Optional[list[int]] = None
 
 
 class ModelWorker:
@@ -47,6 +49,9 @@ class ModelWorker:
 
     def prefill(self, reqs: Sequence[Req]) -> StepResult:
         """Compute KV for each request's next `extend_len` tokens; sample where the prompt ends."""
+        return self._prefill(reqs)[0]
+
+    def _prefill(self, reqs: Sequence[Req], capture_hidden: bool = False) -> tuple[StepResult, ForwardOutput, list[int], list[int]]:
         starts = [r.kv_len for r in reqs]
         ends = [r.kv_len + r.extend_len for r in reqs]
         out_loc = self._alloc(reqs, starts, ends)
@@ -70,15 +75,16 @@ class ModelWorker:
             extend_seq_lens_cpu=[r.extend_len for r in reqs],
             extend_prefix_lens_cpu=starts,
             logits_indices=self._tensor(logits_rows),
+            capture_hidden=capture_hidden,
         )
-        logits, _ = self.runner.forward(batch)
+        out = self.runner.forward(batch)
         for r, e in zip(reqs, ends):
             r.kv_len = e
             r.extend_len = 0
         result = StepResult(tokens=[[] for _ in reqs])
         if done:
-            self._sample_into(result, logits, [reqs[i] for i in done], done)
-        return result
+            self._sample_into(result, out.logits, [reqs[i] for i in done], done)
+        return result, out, starts, ends
 
     def decode(self, reqs: Sequence[Req]) -> StepResult:
         starts = [r.kv_len for r in reqs]
@@ -93,7 +99,7 @@ class ModelWorker:
             seq_lens=self._tensor(ends),
             seq_lens_cpu=ends,
         )
-        logits, _ = self.runner.forward(batch)
+        logits = self.runner.forward(batch).logits
         for r in reqs:
             r.kv_len += 1
         result = StepResult(tokens=[[] for _ in reqs])

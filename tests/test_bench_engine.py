@@ -18,3 +18,16 @@ def test_bench_engine_script_runs(tmp_path):
     results = json.loads(out_json.read_text())["results"]
     assert [r["batch"] for r in results] == [1, 3]
     assert all(r["spec_engine_tok_s"] > 0 and r["transformers_tok_s"] > 0 for r in results)
+
+
+def test_bench_rollout_script_runs(tmp_path):
+    out_json = tmp_path / "rollout.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_rollout", "--hidden-size", "64", "--num-layers", "2", "--vocab-size", "512",
+         "--batch-sizes", "2", "--input-len", "16", "--output-len", "8", "--repeats", "1", "--json", str(out_json)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out_json.read_text())["results"]
+    assert {r["algorithm"] for r in results} == {"baseline", "eagle", "eagle3", "mtp", "standalone-self", "ngram"}
+    self_draft = next(r for r in results if r["algorithm"] == "standalone-self")
+    assert self_draft["accept_length"] > 3.0 and set(self_draft["ms_per_step"]) == {"draft", "verify", "bookkeeping"}

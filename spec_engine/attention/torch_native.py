@@ -30,10 +30,13 @@ class TorchNativeBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = batch.req_to_token_pool.req_to_token
         if batch.mode.is_decode():
-            max_len = max(batch.seq_lens_cpu)
-            idx = table[batch.req_pool_indices, :max_len].to(torch.int64)
-            valid = torch.arange(max_len, device=self.device)[None, :] < batch.seq_lens[:, None]
-            self._decode_idx = idx.masked_fill_(~valid, 0).view(-1)
+            if batch.kv_indices is not None:
+                idx, valid = batch.kv_indices, batch.kv_mask
+            else:
+                max_len = max(batch.seq_lens_cpu)
+                idx = table[batch.req_pool_indices, :max_len].to(torch.int64)
+                valid = torch.arange(max_len, device=self.device)[None, :] < batch.seq_lens[:, None]
+            self._decode_idx = idx.masked_fill(~valid, 0).view(-1)
             self._decode_mask = valid[:, None, None, :]
             return
         # Per request: (query start, query length, KV slots or None to use the new K/V, mask).

@@ -11,6 +11,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MiMoForCausalLM": LlamaForCausalLM,  # the trunk; its MTP layers load as a draft (models/mimo.py)
 }
 
 

@@ -1,10 +1,12 @@
-"""Llama-family decoder (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms).
+"""Llama-family decoder (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms; MiMo's trunk).
 
-Model code only: takes (input_ids, positions, forward batch), returns final hidden states.
-KV storage and scheduling live elsewhere; attention goes through the batch's backend.
+Model code only: takes (input_ids, positions, forward batch), returns hidden states. KV storage
+and scheduling live elsewhere; attention goes through the batch's backend.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -12,23 +14,29 @@ from torch import nn
 
 from spec_engine.forward_batch import ForwardBatch
 from spec_engine.layers.attention import Attention
+from spec_engine.layers.linear import Linear
 from spec_engine.layers.norm import RMSNorm
 from spec_engine.layers.rotary import RotaryEmbedding
-from spec_engine.layers.linear import Linear
 from spec_engine.layers.vocab import Embedding
 from spec_engine.model_config import ModelConfig
 from spec_engine.weights import WeightSlot
 
 
+def make_rotary(config: ModelConfig) -> RotaryEmbedding:
+    positions = config.rope_max_positions or config.max_position_embeddings
+    return RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 in_features: Optional[int] = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.qkv_proj = Linear(in_features or config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -62,18 +70,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, input_norm: bool = True) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-2 drafts have no input norm on their first layer (its input is already mixed by fc).
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else None
         self.self_attn = LlamaAttention(config, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            if self.input_layernorm is not None:
+                hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, batch)
@@ -85,21 +95,31 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        rotary = make_rotary(config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3 reads the residual stream entering these layers (len(layers) = the final one).
+        self.layers_to_capture: list[int] = []
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, batch: ForwardBatch,
+                input_embeds: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Returns (final normed hidden states, concatenated captured states or None)."""
+        hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual = None
-        for layer in self.layers:
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if i in self.layers_to_capture:
+                state = hidden if residual is None else hidden + residual
+                captured.extend([state] * self.layers_to_capture.count(i))
             hidden, residual = layer(positions, hidden, residual, batch)
+        if len(self.layers) in self.layers_to_capture:
+            captured.extend([hidden + residual] * self.layers_to_capture.count(len(self.layers)))
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden, (torch.cat(captured, dim=-1) if captured else None)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama, Qwen2 and Qwen3 causal LMs; the differences come from ModelConfig."""
+    """Llama, Qwen2, Qwen3 (and MiMo's trunk) causal LMs; the differences come from ModelConfig."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -113,8 +133,15 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.model.embed_tokens.tie_to(self.lm_head)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return self.model(input_ids, positions, batch)
+
+    def draft_forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                      hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As a STANDALONE draft: a plain LM step (no target features)."""
+        out, _ = self.model(None, positions, batch, input_embeds=embeds)
+        return out, out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -122,9 +149,7 @@ class LlamaForCausalLM(nn.Module):
     def hf_weight_spec(self) -> dict[str, WeightSlot]:
         """Every Hugging Face tensor name this model takes, and where it lands."""
         c = self.config
-        q = c.num_attention_heads * c.head_dim
-        kv = c.num_key_value_heads * c.head_dim
-        h, inter = c.hidden_size, c.intermediate_size
+        h = c.hidden_size
         spec = {
             "model.embed_tokens.weight": WeightSlot("model.embed_tokens.weight", (c.vocab_size, h)),
             "model.norm.weight": WeightSlot("model.norm.weight", (h,)),
@@ -132,25 +157,53 @@ class LlamaForCausalLM(nn.Module):
                                          optional=c.tie_word_embeddings),
         }
         for i in range(c.num_hidden_layers):
-            src, dst = f"model.layers.{i}.", f"model.layers.{i}."
-            attn, mlp = dst + "self_attn.", dst + "mlp."
-            for name, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
-                spec[f"{src}self_attn.{name}.weight"] = WeightSlot(attn + "qkv_proj.weight_t", (rows[1] - rows[0], h), rows, transposed=True)
-                if c.qkv_bias:
-                    spec[f"{src}self_attn.{name}.bias"] = WeightSlot(attn + "qkv_proj.bias", (rows[1] - rows[0],), rows)
-            spec[f"{src}self_attn.o_proj.weight"] = WeightSlot(attn + "o_proj.weight_t", (h, q), transposed=True)
-            if c.o_bias:
-                spec[f"{src}self_attn.o_proj.bias"] = WeightSlot(attn + "o_proj.bias", (h,))
-            if c.qk_norm:
-                spec[f"{src}self_attn.q_norm.weight"] = WeightSlot(attn + "q_norm.weight", (c.head_dim,))
-                spec[f"{src}self_attn.k_norm.weight"] = WeightSlot(attn + "k_norm.weight", (c.head_dim,))
-            for name, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
-                spec[f"{src}mlp.{name}.weight"] = WeightSlot(mlp + "gate_up_proj.weight_t", (inter, h), rows, transposed=True)
-                if c.mlp_bias:
-                    spec[f"{src}mlp.{name}.bias"] = WeightSlot(mlp + "gate_up_proj.bias", (inter,), rows)
-            spec[f"{src}mlp.down_proj.weight"] = WeightSlot(mlp + "down_proj.weight_t", (h, inter), transposed=True)
-            if c.mlp_bias:
-                spec[f"{src}mlp.down_proj.bias"] = WeightSlot(mlp + "down_proj.bias", (h,))
-            spec[f"{src}input_layernorm.weight"] = WeightSlot(dst + "input_layernorm.weight", (h,))
-            spec[f"{src}post_attention_layernorm.weight"] = WeightSlot(dst + "post_attention_layernorm.weight", (h,))
+            spec.update(decoder_layer_spec(c, f"model.layers.{i}.", f"model.layers.{i}."))
+        for i in range(c.num_mtp_layers):
+            # MiMo's MTP layers belong to the MTP draft (models/mimo.py); the trunk accepts them.
+            spec.update({name: WeightSlot(None, slot.shape, optional=True)
+                         for name, slot in mtp_layer_spec(c, i, "").items()})
         return spec
+
+
+def decoder_layer_spec(c: ModelConfig, src: str, dst: str, attn_in: Optional[int] = None,
+                       input_norm: bool = True) -> dict[str, WeightSlot]:
+    """Weight slots of one decoder layer: Hugging Face names under `src`, parameters under `dst`."""
+    q = c.num_attention_heads * c.head_dim
+    kv = c.num_key_value_heads * c.head_dim
+    h, inter = c.hidden_size, c.intermediate_size
+    d_in = attn_in or h
+    attn, mlp = dst + "self_attn.", dst + "mlp."
+    spec: dict[str, WeightSlot] = {}
+    for name, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
+        spec[f"{src}self_attn.{name}.weight"] = WeightSlot(attn + "qkv_proj.weight_t", (rows[1] - rows[0], d_in), rows,
+                                                           transposed=True)
+        if c.qkv_bias:
+            spec[f"{src}self_attn.{name}.bias"] = WeightSlot(attn + "qkv_proj.bias", (rows[1] - rows[0],), rows)
+    spec[f"{src}self_attn.o_proj.weight"] = WeightSlot(attn + "o_proj.weight_t", (h, q), transposed=True)
+    if c.o_bias:
+        spec[f"{src}self_attn.o_proj.bias"] = WeightSlot(attn + "o_proj.bias", (h,))
+    if c.qk_norm:
+        spec[f"{src}self_attn.q_norm.weight"] = WeightSlot(attn + "q_norm.weight", (c.head_dim,))
+        spec[f"{src}self_attn.k_norm.weight"] = WeightSlot(attn + "k_norm.weight", (c.head_dim,))
+    for name, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
+        spec[f"{src}mlp.{name}.weight"] = WeightSlot(mlp + "gate_up_proj.weight_t", (inter, h), rows, transposed=True)
+        if c.mlp_bias:
+            spec[f"{src}mlp.{name}.bias"] = WeightSlot(mlp + "gate_up_proj.bias", (inter,), rows)
+    spec[f"{src}mlp.down_proj.weight"] = WeightSlot(mlp + "down_proj.weight_t", (h, inter), transposed=True)
+    if c.mlp_bias:
+        spec[f"{src}mlp.down_proj.bias"] = WeightSlot(mlp + "down_proj.bias", (h,))
+    if input_norm:
+        spec[f"{src}input_layernorm.weight"] = WeightSlot(dst + "input_layernorm.weight", (h,))
+    spec[f"{src}post_attention_layernorm.weight"] = WeightSlot(dst + "post_attention_layernorm.weight", (h,))
+    return spec
+
+
+def mtp_layer_spec(c: ModelConfig, index: int, dst: str) -> dict[str, WeightSlot]:
+    """Slots of MiMo's MTP layer `index` (names `model.mtp_layers.{index}.*`) under parameter prefix `dst`."""
+    src = f"model.mtp_layers.{index}."
+    h = c.hidden_size
+    spec = decoder_layer_spec(c, src, dst + "block.")
+    for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+        spec[f"{src}{norm}.weight"] = WeightSlot(f"{dst}{norm}.weight", (h,))
+    spec[f"{src}input_proj.weight"] = WeightSlot(f"{dst}input_proj.weight_t", (h, 2 * h), transposed=True)
+    return spec

@@ -1,0 +1,138 @@
+"""Rollout throughput and acceptance of every speculative algorithm against plain decoding.
+
+    python -m scripts.bench_rollout                           # random ~56M Llama on CPU
+    python -m scripts.bench_rollout --device cuda --dtype bfloat16 --hidden-size 4096 --num-layers 32 ...
+
+For each configuration and batch size: output tokens/s over a whole greedy generation
+(prefill included), the mean accept length (tokens per verify, SGLang's count), and the time
+per decode step split into draft, verify and bookkeeping. Drafts are random checkpoints of the
+right shape (EAGLE-2, EAGLE-3, MiMo MTP), so their acceptance is near 1 and they measure the
+overhead; STANDALONE with the target as its own draft accepts every token (the upper bound);
+NGRAM runs on prompts that repeat a pattern, as code or templated text does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from scripts.make_tiny_model import add_mimo_mtp, build_checkpoint, build_eagle_draft
+
+ALGORITHMS = ("baseline", "eagle", "eagle3", "mtp", "standalone-self", "ngram")
+
+
+def configs(models: dict[str, str], steps: int, topk: int, tokens: int) -> dict[str, tuple[str, dict]]:
+    tree = dict(speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
+    return {
+        "baseline": (models["llama"], {}),
+        "eagle": (models["llama"], dict(speculative_algorithm="EAGLE", speculative_draft_model_path=models["eagle"], **tree)),
+        "eagle3": (models["llama"], dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"], **tree)),
+        "mtp": (models["mimo"], dict(speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=1)),
+        "standalone-self": (models["llama"], dict(speculative_algorithm="STANDALONE",
+                                                  speculative_draft_model_path=models["llama"],
+                                                  speculative_num_steps=steps, speculative_eagle_topk=1)),
+        "ngram": (models["llama"], dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=tokens)),
+    }
+
+
+def prompts(batch: int, length: int, vocab: int, repetitive: bool, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    if not repetitive:
+        return torch.randint(5, vocab, (batch, length), generator=g).tolist()
+    out = []
+    for _ in range(batch):
+        pattern = torch.randint(5, vocab, (16,), generator=g).tolist()
+        out.append((pattern * (length // 16 + 1))[:length])
+    return out
+
+
+def run(path: str, kwargs: dict, batch: int, args: argparse.Namespace, vocab: int, repetitive: bool) -> dict:
+    from spec_engine import Engine
+
+    with Engine(model_path=path, device=args.device, dtype=args.dtype, skip_tokenizer_init=True, random_seed=0,
+                disable_radix_cache=True, **kwargs) as engine:
+        params = {"temperature": 0.0, "max_new_tokens": args.output_len, "ignore_eos": True}
+        engine.generate(input_ids=prompts(batch, args.input_len, vocab, repetitive, 0), sampling_params=params)
+        best, state = None, None
+        for r in range(args.repeats):
+            worker = engine.scheduler.worker
+            before = dict(getattr(worker, "timings", {}))
+            steps_before = getattr(worker, "verify_steps", 0)
+            verify_before = engine.scheduler.spec_verify_ct
+            emitted_before = engine.scheduler.spec_emitted
+            start = time.perf_counter()
+            outs = engine.generate(input_ids=prompts(batch, args.input_len, vocab, repetitive, r + 1), sampling_params=params)
+            elapsed = time.perf_counter() - start
+            if best is None or elapsed < best:
+                best = elapsed
+                verifies = engine.scheduler.spec_verify_ct - verify_before
+                emitted = engine.scheduler.spec_emitted - emitted_before
+                steps = getattr(worker, "verify_steps", 0) - steps_before
+                spent = {k: v - before.get(k, 0.0) for k, v in getattr(worker, "timings", {}).items()}
+                state = {
+                    "accept_length": round(emitted / verifies, 3) if verifies else None,
+                    "ms_per_step": {k.removesuffix("_s"): round(1000 * v / steps, 2) for k, v in spent.items()}
+                    if steps else None,
+                }
+        tokens = sum(len(o["output_ids"]) for o in outs)
+    return {"batch": batch, "tokens_per_s": round(tokens / best, 1), **state}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--draft-tokens", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args()
+
+    root = tempfile.mkdtemp(prefix="bench-rollout-")
+    shape = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=int(args.hidden_size * 2.75),
+                 num_layers=args.num_layers, num_heads=8, num_kv_heads=4, max_position_embeddings=4096,
+                 initializer_range=0.02)
+    models = {"llama": build_checkpoint(os.path.join(root, "llama"), arch="llama", **shape)}
+    models["eagle"] = build_eagle_draft(os.path.join(root, "eagle"), models["llama"], version=2, std=0.02)
+    models["eagle3"] = build_eagle_draft(os.path.join(root, "eagle3"), models["llama"], version=3, std=0.02,
+                                         draft_vocab_size=min(8192, args.vocab_size))
+    models["mimo"] = add_mimo_mtp(build_checkpoint(os.path.join(root, "mimo"), arch="qwen2", **shape), std=0.02)
+    table = configs(models, args.steps, args.topk, args.draft_tokens)
+    results = []
+    for name in args.algorithms:
+        path, kwargs = table[name]
+        for batch in args.batch_sizes:
+            row = {"algorithm": name, **run(path, kwargs, batch, args, args.vocab_size, repetitive=name == "ngram")}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    base = {r["batch"]: r["tokens_per_s"] for r in results if r["algorithm"] == "baseline"}
+    print(f"\n{args.device} {args.dtype}, hidden {args.hidden_size} x {args.num_layers} layers, vocab {args.vocab_size}, "
+          f"input {args.input_len}, output {args.output_len}; steps {args.steps}, topk {args.topk}, "
+          f"draft tokens {args.draft_tokens}; best of {args.repeats}")
+    print("| algorithm | batch | tokens/s | vs baseline | accept length | draft / verify / bookkeeping ms per step |")
+    print("|---|---:|---:|---:|---:|---|")
+    for r in results:
+        speed = f"{r['tokens_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
+        ms = r["ms_per_step"]
+        split = f"{ms['draft']} / {ms['verify']} / {ms['bookkeeping']}" if ms else "-"
+        print(f"| {r['algorithm']} | {r['batch']} | {r['tokens_per_s']} | {speed} | {r['accept_length'] or '-'} | {split} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""SpecWorker: what every speculative worker shares — verifying draft trees with the target and
+keeping exactly the KV of accepted tokens.
+
+KV of a verify step: each request gets slots for positions kv_len .. kv_len + n - 1 (n = tree
+size), continuing its pages, and tree node i writes the slot of position kv_len + i. After
+acceptance the accepted path's K/V is copied down to positions kv_len .. kv_len + a (node i of
+the path to position kv_len + i, safe in ascending order since a path node's index is never
+below its depth), and whole pages past the kept positions are freed. The same slot layout
+works for any page size and leaves the request-to-token row contiguous.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from spec_engine.config import EngineArgs
+from spec_engine.forward_batch import ForwardBatch, ForwardMode
+from spec_engine.model_runner import ForwardOutput, ModelRunner
+from spec_engine.request import Req
+from spec_engine.speculative.tree import DraftTree
+from spec_engine.speculative.verify import Acceptance, emitted_logprobs, verify_trees
+from spec_engine.worker import AllocFn, ModelWorker, StepResult
+
+
+class SpecWorker(ModelWorker):
+    def __init__(self, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int], args: EngineArgs) -> None:
+        super().__init__(runner, alloc_kv, eos_token_ids)
+        self.num_draft_tokens = args.speculative_num_draft_tokens
+        self.threshold_single = args.speculative_accept_threshold_single
+        self.threshold_acc = args.speculative_accept_threshold_acc
+        self.timings = {"draft_s": 0.0, "verify_s": 0.0, "bookkeeping_s": 0.0}
+        self.verify_steps = 0
+
+    def verify_kv_demand(self, reqs: Sequence[Req], sizes: Sequence[int]) -> int:
+        starts = [r.kv_len for r in reqs]
+        return self.page_size * self.runner.allocator.pages_needed(starts, [s + n for s, n in zip(starts, sizes)])
+
+    def alloc_verify_slots(self, reqs: Sequence[Req], sizes: Sequence[int]) -> None:
+        """Slots for positions kv_len .. kv_len + size - 1 of each request, written to its row."""
+        starts = [r.kv_len for r in reqs]
+        self._alloc(reqs, starts, [s + n for s, n in zip(starts, sizes)])
+
+    def verify(self, reqs: Sequence[Req], trees: Sequence[DraftTree]) -> tuple[StepResult, list[Acceptance], ForwardOutput]:
+        """Run the target over every tree (slots already allocated), accept, keep accepted KV."""
+        start = time.perf_counter()
+        self.verify_steps += 1
+        table = self.runner.req_to_token_pool
+        ids, positions, slots, masks = [], [], [], []
+        for r, tree in zip(reqs, trees):
+            k = r.kv_len
+            ids.extend(tree.tokens)
+            positions.extend(k + d for d in tree.depths)
+            slots.append(table.read(r.req_pool_idx, k + tree.size, start=k))
+            mask = tree.mask(self.device)
+            masks.append(torch.cat((torch.ones(tree.size, k, dtype=torch.bool, device=self.device), mask), dim=1))
+        sizes = [t.size for t in trees]
+        batch = ForwardBatch(
+            mode=ForwardMode.TARGET_VERIFY,
+            input_ids=self._tensor(ids),
+            positions=self._tensor(positions),
+            out_cache_loc=torch.cat(slots),
+            req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
+            seq_lens=self._tensor([r.kv_len + n for r, n in zip(reqs, sizes)]),
+            seq_lens_cpu=[r.kv_len + n for r, n in zip(reqs, sizes)],
+            extend_seq_lens_cpu=sizes,
+            extend_prefix_lens_cpu=[r.kv_len for r in reqs],
+            custom_masks=masks,
+            capture_hidden=True,
+        )
+        out = self.runner.forward(batch)
+        banned = [[r.banned_tokens(self.eos_token_ids, d) for d in range(max(t.depths) + 1)] for r, t in zip(reqs, trees)]
+        accepts = verify_trees(out.logits, trees, reqs, banned, self.threshold_single, self.threshold_acc)
+        logprobs, top = emitted_logprobs(out.logits, reqs, accepts, [r.return_logprob for r in reqs],
+                                         [r.top_logprobs_num for r in reqs])
+        self.timings["verify_s"] += time.perf_counter() - start
+        start = time.perf_counter()
+        self._keep_accepted(reqs, sizes, accepts)
+        self.timings["bookkeeping_s"] += time.perf_counter() - start
+        result = StepResult(tokens=[a.tokens for a in accepts], logprobs=logprobs, top_logprobs=top,
+                            drafted=[n - 1 for n in sizes])
+        return result, accepts, out
+
+    def _keep_accepted(self, reqs: Sequence[Req], sizes: Sequence[int], accepts: Sequence[Acceptance]) -> None:
+        table = self.runner.req_to_token_pool
+        src, dst, free = [], [], []
+        page = self.page_size
+        for r, n, acc in zip(reqs, sizes, accepts):
+            k = r.kv_len
+            row = table.read(r.req_pool_idx, k + n, start=k)
+            for j, node in enumerate(acc.path):
+                if node != j:
+                    src.append(row[node])
+                    dst.append(row[j])
+            kept = len(acc.path)
+            first_free = -(-(k + kept) // page) * page  # pages holding a kept position stay
+            if first_free < k + n:
+                free.append(row[first_free - k:])
+            r.kv_len = k + kept
+        if src:
+            src_t, dst_t = torch.stack(src), torch.stack(dst)
+            pool = self.runner.kv_pool
+            for buf in pool.k_buffer + pool.v_buffer:
+                buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
+        if free:
+            self.runner.allocator.free(torch.cat(free))

@@ -1,0 +1,103 @@
+"""DraftRunner: a draft model with its own KV pool, indexed by the target's slots.
+
+The draft shares the target's slot allocator and request-to-token table: slot s holds the
+target's K/V in the target pool and the draft's in this one. Embedding and LM head come from
+the draft when it has its own (STANDALONE; an EAGLE-3 draft vocabulary), else from the target.
+Draft ids map to target ids through `hot_ids` (EAGLE-3's d2t, or an FR-Spec token map).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from spec_engine.attention.torch_native import TorchNativeBackend
+from spec_engine.forward_batch import ForwardBatch
+from spec_engine.layers.linear import Linear
+from spec_engine.mem.kv_pool import KVPool
+from spec_engine.model_config import ModelConfig
+from spec_engine.model_runner import ModelRunner, build_model
+from spec_engine.models.llama import LlamaForCausalLM
+from spec_engine.models.llama_eagle import LlamaForCausalLMEagle
+from spec_engine.models.llama_eagle3 import LlamaForCausalLMEagle3
+from spec_engine.models.mimo import MiMoMTP
+
+DRAFT_CLASSES = {"EAGLE": LlamaForCausalLMEagle, "EAGLE3": LlamaForCausalLMEagle3, "MTP": MiMoMTP,
+                 "STANDALONE": LlamaForCausalLM}
+
+
+class DraftRunner:
+    def __init__(self, kind: str, config: ModelConfig, checkpoint: str, target: ModelRunner,
+                 token_map: Optional[str] = None) -> None:
+        self.kind = kind
+        self.target = target
+        self.device, self.dtype = target.device, target.dtype
+        self.config = dataclasses.replace(config, rope_max_positions=target.model_config.rope_max_positions)
+        self.model = build_model(DRAFT_CLASSES[kind], self.config, self.dtype, self.device, checkpoint,
+                                 only_known=kind == "MTP")
+        # Feature drafts read the target's final hidden states; EAGLE-3 reads three captured layers.
+        self.uses_features = kind != "STANDALONE"
+        if kind == "STANDALONE":
+            self.embed, self.head = self.model.model.embed_tokens, self.model.lm_head
+        else:
+            self.embed = target.model.model.embed_tokens
+            own = self.model.draft_head() if kind == "EAGLE3" else None
+            self.head = own if own is not None else target.model.lm_head
+        self.hot_ids = self.model.hot_token_ids() if kind == "EAGLE3" else None
+        self.token_map = token_map
+        if token_map is not None:
+            self.hot_ids = _load_token_map(token_map, config.vocab_size).to(self.device)
+        self.refresh_head()
+        # An MTP draft is one layer of the target's shape (every other draft is all of its config).
+        layers = 1 if kind == "MTP" else self.config.num_hidden_layers
+        self.kv_pool = KVPool(target.max_total_tokens, target.args.page_size, layers,
+                              self.config.num_key_value_heads, self.config.head_dim, self.dtype, self.device)
+        self.attn_backend = TorchNativeBackend(self.device)
+
+    def refresh_head(self) -> None:
+        """Rebuild the FR-Spec head (hot columns of the target head); call after target updates."""
+        if self.token_map is None:
+            return
+        hot = Linear(self.config.hidden_size, len(self.hot_ids))
+        with torch.no_grad():
+            hot.weight_t.data = self.target.model.lm_head.weight_t.detach()[:, self.hot_ids].contiguous()
+        hot.refresh_derived()
+        self.head = hot
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (draft-vocabulary logits at batch.logits_indices (all rows if None), the
+        features for the next draft step at the same rows)."""
+        batch.kv_pool = self.kv_pool
+        batch.req_to_token_pool = self.target.req_to_token_pool
+        batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(batch)
+        embeds = self.embed(batch.input_ids)
+        to_logits, to_next = self.model.draft_forward(embeds, batch.positions, batch, hidden)
+        if batch.logits_indices is not None:
+            to_logits, to_next = to_logits[batch.logits_indices], to_next[batch.logits_indices]
+        return self.head(to_logits).float(), to_next
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.hot_ids is None else self.hot_ids[ids]
+
+
+def _load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    try:
+        ids = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"--speculative-token-map {path!r} could not be read ({e}); give a .pt tensor of token ids") from e
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.numel() == 0:
+        raise ValueError(f"--speculative-token-map {path!r} must hold a 1-D integer tensor of hot token ids")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"--speculative-token-map {path!r} has ids outside the vocabulary [0, {vocab_size})")
+    return ids.long()
+
+
+def draft_kind(algorithm: str, draft_path: Optional[str]) -> str:
+    """EAGLE without a draft path drafts with the target's MTP layers."""
+    return "MTP" if algorithm == "EAGLE" and draft_path is None else algorithm
+
+

@@ -1,0 +1,229 @@
+"""EagleWorker: tree drafting with a draft model — EAGLE-2, EAGLE-3, MTP and STANDALONE.
+
+Feature drafts (EAGLE, EAGLE-3, MTP) pair token t[p+1] with the target's feature at p and
+keep draft KV at position p, so after every target forward the draft "extends" over the same
+positions (the features are fresh then) and keeps the top-k of its last output for the next
+round. A STANDALONE draft is a plain LM: its KV at p comes from t[p], so each round starts by
+running the root token.
+
+A decode round (SGLang's flow): draft `num_steps` levels, each expanding the best `topk` nodes
+by cumulative draft probability into topk x topk children (branch rows attend to the prefix
+plus their own ancestors' draft KV in scratch slots); keep the best `num_draft_tokens - 1`
+candidates as a tree; verify it with the target (SpecWorker.verify); extend the draft over the
+accepted tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from spec_engine.config import EngineArgs
+from spec_engine.forward_batch import ForwardBatch, ForwardMode
+from spec_engine.model_runner import ForwardOutput, ModelRunner
+from spec_engine.request import Req
+from spec_engine.speculative.base import SpecWorker
+from spec_engine.speculative.draft_runner import DraftRunner
+from spec_engine.speculative.tree import DraftTree, select_trees
+from spec_engine.worker import AllocFn, StepResult
+
+
+@dataclass
+class DraftState:
+    """A feature draft's output at a request's last position: the first level of its tree."""
+
+    probs: torch.Tensor   # [topk] draft probabilities
+    ids: torch.Tensor     # [topk] target token ids
+    hidden: torch.Tensor  # [H] feature for the next draft step
+
+
+class EagleWorker(SpecWorker):
+    def __init__(self, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int], args: EngineArgs,
+                 draft: DraftRunner) -> None:
+        super().__init__(runner, alloc_kv, eos_token_ids, args)
+        self.draft = draft
+        self.steps = args.speculative_num_steps
+        self.topk = args.speculative_eagle_topk
+        self.features = draft.uses_features
+        if draft.kind == "EAGLE3":
+            n = runner.model_config.num_hidden_layers
+            ids = draft.config.eagle_aux_layer_ids
+            # SGLang's defaults: the residual stream entering layers 2, N//2 and N-3 (clamped for tiny models).
+            layers = [i + 1 for i in ids] if ids is not None else [2, n // 2, n - 3]
+            runner.model.model.layers_to_capture = [min(max(i, 0), n) for i in layers]
+        self.aux_features = draft.kind == "EAGLE3"
+
+    # ---------------------------------------------------------------- memory
+
+    def _scratch_size(self, batch: int) -> int:
+        return (self.steps - 1) * batch * self.topk
+
+    def decode_kv_demand(self, reqs: Sequence[Req]) -> int:
+        scratch = -(-self._scratch_size(len(reqs)) // self.page_size) * self.page_size
+        return self.verify_kv_demand(reqs, [self.num_draft_tokens] * len(reqs)) + scratch
+
+    # ---------------------------------------------------------------- prefill
+
+    def prefill(self, reqs: Sequence[Req]) -> StepResult:
+        result, out, starts, ends = self._prefill(reqs, capture_hidden=self.features)
+        start = time.perf_counter()
+        entries = []
+        for i, (r, s, e) in enumerate(zip(reqs, starts, ends)):
+            if self.features:
+                nxt = result.tokens[i][0] if e == r.seq_len else r.fill_ids[e]
+                entries.append((r, s, r.fill_ids[s + 1:e] + [nxt]))
+            else:
+                entries.append((r, s, r.fill_ids[s:e]))
+        feats = self._features(out) if self.features else None
+        self._extend_draft(entries, feats, update_state=[e == r.seq_len for r, e in zip(reqs, ends)])
+        self.timings["draft_s"] += time.perf_counter() - start
+        return result
+
+    # ---------------------------------------------------------------- decode
+
+    def decode(self, reqs: Sequence[Req]) -> StepResult:
+        start = time.perf_counter()
+        self.alloc_verify_slots(reqs, [self.num_draft_tokens] * len(reqs))
+        size = self._scratch_size(len(reqs))
+        scratch = self.alloc_kv([0], [size], [0]) if size else None
+        trees = self._draft_trees(reqs, scratch)
+        if scratch is not None:
+            self.runner.allocator.free(scratch)
+        self.timings["draft_s"] += time.perf_counter() - start
+        result, accepts, out = self.verify(reqs, trees)
+        start = time.perf_counter()
+        feats = self._features(out) if self.features else None
+        entries, rows, offset = [], [], 0
+        for r, tree, acc in zip(reqs, trees, accepts):
+            kept = len(acc.path)
+            first = r.kv_len - kept
+            tokens = acc.tokens if self.features else [tree.tokens[n] for n in acc.path]
+            entries.append((r, first, tokens))
+            rows.extend(offset + n for n in acc.path)
+            offset += tree.size
+        hidden = feats[self._tensor(rows)] if feats is not None else None
+        self._extend_draft(entries, hidden, update_state=[True] * len(reqs))
+        self.timings["draft_s"] += time.perf_counter() - start
+        return result
+
+    def _features(self, out: ForwardOutput) -> torch.Tensor:
+        return out.aux_hidden if self.aux_features else out.hidden
+
+    def _extend_draft(self, entries: list[tuple[Req, int, list[int]]], hidden: torch.Tensor | None,
+                      update_state: list[bool]) -> None:
+        """Draft forward over positions [start, start + len(tokens)) of each request, writing draft
+        KV at the target's slots; keeps the next round's first level where asked."""
+        table = self.runner.req_to_token_pool
+        ids, positions, slots, ends, lens, last = [], [], [], [], [], []
+        for r, s, toks in entries:
+            n = len(toks)
+            ids.extend(toks)
+            positions.extend(range(s, s + n))
+            slots.append(table.read(r.req_pool_idx, s + n, start=s))
+            ends.append(s + n)
+            lens.append(n)
+            last.append(len(ids) - 1)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=self._tensor(ids),
+            positions=self._tensor(positions),
+            out_cache_loc=torch.cat(slots),
+            req_pool_indices=self._tensor([r.req_pool_idx for r, _, _ in entries]),
+            seq_lens=self._tensor(ends),
+            seq_lens_cpu=ends,
+            extend_seq_lens_cpu=lens,
+            extend_prefix_lens_cpu=[s for _, s, _ in entries],
+            logits_indices=self._tensor(last),
+        )
+        logits, nxt = self.draft.forward(batch, hidden)
+        if not self.features:
+            return
+        probs, top_ids = torch.softmax(logits, -1).topk(self.topk, dim=-1)
+        top_ids = self.draft.to_target_ids(top_ids)
+        for i, ((r, _, _), keep) in enumerate(zip(entries, update_state)):
+            if keep:
+                r.spec_state = DraftState(probs[i], top_ids[i], nxt[i])
+
+    def _draft_trees(self, reqs: Sequence[Req], scratch: torch.Tensor | None) -> list[DraftTree]:
+        b, k = len(reqs), self.topk
+        roots = [r.output_ids[-1] for r in reqs]
+        kv_lens = self._tensor([r.kv_len for r in reqs])
+        if self.features:
+            probs = torch.stack([r.spec_state.probs for r in reqs])
+            ids = torch.stack([r.spec_state.ids for r in reqs])
+            hidden = torch.stack([r.spec_state.hidden for r in reqs])
+            prefix_lens = kv_lens
+            pos_base = kv_lens - 1  # a node at depth d feeds the draft at position kv_len + d - 1
+        else:
+            probs, ids = self._root_step(reqs, roots)
+            hidden = None
+            prefix_lens = kv_lens + 1  # the root's draft KV (position kv_len) is part of the prefix
+            pos_base = kv_lens
+        scores_l, tokens_l, parents_l = [probs], [ids], [torch.full((b, k), -1, dtype=torch.int64, device=self.device)]
+        depth_l = [torch.ones(k, dtype=torch.int64, device=self.device)]
+        frontier, f_scores, f_tokens = torch.arange(k, device=self.device).expand(b, k), probs, ids
+        f_hidden = hidden.repeat_interleave(k, dim=0) if hidden is not None else None
+        f_path = torch.empty(b * k, 0, dtype=torch.int64, device=self.device)
+        prefix_idx, prefix_ok = self._prefix_indices(reqs, prefix_lens)
+        offset = k
+        for step in range(1, self.steps):
+            own = scratch[(step - 1) * b * k: step * b * k]
+            kv_idx = torch.cat((prefix_idx, f_path, own[:, None]), dim=1)
+            kv_ok = torch.cat((prefix_ok, torch.ones(b * k, step, dtype=torch.bool, device=self.device)), dim=1)
+            batch = ForwardBatch(
+                mode=ForwardMode.DECODE,
+                input_ids=f_tokens.reshape(-1),
+                positions=(pos_base + step).repeat_interleave(k),
+                out_cache_loc=own,
+                req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]).repeat_interleave(k),
+                seq_lens=kv_ok.sum(1),
+                seq_lens_cpu=[0] * (b * k),
+                kv_indices=kv_idx,
+                kv_mask=kv_ok,
+            )
+            logits, nxt = self.draft.forward(batch, f_hidden)
+            p, c = torch.softmax(logits, -1).topk(k, dim=-1)
+            c = self.draft.to_target_ids(c)
+            child_scores = (f_scores[:, :, None] * p.view(b, k, k)).reshape(b, k * k)
+            child_tokens = c.view(b, k * k)
+            scores_l.append(child_scores)
+            tokens_l.append(child_tokens)
+            parents_l.append(frontier[:, :, None].expand(b, k, k).reshape(b, k * k))
+            depth_l.append(torch.full((k * k,), step + 1, dtype=torch.int64, device=self.device))
+            sel = child_scores.topk(k, dim=-1).indices
+            frontier = offset + sel
+            offset += k * k
+            f_scores, f_tokens = child_scores.gather(1, sel), child_tokens.gather(1, sel)
+            parent_rows = (sel // k + torch.arange(b, device=self.device)[:, None] * k).reshape(-1)
+            f_hidden = nxt[parent_rows] if nxt is not None and self.features else None
+            f_path = torch.cat((f_path[parent_rows], own[parent_rows][:, None]), dim=1)
+        return select_trees(roots, torch.cat(tokens_l, 1), torch.cat(scores_l, 1), torch.cat(parents_l, 1),
+                            torch.cat(depth_l), self.num_draft_tokens)
+
+    def _root_step(self, reqs: Sequence[Req], roots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """STANDALONE: run the root tokens (slot of position kv_len, allocated for verify)."""
+        table = self.runner.req_to_token_pool
+        kv_lens = [r.kv_len for r in reqs]
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=self._tensor(roots),
+            positions=self._tensor(kv_lens),
+            out_cache_loc=torch.cat([table.read(r.req_pool_idx, r.kv_len + 1, start=r.kv_len) for r in reqs]),
+            req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
+            seq_lens=self._tensor([n + 1 for n in kv_lens]),
+            seq_lens_cpu=[n + 1 for n in kv_lens],
+        )
+        logits, _ = self.draft.forward(batch, None)
+        probs, ids = torch.softmax(logits, -1).topk(self.topk, dim=-1)
+        return probs, self.draft.to_target_ids(ids)
+
+    def _prefix_indices(self, reqs: Sequence[Req], lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per branch row (topk per request): the request's prefix slots, padded, and validity."""
+        width = int(lens.max())
+        table = self.runner.req_to_token_pool.req_to_token
+        idx = table[self._tensor([r.req_pool_idx for r in reqs]), :width].to(torch.int64)
+        ok = torch.arange(width, device=self.device)[None, :] < lens[:, None]
+        return idx.repeat_interleave(self.topk, 0), ok.repeat_interleave(self.topk, 0)

@@ -1,0 +1,168 @@
+"""Verification: which draft tokens the target accepts, and the bonus token after them.
+
+Greedy requests accept the longest root-to-node path whose tokens equal the target's argmax at
+each parent, then emit the argmax at the last accepted node.
+
+Sampled requests use exact tree rejection sampling with drafts treated as deterministic
+proposals (SGLang's target-only rule): at each level one uniform u is compared with the running
+sum of the target probabilities of the children tried so far, in order; the first child with
+u <= sum / threshold_acc (or with probability >= threshold_single) is accepted and the walk goes
+down to it. If none is, the emitted token is drawn from the target distribution with the tried
+children removed. With both thresholds at 1.0 this is an inverse-CDF draw from the target at
+every level, so every emitted token follows the target distribution exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from spec_engine.layers.sampler import filtered_probs, inverse_cdf, request_uniform
+from spec_engine.request import Req
+from spec_engine.speculative.tree import DraftTree
+
+# Uniform streams of a request (stream 0 is plain sampling).
+ACCEPT_STREAM = 1
+RESIDUAL_STREAM = 2
+
+
+@dataclass
+class Acceptance:
+    path: list[int]          # accepted nodes, root first
+    tokens: list[int]        # emitted tokens: the accepted drafts, then the bonus token
+    rows: list[int]          # verify row whose distribution produced each emitted token
+
+
+def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) -> torch.Tensor:
+    """Dense target distributions per row (temperature, top-k, top-p, min-p applied, renormalised)."""
+    vocab = logits.shape[-1]
+    temps, ks, ps, mins, filtered = [], [], [], [], []
+    for row, i in enumerate(row_req):
+        sp = reqs[i].sampling_params
+        temps.append(sp.temperature if sp.temperature > 0 else 1.0)
+        k = vocab if sp.top_k < 0 else min(sp.top_k, vocab)
+        ks.append(k)
+        ps.append(sp.top_p)
+        mins.append(sp.min_p)
+        if k < vocab or sp.top_p < 1.0 or sp.min_p > 0.0:
+            filtered.append(row)
+    device = logits.device
+    probs = torch.softmax(logits / torch.tensor(temps, device=device)[:, None], -1)
+    if filtered:
+        rows = torch.tensor(filtered, device=device)
+        kept, ids = filtered_probs(probs[rows], torch.tensor(ks, device=device)[rows],
+                                   torch.tensor(ps, device=device)[rows], torch.tensor(mins, device=device)[rows])
+        dense = torch.zeros_like(probs[rows]).scatter_(1, ids, kept)
+        probs[rows] = dense / dense.sum(-1, keepdim=True)
+    return probs
+
+
+def verify_trees(logits: torch.Tensor, trees: Sequence[DraftTree], reqs: Sequence[Req],
+                 banned: Sequence[Sequence[list[int]]], threshold_single: float = 1.0,
+                 threshold_acc: float = 1.0) -> list[Acceptance]:
+    """Walk each request's tree against the target logits ([sum of tree sizes, vocab], float32).
+
+    banned[i][d]: tokens request i may not emit at depth d (EOS/stop ids before min_new_tokens).
+    """
+    offsets, row_req = [], []
+    for i, tree in enumerate(trees):
+        offsets.append(len(row_req))
+        row_req.extend([i] * tree.size)
+    masked = logits
+    ban_rows, ban_ids = [], []
+    for i, tree in enumerate(trees):
+        for node, depth in enumerate(tree.depths):
+            if depth < len(banned[i]):
+                ban_rows.extend([offsets[i] + node] * len(banned[i][depth]))
+                ban_ids.extend(banned[i][depth])
+    if ban_rows:
+        masked = logits.index_put((torch.tensor(ban_rows, device=logits.device), torch.tensor(ban_ids, device=logits.device)),
+                                  torch.tensor(float("-inf"), device=logits.device))
+    greedy = [r.sampling_params.is_greedy for r in reqs]
+    argmax = masked.argmax(-1).tolist()
+    probs = target_probs(masked, reqs, row_req) if not all(greedy) else None
+    out = []
+    for i, tree in enumerate(trees):
+        if greedy[i]:
+            out.append(_walk_greedy(tree, argmax, offsets[i]))
+        else:
+            out.append(_walk_sampled(tree, probs, offsets[i], reqs[i], threshold_single, threshold_acc))
+    return out
+
+
+def _walk_greedy(tree: DraftTree, argmax: list[int], offset: int) -> Acceptance:
+    kids = tree.children()
+    node, path, tokens, rows = 0, [0], [], []
+    while True:
+        best = argmax[offset + node]
+        tokens.append(best)
+        rows.append(offset + node)
+        match = next((k for k in kids[node] if tree.tokens[k] == best), None)
+        if match is None:
+            return Acceptance(path, tokens, rows)
+        path.append(match)
+        node = match
+
+
+def _walk_sampled(tree: DraftTree, probs: torch.Tensor, offset: int, req: Req, threshold_single: float,
+                  threshold_acc: float) -> Acceptance:
+    kids = tree.children()
+    node, path, tokens, rows = 0, [0], [], []
+    level = len(req.output_ids)
+    while True:
+        row = offset + node
+        child_tokens = [tree.tokens[k] for k in kids[node]]
+        child_probs = probs[row, child_tokens].tolist() if child_tokens else []
+        u = request_uniform(req.seed, level, ACCEPT_STREAM)
+        acc, accepted = 0.0, None
+        for k, p in zip(kids[node], child_probs):
+            acc += p
+            if u <= acc / threshold_acc or p >= threshold_single:
+                accepted = k
+                break
+        rows.append(row)
+        if accepted is None:
+            residual = probs[row].clone()
+            if child_tokens:
+                residual[child_tokens] = 0.0
+            if residual.sum() <= 0:  # every token was a rejected child: only with thresholds < 1
+                residual = probs[row]
+            uniform = torch.tensor([request_uniform(req.seed, level, RESIDUAL_STREAM)], dtype=torch.float64,
+                                   device=probs.device)
+            tokens.append(int(inverse_cdf(residual[None], uniform)[0]))
+            return Acceptance(path, tokens, rows)
+        tokens.append(tree.tokens[accepted])
+        path.append(accepted)
+        node = accepted
+        level += 1
+
+
+def emitted_logprobs(logits: torch.Tensor, reqs: Sequence[Req], accepts: Sequence[Acceptance],
+                     want: Sequence[bool], top_nums: Sequence[int]) -> tuple[Optional[list[list[float]]],
+                                                                            Optional[list[list[list[tuple[float, int]]]]]]:
+    """Target log-softmax at the request's temperature of every emitted token (and top-k)."""
+    if not any(want) and not any(top_nums):
+        return None, None
+    rows, temps, toks = [], [], []
+    for req, acc in zip(reqs, accepts):
+        t = req.sampling_params.temperature
+        rows.extend(acc.rows)
+        temps.extend([t if t > 0 else 1.0] * len(acc.rows))
+        toks.extend(acc.tokens)
+    device = logits.device
+    logp = torch.log_softmax(logits[torch.tensor(rows, device=device)] / torch.tensor(temps, device=device)[:, None], -1)
+    chosen = logp.gather(1, torch.tensor(toks, device=device)[:, None]).squeeze(1).tolist()
+    k = max(top_nums)
+    top = None
+    if k:
+        vals, ids = logp.topk(k, dim=-1)
+        top = list(zip(vals.tolist(), ids.tolist()))
+    lps, tops, start = [], [], 0
+    for req, acc, w, n in zip(reqs, accepts, want, top_nums):
+        end = start + len(acc.tokens)
+        lps.append(chosen[start:end] if w else [])
+        tops.append([list(zip(v[:n], i[:n])) for v, i in top[start:end]] if top is not None and n else [])
+        start = end
+    return (lps if any(want) else None), (tops if any(top_nums) else None)
