@@ -235,6 +235,14 @@ def resolve_speculative(args: EngineArgs, target: "ModelConfig", draft: Optional
                                speculative_num_draft_tokens=tokens)
 
 
+def speculative_positions(args: EngineArgs) -> int:
+    """Positions past a request's last token that a speculative step may touch (verify tokens,
+    and draft steps one further for a STANDALONE draft)."""
+    if args.speculative_algorithm is None:
+        return 0
+    return max(args.speculative_num_draft_tokens, (args.speculative_num_steps or 0) + 1)
+
+
 def _check_draft(algo: str, target: "ModelConfig", draft: "ModelConfig", context_len: int) -> None:
     expected = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}.get(algo)
     if expected is not None and draft.architecture != expected:

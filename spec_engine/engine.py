@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 import torch
 
 import spec_engine
-from spec_engine.config import EngineArgs, resolve_auto, resolve_speculative
+from spec_engine.config import EngineArgs, resolve_auto, resolve_speculative, speculative_positions
 from spec_engine.layers.sampler import derive_seed
 from spec_engine.model_config import ModelConfig
 from spec_engine.model_runner import ModelRunner, context_length
@@ -92,7 +92,7 @@ class Engine:
         draft_config = ModelConfig.from_pretrained(draft_path) if draft_path is not None else None
         self.args = resolve_speculative(args, self.model_config, draft_config, context_length(self.model_config, args))
         self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(self.args.tokenizer_path, self.args.chat_template)
-        self.runner = ModelRunner(self.model_config, self.args, extra_positions=self.args.speculative_num_draft_tokens or 0)
+        self.runner = ModelRunner(self.model_config, self.args, extra_positions=speculative_positions(self.args))
         self.context_len = self.runner.context_len
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -324,7 +324,10 @@ class Engine:
             raise ValueError("sampling_params.stop (strings) needs a tokenizer, but the engine runs with "
                              "--skip-tokenizer-init; use stop_token_ids")
         n = len(ids)
-        limit = min(self.context_len, self.runner.max_total_tokens)
+        page = self.args.page_size
+        # A decode step may hold draft tokens past the request's own sequence.
+        pool = self.runner.max_total_tokens - self.scheduler.worker.decode_headroom()
+        limit = min(self.context_len, pool // page * page)
         if n >= limit:
             raise ValueError(f"the prompt has {n} tokens, which does not fit the context length {self.context_len}"
                              f" / KV cache of {self.runner.max_total_tokens} tokens; shorten it")
@@ -333,10 +336,10 @@ class Engine:
         if n + sp.max_new_tokens > self.context_len:
             raise ValueError(f"max_new_tokens={sp.max_new_tokens} with a {n}-token prompt exceeds the context length "
                              f"{self.context_len}; lower max_new_tokens to at most {self.context_len - n}")
-        page = self.args.page_size
         need = -(-(n + sp.max_new_tokens) // page) * page
-        if need > self.runner.max_total_tokens:
-            raise ValueError(f"the request needs {need} KV tokens but the KV cache holds {self.runner.max_total_tokens}; "
+        if need > pool:
+            raise ValueError(f"the request needs {need} KV tokens (plus {self.runner.max_total_tokens - pool} for "
+                             f"speculative drafts) but the KV cache holds {self.runner.max_total_tokens}; "
                              "lower max_new_tokens, or raise --max-total-tokens / --mem-fraction-static")
         return sp
 

@@ -169,15 +169,17 @@ class Scheduler:
             if self.req_to_token.available_size() == 0:
                 break
             prefix, node = self.tree_cache.match_prefix(req.fill_ids[:-1])
+            if self.worker.prefix_backoff and len(prefix):
+                prefix, node = self.tree_cache.match_prefix(req.fill_ids[: len(prefix) - self.worker.prefix_backoff])
             prefix_len = len(prefix)
-            cacheable = (req.seq_len - 1) // self.page_size * self.page_size
+            cacheable = (req.seq_len - 1) // self.page_size * self.page_size - self.worker.prefix_backoff
             if prefix_len < cacheable and tuple(req.origin_input_ids) in prompts_in_batch:
                 continue  # an identical prompt is being prefilled: reuse its KV next step
             extend = req.seq_len - prefix_len
             future = min(req.max_new_tokens() - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
             # Locking the matched prefix takes it out of the evictable room as well.
             need = (self.allocator.pages_needed([prefix_len], [req.seq_len]) * self.page_size
-                    + future * self.new_token_ratio + self.tree_cache.unlocked_len(node))
+                    + future * self.new_token_ratio + self.tree_cache.unlocked_len(node) + self.worker.decode_headroom())
             if need > rem_tokens and (batch or self.running):
                 break
             n = min(extend, budget) if self.chunking else extend
@@ -210,7 +212,7 @@ class Scheduler:
         prompt of the request being prefilled in chunks."""
         reqs = self.running + ([self.chunked] if self.chunked is not None else [])
         future = sum(min(r.max_new_tokens() - len(r.output_ids), CLIP_MAX_NEW_TOKENS) for r in reqs)
-        reserved = future * self.new_token_ratio
+        reserved = future * self.new_token_ratio + self.worker.decode_headroom() * len(reqs)
         if self.chunked is not None:
             r = self.chunked
             reserved += self.allocator.pages_needed([r.kv_len], [r.seq_len]) * self.page_size

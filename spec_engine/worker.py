@@ -47,6 +47,15 @@ class ModelWorker:
         """KV tokens (whole pages) the next decode step of `reqs` will allocate."""
         return self.page_size * sum(1 for r in reqs if r.kv_len % self.page_size == 0)
 
+    def decode_headroom(self) -> int:
+        """KV tokens a request may hold during a decode step beyond its own sequence (drafts)."""
+        return 0
+
+    @property
+    def prefix_backoff(self) -> int:
+        """Tokens to recompute at the end of a cached prefix (0: the cache is exact)."""
+        return 0
+
     def prefill(self, reqs: Sequence[Req]) -> StepResult:
         """Compute KV for each request's next `extend_len` tokens; sample where the prompt ends."""
         return self._prefill(reqs)[0]

@@ -34,6 +34,10 @@ class SpecWorker(ModelWorker):
         self.timings = {"draft_s": 0.0, "verify_s": 0.0, "bookkeeping_s": 0.0}
         self.verify_steps = 0
 
+    def decode_headroom(self) -> int:
+        # Verify slots past the last token, plus a page of rounding.
+        return self.num_draft_tokens + self.page_size
+
     def verify_kv_demand(self, reqs: Sequence[Req], sizes: Sequence[int]) -> int:
         starts = [r.kv_len for r in reqs]
         return self.page_size * self.runner.allocator.pages_needed(starts, [s + n for s, n in zip(starts, sizes)])

@@ -49,6 +49,10 @@ class DraftRunner:
         self.token_map = token_map
         if token_map is not None:
             self.hot_ids = _load_token_map(token_map, config.vocab_size).to(self.device)
+        if self.hot_ids is not None and self.hot_ids.unique().numel() != self.hot_ids.numel():
+            # Two draft ids for one target token would make sibling drafts repeat a token.
+            raise ValueError("the draft vocabulary maps two ids to one target token (a repeated id in "
+                             "--speculative-token-map, or in the EAGLE-3 draft's d2t); ids must be unique")
         self.refresh_head()
         # An MTP draft is one layer of the target's shape (every other draft is all of its config).
         layers = 1 if kind == "MTP" else self.config.num_hidden_layers

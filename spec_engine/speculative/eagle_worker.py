@@ -61,6 +61,16 @@ class EagleWorker(SpecWorker):
     def _scratch_size(self, batch: int) -> int:
         return (self.steps - 1) * batch * self.topk
 
+    def decode_headroom(self) -> int:
+        # Verify slots and this request's share of the draft scratch (each rounded to a page).
+        return super().decode_headroom() + self._scratch_size(1) + self.page_size
+
+    @property
+    def prefix_backoff(self) -> int:
+        # A feature draft's KV at position p depends on token p + 1, which a cached prefix does
+        # not key: recompute the cached prefix's last page so that position is this request's.
+        return self.page_size if self.features else 0
+
     def decode_kv_demand(self, reqs: Sequence[Req]) -> int:
         scratch = -(-self._scratch_size(len(reqs)) // self.page_size) * self.page_size
         return self.verify_kv_demand(reqs, [self.num_draft_tokens] * len(reqs)) + scratch

@@ -123,12 +123,15 @@ def _walk_sampled(tree: DraftTree, probs: torch.Tensor, offset: int, req: Req, t
                 accepted = k
                 break
         rows.append(row)
+        residual = None
         if accepted is None:
             residual = probs[row].clone()
             if child_tokens:
                 residual[child_tokens] = 0.0
-            if residual.sum() <= 0:  # every token was a rejected child: only with thresholds < 1
-                residual = probs[row]
+            if residual.sum() <= 0:
+                # The children hold all the mass and u only passed their float sum by rounding.
+                accepted = kids[node][-1]
+        if accepted is None:
             uniform = torch.tensor([request_uniform(req.seed, level, RESIDUAL_STREAM)], dtype=torch.float64,
                                    device=probs.device)
             tokens.append(int(inverse_cdf(residual[None], uniform)[0]))
