@@ -1,14 +1,16 @@
 """torch_native attention: PyTorch SDPA over K/V gathered from the paged pool (CPU and CUDA).
 
-Decode gathers every request's K/V into one padded [batch, max_len] block (padding points at
-the zeroed dummy slot and is masked) and runs a single SDPA call, with each KV head's query
-group laid along the query axis so grouped-query attention needs no K/V repetition. Extend
-and verify loop over requests, since their query lengths differ.
+Decode steps, verify steps and other short extends gather every request's K/V into one padded
+[batch, max_len] block (padding points at the zeroed dummy slot and is masked) and run a single
+SDPA call, with each KV head's query group laid along the query axis so grouped-query attention
+needs no K/V repetition. Long prefills loop over requests, since their query lengths differ
+widely and a padded score block would be large.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,13 +21,25 @@ from spec_engine.forward_batch import ForwardBatch
 if TYPE_CHECKING:
     from spec_engine.layers.attention import Attention
 
+# Extends whose every request adds at most this many tokens take the padded batched path.
+SHORT_EXTEND = 32
+
+
+@dataclass
+class _Padded:
+    batch: int
+    queries: int                     # padded queries per request
+    kv_idx: torch.Tensor             # [B * L] slots (0 where invalid)
+    mask: torch.Tensor               # [B, Q, L] bool
+    q_rows: Optional[torch.Tensor]   # [B * Q] flat token row of each padded query (None: identity)
+    out_rows: Optional[torch.Tensor]  # [T] padded position of each flat token (None: identity)
+
 
 class TorchNativeBackend(AttentionBackend):
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._decode_idx: torch.Tensor
-        self._decode_mask: torch.Tensor
-        self._extend_meta: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        self._padded: Optional[_Padded] = None
+        self._extend_meta: list[tuple[int, int, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = batch.req_to_token_pool.req_to_token
@@ -36,26 +50,44 @@ class TorchNativeBackend(AttentionBackend):
                 max_len = max(batch.seq_lens_cpu)
                 idx = table[batch.req_pool_indices, :max_len].to(torch.int64)
                 valid = torch.arange(max_len, device=self.device)[None, :] < batch.seq_lens[:, None]
-            self._decode_idx = idx.masked_fill(~valid, 0).view(-1)
-            self._decode_mask = valid[:, None, None, :]
+            self._padded = _Padded(batch.batch_size, 1, idx.masked_fill(~valid, 0).view(-1), valid[:, None, :], None, None)
             return
+        q_lens = batch.extend_seq_lens_cpu
+        if batch.batch_size > 1 and max(q_lens) <= SHORT_EXTEND:
+            self._padded = self._short_extend(batch, table)
+            return
+        self._padded = None
         # Per request: (query start, query length, KV slots or None to use the new K/V, mask).
         meta = []
         start = 0
         rows = batch.req_pool_indices.tolist()
-        for i, (row, kv_len, q_len) in enumerate(zip(rows, batch.seq_lens_cpu, batch.extend_seq_lens_cpu)):
-            prefix = kv_len - q_len
+        for i, (row, kv_len, q_len) in enumerate(zip(rows, batch.seq_lens_cpu, q_lens)):
             custom = batch.custom_masks[i] if batch.custom_masks is not None else None
-            if prefix == 0 and custom is None:
+            if kv_len == q_len and custom is None:
                 meta.append((start, q_len, None, None))
             else:
-                slots = table[row, :kv_len].to(torch.int64)
-                if custom is None:
-                    q_pos = torch.arange(prefix, kv_len, device=self.device)[:, None]
-                    custom = torch.arange(kv_len, device=self.device)[None, :] <= q_pos
-                meta.append((start, q_len, slots, custom))
+                meta.append((start, q_len, table[row, :kv_len].to(torch.int64), custom if custom is not None
+                             else _causal(kv_len - q_len, kv_len, self.device)))
             start += q_len
         self._extend_meta = meta
+
+    def _short_extend(self, batch: ForwardBatch, table: torch.Tensor) -> _Padded:
+        b, q_lens, kv_lens = batch.batch_size, batch.extend_seq_lens_cpu, batch.seq_lens_cpu
+        q_max, kv_max = max(q_lens), max(kv_lens)
+        idx = table[batch.req_pool_indices, :kv_max].to(torch.int64)
+        mask = torch.zeros(b, q_max, kv_max, dtype=torch.bool, device=self.device)
+        q_rows, out_rows, start = [], [], 0
+        for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+            m = batch.custom_masks[i] if batch.custom_masks is not None else _causal(kv_len - q_len, kv_len, self.device)
+            mask[i, :q_len, :kv_len] = m
+            mask[i, q_len:, :kv_len] = m[0]  # padded queries: any valid row; their output is dropped
+            q_rows.extend(range(start, start + q_len))
+            q_rows.extend([start] * (q_max - q_len))
+            out_rows.extend(range(i * q_max, i * q_max + q_len))
+            start += q_len
+        valid = mask.any(1)
+        return _Padded(b, q_max, idx.masked_fill(~valid, 0).view(-1), mask,
+                       torch.tensor(q_rows, device=self.device), torch.tensor(out_rows, device=self.device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
                 batch: ForwardBatch) -> torch.Tensor:
@@ -64,15 +96,8 @@ class TorchNativeBackend(AttentionBackend):
         k = k.view(-1, nkv, hd)
         v = v.view(-1, nkv, hd)
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        if batch.mode.is_decode():
-            bs = batch.batch_size
-            # index_select: several times faster than advanced indexing on CPU.
-            k_all = pool.k_buffer[layer.layer_id].index_select(0, self._decode_idx).view(bs, -1, nkv, hd).transpose(1, 2)
-            v_all = pool.v_buffer[layer.layer_id].index_select(0, self._decode_idx).view(bs, -1, nkv, hd).transpose(1, 2)
-            qg = q.view(bs, nkv, nh // nkv, hd).to(k_all.dtype)
-            out = F.scaled_dot_product_attention(qg, k_all, v_all, attn_mask=self._decode_mask, scale=layer.scaling)
-            return out.reshape(bs, nh * hd).to(q.dtype)
-
+        if self._padded is not None:
+            return self._forward_padded(q, layer, pool)
         q = q.view(-1, nh, hd)
         out = torch.empty_like(q)
         for start, q_len, slots, mask in self._extend_meta:
@@ -82,8 +107,34 @@ class TorchNativeBackend(AttentionBackend):
                 vi = v[start:start + q_len].transpose(0, 1)
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=True)
             else:
+                # index_select: several times faster than advanced indexing on CPU.
                 ki = pool.k_buffer[layer.layer_id].index_select(0, slots).transpose(0, 1).to(q.dtype)
                 vi = pool.v_buffer[layer.layer_id].index_select(0, slots).transpose(0, 1).to(q.dtype)
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
             out[start:start + q_len] = oi.transpose(0, 1)
         return out.view(-1, nh * hd)
+
+    def _forward_padded(self, q: torch.Tensor, layer: "Attention", pool) -> torch.Tensor:
+        p = self._padded
+        nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        group = nh // nkv
+        b, nq = p.batch, p.queries
+        k_all = pool.k_buffer[layer.layer_id].index_select(0, p.kv_idx).view(b, -1, nkv, hd).transpose(1, 2)
+        v_all = pool.v_buffer[layer.layer_id].index_select(0, p.kv_idx).view(b, -1, nkv, hd).transpose(1, 2)
+        q = q.view(-1, nh, hd)
+        if p.q_rows is not None:
+            q = q.index_select(0, p.q_rows)
+        # Query heads of one KV head side by side along the query axis: [B, nkv, group * Q, hd].
+        qg = q.view(b, nq, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, group * nq, hd).to(k_all.dtype)
+        mask = p.mask[:, None].expand(b, group, nq, -1).reshape(b, 1, group * nq, -1)
+        out = F.scaled_dot_product_attention(qg, k_all, v_all, attn_mask=mask, scale=layer.scaling)
+        out = out.view(b, nkv, group, nq, hd).permute(0, 3, 1, 2, 4).reshape(b * nq, nh * hd)
+        if p.out_rows is not None:
+            out = out.index_select(0, p.out_rows)
+        return out.to(q.dtype)
+
+
+def _causal(prefix: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """[kv_len - prefix, kv_len] bool: query i (at position prefix + i) sees keys 0..prefix + i."""
+    q_pos = torch.arange(prefix, kv_len, device=device)[:, None]
+    return torch.arange(kv_len, device=device)[None, :] <= q_pos
