@@ -163,7 +163,7 @@ def emitted_logprobs(logits: torch.Tensor, reqs: Sequence[Req], accepts: Sequenc
         vals, ids = logp.topk(k, dim=-1)
         top = list(zip(vals.tolist(), ids.tolist()))
     lps, tops, start = [], [], 0
-    for req, acc, w, n in zip(reqs, accepts, want, top_nums):
+    for acc, w, n in zip(accepts, want, top_nums):
         end = start + len(acc.tokens)
         lps.append(chosen[start:end] if w else [])
         tops.append([list(zip(v[:n], i[:n])) for v, i in top[start:end]] if top is not None and n else [])
