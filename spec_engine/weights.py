@@ -28,7 +28,6 @@ class WeightSlot:
     param: Optional[str]                      # parameter name in the model; None: accepted, not used here
     shape: tuple[int, ...]                    # expected Hugging Face tensor shape
     rows: Optional[tuple[int, int]] = None    # row range inside a fused parameter
-    transposed: bool = False                  # parameter stores the tensor transposed
     optional: bool = False                    # may be absent from a checkpoint (tied head)
     integer: bool = False                     # an index table (EAGLE-3's d2t), not a float weight
 
@@ -120,8 +119,6 @@ def copy_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
                 continue
             target = params[slot.param]
             touched_storages.add(target.untyped_storage().data_ptr())
-            if slot.transposed:
-                target = target.t()
             if slot.rows is not None:
                 target = target[slot.rows[0]:slot.rows[1]]
             target.copy_(tensor)

@@ -15,8 +15,8 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
     def tie_to(self, head: Linear) -> None:
-        """Share the head's storage (the embedding becomes a [vocab, hidden] view of it)."""
-        self.weight = nn.Parameter(head.weight_t.t(), requires_grad=False)
+        """Share the head's weight (both are [vocab, hidden])."""
+        self.weight = head.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)

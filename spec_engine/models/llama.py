@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         spec = {
             "model.embed_tokens.weight": WeightSlot("model.embed_tokens.weight", (c.vocab_size, h)),
             "model.norm.weight": WeightSlot("model.norm.weight", (h,)),
-            "lm_head.weight": WeightSlot("lm_head.weight_t", (c.vocab_size, h), transposed=True,
+            "lm_head.weight": WeightSlot("lm_head.weight", (c.vocab_size, h),
                                          optional=c.tie_word_embeddings),
         }
         for i in range(c.num_hidden_layers):
@@ -175,21 +175,20 @@ def decoder_layer_spec(c: ModelConfig, src: str, dst: str, attn_in: Optional[int
     attn, mlp = dst + "self_attn.", dst + "mlp."
     spec: dict[str, WeightSlot] = {}
     for name, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
-        spec[f"{src}self_attn.{name}.weight"] = WeightSlot(attn + "qkv_proj.weight_t", (rows[1] - rows[0], d_in), rows,
-                                                           transposed=True)
+        spec[f"{src}self_attn.{name}.weight"] = WeightSlot(attn + "qkv_proj.weight", (rows[1] - rows[0], d_in), rows)
         if c.qkv_bias:
             spec[f"{src}self_attn.{name}.bias"] = WeightSlot(attn + "qkv_proj.bias", (rows[1] - rows[0],), rows)
-    spec[f"{src}self_attn.o_proj.weight"] = WeightSlot(attn + "o_proj.weight_t", (h, q), transposed=True)
+    spec[f"{src}self_attn.o_proj.weight"] = WeightSlot(attn + "o_proj.weight", (h, q))
     if c.o_bias:
         spec[f"{src}self_attn.o_proj.bias"] = WeightSlot(attn + "o_proj.bias", (h,))
     if c.qk_norm:
         spec[f"{src}self_attn.q_norm.weight"] = WeightSlot(attn + "q_norm.weight", (c.head_dim,))
         spec[f"{src}self_attn.k_norm.weight"] = WeightSlot(attn + "k_norm.weight", (c.head_dim,))
     for name, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
-        spec[f"{src}mlp.{name}.weight"] = WeightSlot(mlp + "gate_up_proj.weight_t", (inter, h), rows, transposed=True)
+        spec[f"{src}mlp.{name}.weight"] = WeightSlot(mlp + "gate_up_proj.weight", (inter, h), rows)
         if c.mlp_bias:
             spec[f"{src}mlp.{name}.bias"] = WeightSlot(mlp + "gate_up_proj.bias", (inter,), rows)
-    spec[f"{src}mlp.down_proj.weight"] = WeightSlot(mlp + "down_proj.weight_t", (h, inter), transposed=True)
+    spec[f"{src}mlp.down_proj.weight"] = WeightSlot(mlp + "down_proj.weight", (h, inter))
     if c.mlp_bias:
         spec[f"{src}mlp.down_proj.bias"] = WeightSlot(mlp + "down_proj.bias", (h,))
     if input_norm:
@@ -205,5 +204,5 @@ def mtp_layer_spec(c: ModelConfig, index: int, dst: str) -> dict[str, WeightSlot
     spec = decoder_layer_spec(c, src, dst + "block.")
     for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
         spec[f"{src}{norm}.weight"] = WeightSlot(f"{dst}{norm}.weight", (h,))
-    spec[f"{src}input_proj.weight"] = WeightSlot(f"{dst}input_proj.weight_t", (h, 2 * h), transposed=True)
+    spec[f"{src}input_proj.weight"] = WeightSlot(f"{dst}input_proj.weight", (h, 2 * h))
     return spec

@@ -43,7 +43,7 @@ class LlamaForCausalLMEagle(nn.Module):
         c = self.config
         h = c.hidden_size
         spec = {
-            "fc.weight": WeightSlot("fc.weight_t", (h, 2 * h), transposed=True),
+            "fc.weight": WeightSlot("fc.weight", (h, 2 * h)),
             "fc.bias": WeightSlot("fc.bias", (h,)),
             # Frozen copies of the target's tensors that EAGLE checkpoints ship; the target's are used.
             "embed_tokens.weight": WeightSlot(None, (c.vocab_size, h), optional=True),

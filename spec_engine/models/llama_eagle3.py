@@ -81,7 +81,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         spec = decoder_layer_spec(c, "midlayer.", "midlayer.", attn_in=2 * h)
         spec.update({
             "midlayer.hidden_norm.weight": WeightSlot("midlayer.hidden_norm.weight", (h,)),
-            "fc.weight": WeightSlot("fc.weight_t", (h, 3 * target_h), transposed=True),
+            "fc.weight": WeightSlot("fc.weight", (h, 3 * target_h)),
             "norm.weight": WeightSlot("norm.weight", (h,)),
             "embed_tokens.weight": WeightSlot(None, (c.vocab_size, h), optional=True),
         })
@@ -89,7 +89,7 @@ class LlamaForCausalLMEagle3(nn.Module):
             spec["fc.bias"] = WeightSlot("fc.bias", (h,))
         if self.draft_vocab_size is not None:
             vd = self.draft_vocab_size
-            spec["lm_head.weight"] = WeightSlot("lm_head.weight_t", (vd, h), transposed=True)
+            spec["lm_head.weight"] = WeightSlot("lm_head.weight", (vd, h))
             spec["d2t"] = WeightSlot("d2t", (vd,), integer=True)
             spec["t2d"] = WeightSlot(None, (c.vocab_size,), optional=True, integer=True)
         return spec

@@ -66,7 +66,7 @@ class DraftRunner:
             return
         hot = Linear(self.config.hidden_size, len(self.hot_ids))
         with torch.no_grad():
-            hot.weight_t.data = self.target.model.lm_head.weight_t.detach()[:, self.hot_ids].contiguous()
+            hot.weight.data = self.target.model.lm_head.weight.detach()[self.hot_ids].contiguous()
         hot.refresh_derived()
         self.head = hot
 
