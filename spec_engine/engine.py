@@ -13,27 +13,24 @@ import dataclasses
 import logging
 import queue
 import threading
-import uuid
+import time
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
 import torch
 
 import spec_engine
 from spec_engine.config import EngineArgs, resolve_auto, resolve_speculative, speculative_positions
-from spec_engine.layers.sampler import derive_seed
 from spec_engine.model_config import ModelConfig
 from spec_engine.model_runner import ModelRunner, context_length
+from spec_engine.inputs import InputIds, Params, Prompt, RequestBuilder
 from spec_engine.outputs import Delivery, RequestOutput
 from spec_engine.request import Req
-from spec_engine.sampling_params import SamplingParams
 from spec_engine.scheduler import Scheduler
 from spec_engine.tokenizer import load_tokenizer
+from spec_engine.weights import FlattenedBucket
+from spec_engine.weight_updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
-
-Prompt = Union[str, list[str], None]
-InputIds = Union[list[int], list[list[int]], None]
-Params = Union[dict[str, Any], list[dict[str, Any]], None]
 
 _STOP = object()
 _POLL_S = 1.0  # how often a waiting caller checks that the scheduler thread is alive
@@ -99,8 +96,11 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         decode_tail = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
         self.scheduler = Scheduler(self.args, self.runner, frozenset(eos), decode_tail)
+        self.inputs = RequestBuilder(self.tokenizer, self.model_config.vocab_size, self.context_len,
+                                     self.runner.max_total_tokens, self.scheduler.worker.decode_headroom(),
+                                     self.args.page_size, self.args.random_seed)
+        self.updater = WeightUpdater(self.runner, getattr(self.scheduler.worker, "draft", None))
         self.weight_version = self.args.weight_version
-        self._submitted = 0  # requests submitted so far: the default per-request seed index
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -190,8 +190,106 @@ class Engine:
         if not self._closed:  # after shutdown every request has been aborted already
             self._post(lambda: self.scheduler.abort(rid, message))
 
+    # ------------------------------------------------------------ weights and memory
+
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: Optional[str] = None, flush_cache: bool = True,
+                                   weight_version: Optional[str] = None) -> dict[str, Any]:
+        """Load Hugging Face-named tensors (target, MTP layers, or `draft.`-prefixed external
+        draft tensors). named_tensors: a list of (name, tensor) pairs, a dict, or with
+        load_format="flattened_bucket" FlattenedBucket objects / their dicts (one per dtype).
+        Tensors may also be torch.multiprocessing reduce_tensor handles (CUDA IPC)."""
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
+        if load_format == "flattened_bucket":
+            buckets = named_tensors if isinstance(named_tensors, list) else [named_tensors]
+            items = [pair for b in buckets for pair in
+                     (b if isinstance(b, FlattenedBucket) else FlattenedBucket.from_dict(b)).unpack()]
+        else:
+            items = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
+        return self._update_weights(lambda: self.updater.apply(items), flush_cache, weight_version)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "gloo") -> dict[str, Any]:
+        """Join the trainer's process group (the trainer is rank 0) for update_weights_from_distributed."""
+        self._call(lambda: self.updater.init_group(master_address, master_port, rank_offset, world_size,
+                                                   group_name, backend))
+        return {"success": True, "message": f"joined {group_name!r} as rank {rank_offset} of {world_size}"}
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        weight_version: Optional[str] = None) -> dict[str, Any]:
+        """Receive one broadcast per named tensor from the group's rank 0, then load them."""
+        return self._update_weights(lambda: self.updater.from_distributed(names, dtypes, shapes, group_name),
+                                    flush_cache, weight_version)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None, component: str = "target",
+                                 flush_cache: bool = True) -> dict[str, Any]:
+        """Load a Hugging Face checkpoint: into the target (and its MTP layers), or with
+        component="draft" into the external draft."""
+        return self._update_weights(lambda: self.updater.from_disk(model_path, component), flush_cache, weight_version)
+
+    def _update_weights(self, load: Callable[[], int], flush_cache: bool, weight_version: Optional[str]) -> dict[str, Any]:
+        def run() -> dict[str, Any]:
+            if self.updater.weights_released:
+                raise ValueError("weights are released; call resume_memory_occupation first")
+            start = time.perf_counter()
+            received = load()
+            self.scheduler.weights_changed(flush=flush_cache)
+            if weight_version is not None:
+                self.weight_version = weight_version
+            return {"success": True, "bytes": received, "seconds": time.perf_counter() - start,
+                    "weight_version": self.weight_version}
+
+        return self._call(run)
+
+    def get_weights_checksum(self, names: Optional[list[str]] = None) -> dict[str, str]:
+        """SHA-256 of each named tensor as the engine holds it (see weights.tensor_checksum)."""
+        return self._call(lambda: self.updater.checksums(names))
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating: abort (end requests), retract (re-queue them) or in_place (keep them)."""
+        self._call(lambda: self.scheduler.pause(mode))
+
+    def continue_generation(self) -> None:
+        self._call(lambda: setattr(self.scheduler, "paused", False))
+
+    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Free weights and/or the KV cache (tags "weights", "kv_cache", "cuda_graph"; all by
+        default) until resume_memory_occupation; generation waits meanwhile."""
+        self._call(lambda: self._release(_check_tags(tags)))
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        self._call(lambda: self._resume(_check_tags(tags)))
+
+    def _release(self, tags: set[str]) -> None:
+        s = self.scheduler
+        if "kv_cache" in tags and "kv_cache" not in s.released:
+            if s.running or s.chunked:
+                raise ValueError("cannot release the KV cache while requests hold it; pause_generation with mode "
+                                 "'retract' or 'abort' first")
+            s.tree_cache.evict(s.tree_cache.total_size())
+            s.tree_cache.reset()
+            for pool in self._kv_pools():
+                pool.release()
+        if "weights" in tags:
+            self.updater.release_weights()
+        s.released |= tags
+
+    def _resume(self, tags: set[str]) -> None:
+        s = self.scheduler
+        if "kv_cache" in tags and "kv_cache" in s.released:
+            for pool in self._kv_pools():
+                pool.allocate()
+        if "weights" in tags:
+            self.updater.resume_weights()
+        s.released -= tags
+
+    def _kv_pools(self) -> list:
+        draft = getattr(self.scheduler.worker, "draft", None)
+        return [self.runner.kv_pool] + ([draft.kv_pool] if draft is not None else [])
+
     def flush_cache(self) -> bool:
-        """Drop the prefix cache. Refused (False) while requests are queued or running."""
+        """Drop the prefix cache. Refused (False) while requests are queued or running, unless paused."""
         return self._call(self.scheduler.flush_cache)
 
     def get_server_info(self) -> dict[str, Any]:
@@ -247,109 +345,10 @@ class Engine:
 
     # ------------------------------------------------------------ requests
 
-    def _make_requests(self, prompt: Prompt, input_ids: InputIds, sampling_params: Params, return_logprob: bool,
-                       top_logprobs_num: int, rid: Union[str, list[str], None], stream: bool) -> tuple[list[Req], bool]:
-        """Validate a call and expand it into requests (n per prompt); raises ValueError naming the field."""
+    def _make_requests(self, *args: Any) -> tuple[list[Req], bool]:
         if self._closed:
             raise RuntimeError("engine is shut down")
-        ids_list, single = self._tokenize(prompt, input_ids)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(ids_list):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(ids_list)} prompts")
-            params = [SamplingParams.from_dict(p) for p in sampling_params]
-        else:
-            params = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
-        if not isinstance(return_logprob, bool):
-            raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
-        if (isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int)
-                or not 0 <= top_logprobs_num <= self.model_config.vocab_size):
-            raise ValueError(f"top_logprobs_num must be an integer in [0, vocab size], got {top_logprobs_num!r}")
-        if not isinstance(stream, bool):
-            raise ValueError(f"stream must be true or false, got {stream!r}")
-        rids = self._rids(rid, len(ids_list))
-        params = [self._check_request(ids, sp) for ids, sp in zip(ids_list, params)]
-        reqs = []
-        for ids, sp, base_rid in zip(ids_list, params, rids):
-            for i in range(sp.n):
-                if sp.sampling_seed is not None:
-                    seed = derive_seed(sp.sampling_seed, i)
-                else:
-                    seed = derive_seed(self.args.random_seed, self._submitted)
-                    self._submitted += 1
-                reqs.append(Req(
-                    rid=base_rid if sp.n == 1 else f"{base_rid}-{i}",
-                    parent_rid=None if sp.n == 1 else base_rid,
-                    origin_input_ids=list(ids),
-                    sampling_params=sp,
-                    seed=seed,
-                    return_logprob=return_logprob,
-                    # As in SGLang, top log-probs come only with return_logprob.
-                    top_logprobs_num=top_logprobs_num if return_logprob else 0,
-                    stream=stream,
-                ))
-        return reqs, single and len(reqs) == 1
-
-    def _tokenize(self, prompt: Prompt, input_ids: InputIds) -> tuple[list[list[int]], bool]:
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt (text) or input_ids")
-        vocab = self.model_config.vocab_size
-        if prompt is not None:
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer, but the engine runs with --skip-tokenizer-init; send input_ids")
-            single = isinstance(prompt, str)
-            prompts = [prompt] if single else prompt
-            if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-                raise ValueError("prompt must be a string or a non-empty list of strings")
-            if any(p == "" for p in prompts):
-                raise ValueError("prompt is empty; give at least one token of text")
-            return [self.tokenizer(p)["input_ids"] for p in prompts], single
-        if not isinstance(input_ids, list) or not input_ids:
-            raise ValueError("input_ids must be a non-empty list of token ids (or a list of such lists)")
-        single = not isinstance(input_ids[0], list)
-        batch = [input_ids] if single else input_ids
-        for ids in batch:
-            if not isinstance(ids, list) or not ids:
-                raise ValueError("input_ids is empty; give at least one token id")
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise ValueError(f"input_ids must hold integers, got {t!r}")
-                if not 0 <= t < vocab:
-                    raise ValueError(f"input_ids has token id {t}, outside the vocabulary [0, {vocab})")
-        return batch, single
-
-    def _check_request(self, ids: list[int], sp: SamplingParams) -> SamplingParams:
-        """Refuse what the engine cannot serve; resolve max_new_tokens=None to what fits."""
-        sp.check_vocab(self.model_config.vocab_size)
-        if sp.stop and self.tokenizer is None:
-            raise ValueError("sampling_params.stop (strings) needs a tokenizer, but the engine runs with "
-                             "--skip-tokenizer-init; use stop_token_ids")
-        n = len(ids)
-        page = self.args.page_size
-        # A decode step may hold draft tokens past the request's own sequence.
-        pool = self.runner.max_total_tokens - self.scheduler.worker.decode_headroom()
-        limit = min(self.context_len, pool // page * page)
-        if n >= limit:
-            raise ValueError(f"the prompt has {n} tokens, which does not fit the context length {self.context_len}"
-                             f" / KV cache of {self.runner.max_total_tokens} tokens; shorten it")
-        if sp.max_new_tokens is None:
-            sp = dataclasses.replace(sp, max_new_tokens=limit - n)
-        if n + sp.max_new_tokens > self.context_len:
-            raise ValueError(f"max_new_tokens={sp.max_new_tokens} with a {n}-token prompt exceeds the context length "
-                             f"{self.context_len}; lower max_new_tokens to at most {self.context_len - n}")
-        need = -(-(n + sp.max_new_tokens) // page) * page
-        if need > pool:
-            raise ValueError(f"the request needs {need} KV tokens (plus {self.runner.max_total_tokens - pool} for "
-                             f"speculative drafts) but the KV cache holds {self.runner.max_total_tokens}; "
-                             "lower max_new_tokens, or raise --max-total-tokens / --mem-fraction-static")
-        return sp
-
-    def _rids(self, rid: Union[str, list[str], None], count: int) -> list[str]:
-        if rid is None:
-            return [uuid.uuid4().hex for _ in range(count)]
-        rids = [rid] if isinstance(rid, str) else rid
-        if not isinstance(rids, list) or len(rids) != count or not all(isinstance(r, str) for r in rids):
-            raise ValueError(f"rid must be a string per prompt ({count} expected), got {rid!r}")
-        return rids
+        return self.inputs.build(*args)
 
     def _submit(self, reqs: list[Req], channel: _Channel) -> list[RequestOutput]:
         for index, req in enumerate(reqs):
@@ -418,3 +417,15 @@ class Engine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return True
+
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def _check_tags(tags: Optional[list[str]]) -> set[str]:
+    if tags is None:
+        return set(MEMORY_TAGS)
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}; use {', '.join(MEMORY_TAGS)}")
+    return set(tags)

@@ -6,6 +6,7 @@ Bad requests get HTTP 400 with a message naming the field; the engine keeps serv
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 import uuid
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 
 from spec_engine.engine import Engine
 from spec_engine.openai_protocol import ChatCompletionRequest, CompletionRequest
+from spec_engine.weights import deserialize_tensors
 
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num", "stream", "rid",
                   "return_text_in_logprobs"}
@@ -115,6 +117,68 @@ def create_app(engine: Engine) -> FastAPI:
             return [_logprob_text(engine, o, with_text) for o in out]
         return _logprob_text(engine, out, with_text)
 
+    # ---------------------------------------------------------------- weights and memory
+
+    async def control(request: Request, method, keys: tuple[str, ...], convert=None):
+        body = await _json_body(request)
+        unknown = set(body) - set(keys)
+        if unknown:
+            raise BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: {list(keys)}")
+        if convert is not None:
+            body = convert(body)
+        try:
+            inspect.signature(method).bind(**body)
+        except TypeError as e:  # a required field is missing
+            raise BadRequest(str(e)) from None
+        result = await asyncio.to_thread(method, **body)
+        return result if isinstance(result, dict) else {"success": True}
+
+    def tensors_from_text(body: dict) -> dict:
+        if "serialized_named_tensors" not in body:
+            raise BadRequest("serialized_named_tensors is required (weights.serialize_tensors output)")
+        body["named_tensors"] = deserialize_tensors(body.pop("serialized_named_tensors"))
+        return body
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        return await control(request, engine.update_weights_from_tensor,
+                             ("serialized_named_tensors", "load_format", "flush_cache", "weight_version"), tensors_from_text)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        return await control(request, engine.init_weights_update_group,
+                             ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        return await control(request, engine.update_weights_from_distributed,
+                             ("names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        return await control(request, engine.update_weights_from_disk,
+                             ("model_path", "weight_version", "component", "flush_cache"))
+
+    @app.post("/get_weights_checksum")
+    async def get_weights_checksum(request: Request):
+        return await control(request, engine.get_weights_checksum, ("names",))
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        return await control(request, engine.pause_generation, ("mode",))
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        return await control(request, engine.continue_generation, ())
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request):
+        return await control(request, engine.release_memory_occupation, ("tags",))
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request):
+        return await control(request, engine.resume_memory_occupation, ("tags",))
+
     # ---------------------------------------------------------------- OpenAI-compatible
 
     model_name = engine.args.served_model_name
@@ -210,6 +274,8 @@ def _error(message: str, request: Request, status: int = 400) -> JSONResponse:
 
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
+    if not raw.strip():
+        return {}
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as e:

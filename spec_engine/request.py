@@ -33,6 +33,8 @@ class Req:
     kv_len: int = 0
     prefix_len: int = 0
     last_node: Any = None
+    # The scheduler's weight epoch when this request's KV was computed (stale KV is not cached).
+    kv_epoch: int = 0
     cached_tokens: int = 0
     # Tokens this request still has to prefill before it can decode (chunked prefill).
     extend_len: int = 0

@@ -61,6 +61,11 @@ class Scheduler:
         self.last_gen_throughput = 0.0
         self.spec_verify_ct = 0   # verify passes, engine-wide
         self.spec_emitted = 0     # tokens those passes emitted
+        # Generation stops while paused (pause_generation) or while memory is released.
+        self.paused = False
+        self.released: set[str] = set()
+        # Bumped when weights change and cached KV is dropped; KV from an older epoch is never shared.
+        self.weight_epoch = 0
 
     # ------------------------------------------------------------ public
 
@@ -68,7 +73,37 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
+        """Whether step() has anything to do (never while paused or with memory released)."""
+        return not (self.paused or self.released) and self._has_requests()
+
+    def _has_requests(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
+
+    def pause(self, mode: str) -> None:
+        """Stop generating. abort: end every request; retract: put running requests back in the
+        queue (their KV released, recomputed on resume); in_place: keep them and their KV."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        if mode == "abort":
+            self.abort_all("generation paused with mode 'abort'")
+        elif mode == "retract":
+            active = self._active_reqs()
+            for req in active:
+                self._release_kv(req)
+                req.retractions += 1
+            self.running, self.chunked = [], None
+            self.waiting.extendleft(reversed(active))
+        self.paused = True
+
+    def weights_changed(self, flush: bool) -> None:
+        """New weights are in: with `flush`, cached prefixes stop being served (KV that running
+        requests hold stays theirs, but is never shared again)."""
+        if flush:
+            self.weight_epoch += 1
+            self.tree_cache.invalidate()
+
+    def _release_kv(self, req: Req) -> None:
+        self.tree_cache.cache_finished_req(req, insert=req.kv_epoch == self.weight_epoch)
 
     def step(self) -> None:
         batch = self._schedule_prefill()
@@ -113,12 +148,17 @@ class Scheduler:
             self._notify(req, True)
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache; refused (False) while any request is queued or running."""
-        if self.has_work():
-            return False
-        self.tree_cache.evict(self.tree_cache.total_size())
-        self.tree_cache.reset()
-        return True
+        """Drop the prefix cache; refused (False) while requests are queued or running, unless
+        generation is paused."""
+        if not self._has_requests():
+            self.tree_cache.evict(self.tree_cache.total_size())
+            self.tree_cache.reset()
+            return True
+        if self.paused:
+            self.weight_epoch += 1
+            self.tree_cache.invalidate()
+            return True
+        return False
 
     def alloc_kv(self, starts: Sequence[int], ends: Sequence[int], last_slots: Sequence[int]) -> torch.Tensor:
         short = self.allocator.pages_needed(starts, ends) * self.page_size - self.allocator.available_size()
@@ -186,6 +226,7 @@ class Scheduler:
             if not self.chunking and extend > budget and batch:
                 break
             self.tree_cache.inc_lock_ref(node)
+            req.kv_epoch = self.weight_epoch
             req.req_pool_idx = self.req_to_token.alloc()
             self.req_to_token.write(req.req_pool_idx, 0, prefix)
             req.prefix_len = req.kv_len = prefix_len
@@ -222,7 +263,7 @@ class Scheduler:
         finished_prefill = []
         for req, tokens in zip(batch, result.tokens):
             # Share the computed prompt pages at once (chunk by chunk for long prompts).
-            self.tree_cache.cache_unfinished_req(req)
+            self.tree_cache.cache_unfinished_req(req, insert=req.kv_epoch == self.weight_epoch)
             if tokens:
                 finished_prefill.append(req)
                 self.running.append(req)
@@ -249,7 +290,7 @@ class Scheduler:
                 self.running.remove(victim)
             else:
                 raise RuntimeError("a single request does not fit in the KV cache; admission should have refused it")
-            self.tree_cache.cache_finished_req(victim)
+            self._release_kv(victim)
             victim.retractions += 1
             retracted.append(victim)
         if retracted:
@@ -286,7 +327,7 @@ class Scheduler:
                 self.spec_emitted += emitted
             if req.finished:
                 self._trim_kv(req)
-                self.tree_cache.cache_finished_req(req)
+                self._release_kv(req)
                 self._notify(req, True)
             elif req.stream and len(req.output_ids) - req.delivered >= self.args.stream_interval:
                 self._notify(req, False)
@@ -315,7 +356,7 @@ class Scheduler:
     def _finish_abort(self, req: Req, message: str) -> None:
         req.finished_reason = {"type": "abort", "message": message}
         if req.req_pool_idx is not None:
-            self.tree_cache.cache_finished_req(req)
+            self._release_kv(req)
         if req is self.chunked:
             self.chunked = None
         self.running = [r for r in self.running if r is not req]

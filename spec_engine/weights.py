@@ -8,8 +8,12 @@ any (`copy_weights`), so a bad request leaves the model unchanged.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import json
 import os
+import pickle
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
@@ -30,6 +34,14 @@ class WeightSlot:
     rows: Optional[tuple[int, int]] = None    # row range inside a fused parameter
     optional: bool = False                    # may be absent from a checkpoint (tied head)
     integer: bool = False                     # an index table (EAGLE-3's d2t), not a float weight
+
+
+def weight_spec(model: nn.Module) -> dict[str, WeightSlot]:
+    """The model's hf_weight_spec(), built once (it depends on the config only)."""
+    spec = model.__dict__.get("_hf_weight_spec")
+    if spec is None:
+        spec = model.__dict__["_hf_weight_spec"] = model.hf_weight_spec()
+    return spec
 
 
 def safetensors_files(model_path: str) -> list[str]:
@@ -70,7 +82,7 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
     With `only_known`, tensors the model does not name are skipped: a module that lives inside
     a larger checkpoint (MiMo's MTP draft) takes just its own.
     """
-    spec = model.hf_weight_spec()
+    spec = weight_spec(model)
     keep = (lambda name: name in spec) if only_known else (lambda name: True)
     check_weights(model, (m for m in safetensors_metadata(model_path) if keep(m[0])), require_all=True)
     copy_weights(model, ((n, t) for n, t in iterate_safetensors(model_path) if keep(n)))
@@ -82,7 +94,7 @@ def check_weights(model: nn.Module, metadata: Iterable[tuple[str, tuple[int, ...
 
     With `require_all`, every non-optional name of the model's spec must be present.
     """
-    spec: dict[str, WeightSlot] = model.hf_weight_spec()
+    spec = weight_spec(model)
     seen = set()
     for name, shape, dtype in metadata:
         if name.endswith(_IGNORED_SUFFIXES):
@@ -106,7 +118,7 @@ def check_weights(model: nn.Module, metadata: Iterable[tuple[str, tuple[int, ...
 
 def copy_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """Copy already-checked Hugging Face-named tensors into the model; returns the names."""
-    spec: dict[str, WeightSlot] = model.hf_weight_spec()
+    spec = weight_spec(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = []
     touched_storages = set()
@@ -137,3 +149,110 @@ def refresh_derived(model: nn.Module, storages: Optional[set[int]] = None) -> No
             continue
         if storages is None or any(p.untyped_storage().data_ptr() in storages for p in module.parameters(recurse=False)):
             refresh()
+
+
+def hf_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """The model's current value of a Hugging Face-named tensor (a view, in the model's dtype)."""
+    slot = weight_spec(model)[name]
+    param = dict(model.named_parameters(remove_duplicate=False))[slot.param]
+    return param.detach() if slot.rows is None else param.detach()[slot.rows[0]:slot.rows[1]]
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (contiguous, little-endian, its own dtype): compare with the
+    checksum of what was sent, cast to the engine's dtype."""
+    data = tensor.detach().contiguous().cpu()
+    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class FlatMeta:
+    name: str
+    shape: tuple[int, ...]
+    start: int   # element range in the bucket's flat tensor
+    end: int
+
+
+@dataclass
+class FlattenedBucket:
+    """Many tensors of one dtype sent as one flat tensor plus (name, shape, range) metadata:
+    one large transfer instead of many small ones (SGLang's "flattened_bucket" load format)."""
+
+    flat: torch.Tensor
+    metadata: list[FlatMeta]
+
+    @classmethod
+    def pack(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list["FlattenedBucket"]:
+        """One bucket per dtype."""
+        groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for name, tensor in named_tensors:
+            groups.setdefault(tensor.dtype, []).append((name, tensor))
+        buckets = []
+        for items in groups.values():
+            metadata, start = [], 0
+            for name, tensor in items:
+                metadata.append(FlatMeta(name, tuple(tensor.shape), start, start + tensor.numel()))
+                start += tensor.numel()
+            buckets.append(cls(torch.cat([t.reshape(-1) for _, t in items]), metadata))
+        return buckets
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "FlattenedBucket":
+        """From {"flattened_tensor": tensor, "metadata": [{name, shape, start_idx, end_idx}, ...]}."""
+        try:
+            flat = data["flattened_tensor"]
+            metadata = [FlatMeta(str(m["name"]), tuple(int(d) for d in m["shape"]), int(m["start_idx"]), int(m["end_idx"]))
+                        for m in data["metadata"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"a flattened bucket needs 'flattened_tensor' and 'metadata' entries with name, shape, "
+                             f"start_idx, end_idx ({e!r})") from None
+        return cls(flat, metadata)
+
+    def to_dict(self) -> dict:
+        return {"flattened_tensor": self.flat,
+                "metadata": [{"name": m.name, "shape": list(m.shape), "start_idx": m.start, "end_idx": m.end}
+                             for m in self.metadata]}
+
+    def unpack(self) -> list[tuple[str, torch.Tensor]]:
+        """Views into the flat tensor; a range past its end or not matching the shape is refused."""
+        if not isinstance(self.flat, torch.Tensor) or self.flat.dim() != 1:
+            raise ValueError("a flattened bucket's tensor must be 1-D")
+        out = []
+        for m in self.metadata:
+            numel = 1
+            for d in m.shape:
+                numel *= d
+            if m.end - m.start != numel or m.start < 0:
+                raise ValueError(f"bucket entry {m.name!r}: range [{m.start}, {m.end}) does not hold shape {m.shape}")
+            if m.end > self.flat.numel():
+                raise ValueError(f"bucket entry {m.name!r} ends at {m.end} but the bucket holds {self.flat.numel()} "
+                                 "elements (truncated bucket)")
+            out.append((m.name, self.flat[m.start:m.end].view(m.shape)))
+        return out
+
+
+def materialize(value) -> torch.Tensor:
+    """A tensor, or one shared by another process: the (rebuild function, args) pair that
+    torch.multiprocessing.reductions.reduce_tensor makes (CUDA IPC handles, CPU shared memory)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, tuple) and len(value) == 2 and callable(value[0]):
+        rebuilt = value[0](*value[1])
+        if isinstance(rebuilt, torch.Tensor):
+            return rebuilt
+    raise ValueError(f"expected a tensor (or a reduce_tensor handle), got {type(value).__name__}")
+
+
+def serialize_tensors(payload) -> str:
+    """Tensors (a list of (name, tensor), or bucket dicts) as base64 text for HTTP."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def deserialize_tensors(text: str):
+    """The inverse of serialize_tensors; loads tensors and plain containers only (weights_only)."""
+    try:
+        return torch.load(io.BytesIO(base64.b64decode(text, validate=True)), map_location="cpu", weights_only=True)
+    except (ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise ValueError(f"serialized_named_tensors could not be decoded ({e}); send serialize_tensors' output") from None

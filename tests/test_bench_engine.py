@@ -31,3 +31,13 @@ def test_bench_rollout_script_runs(tmp_path):
     assert {r["algorithm"] for r in results} == {"baseline", "eagle", "eagle3", "mtp", "standalone-self", "ngram"}
     self_draft = next(r for r in results if r["algorithm"] == "standalone-self")
     assert self_draft["accept_length"] > 3.0 and set(self_draft["ms_per_step"]) == {"draft", "verify", "bookkeeping"}
+
+
+def test_bench_weight_sync_script_runs(tmp_path):
+    out_json = tmp_path / "ws.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_weight_sync", "--hidden-size", "64", "--num-layers", "2", "--vocab-size",
+         "512", "--repeats", "1", "--json", str(out_json)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    paths = {r["path"] for r in json.loads(out_json.read_text())["results"]}
+    assert paths == {"memcpy", "tensor", "flattened_bucket", "ipc_handles", "distributed_gloo", "disk", "cpu_repack_only"}

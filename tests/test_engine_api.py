@@ -92,7 +92,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_recovers(engine, where
     owner = engine.scheduler.worker if where == "forward" else engine.scheduler.tree_cache
     name = "prefill" if where == "forward" else "cache_unfinished_req"
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError(f"injected failure in {where}")
 
     setattr(owner, name, broken)

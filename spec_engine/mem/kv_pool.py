@@ -18,13 +18,21 @@ class KVPool:
         self.page_size = page_size
         self.dtype = dtype
         self.device = device
-        shape = (num_tokens + page_size, num_kv_heads, head_dim)
+        self.shape = (num_tokens + page_size, num_kv_heads, head_dim)
+        self.num_layers = num_layers
+        self.allocate()
+
+    def allocate(self) -> None:
         # torch.empty: slots are always written before they are read, and on CPU an untouched
         # allocation costs no RAM, so a generous pool is free until it is used.
-        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffer = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_buffer = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         for buf in self.k_buffer + self.v_buffer:
-            buf[:page_size].zero_()
+            buf[:self.page_size].zero_()
+
+    def release(self) -> None:
+        """Free the buffers (resume_memory_occupation calls allocate again)."""
+        self.k_buffer, self.v_buffer = [], []
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))

@@ -52,8 +52,20 @@ class RadixCache:
     def reset(self) -> None:
         self.root = TreeNode()
         self.root.lock_ref = 1
+        # Trees made unmatchable by invalidate() while requests still held some of their nodes.
+        self._stale_roots: list[TreeNode] = []
         self._evictable = 0
         self._protected = 0
+
+    def invalidate(self) -> None:
+        """Stop serving every cached prefix (the weights changed): unlocked entries are freed now,
+        entries still locked by requests are freed once those requests let go of them."""
+        if self.disable:
+            return
+        self._stale_roots.append(self.root)
+        self.root = TreeNode()
+        self.root.lock_ref = 1
+        self.evict(self._evictable)
 
     def evictable_size(self) -> int:
         return self._evictable
@@ -105,7 +117,7 @@ class RadixCache:
         return node, matched, values
 
     def inc_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
@@ -115,14 +127,14 @@ class RadixCache:
     def unlocked_len(self, node: TreeNode) -> int:
         """Tokens on the path to `node` that are evictable now (what locking it would protect)."""
         total = 0
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 total += len(node.key)
             node = node.parent
         return total
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 1:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
@@ -144,15 +156,17 @@ class RadixCache:
             self._evictable -= len(leaf.key)
             parent = leaf.parent
             del parent.children[self._edge(leaf.key)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, parent)
+        self._stale_roots = [r for r in self._stale_roots if r.children]
         return freed
 
     # ------------------------------------------------------------ request-level
 
-    def cache_unfinished_req(self, req: "Req") -> None:
-        """Move the request's computed whole pages into the tree and lock them for it."""
-        if self.disable:
+    def cache_unfinished_req(self, req: "Req", insert: bool = True) -> None:
+        """Move the request's computed whole pages into the tree and lock them for it (not when
+        `insert` is False: KV computed with weights that have since changed is not shared)."""
+        if self.disable or not insert:
             return
         aligned = req.kv_len // self.page_size * self.page_size
         if aligned <= req.prefix_len:
@@ -168,12 +182,16 @@ class RadixCache:
         self.dec_lock_ref(req.last_node)
         req.prefix_len, req.last_node = aligned, node
 
-    def cache_finished_req(self, req: "Req") -> None:
-        """Release a request's KV: whole pages go to the tree (unlocked), the rest is freed."""
+    def cache_finished_req(self, req: "Req", insert: bool = True) -> None:
+        """Release a request's KV: whole pages go to the tree (unlocked), the rest is freed.
+        With `insert` False (stale KV) nothing new enters the tree."""
         row = req.req_pool_idx
         slots = self.req_to_token.read(row, req.kv_len)
         if self.disable:
             self.allocator.free(slots)
+        elif not insert:
+            self.allocator.free(slots[req.prefix_len:])
+            self.dec_lock_ref(req.last_node)
         else:
             aligned = req.kv_len // self.page_size * self.page_size
             already = self.insert(req.fill_ids[:aligned], slots[:aligned])
@@ -208,9 +226,9 @@ class RadixCache:
         return mid
 
     def _nodes(self):
-        stack = [self.root]
+        stack = [self.root, *self._stale_roots]
         while stack:
             node = stack.pop()
-            if node is not self.root:
+            if node.parent is not None:
                 yield node
             stack.extend(node.children.values())

@@ -45,30 +45,28 @@ class DraftRunner:
             self.embed = target.model.model.embed_tokens
             own = self.model.draft_head() if kind == "EAGLE3" else None
             self.head = own if own is not None else target.model.lm_head
-        self.hot_ids = self.model.hot_token_ids() if kind == "EAGLE3" else None
-        self.token_map = token_map
-        if token_map is not None:
-            self.hot_ids = _load_token_map(token_map, config.vocab_size).to(self.device)
-        if self.hot_ids is not None and self.hot_ids.unique().numel() != self.hot_ids.numel():
-            # Two draft ids for one target token would make sibling drafts repeat a token.
-            raise ValueError("the draft vocabulary maps two ids to one target token (a repeated id in "
-                             "--speculative-token-map, or in the EAGLE-3 draft's d2t); ids must be unique")
-        self.refresh_head()
+        self.token_map = _load_token_map(token_map, config.vocab_size).to(self.device) if token_map is not None else None
+        self.refresh()
         # An MTP draft is one layer of the target's shape (every other draft is all of its config).
         layers = 1 if kind == "MTP" else self.config.num_hidden_layers
         self.kv_pool = KVPool(target.max_total_tokens, target.args.page_size, layers,
                               self.config.num_key_value_heads, self.config.head_dim, self.dtype, self.device)
         self.attn_backend = TorchNativeBackend(self.device)
 
-    def refresh_head(self) -> None:
-        """Rebuild the FR-Spec head (hot columns of the target head); call after target updates."""
-        if self.token_map is None:
-            return
-        hot = Linear(self.config.hidden_size, len(self.hot_ids))
-        with torch.no_grad():
+    def refresh(self) -> None:
+        """Rebuild what derives from weights outside the draft model: the id map (EAGLE-3's d2t)
+        and the FR-Spec head (hot rows of the target head). Call after any weight change."""
+        self.hot_ids = self.token_map if self.token_map is not None else (
+            self.model.hot_token_ids() if self.kind == "EAGLE3" else None)
+        if self.hot_ids is not None and self.hot_ids.unique().numel() != self.hot_ids.numel():
+            # Two draft ids for one target token would make sibling drafts repeat a token.
+            raise ValueError("the draft vocabulary maps two ids to one target token (a repeated id in "
+                             "--speculative-token-map, or in the EAGLE-3 draft's d2t); ids must be unique")
+        if self.token_map is not None:
+            hot = Linear(self.config.hidden_size, len(self.hot_ids))
             hot.weight.data = self.target.model.lm_head.weight.detach()[self.hot_ids].contiguous()
-        hot.refresh_derived()
-        self.head = hot
+            hot.refresh_derived()
+            self.head = hot
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,208 @@
+"""WeightUpdater: new weights into a running engine — target and draft, from tensors, a
+torch.distributed broadcast, or disk — plus checksums and memory release/resume of weights.
+
+Names are Hugging Face names. The target's go to the target; MiMo's `model.mtp_layers.*` go
+to the MTP draft; an external draft (EAGLE, EAGLE-3, STANDALONE) is addressed with a `draft.`
+prefix on its own checkpoint names (e.g. `draft.fc.weight`), or with `component="draft"` on
+disk updates. EAGLE-2 and MTP drafts use the target's embedding and head tensors themselves, so
+a target update reaches them; derived copies (CPU-packed weights, the FR-Spec head, EAGLE-3's
+id map) are rebuilt after every update. Every tensor of a request is checked (known name,
+shape, dtype) before any is copied: a bad request leaves all weights as they were.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spec_engine.model_runner import ModelRunner
+from spec_engine.weights import (check_weights, copy_weights, hf_tensor, iterate_safetensors, materialize,
+                                 refresh_derived, safetensors_metadata, tensor_checksum, weight_spec)
+
+logger = logging.getLogger(__name__)
+
+DRAFT_PREFIX = "draft."
+GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+class WeightUpdater:
+    def __init__(self, runner: ModelRunner, draft=None) -> None:
+        self.runner = runner
+        self.draft = draft  # a DraftRunner, or None without model-based speculation
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self._backup: Optional[list[tuple[nn.Parameter, torch.Tensor]]] = None
+
+    # ---------------------------------------------------------------- routing
+
+    def _route(self, name: str) -> tuple[Optional[nn.Module], str]:
+        """(the model a Hugging Face name updates, or None if no model uses it; name in that model)."""
+        draft = self.draft
+        if name.startswith(DRAFT_PREFIX):
+            if draft is None or draft.kind == "MTP":
+                raise ValueError(f"weight {name!r}: the engine has no external draft model to update")
+            return draft.model, name[len(DRAFT_PREFIX):]
+        slot = weight_spec(self.runner.model).get(name)
+        if slot is None:
+            raise ValueError(f"unknown weight {name!r} for {self.runner.model_config.architecture}"
+                             f" (address an external draft's tensors as '{DRAFT_PREFIX}<name>')")
+        if slot.param is not None:
+            return self.runner.model, name
+        if draft is not None and draft.kind == "MTP" and name in weight_spec(draft.model):
+            return draft.model, name
+        return None, name  # an MTP layer no draft step uses
+
+    def apply(self, named_tensors: Iterable[tuple[str, object]]) -> int:
+        """Check every tensor, then copy all of them; returns the bytes received."""
+        groups: dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor]]]] = {}
+        received = 0
+        for name, value in named_tensors:
+            if not isinstance(name, str):
+                raise ValueError(f"weight names must be strings, got {name!r}")
+            tensor = materialize(value)
+            received += tensor.numel() * tensor.element_size()
+            model, local = self._route(name)
+            if model is not None:
+                groups.setdefault(id(model), (model, []))[1].append((local, tensor))
+        for model, items in groups.values():
+            check_weights(model, ((n, tuple(t.shape), t.dtype) for n, t in items))
+        for model, items in groups.values():
+            copy_weights(model, items)
+        if self.draft is not None:
+            self.draft.refresh()
+        return received
+
+    # ---------------------------------------------------------------- disk
+
+    def from_disk(self, model_path: str, component: str = "target") -> int:
+        """Load a whole Hugging Face checkpoint into the target (its MTP layers into an MTP
+        draft) or, with component="draft", into the external draft."""
+        meta = list(safetensors_metadata(model_path))
+        if component == "draft":
+            if self.draft is None or self.draft.kind == "MTP":
+                raise ValueError("component='draft': the engine has no external draft model")
+            models = {id(self.draft.model): self.draft.model}
+            routes = {name: (self.draft.model, name) for name, _, _ in meta}
+        elif component == "target":
+            routes = {name: self._route(name) for name, _, _ in meta}
+            models = {id(m): m for m, _ in routes.values() if m is not None}
+            models.setdefault(id(self.runner.model), self.runner.model)
+        else:
+            raise ValueError(f"component must be 'target' or 'draft', got {component!r}")
+        for model in models.values():
+            check_weights(model, [(routes[n][1], s, d) for n, s, d in meta if routes[n][0] is model], require_all=True)
+        received = 0
+        for name, tensor in iterate_safetensors(model_path):
+            model, local = routes[name]
+            if model is not None:
+                copy_weights(model, [(local, tensor)])
+            received += tensor.numel() * tensor.element_size()
+        if self.draft is not None:
+            self.draft.refresh()
+        return received
+
+    # ---------------------------------------------------------------- distributed
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str = "gloo") -> None:
+        """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0)."""
+        if group_name in self.groups:
+            raise ValueError(f"weight update group {group_name!r} exists already")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and self.runner.device.type != "cuda":
+            raise ValueError("backend 'nccl' needs CUDA; use backend 'gloo' on CPU")
+        if not 0 < rank_offset < world_size:
+            raise ValueError(f"rank_offset must be in 1..world_size-1 (the trainer is rank 0), got {rank_offset}")
+        store = dist.PrefixStore(group_name, dist.TCPStore(master_address, master_port, world_size, is_master=False,
+                                                            timeout=GROUP_TIMEOUT))
+        if backend == "gloo":
+            group = dist.ProcessGroupGloo(store, rank_offset, world_size, GROUP_TIMEOUT)
+        else:
+            group = dist.ProcessGroupNCCL(store, rank_offset, world_size)
+        self.groups[group_name] = group
+
+    def from_distributed(self, names: list[str], dtypes: list, shapes: list, group_name: str) -> int:
+        """Receive one broadcast per tensor from rank 0 of the group, then apply them.
+
+        Everything announced is received even if it will be refused, so the trainer's
+        broadcasts never hang; the check happens before anything is copied.
+        """
+        group = self.groups.get(group_name)
+        if group is None:
+            raise ValueError(f"no weight update group {group_name!r}; call init_weights_update_group first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")
+        device = self.runner.device if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else torch.device("cpu")
+        received = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            tensor = torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=device)
+            group.broadcast(tensor, 0).wait()
+            received.append((name, tensor))
+        return self.apply(received)
+
+    # ---------------------------------------------------------------- checksums and memory
+
+    def checksums(self, names: Optional[list[str]] = None) -> dict[str, str]:
+        """SHA-256 per tensor, in the engine's dtype, of the target and draft (see tensor_checksum)."""
+        every = {}
+        for name in weight_spec(self.runner.model):
+            model, local = self._route(name)
+            if model is not None:
+                every[name] = (model, local)
+        if self.draft is not None and self.draft.kind != "MTP":
+            for name, slot in weight_spec(self.draft.model).items():
+                if slot.param is not None:
+                    every[DRAFT_PREFIX + name] = (self.draft.model, name)
+        wanted = list(every) if names is None else names
+        unknown = [n for n in wanted if n not in every]
+        if unknown:
+            raise ValueError(f"no weights named {unknown[:5]}")
+        return {n: tensor_checksum(hf_tensor(*every[n])) for n in wanted}
+
+    def release_weights(self) -> None:
+        """Move every weight out (to host memory on CUDA; kept aside on CPU), leaving empty tensors."""
+        if self._backup is not None:
+            return
+        backup = []
+        for model in self._models():
+            for param in model.parameters():
+                keep = param.data if param.device.type == "cpu" else param.data.to("cpu")
+                backup.append((param, keep))
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            refresh_derived(model)
+        self._backup = backup
+
+    def resume_weights(self) -> None:
+        if self._backup is None:
+            return
+        for param, keep in self._backup:
+            param.data = keep.to(self.runner.device)
+        self._backup = None
+        for model in self._models():
+            refresh_derived(model)
+        if self.draft is not None:
+            self.draft.refresh()
+
+    @property
+    def weights_released(self) -> bool:
+        return self._backup is not None
+
+    def _models(self) -> list[nn.Module]:
+        models = [self.runner.model]
+        if self.draft is not None:
+            models.append(self.draft.model)
+        return models
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name such as 'bfloat16'")
+    return value
