@@ -92,6 +92,13 @@ class EngineArgs:
     speculative_ngram_capacity: int = _opt(10_000_000, "NGRAM: maximum nodes in the n-gram cache (it is cleared when full).")
     # Kernels
     attention_backend: Optional[str] = _opt(None, "Attention kernels (auto: torch_native; flashinfer is not available yet).", choices=ATTENTION_BACKENDS)
+    # CUDA graphs and padding (without CUDA the same sizes and padding run eagerly)
+    cuda_graph_bs: Optional[list[int]] = _opt(None, "Batch sizes to capture, any list (deduplicated and sorted; sizes above --max-running-requests are dropped). A batch runs as the smallest size >= its own, padded. Default: 1..8, then steps of 2 to 32, 4 to 64, 8 to 256, 16 beyond, up to --cuda-graph-max-bs.")
+    cuda_graph_max_bs: Optional[int] = _opt(None, "Largest size of the default capture list (auto: min(--max-running-requests, 256)); larger batches run eagerly.")
+    disable_cuda_graph: bool = _opt(False, "No CUDA graphs and no padding: every batch runs eagerly at its own size.")
+    disable_cuda_graph_padding: bool = _opt(False, "Replay only batches whose size is in the capture list (speculative modes included); others run eagerly.")
+    disable_draft_cuda_graph: bool = _opt(False, "Run the speculative draft stage (draft steps and draft extend) eagerly; the target still uses graphs.")
+    cuda_graph_self_check: bool = _opt(False, "At startup, run every captured size with a padded batch and compare with eager; refuse to start on a mismatch, naming the size and mode.")
     # Weights
     weight_version: str = _opt("default", "Version label of the loaded weights, reported in every response's meta_info.")
     # Logging
@@ -110,6 +117,9 @@ class EngineArgs:
         _check_positive("max_prefill_tokens", self.max_prefill_tokens)
         _check_positive("page_size", self.page_size)
         _check_positive("stream_interval", self.stream_interval)
+        _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=True)
+        for size in self.cuda_graph_bs or ():
+            _check_positive("cuda_graph_bs", size)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size <= 0:
             raise ValueError(f"--chunked-prefill-size must be positive or -1 (disabled), got {self.chunked_prefill_size}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:

@@ -63,3 +63,9 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+
+def causal_mask(prefix: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """[kv_len - prefix, kv_len] bool: query i (at position prefix + i) sees keys 0..prefix + i."""
+    q_pos = torch.arange(prefix, kv_len, device=device)[:, None]
+    return torch.arange(kv_len, device=device)[None, :] <= q_pos

@@ -13,7 +13,8 @@ from torch import nn
 
 from spec_engine.attention.torch_native import TorchNativeBackend
 from spec_engine.config import EngineArgs
-from spec_engine.forward_batch import ForwardBatch
+from spec_engine.forward_batch import ForwardBatch, ForwardMode
+from spec_engine.graph_runner import GraphRunner, SelfCheckBatches, capture_sizes, self_check
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
 from spec_engine.model_config import ModelConfig
@@ -72,6 +73,9 @@ class ModelRunner:
                                                 self.device)
         self.allocator = PageAllocator(self.max_total_tokens, args.page_size, self.device)
         self.attn_backend = TorchNativeBackend(self.device)
+        self.graphs = self._graph_runners()
+        if args.cuda_graph_self_check:
+            self._self_check()
         logger.info("model %s loaded on %s (%s): KV pool of %d tokens, %.1f MiB",
                     model_config.architecture, self.device, args.dtype, self.max_total_tokens,
                     self.kv_pool.nbytes() / 2**20)
@@ -100,8 +104,43 @@ class ModelRunner:
             raise ValueError(f"KV cache would hold only {tokens} tokens; raise --mem-fraction-static or set --max-total-tokens")
         return tokens
 
+    def _graph_runners(self) -> dict[ForwardMode, GraphRunner]:
+        """Target decode, and target verify under speculation (num_draft_tokens per request)."""
+        args = self.args
+        if args.disable_cuda_graph:
+            return {}
+        sizes = capture_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, self.max_running_requests)
+        widths = {ForwardMode.DECODE: 1}
+        if args.speculative_algorithm is not None:
+            widths[ForwardMode.TARGET_VERIFY] = args.speculative_num_draft_tokens
+        logger.info("graph batch sizes: %s%s", sizes, "" if self.device.type == "cuda" else
+                    " (no CUDA: batches are padded to them and run eagerly)")
+        return {mode: GraphRunner(f"target {mode.value}", mode, sizes, width, not args.disable_cuda_graph_padding,
+                                  self.req_to_token_pool.dummy_row, self.device) for mode, width in widths.items()}
+
+    @torch.inference_mode()
+    def _self_check(self) -> None:
+        batches = SelfCheckBatches(self.req_to_token_pool, self.allocator, [self.kv_pool],
+                                   self.model_config.vocab_size, self.device)
+        try:
+            for g in self.graphs.values():
+                self_check(g, lambda b, _: (lambda o: (o.logits, o.hidden))(self._forward(b)),
+                           lambda n, g=g: batches.make(g, n, None), self_check_tolerance(self.dtype))
+        finally:
+            batches.close()
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        g = self.graphs.get(batch.mode)
+        padded = g.pad(batch) if g is not None else None
+        if padded is None:
+            return self._forward(batch)
+        out = self._forward(padded.batch)
+        pick = padded.tokens if batch.capture_hidden else padded.rows
+        return ForwardOutput(padded.rows(out.logits), pick(out.hidden),
+                             None if out.aux_hidden is None else pick(out.aux_hidden))
+
+    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
         batch.kv_pool = self.kv_pool
         batch.req_to_token_pool = self.req_to_token_pool
         batch.attn_backend = self.attn_backend
@@ -113,6 +152,11 @@ class ModelRunner:
         if not batch.capture_hidden:
             hidden, aux = at_rows, (None if aux is None else aux if rows is None else aux[rows])
         return ForwardOutput(logits, hidden, aux)
+
+
+def self_check_tolerance(dtype: torch.dtype) -> float:
+    """Padded and eager runs differ only in reduction order: float32 agrees to ~1e-6."""
+    return 1e-3 if dtype == torch.float32 else 5e-2
 
 
 def context_length(model_config: ModelConfig, args: EngineArgs) -> int:

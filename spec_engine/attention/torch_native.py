@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from spec_engine.attention.base import AttentionBackend
-from spec_engine.forward_batch import ForwardBatch
+from spec_engine.forward_batch import ForwardBatch, causal_mask
 
 if TYPE_CHECKING:
     from spec_engine.layers.attention import Attention
@@ -67,7 +67,7 @@ class TorchNativeBackend(AttentionBackend):
                 meta.append((start, q_len, None, None))
             else:
                 meta.append((start, q_len, table[row, :kv_len].to(torch.int64), custom if custom is not None
-                             else _causal(kv_len - q_len, kv_len, self.device)))
+                             else causal_mask(kv_len - q_len, kv_len, self.device)))
             start += q_len
         self._extend_meta = meta
 
@@ -78,7 +78,7 @@ class TorchNativeBackend(AttentionBackend):
         mask = torch.zeros(b, q_max, kv_max, dtype=torch.bool, device=self.device)
         q_rows, out_rows, start = [], [], 0
         for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-            m = batch.custom_masks[i] if batch.custom_masks is not None else _causal(kv_len - q_len, kv_len, self.device)
+            m = batch.custom_masks[i] if batch.custom_masks is not None else causal_mask(kv_len - q_len, kv_len, self.device)
             mask[i, :q_len, :kv_len] = m
             mask[i, q_len:, :kv_len] = m[0]  # padded queries: any valid row; their output is dropped
             q_rows.extend(range(start, start + q_len))
@@ -133,8 +133,3 @@ class TorchNativeBackend(AttentionBackend):
             out = out.index_select(0, p.out_rows)
         return out.to(q.dtype)
 
-
-def _causal(prefix: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """[kv_len - prefix, kv_len] bool: query i (at position prefix + i) sees keys 0..prefix + i."""
-    q_pos = torch.arange(prefix, kv_len, device=device)[:, None]
-    return torch.arange(kv_len, device=device)[None, :] <= q_pos

@@ -43,12 +43,17 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """Row r holds the KV slot of every token position of the request that owns row r."""
+    """Row r holds the KV slot of every token position of the request that owns row r.
+
+    Row `dummy_row` (after the `size` request rows) is never handed out and stays all zeros:
+    padded batch rows read through it, so they see only the dummy slot 0.
+    """
 
     def __init__(self, size: int, max_context_len: int, device: torch.device) -> None:
         self.size = size
+        self.dummy_row = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
         self.reset()
 
     def reset(self) -> None:

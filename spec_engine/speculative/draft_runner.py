@@ -14,11 +14,12 @@ from typing import Optional
 import torch
 
 from spec_engine.attention.torch_native import TorchNativeBackend
-from spec_engine.forward_batch import ForwardBatch
+from spec_engine.forward_batch import ForwardBatch, ForwardMode
+from spec_engine.graph_runner import GraphRunner, Padded, SelfCheckBatches, capture_sizes, self_check
 from spec_engine.layers.linear import Linear
 from spec_engine.mem.kv_pool import KVPool
 from spec_engine.model_config import ModelConfig
-from spec_engine.model_runner import ModelRunner, build_model
+from spec_engine.model_runner import ModelRunner, build_model, self_check_tolerance
 from spec_engine.models.llama import LlamaForCausalLM
 from spec_engine.models.llama_eagle import LlamaForCausalLMEagle
 from spec_engine.models.llama_eagle3 import LlamaForCausalLMEagle3
@@ -52,6 +53,45 @@ class DraftRunner:
         self.kv_pool = KVPool(target.max_total_tokens, target.args.page_size, layers,
                               self.config.num_key_value_heads, self.config.head_dim, self.dtype, self.device)
         self.attn_backend = TorchNativeBackend(self.device)
+        self.graphs = self._graph_runners()
+        if self.graphs and target.args.cuda_graph_self_check:
+            self._self_check()
+
+    def _graph_runners(self) -> dict[str, GraphRunner]:
+        """Draft steps (topk rows per request, own KV indices), the STANDALONE root step, and
+        the draft extend over a round's accepted tokens (up to steps + 1 per request)."""
+        args = self.target.args
+        if args.disable_cuda_graph or args.disable_draft_cuda_graph:
+            return {}
+        sizes = capture_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, self.target.max_running_requests)
+        specs = {"steps": (ForwardMode.DECODE, args.speculative_eagle_topk),
+                 "extend": (ForwardMode.DRAFT_EXTEND, args.speculative_num_steps + 1)}
+        if not self.uses_features:
+            specs["root"] = (ForwardMode.DECODE, 1)
+        dummy = self.target.req_to_token_pool.dummy_row
+        return {name: GraphRunner(f"draft {name}", mode, sizes, width, not args.disable_cuda_graph_padding, dummy, self.device)
+                for name, (mode, width) in specs.items()}
+
+    def _graph_for(self, batch: ForwardBatch) -> Optional[GraphRunner]:
+        if batch.mode is ForwardMode.DRAFT_EXTEND:
+            return self.graphs.get("extend")
+        if batch.mode is ForwardMode.DECODE:
+            return self.graphs.get("steps" if batch.kv_indices is not None else "root")
+        return None
+
+    @torch.inference_mode()
+    def _self_check(self) -> None:
+        target_dim = self.target.model_config.hidden_size * (3 if self.kind == "EAGLE3" else 1)
+        dims = {"steps": self.config.hidden_size, "extend": target_dim, "root": None}
+        batches = SelfCheckBatches(self.target.req_to_token_pool, self.target.allocator, [self.kv_pool],
+                                   self.config.vocab_size, self.device)
+        try:
+            for name, g in self.graphs.items():
+                dim = dims[name] if self.uses_features else None
+                self_check(g, self._forward, lambda n, g=g, dim=dim, name=name: batches.make(g, n, dim, kv_rows=name == "steps"),
+                           self_check_tolerance(self.dtype))
+        finally:
+            batches.close()
 
     def refresh(self) -> None:
         """Rebuild what derives from weights outside the draft model: the id map (EAGLE-3's d2t)
@@ -72,6 +112,14 @@ class DraftRunner:
     def forward(self, batch: ForwardBatch, hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (draft-vocabulary logits at batch.logits_indices (all rows if None), the
         features for the next draft step at the same rows)."""
+        g = self._graph_for(batch)
+        padded: Optional[Padded] = g.pad(batch, hidden) if g is not None else None
+        if padded is None:
+            return self._forward(batch, hidden)
+        logits, nxt = self._forward(padded.batch, padded.features)
+        return padded.rows(logits), padded.rows(nxt)
+
+    def _forward(self, batch: ForwardBatch, hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         batch.kv_pool = self.kv_pool
         batch.req_to_token_pool = self.target.req_to_token_pool
         batch.attn_backend = self.attn_backend

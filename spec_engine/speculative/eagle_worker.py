@@ -115,7 +115,7 @@ class EagleWorker(SpecWorker):
             rows.extend(offset + n for n in acc.path)
             offset += tree.size
         hidden = feats[self._tensor(rows)] if feats is not None else None
-        self._extend_draft(entries, hidden, update_state=[True] * len(reqs))
+        self._extend_draft(entries, hidden, update_state=[True] * len(reqs), mode=ForwardMode.DRAFT_EXTEND)
         self.timings["draft_s"] += time.perf_counter() - start
         return result
 
@@ -123,9 +123,10 @@ class EagleWorker(SpecWorker):
         return out.aux_hidden if self.aux_features else out.hidden
 
     def _extend_draft(self, entries: list[tuple[Req, int, list[int]]], hidden: torch.Tensor | None,
-                      update_state: list[bool]) -> None:
+                      update_state: list[bool], mode: ForwardMode = ForwardMode.EXTEND) -> None:
         """Draft forward over positions [start, start + len(tokens)) of each request, writing draft
-        KV at the target's slots; keeps the next round's first level where asked."""
+        KV at the target's slots; keeps the next round's first level where asked. `mode`:
+        DRAFT_EXTEND for a decode round's accepted tokens (graph-run), EXTEND after a prefill."""
         table = self.runner.req_to_token_pool
         ids, positions, slots, ends, lens, last = [], [], [], [], [], []
         for r, s, toks in entries:
@@ -137,7 +138,7 @@ class EagleWorker(SpecWorker):
             lens.append(n)
             last.append(len(ids) - 1)
         batch = ForwardBatch(
-            mode=ForwardMode.EXTEND,
+            mode=mode,
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
             out_cache_loc=torch.cat(slots),
