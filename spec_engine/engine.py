@@ -202,10 +202,17 @@ class Engine:
             raise ValueError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
         if load_format == "flattened_bucket":
             buckets = named_tensors if isinstance(named_tensors, list) else [named_tensors]
+            if not all(isinstance(b, (FlattenedBucket, dict)) for b in buckets):
+                raise ValueError("load_format='flattened_bucket' takes FlattenedBucket objects or their to_dict() dicts")
             items = [pair for b in buckets for pair in
                      (b if isinstance(b, FlattenedBucket) else FlattenedBucket.from_dict(b)).unpack()]
+        elif isinstance(named_tensors, dict):
+            items = list(named_tensors.items())
+        elif isinstance(named_tensors, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2
+                                                              for p in named_tensors):
+            items = list(named_tensors)
         else:
-            items = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
+            raise ValueError("named_tensors must be a dict or a list of (name, tensor) pairs")
         return self._update_weights(lambda: self.updater.apply(items), flush_cache, weight_version)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,

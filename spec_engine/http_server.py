@@ -9,6 +9,7 @@ import asyncio
 import inspect
 import json
 import time
+import typing
 import uuid
 from typing import Any, AsyncIterator, Optional
 
@@ -16,7 +17,7 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from spec_engine.engine import Engine
 from spec_engine.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -124,6 +125,7 @@ def create_app(engine: Engine) -> FastAPI:
         unknown = set(body) - set(keys)
         if unknown:
             raise BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: {list(keys)}")
+        _check_field_types(method, body)
         if convert is not None:
             body = convert(body)
         try:
@@ -390,3 +392,16 @@ async def _stream_events(stream: AsyncIterator[dict], base: dict, choice: Any, i
     if include_usage:
         yield _sse({**base, "choices": [], "usage": _usage([finals[i] for i in sorted(finals)], n)})
     yield "data: [DONE]\n\n"
+
+
+def _check_field_types(method, body: dict) -> None:
+    """Each JSON field must match the engine method's annotation (strictly: "8" is no int)."""
+    hints = typing.get_type_hints(method)
+    for key, value in body.items():
+        if key in hints:
+            try:
+                TypeAdapter(hints[key]).validate_python(value, strict=True)
+            except ValidationError:
+                expected = getattr(hints[key], "__name__", str(hints[key]).replace("typing.", ""))
+                raise BadRequest(f"field {key!r} must be {expected}, got {value!r:.80}") from None
+

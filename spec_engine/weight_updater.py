@@ -21,13 +21,15 @@ import torch.distributed as dist
 from torch import nn
 
 from spec_engine.model_runner import ModelRunner
-from spec_engine.weights import (check_weights, copy_weights, hf_tensor, iterate_safetensors, materialize,
-                                 refresh_derived, safetensors_metadata, tensor_checksum, weight_spec)
+from spec_engine.weights import (check_weights, copy_weights, hf_tensor, is_ignored, iterate_safetensors,
+                                 materialize, refresh_derived, safetensors_metadata, tensor_checksum, weight_spec)
 
 logger = logging.getLogger(__name__)
 
 DRAFT_PREFIX = "draft."
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+# Joining waits for the trainer's side this long; generation is paused meanwhile, so it is short.
+GROUP_CONNECT_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 class WeightUpdater:
@@ -65,11 +67,17 @@ class WeightUpdater:
                 raise ValueError(f"weight names must be strings, got {name!r}")
             tensor = materialize(value)
             received += tensor.numel() * tensor.element_size()
+            if is_ignored(name):
+                continue
             model, local = self._route(name)
             if model is not None:
                 groups.setdefault(id(model), (model, []))[1].append((local, tensor))
         for model, items in groups.values():
             check_weights(model, ((n, tuple(t.shape), t.dtype) for n, t in items))
+            _check_one_value_per_slot(model, items)
+        if self.draft is not None:
+            draft_items = groups.get(id(self.draft.model), (None, []))[1]
+            self.draft.check_update(dict(draft_items))
         for model, items in groups.values():
             copy_weights(model, items)
         if self.draft is not None:
@@ -81,7 +89,7 @@ class WeightUpdater:
     def from_disk(self, model_path: str, component: str = "target") -> int:
         """Load a whole Hugging Face checkpoint into the target (its MTP layers into an MTP
         draft) or, with component="draft", into the external draft."""
-        meta = list(safetensors_metadata(model_path))
+        meta = [m for m in safetensors_metadata(model_path) if not is_ignored(m[0])]
         if component == "draft":
             if self.draft is None or self.draft.kind == "MTP":
                 raise ValueError("component='draft': the engine has no external draft model")
@@ -97,6 +105,8 @@ class WeightUpdater:
             check_weights(model, [(routes[n][1], s, d) for n, s, d in meta if routes[n][0] is model], require_all=True)
         received = 0
         for name, tensor in iterate_safetensors(model_path):
+            if is_ignored(name):
+                continue
             model, local = routes[name]
             if model is not None:
                 copy_weights(model, [(local, tensor)])
@@ -119,7 +129,7 @@ class WeightUpdater:
         if not 0 < rank_offset < world_size:
             raise ValueError(f"rank_offset must be in 1..world_size-1 (the trainer is rank 0), got {rank_offset}")
         store = dist.PrefixStore(group_name, dist.TCPStore(master_address, master_port, world_size, is_master=False,
-                                                            timeout=GROUP_TIMEOUT))
+                                                            timeout=GROUP_CONNECT_TIMEOUT))
         if backend == "gloo":
             group = dist.ProcessGroupGloo(store, rank_offset, world_size, GROUP_TIMEOUT)
         else:
@@ -138,17 +148,22 @@ class WeightUpdater:
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")
         device = self.runner.device if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else torch.device("cpu")
-        received = []
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty(tuple(shape), dtype=parse_dtype(dtype), device=device)
+        # Every buffer is made before the first broadcast: failing half-way would leave the
+        # trainer's remaining broadcasts to be taken by the next update.
+        buffers = [(name, torch.empty(parse_shape(name, shape), dtype=parse_dtype(dtype), device=device))
+                   for name, dtype, shape in zip(names, dtypes, shapes)]
+        for _, tensor in buffers:
             group.broadcast(tensor, 0).wait()
-            received.append((name, tensor))
-        return self.apply(received)
+        return self.apply(buffers)
 
     # ---------------------------------------------------------------- checksums and memory
 
     def checksums(self, names: Optional[list[str]] = None) -> dict[str, str]:
         """SHA-256 per tensor, in the engine's dtype, of the target and draft (see tensor_checksum)."""
+        if self.weights_released:
+            raise ValueError("weights are released; call resume_memory_occupation before asking for checksums")
+        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+            raise ValueError(f"names must be a list of weight names, got {names!r}")
         every = {}
         for name in weight_spec(self.runner.model):
             model, local = self._route(name)
@@ -197,6 +212,28 @@ class WeightUpdater:
         if self.draft is not None:
             models.append(self.draft.model)
         return models
+
+
+def parse_shape(name: str, shape) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"weight {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+    return tuple(shape)
+
+
+def _check_one_value_per_slot(model: nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
+    """Two names landing in one place (a tied embedding and head) must carry equal values."""
+    spec = weight_spec(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen: dict[tuple, tuple[str, torch.Tensor]] = {}
+    for name, tensor in items:
+        slot = spec[name]
+        if slot.param is None:
+            continue
+        key = (params[slot.param].untyped_storage().data_ptr(), slot.rows)
+        if key in seen and not torch.equal(seen[key][1].to(tensor.dtype), tensor):
+            raise ValueError(f"weights {seen[key][0]!r} and {name!r} are one tensor in this model (tied) but were "
+                             "sent with different values; send one of them")
+        seen[key] = (name, tensor)
 
 
 def parse_dtype(dtype) -> torch.dtype:

@@ -23,6 +23,11 @@ from torch import nn
 
 # Names some checkpoints carry that are derived, not learned; skipped without error.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def is_ignored(name: str) -> bool:
+    """Buffers some checkpoints carry that every model recomputes (rotary inverse frequencies)."""
+    return name.endswith(_IGNORED_SUFFIXES)
 # safetensors dtype names (and torch's, upper-cased) that weights may have.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "FLOAT64", "FLOAT32", "FLOAT16", "BFLOAT16", "FLOAT", "HALF", "DOUBLE"}
 
@@ -46,6 +51,8 @@ def weight_spec(model: nn.Module) -> dict[str, WeightSlot]:
 
 def safetensors_files(model_path: str) -> list[str]:
     """The checkpoint's safetensors files: from the shard index when there is one."""
+    if not isinstance(model_path, str) or not os.path.isdir(model_path):
+        raise ValueError(f"model path {model_path!r} is not a directory; give a Hugging Face checkpoint directory")
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -206,6 +213,10 @@ class FlattenedBucket:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a flattened bucket needs 'flattened_tensor' and 'metadata' entries with name, shape, "
                              f"start_idx, end_idx ({e!r})") from None
+        bad = next((m for m in metadata if any(d < 0 for d in m.shape) or not 0 <= m.start <= m.end), None)
+        if bad is not None:
+            raise ValueError(f"flattened bucket entry {bad.name!r} has shape {bad.shape} and range "
+                             f"[{bad.start}, {bad.end}); dimensions and ranges must be non-negative")
         return cls(flat, metadata)
 
     def to_dict(self) -> dict:
@@ -234,13 +245,15 @@ class FlattenedBucket:
 def materialize(value) -> torch.Tensor:
     """A tensor, or one shared by another process: the (rebuild function, args) pair that
     torch.multiprocessing.reductions.reduce_tensor makes (CUDA IPC handles, CPU shared memory)."""
-    if isinstance(value, torch.Tensor):
-        return value
+    tensor = value
     if isinstance(value, tuple) and len(value) == 2 and callable(value[0]):
-        rebuilt = value[0](*value[1])
-        if isinstance(rebuilt, torch.Tensor):
-            return rebuilt
-    raise ValueError(f"expected a tensor (or a reduce_tensor handle), got {type(value).__name__}")
+        tensor = value[0](*value[1])
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"expected a tensor (or a reduce_tensor handle), got {type(value).__name__}")
+    if tensor.is_meta or tensor.layout != torch.strided or tensor.is_quantized:
+        # Checked here, before anything is copied: such a tensor would fail half-way through.
+        raise ValueError(f"expected a dense tensor with data, got a {'meta' if tensor.is_meta else tensor.layout} tensor")
+    return tensor
 
 
 def serialize_tensors(payload) -> str:

@@ -91,6 +91,10 @@ def test_each_update_path_gives_the_new_models_outputs(pair, path_kind):
             trainer = threading.Thread(target=broadcast_from_trainer, args=(port, tensors, ready))
             trainer.start()
             engine.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="weights", backend="gloo")
+            # Refused before any broadcast is taken, so the trainer's next ones stay in step.
+            with pytest.raises(ValueError, match="unknown dtype 'bogus'"):
+                engine.update_weights_from_distributed(["model.norm.weight", "lm_head.weight"], ["float32", "bogus"],
+                                                       [[64], [512, 64]], group_name="weights")
             ready.set()
             result = engine.update_weights_from_distributed(list(tensors), [str(t.dtype) for t in tensors.values()],
                                                             [list(t.shape) for t in tensors.values()],
@@ -250,6 +254,7 @@ def test_flush_cache_is_refused_while_requests_run(pair):
     ("shape", "has shape"),
     ("dtype", "floating-point"),
     ("truncated", "truncated bucket"),
+    ("meta", "meta tensor"),
 ])
 def test_bad_updates_are_refused_and_change_nothing(pair, bad, needle):
     old, new = pair
@@ -263,6 +268,8 @@ def test_bad_updates_are_refused_and_change_nothing(pair, bad, needle):
             items.append(("model.layers.1.mlp.up_proj.weight", torch.zeros(3, 3)))
         elif bad == "dtype":
             items.append(("model.norm.weight", torch.ones(64, dtype=torch.int32)))
+        elif bad == "meta":
+            items.append(("model.norm.weight", torch.empty(64, device="meta")))
         with pytest.raises(ValueError, match=needle):
             if bad == "truncated":
                 bucket = FlattenedBucket.pack(items)[0].to_dict()
@@ -291,6 +298,20 @@ def test_http_weight_and_memory_endpoints(pair):
         assert client.post("/update_weights_from_tensor", json={"serialized_named_tensors": "%%%"}).status_code == 400
         assert client.post("/update_weights_from_disk", json={}).status_code == 400
         assert client.post("/pause_generation", json={"mode": "sideways"}).status_code == 400
+        for path, body in (("/update_weights_from_disk", {"model_path": "/nonexistent"}),
+                           ("/update_weights_from_disk", {"model_path": 123}),
+                           ("/update_weights_from_tensor", {"serialized_named_tensors": serialize_tensors(5)}),
+                           ("/update_weights_from_tensor", {"serialized_named_tensors": serialize_tensors([torch.ones(2)])}),
+                           ("/update_weights_from_tensor", {"load_format": "flattened_bucket", "serialized_named_tensors":
+                                                            serialize_tensors([{"flattened_tensor": torch.ones(4), "metadata": [
+                                                                {"name": "model.norm.weight", "shape": [-8, -8],
+                                                                 "start_idx": 0, "end_idx": 64}]}])}),
+                           ("/get_weights_checksum", {"names": [["x"]]}), ("/get_weights_checksum", {"names": 5}),
+                           ("/release_memory_occupation", {"tags": 5}),
+                           ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x",
+                                                           "rank_offset": 1, "world_size": 2})):
+            r = client.post(path, json=body)
+            assert r.status_code == 400, (path, body, r.status_code, r.text)
         ok = client.post("/update_weights_from_tensor", json={
             "serialized_named_tensors": serialize_tensors(list(tensors.items())), "weight_version": "v7"})
         assert ok.status_code == 200 and ok.json()["weight_version"] == "v7"
@@ -305,3 +326,46 @@ def test_http_weight_and_memory_endpoints(pair):
             assert r.status_code == 200, (path, r.text)
         assert outputs(engine) == fresh_outputs(old)
         assert engine.get_server_info()["weight_version"] == "v8"
+
+
+def test_checkpoint_buffers_are_accepted_and_tied_conflicts_refused(pair, make_model):
+    old, new = pair
+    tensors = checkpoint_tensors(new)
+    with Engine(model_path=old, random_seed=0) as engine:
+        extra = [("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(16))]
+        assert engine.update_weights_from_tensor(list(tensors.items()) + extra)["success"]
+        assert outputs(engine) == fresh_outputs(new)
+        engine.release_memory_occupation(["weights"])
+        with pytest.raises(ValueError, match="weights are released"):
+            engine.get_weights_checksum()
+        engine.resume_memory_occupation(["weights"])
+    tied = make_model("qwen2", tie_word_embeddings=True)
+    with Engine(model_path=tied, random_seed=0) as engine:
+        embed = checkpoint_tensors(tied)["model.embed_tokens.weight"]
+        sums = engine.get_weights_checksum()
+        with pytest.raises(ValueError, match="tied"):
+            engine.update_weights_from_tensor([("model.embed_tokens.weight", embed), ("lm_head.weight", embed + 1)])
+        assert engine.get_weights_checksum() == sums
+        assert engine.update_weights_from_tensor([("model.embed_tokens.weight", embed), ("lm_head.weight", embed)])["success"]
+
+
+def test_bad_eagle3_id_map_is_refused_before_anything_changes(make_model, tmp_path):
+    from scripts.make_tiny_model import build_eagle_draft
+
+    target = make_model("llama", num_layers=4)
+    draft = build_eagle_draft(str(tmp_path / "eagle3"), target, version=3, draft_vocab_size=128)
+    kwargs = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_num_steps=2,
+                  speculative_eagle_topk=1)
+    with Engine(model_path=target, random_seed=0, **kwargs) as engine:
+        before, sums = outputs(engine), engine.get_weights_checksum()
+        d2t = load_file(os.path.join(draft, "model.safetensors"))["d2t"]
+        norm = torch.zeros_like(checkpoint_tensors(target)["model.norm.weight"])
+        repeated, outside = d2t.clone(), d2t.clone()
+        repeated[1] = repeated[0] - 1  # draft id 1 -> the target token of draft id 0
+        outside[-1] = 10_000
+        for bad, needle in ((repeated, "two draft ids"), (outside, "outside the target vocabulary"),
+                            (d2t.bool(), "integer tensor")):
+            with pytest.raises(ValueError, match=needle):
+                engine.update_weights_from_tensor([("model.norm.weight", norm), ("draft.d2t", bad)])
+            assert engine.get_weights_checksum() == sums
+        assert outputs(engine) == before

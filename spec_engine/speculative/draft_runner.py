@@ -108,6 +108,20 @@ class DraftRunner:
             hot.refresh_derived()
             self.head = hot
 
+    def check_update(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Refuse, before anything is copied, a new EAGLE-3 id map that refresh() could not use."""
+        d2t = tensors.get("d2t")
+        if d2t is None:
+            return
+        if d2t.dtype in (torch.bool,) or d2t.is_floating_point() or d2t.is_complex():
+            raise ValueError(f"weight 'draft.d2t' must be an integer tensor, got {d2t.dtype}")
+        ids = d2t.long() + torch.arange(d2t.numel(), device=d2t.device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.target.model_config.vocab_size):
+            raise ValueError(f"weight 'draft.d2t' maps draft ids outside the target vocabulary "
+                             f"[0, {self.target.model_config.vocab_size})")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("weight 'draft.d2t' maps two draft ids to one target token; ids must be unique")
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (draft-vocabulary logits at batch.logits_indices (all rows if None), the
