@@ -1,0 +1,100 @@
+"""Trainer -> engine weight push: every path lands (outputs equal a fresh engine on the new
+weights, checksums equal what was sent), MTP layers included, and a push that does not land
+is caught by --check-weight-update-equal."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scripts.make_tiny_model import add_mimo_mtp
+from spec_engine import Engine
+from tests.conftest import random_prompts
+from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig, buckets
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+PROMPTS = random_prompts(3, 4, 20, seed=11)
+
+
+def tensors_of(path):
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def outputs(engine):
+    return [o["output_ids"] for o in engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def mimo_pair(make_model):
+    return (add_mimo_mtp(make_model("qwen2", num_layers=2, seed=21), seed=22),
+            add_mimo_mtp(make_model("qwen2", num_layers=2, seed=23), seed=24))
+
+
+def test_buckets_respect_the_size_and_keep_order():
+    items = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5])]
+    groups = list(buckets(items, max_bytes=80))
+    assert [[n for n, _ in g] for g in groups] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+
+
+@pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
+def test_push_lands_in_every_engine_with_mtp_layers(mimo_pair, mode, tmp_path):
+    old, new = mimo_pair
+    spec = dict(speculative_algorithm="EAGLE", speculative_num_steps=2, speculative_eagle_topk=1)
+    with Engine(model_path=new, random_seed=0, **spec) as fresh:
+        expected = outputs(fresh)
+    tensors = tensors_of(new)
+    assert any(".mtp_layers." in n for n in tensors)
+    engines = [Engine(model_path=old, random_seed=0, **spec) for _ in range(2)]
+    try:
+        assert outputs(engines[0]) != expected
+        cfg = WeightSyncConfig(update_weight_buffer_size=200_000, weight_sync_mode=mode, check_weight_update_equal=True)
+        pusher = WeightPusher(engines, cfg, output_dir=str(tmp_path))
+        stats = pusher.push(tensors.items(), version="step-1")
+        assert stats["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
+        assert stats["buckets"] > 1 or mode == "disk"
+        for engine in engines:
+            assert outputs(engine) == expected
+            assert engine.get_server_info()["weight_version"] == "step-1"
+        # A second push over the same group (distributed) with other values lands as well.
+        pusher.push(tensors_of(old).items(), version="step-2")
+        assert engines[1].get_server_info()["weight_version"] == "step-2"
+        pusher.close()
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+class DropsOne:
+    """An engine wrapper that silently loses one tensor of every update (the bug to catch)."""
+
+    def __init__(self, engine, name):
+        self.engine, self.name = engine, name
+
+    def __getattr__(self, attr):
+        return getattr(self.engine, attr)
+
+    def update_weights_from_tensor(self, named_tensors, **kwargs):
+        from spec_engine.weights import FlattenedBucket
+
+        pairs = [p for b in named_tensors for p in FlattenedBucket.from_dict(b).unpack() if p[0] != self.name]
+        kwargs.pop("load_format")
+        return self.engine.update_weights_from_tensor(pairs, **kwargs)
+
+
+def test_check_weight_update_equal_fails_loudly(mimo_pair):
+    old, new = mimo_pair
+    name = "model.mtp_layers.0.input_proj.weight"
+    with Engine(model_path=old, random_seed=0, speculative_algorithm="EAGLE", speculative_num_steps=2,
+                speculative_eagle_topk=1) as engine:
+        pusher = WeightPusher([DropsOne(engine, name)], WeightSyncConfig(check_weight_update_equal=True))
+        with pytest.raises(RuntimeError, match="engine 0 holds different values for 1 of .*mtp_layers.0.input_proj"):
+            pusher.push(tensors_of(new).items(), version="v1")
+        pusher.close()
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="--weight-sync-mode must be one of tensor, distributed, disk"):
+        WeightSyncConfig(weight_sync_mode="nccl")

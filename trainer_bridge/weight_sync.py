@@ -1,0 +1,175 @@
+"""Push trainer weights (Hugging Face names) into rollout engines, in buckets, and verify them.
+
+Three paths, as in slime: `tensor` (colocated: per-dtype flattened buckets; on CUDA the engine
+receives them as IPC handles), `distributed` (disaggregated: the trainer is rank 0 of a group
+with every engine and broadcasts each tensor) and `disk` (a Hugging Face checkpoint the engines
+load). The target's and the MTP layers' tensors travel together (MTP names route to the draft in
+the engine). Engines are anything with `spec_engine.Engine`'s update methods: an in-process
+Engine, or a Ray actor wrapper with the same names.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from spec_engine.weights import FlattenedBucket, tensor_checksum
+
+logger = logging.getLogger(__name__)
+
+SYNC_MODES = ("tensor", "distributed", "disk")
+GROUP_NAME = "specrl_weight_sync"
+BROADCAST_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass
+class WeightSyncConfig:
+    update_weight_buffer_size: int = field(default=512 * 2**20, metadata={
+        "help": "Bytes of weights per bucket pushed into the engines (slime's default: 512 MiB)."})
+    weight_sync_mode: str = field(default="tensor", metadata={
+        "help": "tensor (colocated: flattened buckets, CUDA IPC on GPUs), distributed (a broadcast group with "
+                "the engines) or disk (save a Hugging Face checkpoint the engines load).", "choices": SYNC_MODES})
+    check_weight_update_equal: bool = field(default=False, metadata={
+        "help": "After every push, compare each engine's per-tensor checksums with what was sent; fail on a difference."})
+    weight_sync_dir: Optional[str] = field(default=None, metadata={
+        "help": "Directory for --weight-sync-mode disk checkpoints (default: <output-dir>/weight_sync)."})
+
+    def __post_init__(self) -> None:
+        if self.weight_sync_mode not in SYNC_MODES:
+            raise ValueError(f"--weight-sync-mode must be one of {', '.join(SYNC_MODES)}; got {self.weight_sync_mode!r}")
+        if self.update_weight_buffer_size <= 0:
+            raise ValueError(f"--update-weight-buffer-size must be positive, got {self.update_weight_buffer_size}")
+
+
+def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of at most `max_bytes` (a larger tensor travels alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class WeightPusher:
+    """Sends one weight version to every engine; keeps the broadcast group between pushes."""
+
+    def __init__(self, engines: Sequence[Any], cfg: WeightSyncConfig, output_dir: Optional[str] = None) -> None:
+        self.engines = list(engines)
+        self.cfg = cfg
+        self.disk_dir = cfg.weight_sync_dir or os.path.join(output_dir or ".", "weight_sync")
+        self._group: Optional[dist.ProcessGroup] = None
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)))
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
+        """Push every tensor, then (optionally) verify; returns bytes, seconds and bucket count."""
+        start = time.perf_counter()
+        sent: dict[str, torch.Tensor] = {}
+        count, nbytes = 0, 0
+        mode = self.cfg.weight_sync_mode
+        if mode == "disk":
+            tensors = {n: t.detach().contiguous().cpu() for n, t in named_tensors}
+            sent, count = tensors, 1
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self._push_disk(tensors, version)
+        else:
+            pending: Optional[list[tuple[str, torch.Tensor]]] = None
+            for bucket in buckets(((n, t.detach()) for n, t in named_tensors), self.cfg.update_weight_buffer_size):
+                # Each bucket goes out once the next is known, so the last one carries the version.
+                if pending is not None:
+                    self._push_bucket(pending, None)
+                pending = bucket
+                count += 1
+                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                if self.cfg.check_weight_update_equal:
+                    sent.update((n, t.cpu()) for n, t in bucket)
+            if pending is None:
+                raise ValueError("no weights to push")
+            self._push_bucket(pending, version)
+        if self.cfg.check_weight_update_equal:
+            self.verify(sent)
+        seconds = time.perf_counter() - start
+        return {"bytes": float(nbytes), "seconds": seconds, "buckets": float(count)}
+
+    def verify(self, sent: dict[str, torch.Tensor]) -> None:
+        """Every engine's checksum of every sent tensor must equal the sent tensor's, in the
+        engine's dtype; raise naming the engine and tensors otherwise."""
+        for i, engine in enumerate(self.engines):
+            dtype = _DTYPES[engine.get_server_info()["dtype"]]
+            got = engine.get_weights_checksum(names=list(sent))
+            bad = [n for n, t in sent.items() if got.get(n) != tensor_checksum(t.to(dtype))]
+            if bad:
+                raise RuntimeError(f"--check-weight-update-equal: engine {i} holds different values for {len(bad)} of "
+                                   f"{len(sent)} tensors after the update (first: {bad[:3]}); the update did not land")
+
+    def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: Optional[str]) -> None:
+        last = version is not None
+        if self.cfg.weight_sync_mode == "tensor":
+            payload = [b.to_dict() for b in FlattenedBucket.pack(bucket)]
+            self._on_all("update_weights_from_tensor", named_tensors=payload, load_format="flattened_bucket",
+                         flush_cache=last, weight_version=version)
+            return
+        group = self._broadcast_group()
+        names = [n for n, _ in bucket]
+        dtypes = [str(t.dtype).replace("torch.", "") for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        # The engines wait for the broadcasts, so their calls start first and finish after them.
+        calls = [self._pool.submit(e.update_weights_from_distributed, names, dtypes, shapes, GROUP_NAME,
+                                   flush_cache=last, weight_version=version) for e in self.engines]
+        for _, tensor in bucket:
+            group.broadcast(tensor.contiguous(), 0).wait()
+        for call in calls:
+            call.result()
+
+    def _push_disk(self, tensors: dict[str, torch.Tensor], version: str) -> None:
+        path = os.path.join(self.disk_dir, version)
+        os.makedirs(path, exist_ok=True)
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        self._on_all("update_weights_from_disk", model_path=path, weight_version=version)
+
+    def _broadcast_group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            # MASTER_ADDR: this trainer's address as the engines see it (Ray sets it per node).
+            address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), _free_port()
+            world = len(self.engines) + 1
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            store = dist.PrefixStore(GROUP_NAME, dist.TCPStore(address, port, world, is_master=True,
+                                                                timeout=BROADCAST_TIMEOUT, wait_for_workers=False))
+            joins = [self._pool.submit(e.init_weights_update_group, address, port, i + 1, world, GROUP_NAME, backend)
+                     for i, e in enumerate(self.engines)]
+            self._group = (dist.ProcessGroupNCCL(store, 0, world) if backend == "nccl"
+                           else dist.ProcessGroupGloo(store, 0, world, BROADCAST_TIMEOUT))
+            for join in joins:
+                join.result()
+        return self._group
+
+    def _on_all(self, method: str, **kwargs: Any) -> None:
+        for call in [self._pool.submit(getattr(e, method), **kwargs) for e in self.engines]:
+            call.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
