@@ -84,7 +84,7 @@ class ModelConfig:
             raise ValueError(f"{arch} with sliding-window attention is not supported; use a config with use_sliding_window=false")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
-        rope_theta, rope_scaling = _rope(cfg)
+        rope_theta, rope_scaling = rope_from_config(cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
@@ -127,8 +127,8 @@ def _as_list(value: Any) -> list[int]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
-    """Rope theta and scaling from either transformers-5 `rope_parameters` or the older keys."""
+def rope_from_config(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    """Rope theta and scaling (None for default rope) from transformers-5 `rope_parameters` or the older keys."""
     params = cfg.get("rope_parameters")
     if params is not None:
         params = dict(params)

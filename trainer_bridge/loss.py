@@ -13,14 +13,13 @@ per-token, so masks and every aggregation mode apply unchanged.
 """
 
 import argparse
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from trainer_bridge.cli import add_dataclass_args, dataclass_from_args
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -88,26 +87,12 @@ class LossConfig:
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add one flag per LossConfig field (`--eps-clip`, ...; booleans are switches)."""
-    hints = typing.get_type_hints(LossConfig)
-    group = parser.add_argument_group("policy loss (LossConfig)")
-    for f in dataclasses.fields(LossConfig):
-        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
-        hint = hints[f.name]
-        if typing.get_origin(hint) in (typing.Union, types.UnionType):
-            hint = next(a for a in typing.get_args(hint) if a is not type(None))
-        if hint is bool:
-            kwargs["action"] = "store_false" if f.default else "store_true"
-        else:
-            kwargs["type"] = hint
-            if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
-        group.add_argument(f.metadata.get("flag", "--" + f.name.replace("_", "-")), **kwargs)
+    add_dataclass_args(parser, LossConfig, "policy loss (LossConfig)")
 
 
 def from_args(namespace: argparse.Namespace) -> LossConfig:
     """Build a LossConfig from flags added by `add_cli_args` (fields absent from the namespace keep defaults)."""
-    names = [f.name for f in dataclasses.fields(LossConfig)]
-    return LossConfig(**{n: getattr(namespace, n) for n in names if hasattr(namespace, n)})
+    return dataclass_from_args(LossConfig, namespace)
 
 
 # ---------------------------------------------------------------- log-probs and entropy

@@ -70,7 +70,7 @@ class WeightPusher:
     """Sends one weight version to every engine; keeps the broadcast group between pushes."""
 
     def __init__(self, engines: Sequence[Any], cfg: WeightSyncConfig, output_dir: Optional[str] = None) -> None:
-        self.engines = list(engines)
+        self.engines = [RayEngine(e) if _is_ray_actor(e) else e for e in engines]
         self.cfg = cfg
         self.disk_dir = cfg.weight_sync_dir or os.path.join(output_dir or ".", "weight_sync")
         self._group: Optional[dist.ProcessGroup] = None
@@ -164,6 +164,24 @@ class WeightPusher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class RayEngine:
+    """Blocking calls on an engine Ray actor (rollout.engine_actor.EngineActor), so the pusher
+    treats it like an in-process Engine."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def __getattr__(self, name: str) -> Any:
+        import ray
+
+        method = getattr(self.actor, name)
+        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+
+def _is_ray_actor(engine: Any) -> bool:
+    return hasattr(getattr(engine, "update_weights_from_tensor", None), "remote")
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

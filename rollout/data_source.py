@@ -1,0 +1,133 @@
+"""Prompt data: a JSONL file read in epochs, optionally shuffled, tokenized on demand."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any, Optional
+
+from rollout.sample import Sample
+
+
+class DataSource:
+    """Serves prompts as Samples (prompt, prompt token ids, label, metadata), wrapping epochs.
+
+    Each epoch is a permutation of the file's lines: the file order, or with `shuffle` a
+    permutation seeded by (seed, epoch), so a resumed run sees the same order.
+    """
+
+    def __init__(self, path: str, tokenizer: Any, input_key: str = "input", label_key: Optional[str] = None,
+                 metadata_key: str = "metadata", apply_chat_template: bool = False, shuffle: bool = False,
+                 seed: int = 42) -> None:
+        self.path = path
+        self.tokenizer = tokenizer
+        self.input_key = input_key
+        self.label_key = label_key
+        self.metadata_key = metadata_key
+        self.apply_chat_template = apply_chat_template
+        self.shuffle = shuffle
+        self.seed = seed
+        numbered = _read_jsonl(path)
+        for line, record in numbered:
+            self._check(line, record)
+        self.records = [record for _, record in numbered]
+        self.epoch = 0
+        self.offset = 0  # position within the current epoch's order
+        self._order = self._epoch_order(0)
+
+    @classmethod
+    def from_args(cls, args: Any, tokenizer: Any, path: Optional[str] = None, shuffle: Optional[bool] = None) -> "DataSource":
+        """The prompt data of RolloutArgs (`path`/`shuffle` override it, e.g. for eval sets)."""
+        path = path if path is not None else args.prompt_data
+        if path is None:
+            raise ValueError("no prompt data: set --prompt-data to a JSONL file (or --rollout-function-path / "
+                             "--load-debug-rollout-data to roll out without one)")
+        return cls(path, tokenizer, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
+                   apply_chat_template=args.apply_chat_template,
+                   shuffle=args.rollout_shuffle if shuffle is None else shuffle, seed=args.rollout_seed)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def get_prompts(self, n: int) -> list[Sample]:
+        """The next `n` prompts, continuing into the next epoch when this one runs out."""
+        prompts = []
+        for _ in range(n):
+            if self.offset == len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._epoch_order(self.epoch)
+            prompts.append(self._make_sample(self.records[self._order[self.offset]]))
+            self.offset += 1
+        return prompts
+
+    def all_prompts(self) -> list[Sample]:
+        """Every prompt once, in file order (for evaluation); does not move the epoch position."""
+        return [self._make_sample(record) for record in self.records]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, offset = state["epoch"], state["offset"]
+        if not 0 <= offset <= len(self.records):
+            raise ValueError(f"data source state offset {offset} is outside [0, {len(self.records)}]; "
+                             f"was it saved for another prompt file than {self.path}?")
+        self.epoch, self.offset = epoch, offset
+        self._order = self._epoch_order(epoch)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def _check(self, line: int, record: Any) -> None:
+        where = f"{self.path} line {line}"
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        if self.input_key not in record:
+            raise ValueError(f"{where} has no key {self.input_key!r} (keys: {', '.join(record)}); set --input-key")
+        if self.label_key is not None and self.label_key not in record:
+            raise ValueError(f"{where} has no key {self.label_key!r} (keys: {', '.join(record)}); set --label-key")
+        prompt = record[self.input_key]
+        if isinstance(prompt, list):
+            if not self.apply_chat_template:
+                raise ValueError(f"{where}: the prompt is a list of chat messages; pass --apply-chat-template")
+            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+                raise ValueError(f"{where}: chat messages must be objects with 'role' and 'content'")
+        elif not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{where}: the prompt under {self.input_key!r} must be a non-empty string or a list of "
+                             f"chat messages, got {prompt!r}")
+        if not isinstance(record.get(self.metadata_key) or {}, dict):
+            raise ValueError(f"{where}: {self.metadata_key!r} must be a JSON object, got {record[self.metadata_key]!r}")
+
+    def _make_sample(self, record: dict[str, Any]) -> Sample:
+        prompt = record[self.input_key]
+        if self.apply_chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            # The template already holds any BOS/role tokens it wants.
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            text = prompt
+            ids = self.tokenizer(text)["input_ids"]
+        metadata = record.get(self.metadata_key) or {}
+        label = record[self.label_key] if self.label_key is not None else None
+        return Sample(prompt=text, tokens=list(ids), label=label, metadata=dict(metadata))
+
+
+def _read_jsonl(path: str) -> list[tuple[int, Any]]:
+    """(line number, parsed object) for every non-blank line."""
+    records = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append((line_no, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {line_no} is not valid JSON: {e}") from e
+    if not records:
+        raise ValueError(f"{path} holds no prompts; give a JSONL file with one JSON object per line")
+    return records

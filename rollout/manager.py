@@ -1,0 +1,213 @@
+"""RolloutManager: one rollout = groups of samples from the engines, filtered, scored, measured."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+import uuid
+from typing import Any, Optional, Sequence
+
+from rollout.config import RolloutArgs
+from rollout.data_source import DataSource
+from rollout.filters import load_filter
+from rollout.generate import generate, generate_group, group_is_complete, sampling_params_from_args
+from rollout.loader import call_maybe_async, load_function, run_sync
+from rollout.metrics import rollout_metrics, sample_metrics
+from rollout.rewards import load_reward_fn
+from rollout.router import Router
+from rollout.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+Groups = list[list[Sample]]
+
+
+class RolloutManager:
+    """Generates rollouts over engine handles (in-process `spec_engine.Engine`s or
+    `RayEngineHandle`s) from the prompt data in `args`.
+
+    `generate(rollout_id)` submits groups of --over-sampling-batch-size prompts concurrently,
+    keeps groups that finished and pass --dynamic-sampling-filter-path until
+    --rollout-batch-size are kept, then aborts the groups still in flight and waits for them.
+    """
+
+    def __init__(self, args: RolloutArgs, engines: Sequence[Any], tokenizer: Any,
+                 data_source: Optional[DataSource] = None) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.router = Router(engines) if engines else None
+        if data_source is None and args.prompt_data is not None:
+            data_source = DataSource.from_args(args, tokenizer)
+        self.data_source = data_source
+        self.reward_fn = load_reward_fn(args) if args.rm_type or args.custom_rm_path else None
+        self.filter_fn = load_filter(args)
+        self.generate_fn = (load_function(args.custom_generate_function_path, "--custom-generate-function-path")
+                            if args.custom_generate_function_path else generate)
+        self.rollout_fn = (load_function(args.rollout_function_path, "--rollout-function-path")
+                           if args.rollout_function_path else None)
+        self.next_group_index = 0
+        self.next_sample_index = 0
+        self._eval_sources: dict[str, DataSource] = {}
+
+    # ------------------------------------------------------------ rollouts
+
+    def generate(self, rollout_id: int) -> tuple[Groups, dict[str, float]]:
+        """One rollout: (groups of n_samples_per_prompt samples, metrics). Sync form of agenerate."""
+        return run_sync(self.agenerate(rollout_id))
+
+    async def agenerate(self, rollout_id: int) -> tuple[Groups, dict[str, float]]:
+        """Metrics: DESIGN.md's rollout/* and perf/* keys (see rollout.metrics.rollout_metrics), and
+        for the built-in rollout rollout/groups_{submitted,filtered,aborted,leftover}: groups sent,
+        dropped by the filter, dropped for an aborted or failed sample, and not needed (aborted
+        leftovers and groups that finished after the batch was full)."""
+        start = time.perf_counter()
+        if self.rollout_fn is not None:
+            groups = await call_maybe_async(self.rollout_fn, self.args, rollout_id, self)
+            _check_groups(groups, "--rollout-function-path")
+            return groups, rollout_metrics(groups, time.perf_counter() - start)
+        groups, stats = await self._generate_filtered()
+        metrics = rollout_metrics(groups, time.perf_counter() - start, stats.pop("response_tokens"))
+        metrics.update({f"rollout/{k}": float(v) for k, v in stats.items()})
+        return groups, metrics
+
+    async def _generate_filtered(self) -> tuple[Groups, dict[str, int]]:
+        args = self.args
+        router, data_source = self._require_engines(), self._require_data()
+        if self.reward_fn is None:
+            raise ValueError("no reward function: set --rm-type or --custom-rm-path")
+        params = sampling_params_from_args(args)
+        rid_prefix = f"rollout-{uuid.uuid4().hex[:8]}-"  # aborting leftovers touches this rollout's requests only
+        stopping = False
+        kept: Groups = []
+        pending: set[asyncio.Task] = set()
+        stats = {"groups_submitted": 0, "groups_filtered": 0, "groups_aborted": 0, "groups_leftover": 0,
+                 "response_tokens": 0}
+        try:
+            while len(kept) < args.rollout_batch_size:
+                # Keep enough groups in flight to fill the batch if every one of them is kept.
+                while len(kept) + len(pending) < args.rollout_batch_size:
+                    if stats["groups_submitted"] >= args.max_groups:
+                        raise RuntimeError(
+                            f"submitted {stats['groups_submitted']} groups but kept only {len(kept)} of "
+                            f"{args.rollout_batch_size} ({stats['groups_filtered']} filtered out, "
+                            f"{stats['groups_aborted']} aborted or failed); raise --dynamic-sampling-max-groups "
+                            "or loosen --dynamic-sampling-filter-path")
+                    for group in self._new_groups(data_source.get_prompts(args.over_sampling_size),
+                                                  args.n_samples_per_prompt):
+                        pending.add(asyncio.ensure_future(generate_group(
+                            args, group, params, router, self.generate_fn, self.reward_fn, lambda: stopping,
+                            rid_prefix)))
+                        stats["groups_submitted"] += 1
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for group in sorted((t.result() for t in done), key=lambda g: g[0].group_index):
+                    stats["response_tokens"] += sum(s.response_length for s in group)
+                    if not group_is_complete(group):
+                        stats["groups_aborted"] += 1
+                    elif self.filter_fn is not None and not self.filter_fn(args, group):
+                        stats["groups_filtered"] += 1
+                    elif len(kept) < args.rollout_batch_size:
+                        kept.append(group)
+                    else:  # finished together with the last group needed
+                        stats["groups_leftover"] += 1
+        except BaseException:
+            stopping = True
+            await self._abort(pending, rid_prefix, raise_errors=False)  # the first error is the one to report
+            raise
+        stopping = True
+        leftovers = await self._abort(pending, rid_prefix, raise_errors=True)
+        stats["response_tokens"] += sum(s.response_length for group in leftovers for s in group)
+        stats["groups_leftover"] += len(leftovers)
+        return kept, stats
+
+    async def _abort(self, pending: set[asyncio.Task], rid_prefix: str, raise_errors: bool) -> Groups:
+        """Abort the requests of unfinished groups and wait for them to end; returns their groups."""
+        aborted = await self._require_engines().abort_all(rid_prefix)
+        if pending or aborted:
+            logger.info("aborting %d leftover groups (%d requests in flight)", len(pending), aborted)
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        for error in errors:
+            logger.error("a leftover group failed while being aborted", exc_info=error)
+        if errors and raise_errors:
+            raise errors[0]
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    def _new_groups(self, prompts: list[Sample], n: int) -> Groups:
+        groups = []
+        for prompt in prompts:
+            group = []
+            for _ in range(n):
+                group.append(Sample(group_index=self.next_group_index, index=self.next_sample_index,
+                                    prompt=prompt.prompt, tokens=list(prompt.tokens), label=prompt.label,
+                                    metadata=copy.deepcopy(prompt.metadata)))
+                self.next_sample_index += 1
+            groups.append(group)
+            self.next_group_index += 1
+        return groups
+
+    # ------------------------------------------------------------ evaluation
+
+    def eval(self, rollout_id: int) -> tuple[dict[str, Groups], dict[str, float]]:
+        """Every prompt of each --eval-prompt-data set, n_samples_per_eval_prompt times, with the
+        --eval-* sampling overrides; metrics eval/{name} (mean reward) and eval/{name}/*."""
+        return run_sync(self.aeval(rollout_id))
+
+    async def aeval(self, rollout_id: int) -> tuple[dict[str, Groups], dict[str, float]]:
+        args = self.args
+        if not args.eval_datasets:
+            raise ValueError("no evaluation data: set --eval-prompt-data NAME PATH [NAME PATH ...]")
+        if self.reward_fn is None:
+            raise ValueError("no reward function: set --rm-type or --custom-rm-path")
+        router = self._require_engines()
+        params = sampling_params_from_args(args, evaluation=True)
+        results: dict[str, Groups] = {}
+        metrics: dict[str, float] = {}
+        for name, path in args.eval_datasets:
+            if name not in self._eval_sources:
+                self._eval_sources[name] = DataSource.from_args(args, self.tokenizer, path=path, shuffle=False)
+            # Indices (and so sampling seeds) restart for every evaluation: each one draws the same randomness.
+            groups = [[Sample(group_index=g, index=g * args.n_samples_per_eval_prompt + i, prompt=p.prompt,
+                              tokens=list(p.tokens), label=p.label, metadata=copy.deepcopy(p.metadata))
+                       for i in range(args.n_samples_per_eval_prompt)]
+                      for g, p in enumerate(self._eval_sources[name].all_prompts())]
+            groups = list(await asyncio.gather(*(generate_group(args, group, params, router, self.generate_fn,
+                                                                self.reward_fn) for group in groups)))
+            results[name] = groups
+            samples = [s for group in groups for s in group]
+            stats = sample_metrics(samples, f"eval/{name}")
+            reward = stats.pop(f"eval/{name}/raw_reward", None)  # absent when every group was aborted
+            if reward is not None:
+                metrics[f"eval/{name}"] = reward
+            metrics.update(stats)
+        return results, metrics
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue the prompt order and sample numbering."""
+        return {"next_group_index": self.next_group_index, "next_sample_index": self.next_sample_index,
+                "data_source": self.data_source.state_dict() if self.data_source is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.next_group_index = state["next_group_index"]
+        self.next_sample_index = state["next_sample_index"]
+        if state["data_source"] is not None:
+            self._require_data().load_state_dict(state["data_source"])
+
+    def _require_engines(self) -> Router:
+        if self.router is None:
+            raise ValueError("this RolloutManager has no engines; pass engine handles to generate")
+        return self.router
+
+    def _require_data(self) -> DataSource:
+        if self.data_source is None:
+            raise ValueError("no prompt data: set --prompt-data (or --rollout-function-path to roll out without it)")
+        return self.data_source
+
+
+def _check_groups(groups: Any, flag: str) -> None:
+    if not isinstance(groups, list) or not all(isinstance(g, list) and all(isinstance(s, Sample) for s in g)
+                                               for g in groups):
+        raise TypeError(f"the function of {flag} must return list[list[Sample]], got {type(groups).__name__}")

@@ -1,0 +1,199 @@
+"""The RL loop: rollout -> samples -> train -> weight update -> next rollout (slime's train.py shape).
+
+    python -m scripts.train --hf-checkpoint M --prompt-data D.jsonl --rollout-batch-size 8 \\
+        --n-samples-per-prompt 4 --rm-type tiny --num-rollout 10 --output-dir runs/x \\
+        --sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2
+
+Flags come from the packages: trainer (trainer_bridge: TrainerArgs, LossConfig, WeightSyncConfig),
+rollout (rollout.config.RolloutArgs), engine (spec_engine EngineArgs as --sglang-<flag>), plus the
+launcher's own below. Engines run as Ray actors (EngineActor), the policy as a Ray actor
+(TrainActor); on a machine without GPUs a local Ray with CPU bundles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+import os
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from rollout import config as rollout_config
+from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
+from rollout.metrics import MetricsLogger
+from rollout.sample import Sample
+from spec_engine import config as engine_config
+from trainer_bridge.actor import TrainBatch, TrainerArgs
+from trainer_bridge.cli import add_dataclass_args, dataclass_from_args
+from trainer_bridge.loss import LossConfig
+from trainer_bridge.weight_sync import WeightSyncConfig
+
+logger = logging.getLogger("specrl.train")
+
+ENGINE_PREFIX = "sglang-"
+# Engine flags the launcher sets itself, and the launcher flag that controls each.
+LAUNCHER_OWNED = {
+    "model_path": "--hf-checkpoint", "tokenizer_path": "--hf-checkpoint", "random_seed": "--seed",
+    "host": "the launcher (engines are Ray actors, not servers)", "port": "the launcher (engines are Ray actors, not servers)",
+    "api_key": "the launcher (engines are Ray actors, not servers)", "skip_server_warmup": "the launcher",
+    "weight_version": "the launcher (it counts weight updates)", "skip_tokenizer_init": "the launcher (rewards need text)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = parser.add_argument_group("launcher")
+    run.add_argument("--num-rollout", type=int, required=True, help="Rollouts (RL steps) to run.")
+    run.add_argument("--output-dir", required=True, help="Where metrics.jsonl, checkpoints and logs go.")
+    run.add_argument("--save", default=None, help="Save a Hugging Face checkpoint here every --save-interval rollouts ({rollout_id} is filled in).")
+    run.add_argument("--save-interval", type=int, default=None, help="Rollouts between checkpoints.")
+    run.add_argument("--rollout-num-gpus", type=int, default=1, help="Devices (CPU bundles without GPUs) for all engines together.")
+    run.add_argument("--rollout-num-gpus-per-engine", type=int, default=1, help="Devices per engine; engines = num-gpus / per-engine.")
+    run.add_argument("--colocate", action="store_true", help="Engines release weights and KV while the trainer runs.")
+    run.add_argument("--debug-rollout-only", action="store_true", help="Rollouts only: no trainer, no training, no weight update.")
+    run.add_argument("--debug-train-only", action="store_true", help="Training only, on --load-debug-rollout-data: no engines.")
+    run.add_argument("--use-wandb", action="store_true", help="Log to wandb (offline unless WANDB_MODE is set).")
+    run.add_argument("--wandb-project", default=None, help="wandb project.")
+    run.add_argument("--use-tensorboard", action="store_true", help="Log to tensorboard under --output-dir.")
+    run.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all).")
+    add_dataclass_args(parser, TrainerArgs, "trainer (trainer_bridge.actor.TrainerArgs)")
+    add_dataclass_args(parser, LossConfig, "policy loss (trainer_bridge.loss.LossConfig)")
+    add_dataclass_args(parser, WeightSyncConfig, "weight sync (trainer_bridge.weight_sync.WeightSyncConfig)")
+    rollout_config.add_cli_args(parser)
+    engine_config.add_cli_args(parser, prefix=ENGINE_PREFIX, exclude=LAUNCHER_OWNED)
+    return parser
+
+
+def check_engine_flags(argv: Sequence[str]) -> None:
+    """Refuse launcher-owned and unknown --sglang-* flags with a message naming the right one."""
+    known = set(engine_config.field_names()) - set(LAUNCHER_OWNED)
+    for arg in argv:
+        if not arg.startswith("--" + ENGINE_PREFIX) and not arg.startswith("--sglang_"):
+            continue
+        name = arg[2 + len(ENGINE_PREFIX):].split("=", 1)[0].replace("-", "_")
+        if name in LAUNCHER_OWNED:
+            raise SystemExit(f"error: {arg.split('=')[0]} is set by the launcher; use {LAUNCHER_OWNED[name]} instead")
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.5)
+            hint = f"; did you mean --{ENGINE_PREFIX}{close[0].replace('_', '-')}?" if close else ""
+            raise SystemExit(f"error: unknown engine flag {arg.split('=')[0]}{hint}")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_engine_flags(argv)
+    args = build_parser().parse_args(argv)
+    if args.load_debug_rollout_data is not None:
+        args.debug_train_only = True  # as in slime: saved rollouts need no engines
+    if args.debug_rollout_only and args.debug_train_only:
+        raise SystemExit("error: --debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) exclude each other")
+    if args.hf_checkpoint is None:
+        raise SystemExit("error: --hf-checkpoint is required")
+    if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
+        raise SystemExit(f"error: --rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
+                         f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}")
+    return args
+
+
+def to_train_batch(groups: list[list[Sample]], n_samples_per_prompt: int) -> TrainBatch:
+    samples = [s for g in groups for s in g]
+    return TrainBatch(tokens=[list(s.tokens) for s in samples], response_lengths=[s.response_length for s in samples],
+                      rewards=[float(s.reward) for s in samples], loss_masks=[list(s.loss_mask) for s in samples],
+                      rollout_log_probs=[list(s.rollout_log_probs) for s in samples],
+                      n_samples_per_prompt=n_samples_per_prompt)
+
+
+def start_engines(args: argparse.Namespace) -> list[Any]:
+    """EngineActors in a placement group of one bundle per engine (GPUs, else CPUs)."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rollout.engine_actor import EngineActor
+
+    per_engine = args.rollout_num_gpus_per_engine
+    count = args.rollout_num_gpus // per_engine
+    gpus = ray.cluster_resources().get("GPU", 0) > 0
+    bundle = {"GPU": per_engine, "CPU": 1} if gpus else {"CPU": 1}
+    group = placement_group([bundle] * count)
+    ray.get(group.ready())
+    engine_args = engine_config.from_cli_args(args, prefix=ENGINE_PREFIX.replace("-", "_"), model_path=args.hf_checkpoint,
+                                              random_seed=args.seed)
+    kwargs = engine_args.to_dict()
+    actors = []
+    for i in range(count):
+        strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
+        actors.append(ray.remote(EngineActor).options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                                                      scheduling_strategy=strategy).remote(**kwargs))
+    ray.get([a.get_server_info.remote() for a in actors])  # wait until every engine is up
+    return actors
+
+
+def start_trainer(args: argparse.Namespace) -> Any:
+    import ray
+
+    from trainer_bridge.actor import TrainActor
+
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+    return ray.remote(TrainActor).options(num_cpus=1, num_gpus=gpus).remote(
+        dataclass_from_args(TrainerArgs, args), dataclass_from_args(LossConfig, args), args.rollout_temperature)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    import ray
+    from transformers import AutoTokenizer
+
+    from rollout.engine_actor import RayEngineHandle
+    from rollout.manager import RolloutManager
+
+    ray.init(num_cpus=args.ray_num_cpus, include_dashboard=False, ignore_reinit_error=True,
+             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    rollout_args = rollout_config.from_cli_args(args)
+    sync_cfg = dataclass_from_args(WeightSyncConfig, args)
+    tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+    engines = [] if args.debug_train_only else start_engines(args)
+    trainer = None if args.debug_rollout_only else start_trainer(args)
+    manager = RolloutManager(rollout_args, [RayEngineHandle(e) for e in engines], tokenizer)
+    metrics_log = MetricsLogger(args.output_dir, use_wandb=args.use_wandb, wandb_project=args.wandb_project,
+                                config=vars(args), use_tensorboard=args.use_tensorboard)
+    weight_version = 0
+    try:
+        for rollout_id in range(args.num_rollout):
+            step_start = time.perf_counter()
+            if args.load_debug_rollout_data is not None:
+                groups, metrics = load_debug_rollout_data(args.load_debug_rollout_data, rollout_id), {}
+            else:
+                groups, metrics = manager.generate(rollout_id)
+            if args.save_debug_rollout_data is not None:
+                save_debug_rollout_data(args.save_debug_rollout_data, rollout_id, groups)
+            if trainer is not None:
+                if args.colocate:
+                    ray.get([e.release_memory_occupation.remote() for e in engines])
+                metrics.update(ray.get(trainer.train.remote(to_train_batch(groups, rollout_args.n_samples_per_prompt))))
+                if args.colocate:
+                    ray.get([e.resume_memory_occupation.remote() for e in engines])
+                if engines:
+                    weight_version += 1
+                    update = ray.get(trainer.push_weights.remote(engines, sync_cfg, str(weight_version), args.output_dir))
+                    metrics["perf/update_weights_time"] = update["seconds"]
+                if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
+                    ray.get(trainer.save_hf.remote(args.save.format(rollout_id=rollout_id)))
+            if engines and rollout_args.eval_interval and (rollout_id + 1) % rollout_args.eval_interval == 0:
+                metrics.update(manager.eval(rollout_id)[1])
+            metrics["rollout/weight_version"] = weight_version
+            metrics["perf/step_time"] = time.perf_counter() - step_start
+            metrics_log.log(rollout_id, metrics)
+            logger.info("rollout %d: %s", rollout_id, {k: round(v, 4) for k, v in metrics.items()})
+    finally:
+        metrics_log.close()
+        for engine in engines:
+            ray.get(engine.shutdown.remote())
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

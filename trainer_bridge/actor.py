@@ -1,0 +1,275 @@
+"""TrainActor: the policy on megatron-core — log-probs, RL train steps (with online MTP training),
+Hugging Face export and the weights to push into the engines.
+
+Usable as a plain object (tests, one process) or wrapped with `ray.remote` by the launcher. A
+batch is a `TrainBatch` of token sequences (prompt + response) with per-response-token masks,
+rewards and the rollout's log-probs; log-probs are log_softmax(logits / temperature), as the
+engine reports them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from trainer_bridge import loss as losses
+from trainer_bridge.loss import LossConfig
+from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerArgs:
+    """Trainer options; names follow slime / Megatron-LM."""
+
+    hf_checkpoint: Optional[str] = field(default=None, metadata={"help": "Hugging Face checkpoint the policy starts from (and the engines load)."})
+    lr: float = field(default=1e-6, metadata={"help": "Adam learning rate (constant)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Adam weight decay."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "Adam beta1."})
+    adam_beta2: float = field(default=0.98, metadata={"help": "Adam beta2."})
+    clip_grad: float = field(default=1.0, metadata={"help": "Gradient clipping by global norm (0 disables)."})
+    micro_batch_size: int = field(default=4, metadata={"help": "Sequences per forward/backward."})
+    global_batch_size: Optional[int] = field(default=None, metadata={"help": "Sequences per optimizer step (default: a whole rollout in one step)."})
+    tensor_model_parallel_size: int = field(default=1, metadata={"help": "Megatron tensor parallel size."})
+    seed: int = field(default=1234, metadata={"help": "Seed of the trainer (megatron's RNG) and, in scripts/train.py, of the engines' sampling."})
+    enable_mtp_training: bool = field(default=False, metadata={"help": "Train the MTP layers online with the policy (their own loss; the trunk gets no gradient from it)."})
+    mtp_loss_scaling_factor: float = field(default=0.2, metadata={"help": "Weight of the MTP loss."})
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "tensor_model_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.global_batch_size is not None and self.global_batch_size <= 0:
+            raise ValueError(f"--global-batch-size must be positive, got {self.global_batch_size}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+
+
+@dataclass
+class TrainBatch:
+    """Sequences of one rollout, in group order (n samples per prompt next to each other)."""
+
+    tokens: list[list[int]]              # prompt + response
+    response_lengths: list[int]
+    rewards: list[float]
+    loss_masks: Optional[list[list[int]]] = None         # per response token (default all 1)
+    rollout_log_probs: Optional[list[list[float]]] = None  # per response token, from the engine
+    n_samples_per_prompt: int = 1
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def select(self, rows: Sequence[int]) -> "TrainBatch":
+        pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
+        return TrainBatch([self.tokens[i] for i in rows], [self.response_lengths[i] for i in rows],
+                          [self.rewards[i] for i in rows], pick(self.loss_masks), pick(self.rollout_log_probs),
+                          self.n_samples_per_prompt)
+
+
+class TrainActor:
+    def __init__(self, args: TrainerArgs, loss_cfg: Optional[LossConfig] = None, temperature: float = 1.0) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from trainer_bridge.convert import load_hf_weights
+        from trainer_bridge.megatron_compat import free_port, init_model_parallel
+        from trainer_bridge.model_provider import HFArch, build_gpt_model
+
+        if args.hf_checkpoint is None:
+            raise ValueError("--hf-checkpoint is required: the Hugging Face checkpoint the policy starts from")
+        self.args, self.loss_cfg, self.temperature = args, loss_cfg or LossConfig(), temperature
+        self.arch = HFArch.from_hf(args.hf_checkpoint)
+        if args.enable_mtp_training and not self.arch.num_mtp_layers:
+            raise ValueError(f"--enable-mtp-training needs a model with MTP layers; {args.hf_checkpoint} "
+                             f"({self.arch.architecture}) has none")
+        # A fresh port: an inherited MASTER_PORT may belong to a group that is gone (or still there).
+        init_model_parallel(args.tensor_model_parallel_size, seed=args.seed, master_port=free_port())
+        model = build_gpt_model(args.hf_checkpoint)
+        load_hf_weights(model, args.hf_checkpoint)
+        if self.arch.num_mtp_layers and not args.enable_mtp_training:
+            model.mtp.requires_grad_(False)  # a frozen draft: pushed unchanged every step
+        self.model = DistributedDataParallel(config=model.config, module=model,
+                                             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=args.lr, min_lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, params_dtype=torch.float32), [self.model])
+        self.gpt = model
+        self.step = 0
+        self._pusher: Optional[WeightPusher] = None
+
+    # ---------------------------------------------------------------- forward
+
+    @contextlib.contextmanager
+    def _without_mtp(self) -> Iterator[None]:
+        """Megatron's GPTModel runs its MTP block (and needs labels) inside forward; the policy's
+        logits do not depend on it, and the MTP loss is computed separately (with a detached trunk)."""
+        model, saved = self.gpt, (self.gpt.mtp_process, self.gpt.config.mtp_num_layers)
+        model.mtp_process, model.config.mtp_num_layers = False, None
+        try:
+            yield
+        finally:
+            model.mtp_process, model.config.mtp_num_layers = saved
+
+    def _forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """(logits over the real vocabulary [b, s, V], trunk hidden states [s, b, h])."""
+        captured = []
+        hook = self.gpt.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        try:
+            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+            with self._without_mtp():
+                logits = self.model(tokens, positions, None, runtime_gather_output=True)
+        finally:
+            hook.remove()
+        return logits[..., :self.arch.vocab_size], captured[0]
+
+    def _mtp_loss(self, tokens: Tensor, hidden: Tensor, mask: Tensor) -> Tensor:
+        """Cross-entropy of MTP layer 1 predicting token t + 2 at position t, on a detached trunk:
+        the embedding it reads, the hidden states it extends and the output head are constants."""
+        gpt = self.gpt
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        embed = lambda input_ids, position_ids: gpt.embedding(input_ids=input_ids, position_ids=position_ids).detach()  # noqa: E731
+        rotary = gpt.rotary_pos_emb(tokens.shape[1])
+        out = gpt.mtp(input_ids=tokens, position_ids=positions, hidden_states=hidden.detach(), attention_mask=None,
+                      rotary_pos_emb=rotary, embedding=embed)
+        mtp_hidden = torch.chunk(out, 1 + gpt.config.mtp_num_layers, dim=0)[1]
+        weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
+                  else gpt.output_layer.weight).detach()
+        logits, _ = gpt.output_layer(mtp_hidden, weight=weight, runtime_gather_output=True)
+        logits = logits.transpose(0, 1)[:, :-2, :self.arch.vocab_size].float()
+        target = tokens[:, 2:]
+        m = mask[:, 1:].float()  # position t + 1 predicted at t: a response token
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                               reduction="none").view_as(target)
+        return (ce * m).sum() / m.sum().clamp(min=1)
+
+    def _pad(self, batch: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """tokens [b, S] (right-padded with 0), mask [b, S-1] of response positions to score
+        (position t scores token t + 1), and rollout log-probs at the same positions."""
+        width = max(len(t) for t in batch.tokens)
+        tokens = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width - 1)
+        rollout = torch.zeros(len(batch), width - 1)
+        for i, (seq, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
+            tokens[i, :len(seq)] = torch.tensor(seq)
+            start = len(seq) - n - 1
+            mask[i, start:start + n] = torch.tensor(batch.loss_masks[i], dtype=torch.float) if batch.loss_masks else 1.0
+            if batch.rollout_log_probs is not None:
+                rollout[i, start:start + n] = torch.tensor(batch.rollout_log_probs[i])
+        return tokens, mask, rollout
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
+        """Per response token: log_softmax(logits / temperature) of the sampled token."""
+        self.model.eval()
+        out = []
+        for start in range(0, len(batch), self.args.micro_batch_size):
+            part = batch.select(range(start, min(start + self.args.micro_batch_size, len(batch))))
+            tokens, _, _ = self._pad(part)
+            logits, _ = self._forward(tokens)
+            logp = losses.token_log_probs(logits[:, :-1], tokens[:, 1:], self.temperature)
+            for i, (seq, n) in enumerate(zip(part.tokens, part.response_lengths)):
+                out.append(logp[i, len(seq) - n - 1:len(seq) - 1].tolist())
+        return out
+
+    # ---------------------------------------------------------------- train
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        """One rollout's RL update: old log-probs, advantages, then optimizer steps over
+        global batches of micro batches. Returns slime's train/ metrics (means over steps)."""
+        start = time.perf_counter()
+        old = self.compute_log_probs(batch)
+        tokens, mask, rollout = self._pad(batch)
+        old_logp = torch.zeros_like(mask)
+        for i, (seq, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
+            old_logp[i, len(seq) - n - 1:len(seq) - 1] = torch.tensor(old[i])
+        advantages = losses.compute_advantages(torch.tensor(batch.rewards), mask, self.loss_cfg, batch.n_samples_per_prompt)
+        has_rollout = batch.rollout_log_probs is not None
+
+        def rl_loss(rows: slice, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            logp = losses.token_log_probs(logits[:, :-1], tokens[rows, 1:], self.temperature)
+            entropy = losses.entropy_from_logits(logits[:, :-1], self.temperature) if self.loss_cfg.entropy_coef else None
+            return losses.policy_loss(logp, old_logp[rows], advantages[rows], mask[rows], self.loss_cfg,
+                                      rollout_logp=rollout[rows] if has_rollout else None, entropy=entropy)
+
+        return self._train_steps(tokens, mask, rl_loss, start)
+
+    def train_sft(self, batch: TrainBatch) -> dict[str, float]:
+        """Supervised steps: mean cross-entropy of the response tokens (plus the MTP loss when
+        MTP training is on) — the warm-up before RL."""
+        start = time.perf_counter()
+        tokens, mask, _ = self._pad(batch)
+
+        def sft_loss(rows: slice, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            logp = losses.token_log_probs(logits[:, :-1], tokens[rows, 1:])
+            m = mask[rows]
+            loss = -(logp * m).sum() / m.sum().clamp(min=1)
+            return loss, {"loss": loss.detach()}
+
+        return self._train_steps(tokens, mask, sft_loss, start)
+
+    def _train_steps(self, tokens: Tensor, mask: Tensor, loss_fn, start: float) -> dict[str, float]:
+        """Optimizer steps over global batches; returns slime's train/ metrics (means over steps)."""
+        step_size = self.args.global_batch_size or tokens.shape[0]
+        totals: dict[str, list[float]] = {}
+        self.model.train()
+        for first in range(0, tokens.shape[0], step_size):
+            rows = slice(first, min(first + step_size, tokens.shape[0]))
+            for k, v in self._optimizer_step(tokens, mask, rows, loss_fn).items():
+                totals.setdefault(k, []).append(v)
+        result = {f"train/{k}": sum(v) / len(v) for k, v in totals.items()}
+        result["perf/actor_train_time"] = time.perf_counter() - start
+        return result
+
+    def _optimizer_step(self, tokens: Tensor, mask: Tensor, rows: slice, loss_fn) -> dict[str, float]:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        n, mbs = rows.stop - rows.start, self.args.micro_batch_size
+        sums: dict[str, float] = {}
+        for first in range(rows.start, rows.stop, mbs):
+            sl = slice(first, min(first + mbs, rows.stop))
+            logits, hidden = self._forward(tokens[sl])
+            loss, metrics = loss_fn(sl, logits)
+            share = (sl.stop - sl.start) / n  # micro batches add up to the step's mean
+            loss = loss * share
+            if self.args.enable_mtp_training:
+                mtp = self._mtp_loss(tokens[sl], hidden, mask[sl])
+                loss = loss + self.args.mtp_loss_scaling_factor * mtp * share
+                sums["mtp_loss"] = sums.get("mtp_loss", 0.0) + mtp.item() * share
+            loss.backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * share
+        self.model.finish_grad_sync()
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError(f"optimizer step {self.step} failed (grad norm {grad_norm}); lower --lr or check the batch")
+        self.step += 1
+        sums["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        return sums
+
+    # ---------------------------------------------------------------- export
+
+    def push_weights(self, engines: Sequence[Any], cfg: WeightSyncConfig, version: str,
+                     output_dir: Optional[str] = None) -> dict[str, float]:
+        """Push the policy (and MTP layers) into the engines as weight `version` (see weight_sync)."""
+        if self._pusher is None:
+            self._pusher = WeightPusher(engines, cfg, output_dir)
+        return self._pusher.push(self.hf_named_tensors(), version)
+
+    def hf_named_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """The policy (and its MTP layers) under Hugging Face names, one tensor at a time."""
+        from trainer_bridge.convert import mcore_to_hf_tensors
+
+        return mcore_to_hf_tensors(self.gpt, self.args.hf_checkpoint)
+
+    def save_hf(self, path: str) -> None:
+        """A normal Hugging Face directory (config and tokenizer files copied from --hf-checkpoint)."""
+        from trainer_bridge.convert import save_hf_checkpoint
+
+        save_hf_checkpoint(self.hf_named_tensors(), path, like=self.args.hf_checkpoint)

@@ -1,0 +1,93 @@
+"""Tensor-parallel sharding and gathering of megatron GPTModel tensors, by parameter kind.
+
+column-parallel (split along output rows): linear_qkv (whole query groups per rank, since the
+fused rows are grouped), MTP eh_proj, and the vocab-parallel word embedding and output layer,
+whose rows are first padded to `padded_vocab_size(vocab, tp, divisor)`; linear_fc1 splits gate
+and up separately and concatenates each rank's parts; row-parallel (split along input columns):
+linear_proj, linear_fc2; everything else (norms) is replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from trainer_bridge.model_provider import DEFAULT_VOCAB_DIVISOR, HFArch, check_tensor_parallel, padded_vocab_size
+
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "eh_proj.weight")
+_GATED = "mlp.linear_fc1.weight"
+_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def _kind(name: str) -> str:
+    if name in _VOCAB:
+        return "vocab"
+    if name.endswith(_COLUMN):
+        return "column"
+    if name.endswith(_GATED):
+        return "gated"
+    if name.endswith(_ROW):
+        return "row"
+    return "replicated"
+
+
+def is_sharded(name: str) -> bool:
+    """Whether tensor-parallel ranks hold different pieces of megatron tensor `name`."""
+    return _kind(name) != "replicated"
+
+
+def pad_vocab(tensor: Tensor, padded_rows: int) -> Tensor:
+    """Zero rows appended up to `padded_rows` (megatron's padded vocabulary)."""
+    return F.pad(tensor, (0, 0, 0, padded_rows - tensor.shape[0]))
+
+
+def shard_tensor(name: str, tensor: Tensor, tp: int, padded_vocab: int) -> list[Tensor]:
+    """The `tp` per-rank pieces of whole megatron tensor `name` (vocab tensors padded to `padded_vocab` rows)."""
+    kind = _kind(name)
+    if kind == "vocab":
+        return list(pad_vocab(tensor, padded_vocab).chunk(tp, dim=0))
+    if kind == "column":
+        return list(tensor.chunk(tp, dim=0))
+    if kind == "gated":
+        gate, up = tensor.chunk(2, dim=0)
+        return [torch.cat(parts, dim=0) for parts in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0))]
+    if kind == "row":
+        return list(tensor.chunk(tp, dim=1))
+    return [tensor] * tp
+
+
+def gather_tensor(name: str, shards: Sequence[Tensor]) -> Tensor:
+    """Whole megatron tensor `name` from its per-rank pieces (vocab padding kept; `to_hf` drops it)."""
+    kind = _kind(name)
+    if kind in ("vocab", "column"):
+        return torch.cat(list(shards), dim=0)
+    if kind == "gated":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    if kind == "row":
+        return torch.cat(list(shards), dim=1)
+    return shards[0]
+
+
+def shard_state_dict(state: Mapping[str, Tensor], arch: HFArch, tp: int,
+                     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> list[dict[str, Tensor]]:
+    """Per-rank state dicts (rank order) of a whole megatron state dict.
+
+    Every piece is a compact copy: a view would drag its whole parent storage into torch.save.
+    """
+    check_tensor_parallel(arch, tp)
+    padded = padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by)
+    ranks: list[dict[str, Tensor]] = [{} for _ in range(tp)]
+    for name, tensor in state.items():
+        for rank, piece in zip(ranks, shard_tensor(name, tensor, tp, padded)):
+            rank[name] = piece.clone(memory_format=torch.contiguous_format)
+    return ranks
+
+
+def gather_state_dicts(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """The whole megatron state dict from per-rank state dicts (rank order)."""
+    return {name: gather_tensor(name, [s[name] for s in shards]) for name in shards[0]}
