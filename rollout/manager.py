@@ -7,7 +7,7 @@ import copy
 import logging
 import time
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from rollout.config import RolloutArgs
 from rollout.data_source import DataSource
@@ -48,6 +48,8 @@ class RolloutManager:
         self.rollout_fn = (load_function(args.rollout_function_path, "--rollout-function-path")
                            if args.rollout_function_path else None)
         self.next_group_index = 0
+        # Called with (groups kept, groups wanted) whenever a group is kept: a progress bar's hook.
+        self.on_group_kept: Optional[Callable[[int, int], None]] = None
         self.next_sample_index = 0
         self._eval_sources: dict[str, DataSource] = {}
 
@@ -109,6 +111,8 @@ class RolloutManager:
                         stats["groups_filtered"] += 1
                     elif len(kept) < args.rollout_batch_size:
                         kept.append(group)
+                        if self.on_group_kept is not None:
+                            self.on_group_kept(len(kept), args.rollout_batch_size)
                     else:  # finished together with the last group needed
                         stats["groups_leftover"] += 1
         except BaseException:

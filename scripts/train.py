@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from rollout import config as rollout_config
 from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
 from rollout.metrics import MetricsLogger
@@ -158,16 +160,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     engines = [] if args.debug_train_only else start_engines(args)
     trainer = None if args.debug_rollout_only else start_trainer(args)
     manager = RolloutManager(rollout_args, [RayEngineHandle(e) for e in engines], tokenizer)
+    progress = Progress(TextColumn("rollout {task.fields[rollout]}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("groups"), TimeElapsedColumn(), transient=True)
+    manager.on_group_kept = lambda done, total: progress.update(bar, completed=done, total=total)
     metrics_log = MetricsLogger(args.output_dir, use_wandb=args.use_wandb, wandb_project=args.wandb_project,
                                 config=vars(args), use_tensorboard=args.use_tensorboard)
     weight_version = 0
     try:
+        progress.start()
         for rollout_id in range(args.num_rollout):
             step_start = time.perf_counter()
             if args.load_debug_rollout_data is not None:
                 groups, metrics = load_debug_rollout_data(args.load_debug_rollout_data, rollout_id), {}
             else:
+                bar = progress.add_task("", total=rollout_args.rollout_batch_size, rollout=rollout_id)
                 groups, metrics = manager.generate(rollout_id)
+                progress.remove_task(bar)
             if args.save_debug_rollout_data is not None:
                 save_debug_rollout_data(args.save_debug_rollout_data, rollout_id, groups)
             if trainer is not None:
@@ -189,6 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             metrics_log.log(rollout_id, metrics)
             logger.info("rollout %d: %s", rollout_id, {k: round(v, 4) for k, v in metrics.items()})
     finally:
+        progress.stop()
         metrics_log.close()
         for engine in engines:
             ray.get(engine.shutdown.remote())

@@ -118,3 +118,11 @@ def test_exported_weights_land_in_an_engine(actor, mimo, tmp_path):
         pusher.close()
         assert engine.get_weights_checksum(list(sent)) == {n: tensor_checksum(t) for n, t in sent.items()}
         assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)] == expected
+    # The oracle nobody here wrote: transformers on the exported checkpoint (its Qwen2 trunk).
+    from transformers import Qwen2ForCausalLM
+
+    hf = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, want in zip(prompts, expected):
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert out[0, len(prompt):].tolist() == want

@@ -54,6 +54,7 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
     out, saved = str(tmp_path / "run"), str(tmp_path / "rollouts" / "r{rollout_id}.pt")
     run(base_args(model, data, out) + [
         "--lr", "1e-3", "--enable-mtp-training", "--check-weight-update-equal", "--save-debug-rollout-data", saved,
+        "--colocate",
         "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "2",
         "--sglang-speculative-eagle-topk", "1", "--sglang-cuda-graph-bs", "1", "2", "4", "8"])
     rows = metrics(out)
