@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from rollout.rewards import REWARD_TYPES
+from spec_engine.dataclass_cli import add_dataclass_args, dataclass_from_args
 
 REQUIRED = dataclasses.MISSING
 
@@ -130,42 +129,9 @@ def _at_least(name: str, value: Any, minimum: int) -> None:
 
 def add_cli_args(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()) -> None:
     """Add one flag per RolloutArgs field (`--rollout-batch-size`, ...; booleans are switches)."""
-    hints = typing.get_type_hints(RolloutArgs)
-    skip = set(exclude)
-    group = parser.add_argument_group("rollout options (RolloutArgs)")
-    for f in dataclasses.fields(RolloutArgs):
-        if f.name in skip:
-            continue
-        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"]}
-        if f.default is REQUIRED:
-            kwargs["required"] = True
-        else:
-            kwargs["default"] = f.default
-        kind, inner = _flag_type(hints[f.name])
-        if kind is bool:
-            kwargs["action"] = "store_true"
-        else:
-            kwargs["type"] = inner
-            if kind is list:
-                kwargs["nargs"] = "+"
-            for key in ("choices", "metavar"):
-                if key in f.metadata:
-                    kwargs[key] = f.metadata[key]
-        group.add_argument(_flag(f.name), **kwargs)
+    add_dataclass_args(parser, RolloutArgs, "rollout options (RolloutArgs)", exclude=exclude)
 
 
 def from_cli_args(namespace: argparse.Namespace, **overrides: Any) -> RolloutArgs:
     """Build RolloutArgs from flags added by `add_cli_args`; `overrides` win."""
-    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(RolloutArgs) if hasattr(namespace, f.name)}
-    values.update(overrides)
-    return RolloutArgs(**values)
-
-
-def _flag_type(hint: Any) -> tuple[type, type]:
-    """Map a field's type hint to (kind, element type) for argparse."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return _flag_type(next(a for a in typing.get_args(hint) if a is not type(None)))
-    if origin is list:
-        return list, typing.get_args(hint)[0]
-    return hint, hint
+    return dataclass_from_args(RolloutArgs, namespace, **overrides)

@@ -28,7 +28,7 @@ from rollout.metrics import MetricsLogger
 from rollout.sample import Sample
 from spec_engine import config as engine_config
 from trainer_bridge.actor import TrainBatch, TrainerArgs
-from trainer_bridge.cli import add_dataclass_args, dataclass_from_args
+from spec_engine.dataclass_cli import add_dataclass_args, dataclass_from_args
 from trainer_bridge.loss import LossConfig
 from trainer_bridge.weight_sync import WeightSyncConfig
 

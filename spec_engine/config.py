@@ -13,10 +13,11 @@ import argparse
 import dataclasses
 import difflib
 import random
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
+
+from spec_engine.dataclass_cli import add_dataclass_args, dataclass_from_args
 
 if TYPE_CHECKING:
     from spec_engine.model_config import ModelConfig
@@ -279,39 +280,13 @@ def _check_draft(algo: str, target: "ModelConfig", draft: "ModelConfig", context
 
 def add_cli_args(parser: argparse.ArgumentParser, prefix: str = "", exclude: typing.Iterable[str] = ()) -> None:
     """Add one flag per EngineArgs field: `--{prefix}{name-with-dashes}` (underscores also accepted)."""
-    hints = typing.get_type_hints(EngineArgs)
-    skip = set(exclude)
-    group = parser.add_argument_group(f"engine options ({'--' + prefix + '*' if prefix else 'EngineArgs'})")
-    for f in dataclasses.fields(EngineArgs):
-        if f.name in skip:
-            continue
-        flag = f"--{prefix}{f.name}".replace("_", "-")
-        names = [flag]
-        alias = f"--{prefix.replace('-', '_')}{f.name}"
-        if alias != flag:
-            names.append(alias)
-        kind, inner = _flag_type(hints[f.name])
-        kwargs: dict[str, Any] = {"dest": _dest(prefix, f.name), "default": f.default, "help": f.metadata.get("help", "")}
-        if kind is bool:
-            kwargs["action"] = "store_true"
-        else:
-            kwargs["type"] = inner
-            if kind is list:
-                kwargs["nargs"] = "+"
-            if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
-        group.add_argument(*names, **kwargs)
+    add_dataclass_args(parser, EngineArgs, f"engine options ({'--' + prefix + '*' if prefix else 'EngineArgs'})",
+                       prefix, exclude)
 
 
 def from_cli_args(namespace: argparse.Namespace, prefix: str = "", **overrides: Any) -> EngineArgs:
     """Build EngineArgs from parsed flags; `overrides` (launcher-owned values) win."""
-    values = {}
-    for f in dataclasses.fields(EngineArgs):
-        dest = _dest(prefix, f.name)
-        if hasattr(namespace, dest):
-            values[f.name] = getattr(namespace, dest)
-    values.update(overrides)
-    return EngineArgs(**values)
+    return dataclass_from_args(EngineArgs, namespace, prefix, **overrides)
 
 
 def field_names() -> list[str]:
@@ -322,23 +297,6 @@ def closest_field(name: str) -> Optional[str]:
     """The EngineArgs field most like `name`, for 'did you mean' messages."""
     matches = difflib.get_close_matches(name.replace("-", "_"), field_names(), n=1, cutoff=0.5)
     return matches[0] if matches else None
-
-
-def _dest(prefix: str, name: str) -> str:
-    return f"{prefix.replace('-', '_')}{name}"
-
-
-def _flag_type(hint: Any) -> tuple[type, type]:
-    """Map a field's type hint to (kind, element type) for argparse."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _flag_type(args[0])
-    if origin is list:
-        return list, typing.get_args(hint)[0]
-    if hint is bool:
-        return bool, bool
-    return hint, hint
 
 
 def _normalize_dtype(dtype: str) -> str:
