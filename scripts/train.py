@@ -6,8 +6,8 @@
 
 Flags come from the packages: trainer (trainer_bridge: TrainerArgs, LossConfig, WeightSyncConfig),
 rollout (rollout.config.RolloutArgs), engine (spec_engine EngineArgs as --sglang-<flag>), plus the
-launcher's own below. Engines run as Ray actors (EngineActor), the policy as a Ray actor
-(TrainActor); on a machine without GPUs a local Ray with CPU bundles.
+launcher's own below. Engines run as Ray actors (EngineActor), the policy as a group of Ray
+actors (TrainGroup of TrainActor ranks); on a machine without GPUs a local Ray with CPU bundles.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--save-interval", type=int, default=None, help="Rollouts between checkpoints.")
     run.add_argument("--rollout-num-gpus", type=int, default=1, help="Devices (CPU bundles without GPUs) for all engines together.")
     run.add_argument("--rollout-num-gpus-per-engine", type=int, default=1, help="Devices per engine; engines = num-gpus / per-engine.")
+    run.add_argument("--actor-num-nodes", type=int, default=1, help="Nodes of trainer ranks.")
+    run.add_argument("--actor-num-gpus-per-node", type=int, default=1, help="Trainer ranks per node (one GPU each; CPUs without GPUs); TP groups come from --tensor-model-parallel-size, the rest is data parallel.")
     run.add_argument("--colocate", action="store_true", help="Engines release weights and KV while the trainer runs.")
     run.add_argument("--debug-rollout-only", action="store_true", help="Rollouts only: no trainer, no training, no weight update.")
     run.add_argument("--debug-train-only", action="store_true", help="Training only, on --load-debug-rollout-data: no engines.")
@@ -134,13 +136,10 @@ def start_engines(args: argparse.Namespace) -> list[Any]:
 
 
 def start_trainer(args: argparse.Namespace) -> Any:
-    import ray
+    from trainer_bridge.actor_group import TrainGroup
 
-    from trainer_bridge.actor import TrainActor
-
-    gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-    return ray.remote(TrainActor).options(num_cpus=1, num_gpus=gpus).remote(
-        dataclass_from_args(TrainerArgs, args), dataclass_from_args(LossConfig, args), args.rollout_temperature)
+    return TrainGroup(dataclass_from_args(TrainerArgs, args), dataclass_from_args(LossConfig, args),
+                      args.rollout_temperature, args.actor_num_nodes * args.actor_num_gpus_per_node)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -181,15 +180,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if trainer is not None:
                 if args.colocate:
                     ray.get([e.release_memory_occupation.remote() for e in engines])
-                metrics.update(ray.get(trainer.train.remote(to_train_batch(groups, rollout_args.n_samples_per_prompt))))
+                metrics.update(trainer.train(to_train_batch(groups, rollout_args.n_samples_per_prompt)))
                 if args.colocate:
                     ray.get([e.resume_memory_occupation.remote() for e in engines])
                 if engines:
                     weight_version += 1
-                    update = ray.get(trainer.push_weights.remote(engines, sync_cfg, str(weight_version), args.output_dir))
+                    update = trainer.push_weights(engines, sync_cfg, str(weight_version), args.output_dir)
                     metrics["perf/update_weights_time"] = update["seconds"]
                 if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
-                    ray.get(trainer.save_hf.remote(args.save.format(rollout_id=rollout_id)))
+                    trainer.save_hf(args.save.format(rollout_id=rollout_id))
             if engines and rollout_args.eval_interval and (rollout_id + 1) % rollout_args.eval_interval == 0:
                 metrics.update(manager.eval(rollout_id)[1])
             metrics["rollout/weight_version"] = weight_version

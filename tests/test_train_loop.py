@@ -54,7 +54,7 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
     out, saved = str(tmp_path / "run"), str(tmp_path / "rollouts" / "r{rollout_id}.pt")
     run(base_args(model, data, out) + [
         "--lr", "1e-3", "--enable-mtp-training", "--check-weight-update-equal", "--save-debug-rollout-data", saved,
-        "--colocate",
+        "--colocate", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", "--ray-num-cpus", "4",
         "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "2",
         "--sglang-speculative-eagle-topk", "1", "--sglang-cuda-graph-bs", "1", "2", "4", "8"])
     rows = metrics(out)
@@ -67,7 +67,8 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
         assert abs(r["train/tis"] - 1.0) < 1e-3  # trainer and engine log-probs agree
     assert os.path.exists(saved.format(rollout_id=1))
     replay = str(tmp_path / "replay")
-    run(base_args(model, data, replay) + ["--load-debug-rollout-data", saved, "--lr", "1e-3"],
+    run(base_args(model, data, replay) + ["--load-debug-rollout-data", saved, "--lr", "1e-3",
+                                          "--actor-num-gpus-per-node", "2"],  # two data-parallel ranks
     )
     rows = metrics(replay)
     assert len(rows) == 2 and all("train/grad_norm" in r and "rollout/raw_reward" not in r for r in rows)

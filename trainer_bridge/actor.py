@@ -74,7 +74,13 @@ class TrainBatch:
 
 
 class TrainActor:
-    def __init__(self, args: TrainerArgs, loss_cfg: Optional[LossConfig] = None, temperature: float = 1.0) -> None:
+    """One trainer rank. Alone (rank 0 of 1) it picks its own port; as one of `world_size` ranks
+    (trainer_bridge.actor_group.TrainGroup) every rank gets the same batch: tensor-parallel ranks
+    split the model, data-parallel ranks take their share of the sequences."""
+
+    def __init__(self, args: TrainerArgs, loss_cfg: Optional[LossConfig] = None, temperature: float = 1.0,
+                 rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
+                 master_port: Optional[int] = None) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -89,8 +95,15 @@ class TrainActor:
         if args.enable_mtp_training and not self.arch.num_mtp_layers:
             raise ValueError(f"--enable-mtp-training needs a model with MTP layers; {args.hf_checkpoint} "
                              f"({self.arch.architecture}) has none")
-        # A fresh port: an inherited MASTER_PORT may belong to a group that is gone (or still there).
-        init_model_parallel(args.tensor_model_parallel_size, seed=args.seed, master_port=free_port())
+        if world_size % args.tensor_model_parallel_size:
+            raise ValueError(f"{world_size} trainer ranks are not a multiple of --tensor-model-parallel-size "
+                             f"{args.tensor_model_parallel_size}")
+        # Alone: a fresh port, since an inherited MASTER_PORT may belong to a group that is gone.
+        init_model_parallel(args.tensor_model_parallel_size, rank=rank, world_size=world_size, seed=args.seed,
+                            master_addr=master_addr, master_port=master_port or free_port())
+        self.rank, self.world_size = rank, world_size
+        self.dp_size = world_size // args.tensor_model_parallel_size
+        self.dp_rank = rank // args.tensor_model_parallel_size  # megatron's default order: TP ranks adjacent
         model = build_gpt_model(args.hf_checkpoint)
         load_hf_weights(model, args.hf_checkpoint)
         if self.arch.num_mtp_layers and not args.enable_mtp_training:
@@ -103,6 +116,10 @@ class TrainActor:
         self.gpt = model
         self.step = 0
         self._pusher: Optional[WeightPusher] = None
+
+    def ready(self) -> int:
+        """This rank, once the model is built and loaded (for Ray callers waiting on start-up)."""
+        return self.rank
 
     # ---------------------------------------------------------------- forward
 
@@ -184,19 +201,22 @@ class TrainActor:
         """One rollout's RL update: old log-probs, advantages, then optimizer steps over
         global batches of micro batches. Returns slime's train/ metrics (means over steps)."""
         start = time.perf_counter()
-        old = self.compute_log_probs(batch)
         tokens, mask, rollout = self._pad(batch)
+        # Advantages need whole groups: computed on the full batch, then this rank takes its rows.
+        advantages = losses.compute_advantages(torch.tensor(batch.rewards), mask, self.loss_cfg, batch.n_samples_per_prompt)
+        batch, rows = self._dp_share(batch)
+        tokens, mask, rollout, advantages = tokens[rows], mask[rows], rollout[rows], advantages[rows]
+        old = self.compute_log_probs(batch)
         old_logp = torch.zeros_like(mask)
         for i, (seq, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
             old_logp[i, len(seq) - n - 1:len(seq) - 1] = torch.tensor(old[i])
-        advantages = losses.compute_advantages(torch.tensor(batch.rewards), mask, self.loss_cfg, batch.n_samples_per_prompt)
         has_rollout = batch.rollout_log_probs is not None
 
-        def rl_loss(rows: slice, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-            logp = losses.token_log_probs(logits[:, :-1], tokens[rows, 1:], self.temperature)
+        def rl_loss(sl: slice, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            logp = losses.token_log_probs(logits[:, :-1], tokens[sl, 1:], self.temperature)
             entropy = losses.entropy_from_logits(logits[:, :-1], self.temperature) if self.loss_cfg.entropy_coef else None
-            return losses.policy_loss(logp, old_logp[rows], advantages[rows], mask[rows], self.loss_cfg,
-                                      rollout_logp=rollout[rows] if has_rollout else None, entropy=entropy)
+            return losses.policy_loss(logp, old_logp[sl], advantages[sl], mask[sl], self.loss_cfg,
+                                      rollout_logp=rollout[sl] if has_rollout else None, entropy=entropy)
 
         return self._train_steps(tokens, mask, rl_loss, start)
 
@@ -204,6 +224,7 @@ class TrainActor:
         """Supervised steps: mean cross-entropy of the response tokens (plus the MTP loss when
         MTP training is on) — the warm-up before RL."""
         start = time.perf_counter()
+        batch, _ = self._dp_share(batch)
         tokens, mask, _ = self._pad(batch)
 
         def sft_loss(rows: slice, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -214,9 +235,20 @@ class TrainActor:
 
         return self._train_steps(tokens, mask, sft_loss, start)
 
+    def _dp_share(self, batch: TrainBatch) -> tuple[TrainBatch, list[int]]:
+        """This data-parallel rank's sequences (every rank of a TP group gets the same ones)."""
+        if self.dp_size == 1:
+            return batch, list(range(len(batch)))
+        if len(batch) % self.dp_size:
+            raise ValueError(f"a batch of {len(batch)} sequences does not split over {self.dp_size} data-parallel "
+                             "trainer ranks; make rollout-batch-size x n-samples-per-prompt a multiple of it")
+        per = len(batch) // self.dp_size
+        rows = list(range(self.dp_rank * per, (self.dp_rank + 1) * per))
+        return batch.select(rows), rows
+
     def _train_steps(self, tokens: Tensor, mask: Tensor, loss_fn, start: float) -> dict[str, float]:
         """Optimizer steps over global batches; returns slime's train/ metrics (means over steps)."""
-        step_size = self.args.global_batch_size or tokens.shape[0]
+        step_size = self.args.global_batch_size // self.dp_size if self.args.global_batch_size else tokens.shape[0]
         totals: dict[str, list[float]] = {}
         self.model.train()
         for first in range(0, tokens.shape[0], step_size):
@@ -258,6 +290,11 @@ class TrainActor:
     def push_weights(self, engines: Sequence[Any], cfg: WeightSyncConfig, version: str,
                      output_dir: Optional[str] = None) -> dict[str, float]:
         """Push the policy (and MTP layers) into the engines as weight `version` (see weight_sync)."""
+        if self.rank != 0:
+            # Every TP rank must take part in gathering the tensors; rank 0 alone sends them.
+            for _ in self.hf_named_tensors():
+                pass
+            return {}
         if self._pusher is None:
             self._pusher = WeightPusher(engines, cfg, output_dir)
         return self._pusher.push(self.hf_named_tensors(), version)
@@ -272,4 +309,8 @@ class TrainActor:
         """A normal Hugging Face directory (config and tokenizer files copied from --hf-checkpoint)."""
         from trainer_bridge.convert import save_hf_checkpoint
 
+        if self.rank != 0:
+            for _ in self.hf_named_tensors():  # take part in the gathers
+                pass
+            return
         save_hf_checkpoint(self.hf_named_tensors(), path, like=self.args.hf_checkpoint)

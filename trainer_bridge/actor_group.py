@@ -1,0 +1,65 @@
+"""TrainGroup: the trainer as `num_ranks` TrainActor Ray actors forming one megatron group
+(tensor parallel ranks adjacent, data parallel across groups), one GPU each, else one CPU each.
+
+Every call goes to every rank (megatron's collectives need them all) and the result of rank 0
+comes back, as in slime's RayTrainGroup.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from trainer_bridge.actor import TrainActor, TrainBatch, TrainerArgs
+from trainer_bridge.loss import LossConfig
+from trainer_bridge.weight_sync import WeightSyncConfig
+
+
+def _address_and_port() -> tuple[str, int]:
+    import ray
+
+    from trainer_bridge.megatron_compat import free_port
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
+class TrainGroup:
+    def __init__(self, args: TrainerArgs, loss_cfg: LossConfig, temperature: float, num_ranks: int) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if num_ranks % args.tensor_model_parallel_size:
+            raise ValueError(f"{num_ranks} trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node) are not a "
+                             f"multiple of --tensor-model-parallel-size {args.tensor_model_parallel_size}")
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        bundle = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 1}
+        self.placement = placement_group([bundle] * num_ranks)
+        ray.get(self.placement.ready())
+        first = PlacementGroupSchedulingStrategy(placement_group=self.placement, placement_group_bundle_index=0)
+        # The rendezvous address must be rank 0's node: ask from inside its bundle.
+        address, port = ray.get(ray.remote(_address_and_port).options(num_cpus=0, scheduling_strategy=first).remote())
+        self.actors = []
+        for rank in range(num_ranks):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement, placement_group_bundle_index=rank)
+            self.actors.append(ray.remote(TrainActor).options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), scheduling_strategy=strategy,
+            ).remote(args, loss_cfg, temperature, rank, num_ranks, address, port))
+        ray.get([a.ready.remote() for a in self.actors])
+
+    def _all(self, method: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors])[0]
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        return self._all("train", batch)
+
+    def train_sft(self, batch: TrainBatch) -> dict[str, float]:
+        return self._all("train_sft", batch)
+
+    def push_weights(self, engines: Sequence[Any], cfg: WeightSyncConfig, version: str,
+                     output_dir: Optional[str] = None) -> dict[str, float]:
+        return self._all("push_weights", engines, cfg, version, output_dir)
+
+    def save_hf(self, path: str) -> None:
+        self._all("save_hf", path)
