@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--use-wandb", action="store_true", help="Log to wandb (offline unless WANDB_MODE is set).")
     run.add_argument("--wandb-project", default=None, help="wandb project.")
     run.add_argument("--use-tensorboard", action="store_true", help="Log to tensorboard under --output-dir.")
+    run.add_argument("--dry-run", action="store_true", help="Check the flags, print the resolved options and exit.")
     run.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray (default: all).")
     add_dataclass_args(parser, TrainerArgs, "trainer (trainer_bridge.actor.TrainerArgs)")
     add_dataclass_args(parser, LossConfig, "policy loss (trainer_bridge.loss.LossConfig)")
@@ -123,7 +124,7 @@ def start_engines(args: argparse.Namespace) -> list[Any]:
     bundle = {"GPU": per_engine, "CPU": 1} if gpus else {"CPU": 1}
     group = placement_group([bundle] * count)
     ray.get(group.ready())
-    engine_args = engine_config.from_cli_args(args, prefix=ENGINE_PREFIX.replace("-", "_"), model_path=args.hf_checkpoint,
+    engine_args = engine_config.from_cli_args(args, prefix=ENGINE_PREFIX, model_path=args.hf_checkpoint,
                                               random_seed=args.seed)
     kwargs = engine_args.to_dict()
     actors = []
@@ -144,6 +145,14 @@ def start_trainer(args: argparse.Namespace) -> Any:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
+    if args.dry_run:
+        # Building every options dataclass runs its validation, as a real launch would.
+        for options in (dataclass_from_args(TrainerArgs, args), dataclass_from_args(LossConfig, args),
+                        dataclass_from_args(WeightSyncConfig, args), rollout_config.from_cli_args(args),
+                        engine_config.from_cli_args(args, prefix=ENGINE_PREFIX, model_path=args.hf_checkpoint,
+                                                    random_seed=args.seed)):
+            print(options)
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     import ray
     from transformers import AutoTokenizer

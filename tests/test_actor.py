@@ -48,6 +48,15 @@ def rollout(engine_path, n=4, **engine_kwargs):
     return tokens, lengths, logps
 
 
+def test_bf16_without_cuda_is_refused(mimo):
+    from trainer_bridge.actor import TrainActor, TrainerArgs
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: bf16 is allowed")
+    with pytest.raises(ValueError, match="--bf16 needs CUDA"):
+        TrainActor(TrainerArgs(hf_checkpoint=mimo, bf16=True))
+
+
 def test_trainer_log_probs_equal_the_engines(actor, mimo):
     from trainer_bridge.actor import TrainBatch
 

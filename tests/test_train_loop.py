@@ -108,3 +108,14 @@ def test_seed_example_engine_flags_are_accepted():
                        "--sglang-cuda-graph-bs", *map(str, [*range(1, 33), *range(40, 65, 8), *range(80, 161, 16)])])
     assert args.sglang_speculative_num_steps == 3 and args.sglang_cuda_graph_bs[-1] == 160
     assert args.sglang_disable_cuda_graph_padding and args.sglang_max_running_requests == 32
+
+
+@pytest.mark.parametrize("script,needle", [
+    ("scripts/run-qwen3-8B-eagle3.sh", "speculative_algorithm='EAGLE3'"),
+    ("scripts/run-mimo-7B-rl-mtp.sh", "enable_mtp_training=True"),
+])
+def test_gpu_launchers_pass_flag_checks(script, needle):
+    """The real-model launchers' flags all exist and validate (--dry-run builds every options class)."""
+    proc = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert needle in proc.stdout and "tensor_model_parallel_size=2" in proc.stdout

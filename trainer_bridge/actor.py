@@ -39,6 +39,7 @@ class TrainerArgs:
     global_batch_size: Optional[int] = field(default=None, metadata={"help": "Sequences per optimizer step (default: a whole rollout in one step)."})
     tensor_model_parallel_size: int = field(default=1, metadata={"help": "Megatron tensor parallel size."})
     seed: int = field(default=1234, metadata={"help": "Seed of the trainer (megatron's RNG) and, in scripts/train.py, of the engines' sampling."})
+    bf16: bool = field(default=False, metadata={"help": "bfloat16 parameters and activations with float32 master weights in the optimizer (Megatron's mixed precision)."})
     enable_mtp_training: bool = field(default=False, metadata={"help": "Train the MTP layers online with the policy (their own loss; the trunk gets no gradient from it)."})
     mtp_loss_scaling_factor: float = field(default=0.2, metadata={"help": "Weight of the MTP loss."})
 
@@ -90,6 +91,9 @@ class TrainActor:
 
         if args.hf_checkpoint is None:
             raise ValueError("--hf-checkpoint is required: the Hugging Face checkpoint the policy starts from")
+        if args.bf16 and not torch.cuda.is_available():
+            raise ValueError("--bf16 needs CUDA (megatron's mixed-precision optimizer only wraps CUDA tensors); "
+                             "train in float32 on CPU")
         self.args, self.loss_cfg, self.temperature = args, loss_cfg or LossConfig(), temperature
         self.arch = HFArch.from_hf(args.hf_checkpoint)
         if args.enable_mtp_training and not self.arch.num_mtp_layers:
@@ -104,7 +108,8 @@ class TrainActor:
         self.rank, self.world_size = rank, world_size
         self.dp_size = world_size // args.tensor_model_parallel_size
         self.dp_rank = rank // args.tensor_model_parallel_size  # megatron's default order: TP ranks adjacent
-        model = build_gpt_model(args.hf_checkpoint)
+        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        model = build_gpt_model(args.hf_checkpoint, params_dtype=dtype)
         load_hf_weights(model, args.hf_checkpoint)
         if self.arch.num_mtp_layers and not args.enable_mtp_training:
             model.mtp.requires_grad_(False)  # a frozen draft: pushed unchanged every step
@@ -112,7 +117,7 @@ class TrainActor:
                                              ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=args.lr, min_lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, params_dtype=torch.float32), [self.model])
+            adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, bf16=args.bf16, params_dtype=dtype), [self.model])
         self.gpt = model
         self.step = 0
         self._pusher: Optional[WeightPusher] = None
