@@ -55,7 +55,7 @@ def run(path: str, kwargs: dict, batch: int, args: argparse.Namespace, vocab: in
     from spec_engine import Engine
 
     with Engine(model_path=path, device=args.device, dtype=args.dtype, skip_tokenizer_init=True, random_seed=0,
-                disable_radix_cache=True, **kwargs) as engine:
+                disable_radix_cache=True, disable_cuda_graph=args.disable_cuda_graph, **kwargs) as engine:
         params = {"temperature": 0.0, "max_new_tokens": args.output_len, "ignore_eos": True}
         engine.generate(input_ids=prompts(batch, args.input_len, vocab, repetitive, 0), sampling_params=params)
         best, state = None, None
@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--disable-cuda-graph", action="store_true",
+                        help="no graph batch sizes / padding (to measure what padding costs where graphs are not replayed)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
 
