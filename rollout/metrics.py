@@ -71,7 +71,7 @@ class MetricsLogger:
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self._file = open(self.path, "a")
+        self._file = open(self.path, "w")  # one run per directory: a rerun starts the file afresh
         self._wandb_run = None
         self._tb_writer = None
         if use_wandb:

@@ -17,8 +17,7 @@ ROLLOUT_ARGS=(
    --over-sampling-batch-size 64 --dynamic-sampling-filter-path rollout.filters.check_reward_nonzero_std
 )
 GRPO_ARGS=(
-   --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl
-   --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28 --use-tis
+   --advantage-estimator grpo --entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28 --use-tis
 )
 OPTIMIZER_ARGS=(
    --lr 1e-6 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98

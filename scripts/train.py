@@ -20,11 +20,12 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rollout import config as rollout_config
 from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
-from rollout.metrics import MetricsLogger
+from rollout.metrics import MetricsLogger, rollout_metrics
 from rollout.sample import Sample
 from spec_engine import config as engine_config
 from trainer_bridge.actor import TrainBatch, TrainerArgs
@@ -35,6 +36,7 @@ from trainer_bridge.weight_sync import WeightSyncConfig
 logger = logging.getLogger("specrl.train")
 
 ENGINE_PREFIX = "sglang-"
+PLACEMENT_TIMEOUT_S = 120
 # Engine flags the launcher sets itself, and the launcher flag that controls each.
 LAUNCHER_OWNED = {
     "model_path": "--hf-checkpoint", "tokenizer_path": "--hf-checkpoint", "random_seed": "--seed",
@@ -42,6 +44,9 @@ LAUNCHER_OWNED = {
     "api_key": "the launcher (engines are Ray actors, not servers)", "skip_server_warmup": "the launcher",
     "weight_version": "the launcher (it counts weight updates)", "skip_tokenizer_init": "the launcher (rewards need text)",
 }
+# SGLang flags specrl's engine does not have, and what does their job here.
+SGLANG_ONLY = {"tp_size": "--rollout-num-gpus-per-engine", "enable_memory_saver": "--colocate",
+               "dp_size": "--rollout-num-gpus (one engine per device)"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--num-rollout", type=int, required=True, help="Rollouts (RL steps) to run.")
     run.add_argument("--output-dir", required=True, help="Where metrics.jsonl, checkpoints and logs go.")
     run.add_argument("--save", default=None, help="Save a Hugging Face checkpoint here every --save-interval rollouts ({rollout_id} is filled in).")
-    run.add_argument("--save-interval", type=int, default=None, help="Rollouts between checkpoints.")
+    run.add_argument("--save-interval", type=int, default=None, help="Rollouts between checkpoints (the last rollout is always saved when --save is given).")
     run.add_argument("--rollout-num-gpus", type=int, default=1, help="Devices (CPU bundles without GPUs) for all engines together.")
     run.add_argument("--rollout-num-gpus-per-engine", type=int, default=1, help="Devices per engine; engines = num-gpus / per-engine.")
     run.add_argument("--actor-num-nodes", type=int, default=1, help="Nodes of trainer ranks.")
@@ -80,6 +85,8 @@ def check_engine_flags(argv: Sequence[str]) -> None:
         name = arg[2 + len(ENGINE_PREFIX):].split("=", 1)[0].replace("-", "_")
         if name in LAUNCHER_OWNED:
             raise SystemExit(f"error: {arg.split('=')[0]} is set by the launcher; use {LAUNCHER_OWNED[name]} instead")
+        if name in SGLANG_ONLY:
+            raise SystemExit(f"error: {arg.split('=')[0]} is not an engine flag in specrl; use {SGLANG_ONLY[name]}")
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.5)
             hint = f"; did you mean --{ENGINE_PREFIX}{close[0].replace('_', '-')}?" if close else ""
@@ -96,18 +103,44 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise SystemExit("error: --debug-rollout-only and --debug-train-only (or --load-debug-rollout-data) exclude each other")
     if args.hf_checkpoint is None:
         raise SystemExit("error: --hf-checkpoint is required")
-    if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
-        raise SystemExit(f"error: --rollout-num-gpus {args.rollout_num_gpus} is not a multiple of "
-                         f"--rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}")
+    if args.rollout_num_gpus_per_engine != 1:
+        raise SystemExit(f"error: --rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: engines run on one "
+                         "device each for now; use 1 and raise --rollout-num-gpus for more engines")
+    if args.save_interval is not None and args.save_interval <= 0:
+        raise SystemExit(f"error: --save-interval must be positive, got {args.save_interval}")
+    if args.debug_rollout_only and args.save:
+        raise SystemExit("error: --save writes the trained policy, and --debug-rollout-only trains nothing")
+    if args.bf16 and not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("error: --bf16 needs CUDA (megatron's mixed-precision optimizer); train in float32 on CPU")
+    if args.debug_train_only and args.load_debug_rollout_data is None:
+        raise SystemExit("error: --debug-train-only trains on saved rollouts: give --load-debug-rollout-data")
+    if (args.eval_interval is None) != (args.eval_prompt_data is None):
+        raise SystemExit("error: --eval-interval and --eval-prompt-data go together (how often, and on what)")
+    try:  # every options class validates itself now, before any engine or trainer starts
+        resolve_options(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     return args
 
 
-def to_train_batch(groups: list[list[Sample]], n_samples_per_prompt: int) -> TrainBatch:
+def resolve_options(args: argparse.Namespace) -> tuple:
+    """(TrainerArgs, LossConfig, WeightSyncConfig, RolloutArgs, EngineArgs) from the flags."""
+    return (dataclass_from_args(TrainerArgs, args), dataclass_from_args(LossConfig, args),
+            dataclass_from_args(WeightSyncConfig, args), rollout_config.from_cli_args(args),
+            engine_config.from_cli_args(args, prefix=ENGINE_PREFIX, model_path=args.hf_checkpoint,
+                                        random_seed=args.seed, weight_version="0"))
+
+
+def to_train_batch(groups: list[list[Sample]]) -> TrainBatch:
+    """The trainer's batch; the group size (GRPO's n) is read from the groups themselves."""
+    sizes = {len(g) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"groups of different sizes {sorted(sizes)}; group-relative advantages need equal groups")
     samples = [s for g in groups for s in g]
     return TrainBatch(tokens=[list(s.tokens) for s in samples], response_lengths=[s.response_length for s in samples],
                       rewards=[float(s.reward) for s in samples], loss_masks=[list(s.loss_mask) for s in samples],
                       rollout_log_probs=[list(s.rollout_log_probs) for s in samples],
-                      n_samples_per_prompt=n_samples_per_prompt)
+                      n_samples_per_prompt=sizes.pop())
 
 
 def start_engines(args: argparse.Namespace) -> list[Any]:
@@ -123,10 +156,13 @@ def start_engines(args: argparse.Namespace) -> list[Any]:
     gpus = ray.cluster_resources().get("GPU", 0) > 0
     bundle = {"GPU": per_engine, "CPU": 1} if gpus else {"CPU": 1}
     group = placement_group([bundle] * count)
-    ray.get(group.ready())
-    engine_args = engine_config.from_cli_args(args, prefix=ENGINE_PREFIX, model_path=args.hf_checkpoint,
-                                              random_seed=args.seed)
-    kwargs = engine_args.to_dict()
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"Ray could not place {count} engines with {bundle} each within {PLACEMENT_TIMEOUT_S} s "
+                           f"(cluster: {ray.cluster_resources()}); lower --rollout-num-gpus or add resources "
+                           "(--ray-num-cpus on CPU)") from None
+    kwargs = resolve_options(args)[-1].to_dict()
     actors = []
     for i in range(count):
         strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
@@ -146,11 +182,7 @@ def start_trainer(args: argparse.Namespace) -> Any:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     if args.dry_run:
-        # Building every options dataclass runs its validation, as a real launch would.
-        for options in (dataclass_from_args(TrainerArgs, args), dataclass_from_args(LossConfig, args),
-                        dataclass_from_args(WeightSyncConfig, args), rollout_config.from_cli_args(args),
-                        engine_config.from_cli_args(args, prefix=ENGINE_PREFIX, model_path=args.hf_checkpoint,
-                                                    random_seed=args.seed)):
+        for options in resolve_options(args):
             print(options)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -173,42 +205,49 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     manager.on_group_kept = lambda done, total: progress.update(bar, completed=done, total=total)
     metrics_log = MetricsLogger(args.output_dir, use_wandb=args.use_wandb, wandb_project=args.wandb_project,
                                 config=vars(args), use_tensorboard=args.use_tensorboard)
-    weight_version = 0
+    weight_version = 0  # the engines start at "0" (the --hf-checkpoint weights)
     try:
         progress.start()
         for rollout_id in range(args.num_rollout):
             step_start = time.perf_counter()
             if args.load_debug_rollout_data is not None:
-                groups, metrics = load_debug_rollout_data(args.load_debug_rollout_data, rollout_id), {}
+                groups = load_debug_rollout_data(args.load_debug_rollout_data, rollout_id)
+                metrics = {k: v for k, v in rollout_metrics(groups, 0.0).items() if not k.startswith("perf/")}
             else:
                 bar = progress.add_task("", total=rollout_args.rollout_batch_size, rollout=rollout_id)
                 groups, metrics = manager.generate(rollout_id)
                 progress.remove_task(bar)
             if args.save_debug_rollout_data is not None:
                 save_debug_rollout_data(args.save_debug_rollout_data, rollout_id, groups)
+            metrics["rollout/weight_version"] = weight_version  # the weights that generated this rollout
             if trainer is not None:
                 if args.colocate:
                     ray.get([e.release_memory_occupation.remote() for e in engines])
-                metrics.update(trainer.train(to_train_batch(groups, rollout_args.n_samples_per_prompt)))
+                metrics.update(trainer.train(to_train_batch(groups)))
                 if args.colocate:
                     ray.get([e.resume_memory_occupation.remote() for e in engines])
                 if engines:
                     weight_version += 1
                     update = trainer.push_weights(engines, sync_cfg, str(weight_version), args.output_dir)
                     metrics["perf/update_weights_time"] = update["seconds"]
-                if args.save and args.save_interval and (rollout_id + 1) % args.save_interval == 0:
+                last = rollout_id == args.num_rollout - 1
+                if args.save and (last or (args.save_interval and (rollout_id + 1) % args.save_interval == 0)):
                     trainer.save_hf(args.save.format(rollout_id=rollout_id))
             if engines and rollout_args.eval_interval and (rollout_id + 1) % rollout_args.eval_interval == 0:
                 metrics.update(manager.eval(rollout_id)[1])
-            metrics["rollout/weight_version"] = weight_version
             metrics["perf/step_time"] = time.perf_counter() - step_start
             metrics_log.log(rollout_id, metrics)
             logger.info("rollout %d: %s", rollout_id, {k: round(v, 4) for k, v in metrics.items()})
     finally:
         progress.stop()
         metrics_log.close()
+        if trainer is not None:
+            trainer.shutdown()
         for engine in engines:
-            ray.get(engine.shutdown.remote())
+            try:
+                ray.get(engine.shutdown.remote(), timeout=60)
+            except Exception as e:  # a dead engine must not hide the run's own error or keep Ray up
+                logger.warning("engine shutdown failed: %s", e)
         ray.shutdown()
 
 

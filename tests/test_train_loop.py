@@ -58,7 +58,7 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
         "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "2",
         "--sglang-speculative-eagle-topk", "1", "--sglang-cuda-graph-bs", "1", "2", "4", "8"])
     rows = metrics(out)
-    assert [r["rollout/weight_version"] for r in rows] == [1, 2]
+    assert [r["rollout/weight_version"] for r in rows] == [0, 1]  # the weights each rollout was generated with
     for r in rows:
         for key in ("rollout/raw_reward", "rollout/response_len/mean", "rollout/spec_accept_length", "train/loss",
                     "train/pg_loss", "train/grad_norm", "train/mtp_loss", "perf/rollout_time",
@@ -68,10 +68,13 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
     assert os.path.exists(saved.format(rollout_id=1))
     replay = str(tmp_path / "replay")
     run(base_args(model, data, replay) + ["--load-debug-rollout-data", saved, "--lr", "1e-3",
-                                          "--actor-num-gpus-per-node", "2"],  # two data-parallel ranks
+                                          "--actor-num-gpus-per-node", "2",  # two data-parallel ranks
+                                          "--use-kl-loss", "--kl-loss-coef", "0.01",  # a frozen reference model
+                                          "--advantage-estimator", "reinforce_plus_plus_baseline", "--kl-coef", "0.01"],
     )
     rows = metrics(replay)
-    assert len(rows) == 2 and all("train/grad_norm" in r and "rollout/raw_reward" not in r for r in rows)
+    assert len(rows) == 2 and all(r["train/grad_norm"] > 0 and r["rollout/raw_reward"] is not None for r in rows)
+    assert all(r["train/kl"] is not None and r["train/entropy"] > 0 for r in rows)
     assert all(r["rollout/weight_version"] == 0 for r in rows)  # no engine was started, nothing pushed
 
 

@@ -107,20 +107,33 @@ class TrainActor:
                             master_addr=master_addr, master_port=master_port or free_port())
         self.rank, self.world_size = rank, world_size
         self.dp_size = world_size // args.tensor_model_parallel_size
+        if args.global_batch_size is not None and args.global_batch_size % self.dp_size:
+            raise ValueError(f"--global-batch-size {args.global_batch_size} does not split over {self.dp_size} "
+                             "data-parallel trainer ranks; make it a multiple")
         self.dp_rank = rank // args.tensor_model_parallel_size  # megatron's default order: TP ranks adjacent
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         model = build_gpt_model(args.hf_checkpoint, params_dtype=dtype)
         load_hf_weights(model, args.hf_checkpoint)
         if self.arch.num_mtp_layers and not args.enable_mtp_training:
             model.mtp.requires_grad_(False)  # a frozen draft: pushed unchanged every step
+        elif self.arch.num_mtp_layers > 1:
+            # Only the first MTP layer drafts (and gets a loss); the others must not decay under weight decay.
+            for layer in model.mtp.layers[1:]:
+                layer.requires_grad_(False)
         self.model = DistributedDataParallel(config=model.config, module=model,
                                              ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=args.lr, min_lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, bf16=args.bf16, params_dtype=dtype), [self.model])
         self.gpt = model
+        self.ref = None
+        if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
+            # The reference policy for the KL term: the starting checkpoint, frozen.
+            self.ref = build_gpt_model(args.hf_checkpoint, params_dtype=dtype).eval().requires_grad_(False)
+            load_hf_weights(self.ref, args.hf_checkpoint)
         self.step = 0
         self._pusher: Optional[WeightPusher] = None
+        self._pusher_key: Any = None
 
     def ready(self) -> int:
         """This rank, once the model is built and loaded (for Ray callers waiting on start-up)."""
@@ -129,24 +142,26 @@ class TrainActor:
     # ---------------------------------------------------------------- forward
 
     @contextlib.contextmanager
-    def _without_mtp(self) -> Iterator[None]:
+    def _without_mtp(self, model: Any) -> Iterator[None]:
         """Megatron's GPTModel runs its MTP block (and needs labels) inside forward; the policy's
         logits do not depend on it, and the MTP loss is computed separately (with a detached trunk)."""
-        model, saved = self.gpt, (self.gpt.mtp_process, self.gpt.config.mtp_num_layers)
+        saved = (model.mtp_process, model.config.mtp_num_layers)
         model.mtp_process, model.config.mtp_num_layers = False, None
         try:
             yield
         finally:
             model.mtp_process, model.config.mtp_num_layers = saved
 
-    def _forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """(logits over the real vocabulary [b, s, V], trunk hidden states [s, b, h])."""
+    def _forward(self, tokens: Tensor, reference: bool = False) -> tuple[Tensor, Tensor]:
+        """(logits over the real vocabulary [b, s, V], trunk hidden states [s, b, h]) of the
+        policy, or of the frozen reference model."""
+        gpt, run = (self.ref, self.ref) if reference else (self.gpt, self.model)
         captured = []
-        hook = self.gpt.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        hook = gpt.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
         try:
             positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-            with self._without_mtp():
-                logits = self.model(tokens, positions, None, runtime_gather_output=True)
+            with self._without_mtp(gpt):
+                logits = run(tokens, positions, None, runtime_gather_output=True)
         finally:
             hook.remove()
         return logits[..., :self.arch.vocab_size], captured[0]
@@ -187,14 +202,15 @@ class TrainActor:
         return tokens, mask, rollout
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: TrainBatch) -> list[list[float]]:
-        """Per response token: log_softmax(logits / temperature) of the sampled token."""
+    def compute_log_probs(self, batch: TrainBatch, reference: bool = False) -> list[list[float]]:
+        """Per response token: log_softmax(logits / temperature) of the sampled token (of the
+        frozen reference model with `reference`)."""
         self.model.eval()
         out = []
         for start in range(0, len(batch), self.args.micro_batch_size):
             part = batch.select(range(start, min(start + self.args.micro_batch_size, len(batch))))
             tokens, _, _ = self._pad(part)
-            logits, _ = self._forward(tokens)
+            logits, _ = self._forward(tokens, reference)
             logp = losses.token_log_probs(logits[:, :-1], tokens[:, 1:], self.temperature)
             for i, (seq, n) in enumerate(zip(part.tokens, part.response_lengths)):
                 out.append(logp[i, len(seq) - n - 1:len(seq) - 1].tolist())
@@ -207,23 +223,33 @@ class TrainActor:
         global batches of micro batches. Returns slime's train/ metrics (means over steps)."""
         start = time.perf_counter()
         tokens, mask, rollout = self._pad(batch)
+        share, rows = self._dp_share(batch)
+        # The KL-shaped advantages of --kl-coef need every sequence's log-probs, not this rank's share.
+        scored = batch if self.loss_cfg.kl_coef else share
+        old_logp = self._logp_matrix(scored, mask.shape[1])
+        ref_logp = self._logp_matrix(scored, mask.shape[1], reference=True) if self.ref is not None else None
+        kl = None
+        if self.loss_cfg.kl_coef:
+            kl = losses.kl_penalty(old_logp, ref_logp, self.loss_cfg.kl_loss_type)
+            old_logp, ref_logp = old_logp[rows], ref_logp[rows]
         # Advantages need whole groups: computed on the full batch, then this rank takes its rows.
-        advantages = losses.compute_advantages(torch.tensor(batch.rewards), mask, self.loss_cfg, batch.n_samples_per_prompt)
-        batch, rows = self._dp_share(batch)
+        advantages = losses.compute_advantages(torch.tensor(batch.rewards), mask, self.loss_cfg,
+                                               batch.n_samples_per_prompt, kl=kl)
+        batch = share
         tokens, mask, rollout, advantages = tokens[rows], mask[rows], rollout[rows], advantages[rows]
-        old = self.compute_log_probs(batch)
-        old_logp = torch.zeros_like(mask)
-        for i, (seq, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
-            old_logp[i, len(seq) - n - 1:len(seq) - 1] = torch.tensor(old[i])
         has_rollout = batch.rollout_log_probs is not None
 
-        def rl_loss(sl: slice, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        def rl_loss(sl: slice, logits: Tensor, normalizer: Optional[Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
             logp = losses.token_log_probs(logits[:, :-1], tokens[sl, 1:], self.temperature)
-            entropy = losses.entropy_from_logits(logits[:, :-1], self.temperature) if self.loss_cfg.entropy_coef else None
+            entropy = losses.entropy_from_logits(logits[:, :-1], self.temperature)
+            if not self.loss_cfg.entropy_coef:
+                entropy = entropy.detach()  # logged as train/entropy only
             return losses.policy_loss(logp, old_logp[sl], advantages[sl], mask[sl], self.loss_cfg,
-                                      rollout_logp=rollout[sl] if has_rollout else None, entropy=entropy)
+                                      ref_logp=None if ref_logp is None else ref_logp[sl],
+                                      rollout_logp=rollout[sl] if has_rollout else None, entropy=entropy,
+                                      normalizer=normalizer)
 
-        return self._train_steps(tokens, mask, rl_loss, start)
+        return self._train_steps(tokens, mask, rl_loss, start, per_token=self.loss_cfg.loss_agg_mode == "token-mean")
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         """Supervised steps: mean cross-entropy of the response tokens (plus the MTP loss when
@@ -232,13 +258,20 @@ class TrainActor:
         batch, _ = self._dp_share(batch)
         tokens, mask, _ = self._pad(batch)
 
-        def sft_loss(rows: slice, logits: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-            logp = losses.token_log_probs(logits[:, :-1], tokens[rows, 1:])
-            m = mask[rows]
-            loss = -(logp * m).sum() / m.sum().clamp(min=1)
+        def sft_loss(sl: slice, logits: Tensor, normalizer: Optional[Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+            logp = losses.token_log_probs(logits[:, :-1], tokens[sl, 1:])
+            loss = -(logp * mask[sl]).sum() / normalizer
             return loss, {"loss": loss.detach()}
 
-        return self._train_steps(tokens, mask, sft_loss, start)
+        return self._train_steps(tokens, mask, sft_loss, start, per_token=True)
+
+    def _logp_matrix(self, batch: TrainBatch, width: int, reference: bool = False) -> Tensor:
+        """compute_log_probs laid out like _pad's mask ([len(batch), width]; position t scores token t + 1)."""
+        out = torch.zeros(len(batch), width)
+        for i, (seq, n, lp) in enumerate(zip(batch.tokens, batch.response_lengths,
+                                             self.compute_log_probs(batch, reference))):
+            out[i, len(seq) - n - 1:len(seq) - 1] = torch.tensor(lp)
+        return out
 
     def _dp_share(self, batch: TrainBatch) -> tuple[TrainBatch, list[int]]:
         """This data-parallel rank's sequences (every rank of a TP group gets the same ones)."""
@@ -251,44 +284,73 @@ class TrainActor:
         rows = list(range(self.dp_rank * per, (self.dp_rank + 1) * per))
         return batch.select(rows), rows
 
-    def _train_steps(self, tokens: Tensor, mask: Tensor, loss_fn, start: float) -> dict[str, float]:
-        """Optimizer steps over global batches; returns slime's train/ metrics (means over steps)."""
+    def _train_steps(self, tokens: Tensor, mask: Tensor, loss_fn, start: float, per_token: bool) -> dict[str, float]:
+        """Optimizer steps over global batches; returns slime's train/ metrics (means over steps).
+
+        `loss_fn(rows, logits, normalizer)`: with `per_token` the loss is a sum over tokens divided
+        by `normalizer` (the step's token count over all data-parallel ranks / dp size, so DDP's
+        averaging gives the global token mean); otherwise a mean over the micro batch's sequences
+        (normalizer None), weighted here by the micro batch's share of the step."""
         step_size = self.args.global_batch_size // self.dp_size if self.args.global_batch_size else tokens.shape[0]
         totals: dict[str, list[float]] = {}
         self.model.train()
         for first in range(0, tokens.shape[0], step_size):
             rows = slice(first, min(first + step_size, tokens.shape[0]))
-            for k, v in self._optimizer_step(tokens, mask, rows, loss_fn).items():
+            for k, v in self._optimizer_step(tokens, mask, rows, loss_fn, per_token).items():
                 totals.setdefault(k, []).append(v)
         result = {f"train/{k}": sum(v) / len(v) for k, v in totals.items()}
+        if "train/entropy_loss" in result:  # DESIGN.md's name; slime's is entropy_loss
+            result["train/entropy"] = result["train/entropy_loss"]
         result["perf/actor_train_time"] = time.perf_counter() - start
         return result
 
-    def _optimizer_step(self, tokens: Tensor, mask: Tensor, rows: slice, loss_fn) -> dict[str, float]:
+    def _optimizer_step(self, tokens: Tensor, mask: Tensor, rows: slice, loss_fn, per_token: bool) -> dict[str, float]:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         n, mbs = rows.stop - rows.start, self.args.micro_batch_size
+        normalizer = None
+        if per_token:
+            count = mask[rows].sum()
+            self._dp_all_reduce(count)
+            normalizer = (count / self.dp_size).clamp(min=1.0 / self.dp_size)
         sums: dict[str, float] = {}
         for first in range(rows.start, rows.stop, mbs):
             sl = slice(first, min(first + mbs, rows.stop))
             logits, hidden = self._forward(tokens[sl])
-            loss, metrics = loss_fn(sl, logits)
+            loss, metrics = loss_fn(sl, logits, normalizer)
             share = (sl.stop - sl.start) / n  # micro batches add up to the step's mean
-            loss = loss * share
+            weight = 1.0 if per_token else share  # per-token losses are partial sums already
+            loss = loss * weight
             if self.args.enable_mtp_training:
                 mtp = self._mtp_loss(tokens[sl], hidden, mask[sl])
                 loss = loss + self.args.mtp_loss_scaling_factor * mtp * share
                 sums["mtp_loss"] = sums.get("mtp_loss", 0.0) + mtp.item() * share
             loss.backward()
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * share
+                sums[k] = sums.get(k, 0.0) + float(v) * weight
         self.model.finish_grad_sync()
+        sums = self._dp_mean(sums)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError(f"optimizer step {self.step} failed (grad norm {grad_norm}); lower --lr or check the batch")
         self.step += 1
         sums["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return sums
+
+    def _dp_all_reduce(self, tensor: Tensor) -> None:
+        if self.dp_size > 1:
+            from megatron.core import parallel_state
+
+            torch.distributed.all_reduce(tensor, group=parallel_state.get_data_parallel_group())
+
+    def _dp_mean(self, values: dict[str, float]) -> dict[str, float]:
+        """Metrics averaged over data-parallel ranks (each rank saw its share of the sequences)."""
+        if self.dp_size == 1 or not values:
+            return values
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        self._dp_all_reduce(t)
+        return {k: v / self.dp_size for k, v in zip(keys, t.tolist())}
 
     # ---------------------------------------------------------------- export
 
@@ -300,9 +362,17 @@ class TrainActor:
             for _ in self.hf_named_tensors():
                 pass
             return {}
-        if self._pusher is None:
-            self._pusher = WeightPusher(engines, cfg, output_dir)
-        return self._pusher.push(self.hf_named_tensors(), version)
+        key = (cfg, output_dir, tuple(getattr(e, "_actor_id", id(e)) for e in engines))
+        if self._pusher is None or self._pusher_key != key:
+            if self._pusher is not None:
+                self._pusher.close()
+            self._pusher, self._pusher_key = WeightPusher(engines, cfg, output_dir), key
+        tensors = self.hf_named_tensors()
+        try:
+            return self._pusher.push(tensors, version)
+        finally:
+            for _ in tensors:  # after a failure, the other TP ranks are still gathering: finish with them
+                pass
 
     def hf_named_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """The policy (and its MTP layers) under Hugging Face names, one tensor at a time."""

@@ -63,3 +63,12 @@ class TrainGroup:
 
     def save_hf(self, path: str) -> None:
         self._all("save_hf", path)
+
+    def shutdown(self) -> None:
+        """End the rank actors and give their placement group back."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.placement)

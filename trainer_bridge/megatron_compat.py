@@ -196,7 +196,7 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, rank: int = 0, world_size: 
         raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp}*{pp}; "
                          "launch tp*pp*dp processes")
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", master_addr)
+        os.environ["MASTER_ADDR"] = master_addr
         if master_port is not None:
             os.environ["MASTER_PORT"] = str(master_port)
         elif "MASTER_PORT" not in os.environ:

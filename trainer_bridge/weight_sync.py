@@ -15,7 +15,9 @@ import logging
 import os
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+import shutil
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
@@ -74,7 +76,10 @@ class WeightPusher:
         self.cfg = cfg
         self.disk_dir = cfg.weight_sync_dir or os.path.join(output_dir or ".", "weight_sync")
         self._group: Optional[dist.ProcessGroup] = None
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)))
+        # One group per pusher: engines keep a joined group's name, so a new pusher needs a new one.
+        self.group_name = f"{GROUP_NAME}_{uuid.uuid4().hex[:8]}"
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)) + 1)
+        self._last_disk_version: Optional[str] = None
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
         """Push every tensor, then (optionally) verify; returns bytes, seconds and bucket count."""
@@ -111,11 +116,16 @@ class WeightPusher:
         engine's dtype; raise naming the engine and tensors otherwise."""
         for i, engine in enumerate(self.engines):
             dtype = _DTYPES[engine.get_server_info()["dtype"]]
-            got = engine.get_weights_checksum(names=list(sent))
-            bad = [n for n, t in sent.items() if got.get(n) != tensor_checksum(t.to(dtype))]
+            # Every tensor the engine uses; ones it takes but never uses (MTP layers past the
+            # draft's, or all of them without speculation) have no checksum to compare.
+            got = engine.get_weights_checksum()
+            used = [n for n in sent if n in got]
+            if not used:
+                raise RuntimeError(f"--check-weight-update-equal: engine {i} uses none of the {len(sent)} tensors sent")
+            bad = [n for n in used if got[n] != tensor_checksum(sent[n].to(dtype))]
             if bad:
                 raise RuntimeError(f"--check-weight-update-equal: engine {i} holds different values for {len(bad)} of "
-                                   f"{len(sent)} tensors after the update (first: {bad[:3]}); the update did not land")
+                                   f"{len(used)} tensors after the update (first: {bad[:3]}); the update did not land")
 
     def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: Optional[str]) -> None:
         last = version is not None
@@ -129,7 +139,7 @@ class WeightPusher:
         dtypes = [str(t.dtype).replace("torch.", "") for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         # The engines wait for the broadcasts, so their calls start first and finish after them.
-        calls = [self._pool.submit(e.update_weights_from_distributed, names, dtypes, shapes, GROUP_NAME,
+        calls = [self._pool.submit(e.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
                                    flush_cache=last, weight_version=version) for e in self.engines]
         for _, tensor in bucket:
             group.broadcast(tensor.contiguous(), 0).wait()
@@ -141,6 +151,10 @@ class WeightPusher:
         os.makedirs(path, exist_ok=True)
         save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         self._on_all("update_weights_from_disk", model_path=path, weight_version=version)
+        # Only the version the engines hold is kept: one checkpoint per step would fill the disk.
+        if self._last_disk_version not in (None, version):
+            shutil.rmtree(os.path.join(self.disk_dir, self._last_disk_version), ignore_errors=True)
+        self._last_disk_version = version
 
     def _broadcast_group(self) -> dist.ProcessGroup:
         if self._group is None:
@@ -148,12 +162,19 @@ class WeightPusher:
             address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), _free_port()
             world = len(self.engines) + 1
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            store = dist.PrefixStore(GROUP_NAME, dist.TCPStore(address, port, world, is_master=True,
-                                                                timeout=BROADCAST_TIMEOUT, wait_for_workers=False))
-            joins = [self._pool.submit(e.init_weights_update_group, address, port, i + 1, world, GROUP_NAME, backend)
+            name = self.group_name
+            store = dist.PrefixStore(name, dist.TCPStore(address, port, world, is_master=True,
+                                                          timeout=BROADCAST_TIMEOUT, wait_for_workers=False))
+            joins = [self._pool.submit(e.init_weights_update_group, address, port, i + 1, world, name, backend)
                      for i, e in enumerate(self.engines)]
-            self._group = (dist.ProcessGroupNCCL(store, 0, world) if backend == "nccl"
-                           else dist.ProcessGroupGloo(store, 0, world, BROADCAST_TIMEOUT))
+            make = self._pool.submit(lambda: dist.ProcessGroupNCCL(store, 0, world) if backend == "nccl"
+                                     else dist.ProcessGroupGloo(store, 0, world, BROADCAST_TIMEOUT))
+            # An engine that fails to join would leave the rendezvous waiting for it: report its error at once.
+            done, _ = wait(joins + [make], return_when=FIRST_EXCEPTION)
+            for future in done:
+                if future.exception() is not None:
+                    raise RuntimeError(f"an engine could not join the weight-sync group {name!r}") from future.exception()
+            self._group = make.result()
             for join in joins:
                 join.result()
         return self._group
@@ -163,7 +184,8 @@ class WeightPusher:
             call.result()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._group = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class RayEngine:
