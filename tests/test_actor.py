@@ -135,3 +135,27 @@ def test_exported_weights_land_in_an_engine(actor, mimo, tmp_path):
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           max_new_tokens=8, do_sample=False, min_new_tokens=8)
         assert out[0, len(prompt):].tolist() == want
+
+
+def test_token_mean_losses_do_not_depend_on_micro_batch_size(actor):
+    """SFT (a token mean) gives the same trunk gradient in micro batches of 1 and of 4."""
+    from trainer_bridge.actor import TrainBatch
+
+    g = torch.Generator().manual_seed(7)
+    lengths = [1, 2, 5, 7]  # unequal, so a per-micro-batch mean would weight tokens differently
+    tokens = [torch.randint(5, 300, (6 + n,), generator=g).tolist() for n in lengths]
+    batch = TrainBatch(tokens, lengths, [0.0] * 4)
+    step, mbs = actor.optimizer.step, actor.args.micro_batch_size
+    actor.optimizer.step = lambda: (True, 0.0, None)  # keep the weights: compare gradients only
+    grads = []
+    try:
+        for size in (1, 4):
+            actor.args.micro_batch_size = size
+            actor.train_sft(batch)
+            grads.append(torch.cat([p.main_grad.flatten().clone() for n, p in actor.gpt.named_parameters()
+                                    if p.requires_grad and not n.startswith("mtp.")]))
+    finally:
+        actor.optimizer.step, actor.args.micro_batch_size = step, mbs
+        actor.model.zero_grad_buffer()
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-6), (grads[0] - grads[1]).abs().max()
