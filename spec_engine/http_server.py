@@ -141,45 +141,21 @@ def create_app(engine: Engine) -> FastAPI:
         body["named_tensors"] = deserialize_tensors(body.pop("serialized_named_tensors"))
         return body
 
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request):
-        return await control(request, engine.update_weights_from_tensor,
-                             ("serialized_named_tensors", "load_format", "flush_cache", "weight_version"), tensors_from_text)
+    def control_endpoint(name: str) -> None:
+        """POST /<name>: the engine method's keyword arguments as JSON fields (tensors travel as
+        serialized_named_tensors, the text form of named_tensors)."""
+        method = getattr(engine, name)
+        keys = tuple("serialized_named_tensors" if k == "named_tensors" else k
+                     for k in inspect.signature(method).parameters)
+        convert = tensors_from_text if "serialized_named_tensors" in keys else None
 
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        return await control(request, engine.init_weights_update_group,
-                             ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"))
+        async def handler(request: Request):
+            return await control(request, method, keys, convert)
 
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        return await control(request, engine.update_weights_from_distributed,
-                             ("names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"))
+        app.post(f"/{name}", name=name)(handler)
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        return await control(request, engine.update_weights_from_disk,
-                             ("model_path", "weight_version", "component", "flush_cache"))
-
-    @app.post("/get_weights_checksum")
-    async def get_weights_checksum(request: Request):
-        return await control(request, engine.get_weights_checksum, ("names",))
-
-    @app.post("/pause_generation")
-    async def pause_generation(request: Request):
-        return await control(request, engine.pause_generation, ("mode",))
-
-    @app.post("/continue_generation")
-    async def continue_generation(request: Request):
-        return await control(request, engine.continue_generation, ())
-
-    @app.post("/release_memory_occupation")
-    async def release_memory_occupation(request: Request):
-        return await control(request, engine.release_memory_occupation, ("tags",))
-
-    @app.post("/resume_memory_occupation")
-    async def resume_memory_occupation(request: Request):
-        return await control(request, engine.resume_memory_occupation, ("tags",))
+    for name in CONTROL_METHODS:
+        control_endpoint(name)
 
     # ---------------------------------------------------------------- OpenAI-compatible
 
@@ -392,6 +368,11 @@ async def _stream_events(stream: AsyncIterator[dict], base: dict, choice: Any, i
     if include_usage:
         yield _sse({**base, "choices": [], "usage": _usage([finals[i] for i in sorted(finals)], n)})
     yield "data: [DONE]\n\n"
+
+
+CONTROL_METHODS = ("update_weights_from_tensor", "init_weights_update_group", "update_weights_from_distributed",
+                   "update_weights_from_disk", "get_weights_checksum", "pause_generation", "continue_generation",
+                   "release_memory_occupation", "resume_memory_occupation")
 
 
 def _check_field_types(method, body: dict) -> None:
