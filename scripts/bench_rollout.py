@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from scripts.bench_engine import random_batches
 from scripts.make_tiny_model import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
 ALGORITHMS = ("baseline", "eagle", "eagle3", "mtp", "standalone-self", "ngram")
@@ -41,9 +42,9 @@ def configs(models: dict[str, str], steps: int, topk: int, tokens: int) -> dict[
 
 
 def prompts(batch: int, length: int, vocab: int, repetitive: bool, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
     if not repetitive:
-        return torch.randint(5, vocab, (batch, length), generator=g).tolist()
+        return random_batches(batch, length, vocab, seed)
+    g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(batch):
         pattern = torch.randint(5, vocab, (16,), generator=g).tolist()

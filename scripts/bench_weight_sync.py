@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from scripts.make_tiny_model import build_checkpoint
+from trainer_bridge.megatron_compat import free_port
 
 
 def best(fn, repeats: int) -> float:
@@ -35,12 +35,6 @@ def best(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

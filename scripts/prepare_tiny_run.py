@@ -18,7 +18,7 @@ import os
 import random
 
 from rollout.tiny_task import PROMPT_FORMAT, write_tiny_task
-from scripts.make_tiny_model import add_mimo_mtp, build_checkpoint, build_tokenizer
+from scripts.make_tiny_model import add_mimo_mtp, build_tiny_model
 
 logger = logging.getLogger("specrl.prepare_tiny_run")
 
@@ -28,9 +28,10 @@ def warmup_batch(tokenizer, letters: list[str], size: int, response_len: int, rn
     from trainer_bridge.actor import TrainBatch
 
     first_normal = len(tokenizer.all_special_ids)
+    prompts = [tokenizer(PROMPT_FORMAT.format(letter=letter))["input_ids"] for letter in letters]
     tokens, lengths = [], []
     for _ in range(size):
-        prompt = tokenizer(PROMPT_FORMAT.format(letter=rng.choice(letters)))["input_ids"]
+        prompt = rng.choice(prompts)
         token = rng.randrange(first_normal, len(tokenizer))
         tokens.append(prompt + [token] * response_len)
         lengths.append(response_len)
@@ -46,11 +47,9 @@ def prepare(out: str, steps: int = 60, batch_size: int = 32, response_len: int =
     from trainer_bridge.megatron_compat import destroy_model_parallel
 
     base, warm = os.path.join(out, "base"), os.path.join(out, "warm")
-    build_tokenizer(base)
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    bos, eos = tokenizer.convert_tokens_to_ids(["<s>", "</s>"])
-    build_checkpoint(base, arch="qwen2", num_layers=2, bos_token_id=bos, eos_token_id=eos, seed=seed)
+    build_tiny_model(base, arch="qwen2", num_layers=2, seed=seed)
     add_mimo_mtp(base, seed=seed + 1)
+    tokenizer = AutoTokenizer.from_pretrained(base)
     letters = write_tiny_task(os.path.join(out, "task.jsonl"), tokenizer, n=256, seed=seed)
     actor = TrainActor(TrainerArgs(hf_checkpoint=base, lr=lr, micro_batch_size=batch_size, enable_mtp_training=True,
                                    mtp_loss_scaling_factor=1.0, seed=seed))

@@ -18,16 +18,18 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rollout import config as rollout_config
+from rollout.config import RolloutArgs
 from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
 from rollout.metrics import MetricsLogger, rollout_metrics
 from rollout.sample import Sample
 from spec_engine import config as engine_config
+from spec_engine.config import EngineArgs
 from trainer_bridge.actor import TrainBatch, TrainerArgs
 from spec_engine.dataclass_cli import add_dataclass_args, dataclass_from_args
 from trainer_bridge.loss import LossConfig
@@ -36,7 +38,6 @@ from trainer_bridge.weight_sync import WeightSyncConfig
 logger = logging.getLogger("specrl.train")
 
 ENGINE_PREFIX = "sglang-"
-PLACEMENT_TIMEOUT_S = 120
 # Engine flags the launcher sets itself, and the launcher flag that controls each.
 LAUNCHER_OWNED = {
     "model_path": "--hf-checkpoint", "tokenizer_path": "--hf-checkpoint", "random_seed": "--seed",
@@ -117,18 +118,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if (args.eval_interval is None) != (args.eval_prompt_data is None):
         raise SystemExit("error: --eval-interval and --eval-prompt-data go together (how often, and on what)")
     try:  # every options class validates itself now, before any engine or trainer starts
-        resolve_options(args)
+        args.options = Options(
+            dataclass_from_args(TrainerArgs, args), dataclass_from_args(LossConfig, args),
+            dataclass_from_args(WeightSyncConfig, args), rollout_config.from_cli_args(args),
+            engine_config.from_cli_args(args, prefix=ENGINE_PREFIX, model_path=args.hf_checkpoint,
+                                        random_seed=args.seed, weight_version="0"))
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     return args
 
 
-def resolve_options(args: argparse.Namespace) -> tuple:
-    """(TrainerArgs, LossConfig, WeightSyncConfig, RolloutArgs, EngineArgs) from the flags."""
-    return (dataclass_from_args(TrainerArgs, args), dataclass_from_args(LossConfig, args),
-            dataclass_from_args(WeightSyncConfig, args), rollout_config.from_cli_args(args),
-            engine_config.from_cli_args(args, prefix=ENGINE_PREFIX, model_path=args.hf_checkpoint,
-                                        random_seed=args.seed, weight_version="0"))
+class Options(NamedTuple):
+    """Each package's options, built (and validated) once from the flags."""
+
+    trainer: TrainerArgs
+    loss: LossConfig
+    sync: WeightSyncConfig
+    rollout: RolloutArgs
+    engine: EngineArgs
 
 
 def to_train_batch(groups: list[list[Sample]]) -> TrainBatch:
@@ -143,46 +150,25 @@ def to_train_batch(groups: list[list[Sample]]) -> TrainBatch:
                       n_samples_per_prompt=sizes.pop())
 
 
-def start_engines(args: argparse.Namespace) -> list[Any]:
+def start_engines(args: argparse.Namespace, engine_args: EngineArgs) -> list[Any]:
     """EngineActors in a placement group of one bundle per engine (GPUs, else CPUs)."""
     import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from rollout.engine_actor import EngineActor
+    from trainer_bridge.actor_group import reserve_bundles
 
-    per_engine = args.rollout_num_gpus_per_engine
-    count = args.rollout_num_gpus // per_engine
-    gpus = ray.cluster_resources().get("GPU", 0) > 0
-    bundle = {"GPU": per_engine, "CPU": 1} if gpus else {"CPU": 1}
-    group = placement_group([bundle] * count)
-    try:
-        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        raise RuntimeError(f"Ray could not place {count} engines with {bundle} each within {PLACEMENT_TIMEOUT_S} s "
-                           f"(cluster: {ray.cluster_resources()}); lower --rollout-num-gpus or add resources "
-                           "(--ray-num-cpus on CPU)") from None
-    kwargs = resolve_options(args)[-1].to_dict()
-    actors = []
-    for i in range(count):
-        strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
-        actors.append(ray.remote(EngineActor).options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                                                      scheduling_strategy=strategy).remote(**kwargs))
+    _, options = reserve_bundles(args.rollout_num_gpus // args.rollout_num_gpus_per_engine,
+                                 args.rollout_num_gpus_per_engine, "--rollout-num-gpus")
+    actors = [ray.remote(EngineActor).options(**o).remote(**engine_args.to_dict()) for o in options]
     ray.get([a.get_server_info.remote() for a in actors])  # wait until every engine is up
     return actors
 
 
-def start_trainer(args: argparse.Namespace) -> Any:
-    from trainer_bridge.actor_group import TrainGroup
-
-    return TrainGroup(dataclass_from_args(TrainerArgs, args), dataclass_from_args(LossConfig, args),
-                      args.rollout_temperature, args.actor_num_nodes * args.actor_num_gpus_per_node)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
+    opts = args.options
     if args.dry_run:
-        for options in resolve_options(args):
+        for options in opts:
             print(options)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -191,14 +177,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from rollout.engine_actor import RayEngineHandle
     from rollout.manager import RolloutManager
+    from trainer_bridge.actor_group import TrainGroup
 
     ray.init(num_cpus=args.ray_num_cpus, include_dashboard=False, ignore_reinit_error=True,
              runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
-    rollout_args = rollout_config.from_cli_args(args)
-    sync_cfg = dataclass_from_args(WeightSyncConfig, args)
+    rollout_args, sync_cfg = opts.rollout, opts.sync
     tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
-    engines = [] if args.debug_train_only else start_engines(args)
-    trainer = None if args.debug_rollout_only else start_trainer(args)
+    engines = [] if args.debug_train_only else start_engines(args, opts.engine)
+    trainer = None if args.debug_rollout_only else TrainGroup(
+        opts.trainer, opts.loss, rollout_args.rollout_temperature, args.actor_num_nodes * args.actor_num_gpus_per_node)
     manager = RolloutManager(rollout_args, [RayEngineHandle(e) for e in engines], tokenizer)
     progress = Progress(TextColumn("rollout {task.fields[rollout]}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("groups"), TimeElapsedColumn(), transient=True)

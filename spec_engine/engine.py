@@ -274,8 +274,7 @@ class Engine:
             if s.running or s.chunked:
                 raise ValueError("cannot release the KV cache while requests hold it; pause_generation with mode "
                                  "'retract' or 'abort' first")
-            s.tree_cache.evict(s.tree_cache.total_size())
-            s.tree_cache.reset()
+            s.drop_prefix_cache()
             for pool in self._kv_pools():
                 pool.release()
         if "weights" in tags:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -305,19 +305,32 @@ class SelfCheckBatches:
         return torch.randint(self.vocab_size, (n,), generator=self.gen).to(self.device)
 
 
-def self_check(g: GraphRunner, forward: ForwardFn,
-               make_batch: Callable[[int], tuple[ForwardBatch, Optional[torch.Tensor]]], atol: float) -> None:
-    """Run every size padded and eagerly on a synthetic batch; raise naming the size and mode on
-    a mismatch (what --cuda-graph-self-check does at startup)."""
-    for size in g.sizes:
-        num = size - 1 if g.padding and size > 1 else size
-        batch, features = make_batch(num)
-        eager = forward(batch, features)
-        padded = g.pad(batch, features, size=size)
-        outs = forward(padded.batch, padded.features)
-        for name, want, got in zip(("logits", "features"), eager, outs):
-            err = (padded.rows(got).float() - want.float()).abs().max().item()
-            if not err <= atol:
-                raise RuntimeError(f"CUDA-graph self-check failed: {g.label} at batch size {size} "
-                                   f"({num} real requests) differs from eager in {name} by {err:.3g} "
-                                   f"(tolerance {atol}); run with --disable-cuda-graph and report this")
+def build_graph_runners(args: Any, max_running_requests: int, dummy_row: int, device: torch.device,
+                        specs: dict[Any, tuple[str, ForwardMode, int]]) -> dict[Any, GraphRunner]:
+    """One GraphRunner per {key: (label, mode, width)}, all on the capture list from `args`."""
+    sizes = capture_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, max_running_requests)
+    return {key: GraphRunner(label, mode, sizes, width, not args.disable_cuda_graph_padding, dummy_row, device)
+            for key, (label, mode, width) in specs.items()}
+
+
+def self_check(runs: Sequence[tuple[GraphRunner, Optional[int], bool]], forward: ForwardFn,
+               batches: SelfCheckBatches, atol: float) -> None:
+    """Run every size of every (runner, feature dim, kv_rows) padded and eagerly on a synthetic
+    batch; raise naming the size and mode on a mismatch (--cuda-graph-self-check at startup).
+    Gives the batches' slots and rows back at the end."""
+    try:
+        for g, feature_dim, kv_rows in runs:
+            for size in g.sizes:
+                num = size - 1 if g.padding and size > 1 else size
+                batch, features = batches.make(g, num, feature_dim, kv_rows)
+                eager = forward(batch, features)
+                padded = g.pad(batch, features, size=size)
+                outs = forward(padded.batch, padded.features)
+                for name, want, got in zip(("logits", "features"), eager, outs):
+                    err = (padded.rows(got).float() - want.float()).abs().max().item()
+                    if not err <= atol:
+                        raise RuntimeError(f"CUDA-graph self-check failed: {g.label} at batch size {size} "
+                                           f"({num} real requests) differs from eager in {name} by {err:.3g} "
+                                           f"(tolerance {atol}); run with --disable-cuda-graph and report this")
+    finally:
+        batches.close()

@@ -14,7 +14,7 @@ from torch import nn
 from spec_engine.attention.torch_native import TorchNativeBackend
 from spec_engine.config import EngineArgs
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
-from spec_engine.graph_runner import GraphRunner, SelfCheckBatches, capture_sizes, self_check
+from spec_engine.graph_runner import GraphRunner, SelfCheckBatches, build_graph_runners, self_check
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
 from spec_engine.model_config import ModelConfig
@@ -109,25 +109,25 @@ class ModelRunner:
         args = self.args
         if args.disable_cuda_graph:
             return {}
-        sizes = capture_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, self.max_running_requests)
         widths = {ForwardMode.DECODE: 1}
         if args.speculative_algorithm is not None:
             widths[ForwardMode.TARGET_VERIFY] = args.speculative_num_draft_tokens
-        logger.info("graph batch sizes: %s%s", sizes, "" if self.device.type == "cuda" else
-                    " (no CUDA: batches are padded to them and run eagerly)")
-        return {mode: GraphRunner(f"target {mode.value}", mode, sizes, width, not args.disable_cuda_graph_padding,
-                                  self.req_to_token_pool.dummy_row, self.device) for mode, width in widths.items()}
+        graphs = build_graph_runners(args, self.max_running_requests, self.req_to_token_pool.dummy_row, self.device,
+                                     {mode: (f"target {mode.value}", mode, w) for mode, w in widths.items()})
+        logger.info("graph batch sizes: %s%s", graphs[ForwardMode.DECODE].sizes, "" if self.device.type == "cuda"
+                    else " (no CUDA: batches are padded to them and run eagerly)")
+        return graphs
 
     @torch.inference_mode()
     def _self_check(self) -> None:
+        def forward(batch: ForwardBatch, _features: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            out = self._forward(batch)
+            return out.logits, out.hidden
+
         batches = SelfCheckBatches(self.req_to_token_pool, self.allocator, [self.kv_pool],
                                    self.model_config.vocab_size, self.device)
-        try:
-            for g in self.graphs.values():
-                self_check(g, lambda b, _: (lambda o: (o.logits, o.hidden))(self._forward(b)),
-                           lambda n, g=g: batches.make(g, n, None), self_check_tolerance(self.dtype))
-        finally:
-            batches.close()
+        self_check([(g, None, False) for g in self.graphs.values()], forward, batches,
+                   self_check_tolerance(self.dtype))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:

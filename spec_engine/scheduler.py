@@ -147,12 +147,16 @@ class Scheduler:
             req.req_pool_idx, req.last_node = None, None
             self._notify(req, True)
 
+    def drop_prefix_cache(self) -> None:
+        """Free every cached prefix and start an empty tree (no request may hold one)."""
+        self.tree_cache.evict(self.tree_cache.total_size())
+        self.tree_cache.reset()
+
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while requests are queued or running, unless
         generation is paused."""
         if not self._has_requests():
-            self.tree_cache.evict(self.tree_cache.total_size())
-            self.tree_cache.reset()
+            self.drop_prefix_cache()
             return True
         if self.paused:
             self.weight_epoch += 1

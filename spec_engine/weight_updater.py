@@ -22,7 +22,8 @@ from torch import nn
 
 from spec_engine.model_runner import ModelRunner
 from spec_engine.weights import (check_weights, copy_weights, hf_tensor, is_ignored, iterate_safetensors,
-                                 materialize, refresh_derived, safetensors_metadata, tensor_checksum, weight_spec)
+                                 materialize, named_params, refresh_derived, safetensors_metadata, tensor_checksum,
+                                 weight_spec)
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,10 @@ class WeightUpdater:
                 continue
             model, local = routes[name]
             if model is not None:
-                copy_weights(model, [(local, tensor)])
+                copy_weights(model, [(local, tensor)], refresh=False)  # one pass over the files, one refresh
             received += tensor.numel() * tensor.element_size()
+        for model in models.values():
+            refresh_derived(model)
         if self.draft is not None:
             self.draft.refresh()
         return received
@@ -223,7 +226,7 @@ def parse_shape(name: str, shape) -> tuple[int, ...]:
 def _check_one_value_per_slot(model: nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
     """Two names landing in one place (a tied embedding and head) must carry equal values."""
     spec = weight_spec(model)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = named_params(model)
     seen: dict[tuple, tuple[str, torch.Tensor]] = {}
     for name, tensor in items:
         slot = spec[name]

@@ -49,6 +49,15 @@ def weight_spec(model: nn.Module) -> dict[str, WeightSlot]:
     return spec
 
 
+def named_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Every parameter by name, tied names included, built once (the Parameter objects stay;
+    release/resume and updates change only their data)."""
+    params = model.__dict__.get("_named_params")
+    if params is None:
+        params = model.__dict__["_named_params"] = dict(model.named_parameters(remove_duplicate=False))
+    return params
+
+
 def safetensors_files(model_path: str) -> list[str]:
     """The checkpoint's safetensors files: from the shard index when there is one."""
     if not isinstance(model_path, str) or not os.path.isdir(model_path):
@@ -104,7 +113,7 @@ def check_weights(model: nn.Module, metadata: Iterable[tuple[str, tuple[int, ...
     spec = weight_spec(model)
     seen = set()
     for name, shape, dtype in metadata:
-        if name.endswith(_IGNORED_SUFFIXES):
+        if is_ignored(name):
             continue
         slot = spec.get(name)
         if slot is None:
@@ -123,15 +132,16 @@ def check_weights(model: nn.Module, metadata: Iterable[tuple[str, tuple[int, ...
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
 
 
-def copy_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """Copy already-checked Hugging Face-named tensors into the model; returns the names."""
+def copy_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], refresh: bool = True) -> list[str]:
+    """Copy already-checked Hugging Face-named tensors into the model; returns the names.
+    `refresh=False` leaves derived state to one refresh_derived call after several copies."""
     spec = weight_spec(model)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = named_params(model)
     loaded = []
     touched_storages = set()
     with torch.no_grad():
         for name, tensor in named_tensors:
-            if name.endswith(_IGNORED_SUFFIXES):
+            if is_ignored(name):
                 continue
             slot = spec[name]
             if slot.param is None:
@@ -142,7 +152,8 @@ def copy_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
                 target = target[slot.rows[0]:slot.rows[1]]
             target.copy_(tensor)
             loaded.append(name)
-    refresh_derived(model, touched_storages)
+    if refresh:
+        refresh_derived(model, touched_storages)
     return loaded
 
 
@@ -161,7 +172,7 @@ def refresh_derived(model: nn.Module, storages: Optional[set[int]] = None) -> No
 def hf_tensor(model: nn.Module, name: str) -> torch.Tensor:
     """The model's current value of a Hugging Face-named tensor (a view, in the model's dtype)."""
     slot = weight_spec(model)[name]
-    param = dict(model.named_parameters(remove_duplicate=False))[slot.param]
+    param = named_params(model)[slot.param]
     return param.detach() if slot.rows is None else param.detach()[slot.rows[0]:slot.rows[1]]
 
 

@@ -4,7 +4,6 @@ modes, flush, release/resume, checksums, and refusal of bad updates."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -18,6 +17,7 @@ from scripts.make_tiny_model import add_mimo_mtp
 from spec_engine import Engine
 from spec_engine.weights import FlattenedBucket, tensor_checksum
 from tests.conftest import random_prompts
+from trainer_bridge.megatron_compat import free_port
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
 PROMPTS = random_prompts(4, 3, 30, seed=40)
@@ -46,12 +46,6 @@ def outputs(engine: Engine, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
 def fresh_outputs(path: str, **kwargs) -> list[list[int]]:
     with Engine(model_path=path, random_seed=0, **kwargs) as engine:
         return outputs(engine)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def broadcast_from_trainer(port: int, tensors: dict[str, torch.Tensor], ready: threading.Event) -> None:

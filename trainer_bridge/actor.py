@@ -85,7 +85,7 @@ class TrainActor:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from trainer_bridge.convert import load_hf_weights
+        from trainer_bridge.convert import load_hf_weights, load_mcore_state_dict
         from trainer_bridge.megatron_compat import free_port, init_model_parallel
         from trainer_bridge.model_provider import HFArch, build_gpt_model
 
@@ -130,7 +130,7 @@ class TrainActor:
         if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
             # The reference policy for the KL term: the starting checkpoint, frozen.
             self.ref = build_gpt_model(args.hf_checkpoint, params_dtype=dtype).eval().requires_grad_(False)
-            load_hf_weights(self.ref, args.hf_checkpoint)
+            load_mcore_state_dict(self.ref, model.state_dict())
         self.step = 0
         self._pusher: Optional[WeightPusher] = None
         self._pusher_key: Any = None
@@ -240,8 +240,7 @@ class TrainActor:
         has_rollout = batch.rollout_log_probs is not None
 
         def rl_loss(sl: slice, logits: Tensor, normalizer: Optional[Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-            logp = losses.token_log_probs(logits[:, :-1], tokens[sl, 1:], self.temperature)
-            entropy = losses.entropy_from_logits(logits[:, :-1], self.temperature)
+            logp, entropy = losses.log_probs_and_entropy(logits[:, :-1], tokens[sl, 1:], self.temperature)
             if not self.loss_cfg.entropy_coef:
                 entropy = entropy.detach()  # logged as train/entropy only
             return losses.policy_loss(logp, old_logp[sl], advantages[sl], mask[sl], self.loss_cfg,
@@ -358,9 +357,7 @@ class TrainActor:
                      output_dir: Optional[str] = None) -> dict[str, float]:
         """Push the policy (and MTP layers) into the engines as weight `version` (see weight_sync)."""
         if self.rank != 0:
-            # Every TP rank must take part in gathering the tensors; rank 0 alone sends them.
-            for _ in self.hf_named_tensors():
-                pass
+            self._join_gathers()
             return {}
         key = (cfg, output_dir, tuple(getattr(e, "_actor_id", id(e)) for e in engines))
         if self._pusher is None or self._pusher_key != key:
@@ -374,18 +371,24 @@ class TrainActor:
             for _ in tensors:  # after a failure, the other TP ranks are still gathering: finish with them
                 pass
 
+    def _join_gathers(self) -> None:
+        """Rank 0 exports; the other ranks of its tensor-parallel group must take part in each
+        gather (other data-parallel replicas hold the same weights and need not)."""
+        if self.dp_rank == 0:
+            for _ in self.hf_named_tensors():
+                pass
+
     def hf_named_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """The policy (and its MTP layers) under Hugging Face names, one tensor at a time."""
         from trainer_bridge.convert import mcore_to_hf_tensors
 
-        return mcore_to_hf_tensors(self.gpt, self.args.hf_checkpoint)
+        return mcore_to_hf_tensors(self.gpt, self.arch)
 
     def save_hf(self, path: str) -> None:
         """A normal Hugging Face directory (config and tokenizer files copied from --hf-checkpoint)."""
         from trainer_bridge.convert import save_hf_checkpoint
 
         if self.rank != 0:
-            for _ in self.hf_named_tensors():  # take part in the gathers
-                pass
+            self._join_gathers()
             return
         save_hf_checkpoint(self.hf_named_tensors(), path, like=self.args.hf_checkpoint)

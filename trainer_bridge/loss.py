@@ -107,7 +107,16 @@ def token_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) ->
 
 def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """Entropy of softmax(logits / temperature) over the last dim, in at least float32."""
+    return _entropy(torch.log_softmax(_upcast(logits) / temperature, dim=-1))
+
+
+def log_probs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """token_log_probs and entropy_from_logits from one log_softmax over the vocabulary."""
     logp = torch.log_softmax(_upcast(logits) / temperature, dim=-1)
+    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1), _entropy(logp)
+
+
+def _entropy(logp: Tensor) -> Tensor:
     # Banned tokens (-inf logits) would give 0 * -inf = NaN; at the dtype minimum their term is 0.
     logp = logp.clamp(min=torch.finfo(logp.dtype).min)
     return -(logp.exp() * logp).sum(-1)

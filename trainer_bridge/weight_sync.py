@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import time
 import shutil
 import uuid
@@ -25,7 +24,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from spec_engine.model_runner import DTYPES
 from spec_engine.weights import FlattenedBucket, tensor_checksum
+from trainer_bridge.megatron_compat import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class WeightPusher:
         """Every engine's checksum of every sent tensor must equal the sent tensor's, in the
         engine's dtype; raise naming the engine and tensors otherwise."""
         for i, engine in enumerate(self.engines):
-            dtype = _DTYPES[engine.get_server_info()["dtype"]]
+            dtype = DTYPES[engine.get_server_info()["dtype"]]
             # Every tensor the engine uses; ones it takes but never uses (MTP layers past the
             # draft's, or all of them without speculation) have no checksum to compare.
             got = engine.get_weights_checksum()
@@ -159,7 +160,7 @@ class WeightPusher:
     def _broadcast_group(self) -> dist.ProcessGroup:
         if self._group is None:
             # MASTER_ADDR: this trainer's address as the engines see it (Ray sets it per node).
-            address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), _free_port()
+            address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port()
             world = len(self.engines) + 1
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             name = self.group_name
@@ -204,12 +205,3 @@ class RayEngine:
 
 def _is_ray_actor(engine: Any) -> bool:
     return hasattr(getattr(engine, "update_weights_from_tensor", None), "remote")
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

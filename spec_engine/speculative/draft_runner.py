@@ -15,7 +15,7 @@ import torch
 
 from spec_engine.attention.torch_native import TorchNativeBackend
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
-from spec_engine.graph_runner import GraphRunner, Padded, SelfCheckBatches, capture_sizes, self_check
+from spec_engine.graph_runner import GraphRunner, Padded, SelfCheckBatches, build_graph_runners, self_check
 from spec_engine.layers.linear import Linear
 from spec_engine.mem.kv_pool import KVPool
 from spec_engine.model_config import ModelConfig
@@ -63,14 +63,12 @@ class DraftRunner:
         args = self.target.args
         if args.disable_cuda_graph or args.disable_draft_cuda_graph:
             return {}
-        sizes = capture_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, self.target.max_running_requests)
-        specs = {"steps": (ForwardMode.DECODE, args.speculative_eagle_topk),
-                 "extend": (ForwardMode.DRAFT_EXTEND, args.speculative_num_steps + 1)}
+        specs = {"steps": ("draft steps", ForwardMode.DECODE, args.speculative_eagle_topk),
+                 "extend": ("draft extend", ForwardMode.DRAFT_EXTEND, args.speculative_num_steps + 1)}
         if not self.uses_features:
-            specs["root"] = (ForwardMode.DECODE, 1)
-        dummy = self.target.req_to_token_pool.dummy_row
-        return {name: GraphRunner(f"draft {name}", mode, sizes, width, not args.disable_cuda_graph_padding, dummy, self.device)
-                for name, (mode, width) in specs.items()}
+            specs["root"] = ("draft root", ForwardMode.DECODE, 1)
+        return build_graph_runners(args, self.target.max_running_requests, self.target.req_to_token_pool.dummy_row,
+                                   self.device, specs)
 
     def _graph_for(self, batch: ForwardBatch) -> Optional[GraphRunner]:
         if batch.mode is ForwardMode.DRAFT_EXTEND:
@@ -85,13 +83,8 @@ class DraftRunner:
         dims = {"steps": self.config.hidden_size, "extend": target_dim, "root": None}
         batches = SelfCheckBatches(self.target.req_to_token_pool, self.target.allocator, [self.kv_pool],
                                    self.config.vocab_size, self.device)
-        try:
-            for name, g in self.graphs.items():
-                dim = dims[name] if self.uses_features else None
-                self_check(g, self._forward, lambda n, g=g, dim=dim, name=name: batches.make(g, n, dim, kv_rows=name == "steps"),
-                           self_check_tolerance(self.dtype))
-        finally:
-            batches.close()
+        runs = [(g, dims[name] if self.uses_features else None, name == "steps") for name, g in self.graphs.items()]
+        self_check(runs, self._forward, batches, self_check_tolerance(self.dtype))
 
     def refresh(self) -> None:
         """Rebuild what derives from weights outside the draft model: the id map (EAGLE-3's d2t)

@@ -20,9 +20,10 @@ import shutil
 from typing import Any, Iterable, Mapping
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
+from spec_engine.weights import iterate_safetensors
 from trainer_bridge.convert.llama import hf_to_mcore_state_dict, mcore_to_hf_items
 from trainer_bridge.convert.tp import gather_state_dicts, shard_state_dict
 from trainer_bridge.model_provider import DEFAULT_VOCAB_DIVISOR, HFArch, padded_vocab_size
@@ -36,15 +37,8 @@ _WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin
 
 
 def read_hf_weights(path: str) -> dict[str, Tensor]:
-    """Every tensor of a Hugging Face checkpoint directory (one or several *.safetensors files)."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path!r}; convert a safetensors Hugging Face checkpoint "
-                                "(re-save a *.bin one with transformers' save_pretrained)")
-    tensors: dict[str, Tensor] = {}
-    for file in files:
-        tensors.update(load_file(file))
-    return tensors
+    """Every tensor of a Hugging Face checkpoint directory (the engine's reader: shard index first)."""
+    return dict(iterate_safetensors(path))
 
 
 def save_hf_checkpoint(named_tensors: Iterable[tuple[str, Tensor]], save: str, like: str) -> None:
