@@ -61,8 +61,9 @@ def build_checkpoint(out_dir: str, arch: str = "llama", vocab_size: int = 512, h
                      intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                      head_dim: int | None = None, max_position_embeddings: int = 512, tie_word_embeddings: bool = False,
                      rope_scaling: dict | None = None, initializer_range: float = 0.1, seed: int = 0,
-                     max_shard_size: str | None = None, bos_token_id: int = 1, eos_token_id: int = 2) -> str:
-    """Save a random model of the given family with `save_pretrained` (safetensors)."""
+                     max_shard_size: str | None = None, bos_token_id: int = 1, eos_token_id: int = 2,
+                     dtype: str = "float32") -> str:
+    """Save a random model of the given family with `save_pretrained` (safetensors), in `dtype`."""
     import torch
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM)
@@ -85,7 +86,7 @@ def build_checkpoint(out_dir: str, arch: str = "llama", vocab_size: int = 512, h
         kwargs["rope_scaling"] = rope_scaling
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
+    model = model_cls._from_config(config, dtype=getattr(torch, dtype))
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **save_kwargs)
     return out_dir

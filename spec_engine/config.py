@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from spec_engine.attention import flashinfer_installed
 from spec_engine.dataclass_cli import add_dataclass_args, dataclass_from_args
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 SCHEDULE_POLICIES = ("fcfs",)
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 NGRAM_DEFAULT_DRAFT_TOKENS = 12
@@ -92,7 +94,7 @@ class EngineArgs:
     speculative_ngram_branch_length: int = _opt(18, "NGRAM: tokens stored per cached branch (must exceed the max match window).")
     speculative_ngram_capacity: int = _opt(10_000_000, "NGRAM: maximum nodes in the n-gram cache (it is cleared when full).")
     # Kernels
-    attention_backend: Optional[str] = _opt(None, "Attention kernels (auto: torch_native; flashinfer is not available yet).", choices=ATTENTION_BACKENDS)
+    attention_backend: Optional[str] = _opt(None, "Attention kernels (auto: flashinfer on CUDA when installed, else torch_native). torch_native runs everywhere; under CUDA graphs it attends over the whole context width, so bound --context-length or use flashinfer for long contexts.", choices=ATTENTION_BACKENDS)
     # CUDA graphs and padding (without CUDA the same sizes and padding run eagerly)
     cuda_graph_bs: Optional[list[int]] = _opt(None, "Batch sizes to capture, any list (deduplicated and sorted; sizes above --max-running-requests are dropped). A batch runs as the smallest size >= its own, padded. Default: 1..8, then steps of 2 to 32, 4 to 64, 8 to 256, 16 beyond, up to --cuda-graph-max-bs.")
     cuda_graph_max_bs: Optional[int] = _opt(None, "Largest size of the default capture list (auto: min(--max-running-requests, 256)); larger batches run eagerly.")
@@ -168,8 +170,10 @@ class EngineArgs:
         return dataclasses.asdict(self)
 
 
-def resolve_auto(args: EngineArgs, *, cuda_available: bool, checkpoint_dtype: Optional[str]) -> EngineArgs:
-    """Return a copy of `args` with every `auto`/None default replaced by a concrete value."""
+def resolve_auto(args: EngineArgs, *, cuda_available: bool, checkpoint_dtype: Optional[str],
+                 head_dim: Optional[int] = None) -> EngineArgs:
+    """Return a copy of `args` with every `auto`/None default replaced by a concrete value
+    (`head_dim`: the target's, which decides whether FlashInfer has kernels for it)."""
     if args.model_path is None:
         raise ValueError("--model-path is required: a Hugging Face checkpoint directory")
     device = args.device
@@ -183,9 +187,17 @@ def resolve_auto(args: EngineArgs, *, cuda_available: bool, checkpoint_dtype: Op
             dtype = "float32"
         else:
             dtype = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
-    backend = args.attention_backend or "torch_native"
-    if backend == "flashinfer":
-        raise ValueError("--attention-backend flashinfer is not available in this version; use --attention-backend torch_native")
+    fits = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
+    backend = args.attention_backend or (
+        "flashinfer" if device == "cuda" and fits and flashinfer_installed() else "torch_native")
+    if backend == "flashinfer" and not fits:
+        raise ValueError(f"--attention-backend flashinfer has no kernels for head_dim {head_dim} (it has "
+                         f"{FLASHINFER_HEAD_DIMS}); use --attention-backend torch_native")
+    if backend == "flashinfer" and device != "cuda":
+        raise ValueError("--attention-backend flashinfer needs CUDA; use --attention-backend torch_native on CPU")
+    if backend == "flashinfer" and not flashinfer_installed():
+        raise ValueError("--attention-backend flashinfer needs the flashinfer-python package: pip install "
+                         "'specrl[gpu]', or use --attention-backend torch_native")
     chunk = args.chunked_prefill_size
     if chunk is None:
         chunk = CHUNKED_PREFILL_CUDA if device == "cuda" else CHUNKED_PREFILL_CPU

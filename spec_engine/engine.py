@@ -84,7 +84,8 @@ class Engine:
         if args.model_path is None:
             raise ValueError("model_path is required: a Hugging Face checkpoint directory")
         self.model_config = ModelConfig.from_pretrained(args.model_path)
-        args = resolve_auto(args, cuda_available=torch.cuda.is_available(), checkpoint_dtype=self.model_config.torch_dtype)
+        args = resolve_auto(args, cuda_available=torch.cuda.is_available(), checkpoint_dtype=self.model_config.torch_dtype,
+                            head_dim=self.model_config.head_dim)
         draft_path = args.speculative_draft_model_path
         draft_config = ModelConfig.from_pretrained(draft_path) if draft_path is not None else None
         self.args = resolve_speculative(args, self.model_config, draft_config, context_length(self.model_config, args))
@@ -279,6 +280,9 @@ class Engine:
                 pool.release()
         if "weights" in tags:
             self.updater.release_weights()
+        if "cuda_graph" in tags:
+            for runner in self._graph_owners():
+                runner.release_graphs()
         s.released |= tags
 
     def _resume(self, tags: set[str]) -> None:
@@ -288,11 +292,18 @@ class Engine:
                 pool.allocate()
         if "weights" in tags:
             self.updater.resume_weights()
+        replaced = tags & s.released  # graphs read the old KV buffers and weights: capture again
         s.released -= tags
+        if replaced and not s.released:
+            for runner in self._graph_owners():
+                runner.capture_graphs()
+
+    def _graph_owners(self) -> list:
+        draft = getattr(self.scheduler.worker, "draft", None)
+        return [self.runner] + ([draft] if draft is not None else [])
 
     def _kv_pools(self) -> list:
-        draft = getattr(self.scheduler.worker, "draft", None)
-        return [self.runner.kv_pool] + ([draft.kv_pool] if draft is not None else [])
+        return [runner.kv_pool for runner in self._graph_owners()]
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache. Refused (False) while requests are queued or running, unless paused."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -55,6 +55,9 @@ class ForwardBatch:
     kv_pool: Optional["KVPool"] = None
     req_to_token_pool: Optional["ReqToTokenPool"] = None
     attn_backend: Optional["AttentionBackend"] = None
+    # The backend's per-forward metadata (index tensors, masks): set by init_forward_metadata,
+    # or, for a captured graph, static buffers the graph runner refills before each replay.
+    attn_meta: Any = None
 
     @property
     def batch_size(self) -> int:

@@ -9,9 +9,12 @@ construction:
     value, so every index stays in range;
   * their attention mask rows are non-empty (no NaN rows), real rows never see a padded key;
   * their outputs are dropped before anyone reads them.
-The same buffers and padding serve CUDA-graph replay and, without CUDA, eager runs, so the
-padding path the CPU tests exercise is the one a GPU replays. Batches larger than the largest
-size, or (with --disable-cuda-graph-padding) of a size not in the list, run eagerly.
+Every size is captured once over views of the static buffers (largest first, one memory pool):
+a CUDA graph on CUDA, its emulation on CPU (spec_engine.graph_capture), so the padding and
+replay path the CPU tests exercise is the one a GPU replays. Before a replay the batch is
+copied into the buffers and the attention backend refills its static metadata; outputs are
+copied out of graph memory. Batches larger than the largest size, or (with
+--disable-cuda-graph-padding) of a size not in the list, run eagerly.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from spec_engine.forward_batch import ForwardBatch, ForwardMode, causal_mask
+from spec_engine.graph_capture import Outputs, capture
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
 
@@ -61,53 +65,122 @@ def capture_sizes(cuda_graph_bs: Optional[Sequence[int]], cuda_graph_max_bs: Opt
     return kept
 
 
+# A forward over (batch, features) returning its outputs at the batch's logits rows; the
+# captured one reads the attention metadata already on the batch.
+ForwardFn = Callable[[ForwardBatch, Optional[torch.Tensor]], Outputs]
+
+
 @dataclass
 class Padded:
-    """A padded batch and how to get the real rows back out of its outputs."""
+    """A padded batch (host-side fields included, for the metadata refill) and how to get the
+    real rows back out of its outputs."""
 
     batch: ForwardBatch
     features: Optional[torch.Tensor]
+    size: int                       # the captured size it replays
     token_rows: torch.Tensor        # padded row of every real token, in the original order
-    logits_selected: bool           # outputs already at the original logits rows
+    out_rows: torch.Tensor          # output row of every real logits row, in the original order
 
     def rows(self, out: torch.Tensor) -> torch.Tensor:
-        """Outputs computed at logits rows -> the original batch's logits rows."""
-        return out if self.logits_selected else out.index_select(0, self.token_rows)
-
-    def tokens(self, out: torch.Tensor) -> torch.Tensor:
-        """Outputs computed for every padded token -> the original tokens."""
-        return out.index_select(0, self.token_rows)
+        """Outputs at the padded logits rows -> a copy (out of graph memory) at the original's."""
+        return out.index_select(0, self.out_rows)
 
 
 class GraphRunner:
-    """Sizes, static buffers and padding for one forward mode.
+    """Sizes, static buffers, padding and captured graphs for one forward mode.
 
     `width`: token rows per request (1 for decode, topk for draft steps, the verify or draft
     extend width for TARGET_VERIFY / DRAFT_EXTEND, whose requests carry up to `width` query
     tokens each over a prefix; in DECODE every row is its own decode row).
+    `feature_dim`: width of the per-token input features (draft models), None without.
+    `kv_rows`: decode rows that carry their own KV indices (draft tree steps) of up to
+    `kv_width` keys. DRAFT_EXTEND batches have one logits row per request; other modes all rows.
     """
 
     def __init__(self, label: str, mode: ForwardMode, sizes: Sequence[int], width: int, padding: bool,
-                 dummy_row: int, device: torch.device) -> None:
+                 dummy_row: int, device: torch.device, feature_dim: Optional[int] = None,
+                 kv_rows: bool = False) -> None:
         self.label = label
         self.mode = mode
         self.sizes = list(sizes)
         self.width = width
         self.extend = mode is not ForwardMode.DECODE
+        self.per_request_logits = mode is ForwardMode.DRAFT_EXTEND
         self.padding = padding
         self.dummy_row = dummy_row
         self.device = device
+        self.feature_dim, self.kv_rows = feature_dim, kv_rows
         rows = self.sizes[-1] * width
         reqs = self.sizes[-1] if self.extend else rows
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.req_pool_indices = torch.zeros(reqs, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(reqs, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.full((rows,), DUMMY_SLOT, dtype=torch.int64, device=device)
+        self.req_pool_indices = torch.full((reqs,), dummy_row, dtype=torch.int64, device=device)
+        self.seq_lens = torch.full((reqs,), width if self.extend else SEQ_LEN_FILL, dtype=torch.int64, device=device)
+        self.logits_indices = torch.arange(self.sizes[-1], device=device) * width
         self.features: Optional[torch.Tensor] = None
         self.kv_indices: Optional[torch.Tensor] = None
         self.kv_mask: Optional[torch.Tensor] = None
+        self.bind: Optional[Callable[[ForwardBatch], None]] = None
+        self._graphs: dict[int, tuple[ForwardBatch, Any]] = {}
         self._told: set[str] = set()
+
+    def capture(self, forward: ForwardFn, bind: Callable[[ForwardBatch], None], kv_width: int,
+                dtype: torch.dtype, pool: Any, check_inputs: bool = False) -> None:
+        """Capture `forward` at every size, largest first, over views of the static buffers.
+        `bind` sets a batch's KV pool, table and attention backend; `kv_width`: the most keys a
+        row can attend to; `check_inputs`: see EmulatedGraph."""
+        self.bind = bind
+        if self.kv_rows:
+            rows = self.sizes[-1] * self.width
+            self.kv_indices = torch.full((rows, kv_width), DUMMY_SLOT, dtype=torch.int64, device=self.device)
+            self.kv_mask = torch.zeros(rows, kv_width, dtype=torch.bool, device=self.device)
+            self.kv_mask[:, 0] = True
+        if self.feature_dim is not None:
+            self.features = torch.zeros(self.sizes[-1] * self.width, self.feature_dim, dtype=dtype, device=self.device)
+        self._graphs = {}
+        for size in reversed(self.sizes):
+            batch = self._static_batch(size)
+            bind(batch)
+            batch.attn_meta = batch.attn_backend.graph_metadata(batch, kv_width)
+            features = None if self.features is None else self.features[:size * self.width]
+            graph = capture(lambda b=batch, f=features: forward(b, f), f"{self.label} at batch size {size}",
+                            self.device, pool, check_inputs)
+            self._graphs[size] = (batch, graph)
+
+    def release(self) -> None:
+        """Drop the captured graphs (and their memory); capture() again before run()."""
+        self._graphs = {}
+
+    def run(self, batch: ForwardBatch, features: Optional[torch.Tensor] = None,
+            size: Optional[int] = None) -> Optional[list[Optional[torch.Tensor]]]:
+        """The batch's outputs from its captured graph, at its own logits rows, or None to run it eagerly."""
+        if not self._graphs:
+            return None
+        padded = self.pad(batch, features, size)
+        if padded is None:
+            return None
+        static, graph = self._graphs[padded.size]
+        self.bind(padded.batch)
+        static.attn_backend.fill_graph_metadata(static.attn_meta, padded.batch)
+        return [None if out is None else padded.rows(out) for out in graph.replay()]
+
+    def _static_batch(self, size: int) -> ForwardBatch:
+        """The batch a graph is captured with: views of the buffers; its Python fields keep their
+        capture-time values, as inside a CUDA graph."""
+        rows = size * self.width
+        reqs = size if self.extend else rows
+        return ForwardBatch(
+            mode=self.mode, input_ids=self.input_ids[:rows], positions=self.positions[:rows],
+            out_cache_loc=self.out_cache_loc[:rows], req_pool_indices=self.req_pool_indices[:reqs],
+            seq_lens=self.seq_lens[:reqs], seq_lens_cpu=self.seq_lens[:reqs].tolist(),
+            extend_seq_lens_cpu=[self.width] * size if self.extend else None,
+            extend_prefix_lens_cpu=[0] * size if self.extend else None,
+            logits_indices=self.logits_indices[:size] if self.per_request_logits else None,
+            kv_indices=self.kv_indices[:rows] if self.kv_rows else None,
+            kv_mask=self.kv_mask[:rows] if self.kv_rows else None,
+            capture_hidden=True,
+        )
 
     def num_requests(self, batch: ForwardBatch) -> int:
         return batch.batch_size if self.extend else batch.batch_size // self.width
@@ -125,6 +198,13 @@ class GraphRunner:
     def pad(self, batch: ForwardBatch, features: Optional[torch.Tensor] = None,
             size: Optional[int] = None) -> Optional[Padded]:
         """The batch padded to its captured size in the static buffers, or None to run eagerly."""
+        if (batch.kv_indices is not None) != self.kv_rows or (batch.logits_indices is not None) != (
+                self.per_request_logits) or (features is None) != (self.feature_dim is None):
+            self._tell("shape", f"{self.label}: a batch unlike the captured ones runs eagerly")
+            return None
+        if self.per_request_logits and len(batch.logits_indices) != batch.batch_size:
+            self._tell("logits", f"{self.label}: a batch without one logits row per request runs eagerly")
+            return None
         size = size or self.padded_size(self.num_requests(batch))
         if size is None:
             return None
@@ -145,10 +225,14 @@ class GraphRunner:
         rpi[:n], rpi[n:] = batch.req_pool_indices, self.dummy_row
         lens[:n], lens[n:] = batch.seq_lens, SEQ_LEN_FILL
         kv_idx = kv_ok = None
-        if batch.kv_indices is not None:
-            kv_idx, kv_ok = self._kv_buffers(rows, batch.kv_indices.shape[1])
-            kv_idx[:n] = batch.kv_indices
-            kv_ok[:n] = batch.kv_mask
+        if self.kv_rows:
+            kv_idx, kv_ok = self.kv_indices[:rows], self.kv_mask[:rows]
+            width = batch.kv_indices.shape[1]
+            if width > kv_idx.shape[1]:
+                raise RuntimeError(f"{self.label}: a row attends to {width} keys, more than the {kv_idx.shape[1]} "
+                                   "the graphs were captured for; this is a bug, run with --disable-cuda-graph")
+            kv_idx[:n, :width], kv_idx[:n, width:] = batch.kv_indices, DUMMY_SLOT
+            kv_ok[:n, :width], kv_ok[:n, width:] = batch.kv_mask, False
             kv_idx[n:] = DUMMY_SLOT
             kv_ok[n:] = False
             kv_ok[n:, 0] = True
@@ -156,7 +240,7 @@ class GraphRunner:
                          seq_lens=lens, seq_lens_cpu=list(batch.seq_lens_cpu) + [SEQ_LEN_FILL] * (rows - n),
                          kv_indices=kv_idx, kv_mask=kv_ok)
         token_rows = torch.arange(n, device=self.device)
-        return self._finish(batch, padded, features, token_rows, rows)
+        return self._finish(batch, padded, features, token_rows, size)
 
     def _pad_extend(self, batch: ForwardBatch, features: Optional[torch.Tensor], size: int) -> Padded:
         b, w, rows = batch.batch_size, self.width, size * self.width
@@ -181,38 +265,32 @@ class GraphRunner:
         padded = replace(batch, input_ids=ids, positions=pos, out_cache_loc=loc, req_pool_indices=rpi,
                          seq_lens=lens, seq_lens_cpu=seq_lens_cpu, extend_seq_lens_cpu=[w] * size,
                          extend_prefix_lens_cpu=list(prefixes) + [0] * (size - b), custom_masks=masks)
-        return self._finish(batch, padded, features, token_rows, rows)
+        return self._finish(batch, padded, features, token_rows, size)
 
     def _finish(self, batch: ForwardBatch, padded: ForwardBatch, features: Optional[torch.Tensor],
-                token_rows: torch.Tensor, rows: int) -> Padded:
-        selected = batch.logits_indices is not None
-        if selected:
-            padded.logits_indices = token_rows.index_select(0, batch.logits_indices)
+                token_rows: torch.Tensor, size: int) -> Padded:
+        out_rows = token_rows
+        if self.per_request_logits:
+            b = batch.batch_size
+            logits = self.logits_indices[:size]
+            logits[:b] = token_rows.index_select(0, batch.logits_indices)
+            logits[b:] = torch.arange(b, size, device=self.device) * self.width  # a padded request's first row
+            padded.logits_indices = logits
+            out_rows = torch.arange(b, device=self.device)
         padded_features = None
         if features is not None:
-            if self.features is None or self.features.shape[1:] != features.shape[1:] or self.features.dtype != features.dtype:
-                self.features = torch.zeros((self.sizes[-1] * self.width, *features.shape[1:]),
-                                            dtype=features.dtype, device=self.device)
-            padded_features = self.features[:rows]
+            if self.features is None:
+                self.features = torch.zeros(self.sizes[-1] * self.width, self.feature_dim, dtype=features.dtype,
+                                            device=self.device)
+            padded_features = self.features[:size * self.width]
             padded_features.zero_()
-            padded_features.index_copy_(0, token_rows, features)
-        return Padded(padded, padded_features, token_rows, selected)
-
-    def _kv_buffers(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kv_indices is None or self.kv_indices.shape[1] < width:
-            total = self.sizes[-1] * self.width
-            self.kv_indices = torch.zeros(total, width, dtype=torch.int64, device=self.device)
-            self.kv_mask = torch.zeros(total, width, dtype=torch.bool, device=self.device)
-        return self.kv_indices[:rows, :width], self.kv_mask[:rows, :width]
+            padded_features.index_copy_(0, token_rows, features.to(padded_features.dtype))
+        return Padded(padded, padded_features, size, token_rows, out_rows)
 
     def _tell(self, key: str, message: str) -> None:
         if key not in self._told:
             self._told.add(key)
             logger.info(message)
-
-
-# A forward over (batch, features) returning its outputs at the batch's logits rows.
-ForwardFn = Callable[[ForwardBatch, Optional[torch.Tensor]], Sequence[torch.Tensor]]
 
 
 class SelfCheckBatches:
@@ -306,28 +384,27 @@ class SelfCheckBatches:
 
 
 def build_graph_runners(args: Any, max_running_requests: int, dummy_row: int, device: torch.device,
-                        specs: dict[Any, tuple[str, ForwardMode, int]]) -> dict[Any, GraphRunner]:
-    """One GraphRunner per {key: (label, mode, width)}, all on the capture list from `args`."""
+                        specs: dict[Any, tuple[str, ForwardMode, int, Optional[int], bool]]) -> dict[Any, GraphRunner]:
+    """One GraphRunner per {key: (label, mode, width, feature_dim, kv_rows)}, all on the capture list from `args`."""
     sizes = capture_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, max_running_requests)
-    return {key: GraphRunner(label, mode, sizes, width, not args.disable_cuda_graph_padding, dummy_row, device)
-            for key, (label, mode, width) in specs.items()}
+    return {key: GraphRunner(label, mode, sizes, width, not args.disable_cuda_graph_padding, dummy_row, device,
+                             feature_dim, kv_rows)
+            for key, (label, mode, width, feature_dim, kv_rows) in specs.items()}
 
 
-def self_check(runs: Sequence[tuple[GraphRunner, Optional[int], bool]], forward: ForwardFn,
-               batches: SelfCheckBatches, atol: float) -> None:
-    """Run every size of every (runner, feature dim, kv_rows) padded and eagerly on a synthetic
-    batch; raise naming the size and mode on a mismatch (--cuda-graph-self-check at startup).
-    Gives the batches' slots and rows back at the end."""
+def self_check(runners: Sequence[GraphRunner], forward: ForwardFn, batches: SelfCheckBatches, atol: float) -> None:
+    """Replay every size of every runner on a synthetic batch one request short of it (padding
+    runs) and compare with the eager forward; raise naming the size and mode on a mismatch
+    (--cuda-graph-self-check at startup). Gives the batches' slots and rows back at the end."""
     try:
-        for g, feature_dim, kv_rows in runs:
+        for g in runners:
             for size in g.sizes:
                 num = size - 1 if g.padding and size > 1 else size
-                batch, features = batches.make(g, num, feature_dim, kv_rows)
+                batch, features = batches.make(g, num, g.feature_dim, g.kv_rows)
                 eager = forward(batch, features)
-                padded = g.pad(batch, features, size=size)
-                outs = forward(padded.batch, padded.features)
-                for name, want, got in zip(("logits", "features"), eager, outs):
-                    err = (padded.rows(got).float() - want.float()).abs().max().item()
+                replayed = g.run(batch, features, size=size)
+                for name, want, got in zip(("logits", "features"), eager, replayed):
+                    err = (got.float() - want.float()).abs().max().item()
                     if not err <= atol:
                         raise RuntimeError(f"CUDA-graph self-check failed: {g.label} at batch size {size} "
                                            f"({num} real requests) differs from eager in {name} by {err:.3g} "

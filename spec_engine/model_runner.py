@@ -11,9 +11,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from spec_engine.attention.torch_native import TorchNativeBackend
+from spec_engine.attention import make_backend
 from spec_engine.config import EngineArgs
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
+from spec_engine.graph_capture import new_pool
 from spec_engine.graph_runner import GraphRunner, SelfCheckBatches, build_graph_runners, self_check
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
@@ -72,8 +73,10 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len + extra_positions,
                                                 self.device)
         self.allocator = PageAllocator(self.max_total_tokens, args.page_size, self.device)
-        self.attn_backend = TorchNativeBackend(self.device)
+        self.attn_backend = make_backend(args.attention_backend, self.device, self.model_config, self.dtype)
+        self.graph_pool = new_pool(self.device) if not args.disable_cuda_graph else None
         self.graphs = self._graph_runners()
+        self.capture_graphs()
         if args.cuda_graph_self_check:
             self._self_check()
         logger.info("model %s loaded on %s (%s): KV pool of %d tokens, %.1f MiB",
@@ -113,10 +116,35 @@ class ModelRunner:
         if args.speculative_algorithm is not None:
             widths[ForwardMode.TARGET_VERIFY] = args.speculative_num_draft_tokens
         graphs = build_graph_runners(args, self.max_running_requests, self.req_to_token_pool.dummy_row, self.device,
-                                     {mode: (f"target {mode.value}", mode, w) for mode, w in widths.items()})
+                                     {mode: (f"target {mode.value}", mode, w, None, False) for mode, w in widths.items()})
         logger.info("graph batch sizes: %s%s", graphs[ForwardMode.DECODE].sizes, "" if self.device.type == "cuda"
-                    else " (no CUDA: batches are padded to them and run eagerly)")
+                    else " (no CUDA: graphs are emulated, padded batches replay eagerly)")
         return graphs
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """(Re)capture every graph: at startup, and whenever the tensors they read were replaced
+        (KV pool or weights released and resumed)."""
+        for g in self.graphs.values():
+            self.capture(g)
+
+    def capture(self, g: GraphRunner) -> None:
+        g.capture(self._graph_forward, self._bind, self.req_to_token_pool.max_context_len, self.dtype,
+                  self.graph_pool, check_inputs=self.args.cuda_graph_self_check)
+
+    def release_graphs(self) -> None:
+        for g in self.graphs.values():
+            g.release()
+
+    def _graph_forward(self, batch: ForwardBatch, _features: Optional[torch.Tensor]) -> tuple:
+        out = self._forward(batch, metadata=False)
+        return out.logits, out.hidden, out.aux_hidden
+
+    @torch.inference_mode()
+    def _bind(self, batch: ForwardBatch) -> None:
+        batch.kv_pool = self.kv_pool
+        batch.req_to_token_pool = self.req_to_token_pool
+        batch.attn_backend = self.attn_backend
 
     @torch.inference_mode()
     def _self_check(self) -> None:
@@ -126,25 +154,22 @@ class ModelRunner:
 
         batches = SelfCheckBatches(self.req_to_token_pool, self.allocator, [self.kv_pool],
                                    self.model_config.vocab_size, self.device)
-        self_check([(g, None, False) for g in self.graphs.values()], forward, batches,
-                   self_check_tolerance(self.dtype))
+        self_check(list(self.graphs.values()), forward, batches, self_check_tolerance(self.dtype))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         g = self.graphs.get(batch.mode)
-        padded = g.pad(batch) if g is not None else None
-        if padded is None:
+        outs = g.run(batch) if g is not None else None
+        if outs is None:
             return self._forward(batch)
-        out = self._forward(padded.batch)
-        pick = padded.tokens if batch.capture_hidden else padded.rows
-        return ForwardOutput(padded.rows(out.logits), pick(out.hidden),
-                             None if out.aux_hidden is None else pick(out.aux_hidden))
+        # Graph modes compute logits and hidden states at every token row.
+        return ForwardOutput(*outs)
 
-    def _forward(self, batch: ForwardBatch) -> ForwardOutput:
-        batch.kv_pool = self.kv_pool
-        batch.req_to_token_pool = self.req_to_token_pool
-        batch.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(batch)
+    def _forward(self, batch: ForwardBatch, metadata: bool = True) -> ForwardOutput:
+        """The model over `batch`; `metadata=False` in a captured graph, whose batch carries static metadata."""
+        self._bind(batch)
+        if metadata:
+            self.attn_backend.init_forward_metadata(batch)
         hidden, aux = self.model(batch.input_ids, batch.positions, batch)
         rows = batch.logits_indices
         at_rows = hidden if rows is None else hidden[rows]

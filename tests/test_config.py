@@ -74,6 +74,25 @@ def test_resolve_auto_on_cpu():
                      checkpoint_dtype=None)
 
 
+def test_attention_backend_choice(monkeypatch):
+    """auto: FlashInfer on CUDA when installed and it has kernels for the head size; an explicit
+    flashinfer that cannot run is refused, naming what to change."""
+    from spec_engine import config
+
+    def resolve(installed, **kw):
+        monkeypatch.setattr(config, "flashinfer_installed", lambda: installed)
+        return resolve_auto(EngineArgs(model_path="/m", **kw.pop("args", {})), checkpoint_dtype=None, **kw)
+
+    assert resolve(True, cuda_available=True, head_dim=128).attention_backend == "flashinfer"
+    assert resolve(True, cuda_available=True, head_dim=16).attention_backend == "torch_native"
+    assert resolve(False, cuda_available=True, head_dim=128).attention_backend == "torch_native"
+    assert resolve(True, cuda_available=False, head_dim=128).attention_backend == "torch_native"
+    for installed, cuda, head_dim, needle in ((True, False, 128, "needs CUDA"), (False, True, 128, r"specrl\[gpu\]"),
+                                              (True, True, 16, "no kernels for head_dim 16")):
+        with pytest.raises(ValueError, match=needle):
+            resolve(installed, cuda_available=cuda, head_dim=head_dim, args=dict(attention_backend="flashinfer"))
+
+
 def test_closest_field_suggestion():
     assert closest_field("max-runing-requests") == "max_running_requests"
     assert closest_field("zzzz") is None

@@ -1,9 +1,11 @@
-"""Graph batch sizes and padding: padded runs equal eager runs, for plain decoding and every
-speculative algorithm, as the running batch shrinks through every size (CPU: the padded static
-buffers run eagerly, the same padding a CUDA graph replays)."""
+"""Graph batch sizes, padding and replay: replayed runs equal eager runs, for plain decoding and
+every speculative algorithm, as the running batch shrinks through every size (CPU: the graphs
+are emulated over the same static buffers and metadata a CUDA graph replays), and the CPU
+emulation catches what would break a real CUDA graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 
@@ -141,35 +143,32 @@ def test_padded_rows_are_inert(llama_path):
 
 
 def test_property_padded_equals_eager(models):  # noqa: F811
-    """Random capture lists, batch sizes and algorithms: the padded forward equals the eager one."""
+    """Random capture lists, batch sizes and algorithms: the replayed forward equals the eager one."""
     rng = random.Random(0)
     for algo in ("eagle-tree", "eagle3", "mtp", "standalone"):
         path, kwargs = _engine_kwargs(models, algo)
         with Engine(model_path=path, random_seed=0, max_running_requests=12, **kwargs) as engine:
             target, draft = engine.runner, engine.scheduler.worker.draft
-            target_fwd = functools.partial(_target_forward, target)
-            owners = [(g, target_fwd, target.kv_pool, target.model_config.vocab_size, None, False)
-                      for g in target.graphs.values()]
-            dims = {"steps": draft.config.hidden_size,
-                    "extend": target.model_config.hidden_size * (3 if draft.kind == "EAGLE3" else 1)}
-            owners += [(g, draft._forward, draft.kv_pool, draft.config.vocab_size,
-                        dims.get(name) if draft.uses_features else None, name == "steps")
-                       for name, g in draft.graphs.items()]
+            owners = [(g, target, functools.partial(_target_forward, target), target.kv_pool,
+                       target.model_config.vocab_size) for g in target.graphs.values()]
+            owners += [(g, draft, draft._forward, draft.kv_pool, draft.config.vocab_size) for g in draft.graphs.values()]
             for _ in range(6):
-                g0, forward, pool, vocab, dim, kv_rows = rng.choice(owners)
+                g0, owner, forward, pool, vocab = rng.choice(owners)
                 sizes = sorted(rng.sample(range(1, 13), rng.randint(1, 4)))
-                g = GraphRunner(g0.label, g0.mode, sizes, g0.width, True, g0.dummy_row, g0.device)
+                g = GraphRunner(g0.label, g0.mode, sizes, g0.width, True, g0.dummy_row, g0.device, g0.feature_dim,
+                                g0.kv_rows)
                 num = rng.randint(1, sizes[-1])
                 batches = SelfCheckBatches(target.req_to_token_pool, target.allocator, [pool], vocab, target.device)
                 try:
                     with torch.inference_mode():
-                        batch, feats = batches.make(g, num, dim, kv_rows=kv_rows)
+                        owner.capture(g)
+                        batch, feats = batches.make(g, num, g.feature_dim, kv_rows=g.kv_rows)
                         eager = forward(batch, feats)
-                        p = g.pad(batch, feats)
-                        padded = [p.rows(t) for t in forward(p.batch, p.features)]
+                        replayed = g.run(batch, feats)
                 finally:
                     batches.close()
-                for want, got in zip(eager, padded):
+                assert replayed is not None, (algo, g.label, sizes, num)
+                for want, got in zip(eager, replayed):
                     assert torch.allclose(want, got, atol=1e-4), (algo, g.label, sizes, num)
 
 
@@ -187,3 +186,72 @@ def test_self_check_refuses_a_padding_bug(llama_path, monkeypatch):
     with pytest.raises(RuntimeError, match="target decode at batch size 2"):
         Engine(model_path=llama_path, random_seed=0, max_running_requests=4, cuda_graph_bs=[1, 2],
                cuda_graph_self_check=True)
+
+
+def test_capture_refuses_a_host_sync_in_the_forward(llama_path, monkeypatch):
+    """A captured forward that reads a value back to the host (here an .item() in attention) is
+    refused at startup on CPU with --cuda-graph-self-check, naming the graph, as CUDA graph
+    capture would refuse it."""
+    from spec_engine.attention import torch_native
+    from spec_engine.graph_capture import CaptureError
+
+    original = torch_native.TorchNativeBackend._forward_padded
+
+    def syncing(self, q, layer, pool, p):
+        if int(p.mask.sum().item()) < 0:
+            raise AssertionError("unreachable")
+        return original(self, q, layer, pool, p)
+
+    monkeypatch.setattr(torch_native.TorchNativeBackend, "_forward_padded", syncing)
+    with pytest.raises(CaptureError, match=r"target decode at batch size 2: aten\.item"):
+        Engine(model_path=llama_path, random_seed=0, max_running_requests=4, cuda_graph_bs=[1, 2],
+               cuda_graph_self_check=True)
+
+
+def test_forward_reading_python_batch_state_fails_the_self_check(llama_path, monkeypatch):
+    """Replays run the batch captured at startup, whose Python fields keep their capture-time
+    values as in a CUDA graph: attention metadata rebuilt from them inside the graph (instead of
+    refilled before the replay) gives wrong outputs, and the self-check refuses to start."""
+    from spec_engine.attention import torch_native
+
+    original = torch_native.TorchNativeBackend.forward
+
+    def rebuilding(self, q, k, v, layer, batch):
+        batch = dataclasses.replace(batch)
+        self.init_forward_metadata(batch)  # reads batch.seq_lens_cpu: frozen at capture
+        return original(self, q, k, v, layer, batch)
+
+    monkeypatch.setattr(torch_native.TorchNativeBackend, "forward", rebuilding)
+    with pytest.raises(RuntimeError, match="self-check failed: target decode at batch size"):
+        Engine(model_path=llama_path, random_seed=0, max_running_requests=4, cuda_graph_bs=[1, 2],
+               cuda_graph_self_check=True)
+
+
+def test_replaced_tensors_are_caught_and_resume_recaptures(models):  # noqa: F811
+    """A graph keeps reading the tensors it was captured on: replacing the KV pool behind its back
+    is caught at the next replay (with --cuda-graph-self-check); release/resume of memory, weight
+    updates and the FR-Spec head refresh keep graphs valid (recapture / in-place updates), with
+    outputs equal to eager."""
+    path, kwargs = spec_args(models, "eagle-frspec")
+    prompts = random_prompts(4, 6, 14, seed=5)
+    params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    head = "lm_head.weight"
+    with Engine(model_path=path, random_seed=0, skip_tokenizer_init=True, disable_cuda_graph=True, **kwargs) as eager:
+        new_head = eager.runner.model.lm_head.weight.detach() * 1.5
+        eager.update_weights_from_tensor([(head, new_head)])
+        want = [o["output_ids"] for o in eager.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(model_path=path, random_seed=0, skip_tokenizer_init=True, cuda_graph_bs=[1, 2, 4],
+                cuda_graph_self_check=True, **kwargs) as engine:
+        draft = engine.scheduler.worker.draft
+        hot_head = draft.head.weight.data_ptr()
+        engine.update_weights_from_tensor([(head, new_head)])
+        # CPU matmuls read a oneDNN-packed copy the input check cannot see: check the head directly.
+        assert draft.head.weight.data_ptr() == hot_head
+        for tags in (["kv_cache"], ["weights"], None):
+            engine.release_memory_occupation(tags)
+            engine.resume_memory_occupation(tags)
+        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == want
+        engine.runner.kv_pool.allocate()  # new buffers without recapturing
+        with pytest.raises(RuntimeError, match=r"CaptureError.*target target_verify at batch size \d: the captured "
+                                               "forward now reads"):
+            engine.generate(input_ids=prompts, sampling_params=params)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,12 +15,24 @@ if TYPE_CHECKING:
 class AttentionBackend(ABC):
     """Computes attention for one layer over the paged KV cache.
 
-    `init_forward_metadata` runs once per forward (index tensors, masks); `forward` runs per
-    layer, writes the new tokens' K/V into the pool and returns [T, heads * head_dim].
+    `init_forward_metadata` runs once per eager forward and sets `batch.attn_meta` (index
+    tensors, masks); `forward` runs per layer, reads `batch.attn_meta`, writes the new tokens'
+    K/V into the pool and returns [T, heads * head_dim].
+
+    Captured graphs cannot rebuild metadata of a new shape, so for them the backend allocates
+    static metadata once per captured batch (`graph_metadata`, covering up to `kv_width` keys
+    per row) and refills it in place before every replay (`fill_graph_metadata`, outside the
+    graph, where host work is allowed).
     """
 
     @abstractmethod
     def init_forward_metadata(self, batch: "ForwardBatch") -> None: ...
+
+    @abstractmethod
+    def graph_metadata(self, batch: "ForwardBatch", kv_width: int) -> Any: ...
+
+    @abstractmethod
+    def fill_graph_metadata(self, meta: Any, batch: "ForwardBatch") -> None: ...
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",

@@ -35,13 +35,65 @@ class _Padded:
     out_rows: Optional[torch.Tensor]  # [T] padded position of each flat token (None: identity)
 
 
+# Per request of a long prefill: (query start, query length, KV slots or None to use the new
+# K/V, mask or None for causal over the new tokens alone).
+_PerRequest = list[tuple[int, int, Optional[torch.Tensor], Optional[torch.Tensor]]]
+
+
 class TorchNativeBackend(AttentionBackend):
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._padded: Optional[_Padded] = None
-        self._extend_meta: list[tuple[int, int, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+        # Graph metadata buffers by (queries per row, kv width), sized by the first (largest)
+        # capture; every captured size uses a view, as the graph runner's input buffers do.
+        self._graph_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.mode.is_decode() or (batch.batch_size > 1 and max(batch.extend_seq_lens_cpu) <= SHORT_EXTEND):
+            batch.attn_meta = self._batched(batch)
+            return
+        table = batch.req_to_token_pool.req_to_token
+        meta: _PerRequest = []
+        start = 0
+        rows = batch.req_pool_indices.tolist()
+        for i, (row, kv_len, q_len) in enumerate(zip(rows, batch.seq_lens_cpu, batch.extend_seq_lens_cpu)):
+            custom = batch.custom_masks[i] if batch.custom_masks is not None else None
+            if kv_len == q_len and custom is None:
+                meta.append((start, q_len, None, None))
+            else:
+                meta.append((start, q_len, table[row, :kv_len].to(torch.int64), custom if custom is not None
+                             else causal_mask(kv_len - q_len, kv_len, self.device)))
+            start += q_len
+        batch.attn_meta = meta
+
+    def graph_metadata(self, batch: ForwardBatch, kv_width: int) -> _Padded:
+        """Static metadata over `kv_width` keys per row: a graph's attention reads the whole
+        width, invalid keys masked (use --context-length to bound it on long-context models)."""
+        rows = batch.batch_size
+        queries = 1 if batch.mode.is_decode() else batch.extend_seq_lens_cpu[0]
+        idx, mask = self._graph_buffers.get((queries, kv_width), (None, None))
+        if mask is None or mask.shape[0] < rows:
+            idx = torch.zeros(rows * kv_width, dtype=torch.int64, device=self.device)
+            mask = torch.zeros(rows, queries, kv_width, dtype=torch.bool, device=self.device)
+            self._graph_buffers[(queries, kv_width)] = idx, mask
+        meta = _Padded(rows, queries, idx[:rows * kv_width], mask[:rows], None, None)
+        self.fill_graph_metadata(meta, batch)
+        return meta
+
+    def fill_graph_metadata(self, meta: _Padded, batch: ForwardBatch) -> None:
+        fresh = self._batched(batch)
+        width, used = meta.mask.shape[-1], fresh.mask.shape[-1]
+        if fresh.q_rows is not None or fresh.mask.shape[:2] != meta.mask.shape[:2] or used > width:
+            raise RuntimeError(f"graph attention metadata {tuple(meta.mask.shape)} cannot hold a batch of "
+                               f"{tuple(fresh.mask.shape)}; this is a graph-runner bug, run with --disable-cuda-graph")
+        idx = meta.kv_idx.view(meta.batch, width)
+        idx[:, :used] = fresh.kv_idx.view(meta.batch, used)
+        idx[:, used:] = 0
+        meta.mask[..., :used] = fresh.mask
+        meta.mask[..., used:] = False
+
+    def _batched(self, batch: ForwardBatch) -> _Padded:
+        """Every request's K/V in one padded [batch, max_len] block: decode rows (from their
+        table row or their own KV indices) and short extends."""
         table = batch.req_to_token_pool.req_to_token
         if batch.mode.is_decode():
             if batch.kv_indices is not None:
@@ -50,28 +102,7 @@ class TorchNativeBackend(AttentionBackend):
                 max_len = max(batch.seq_lens_cpu)
                 idx = table[batch.req_pool_indices, :max_len].to(torch.int64)
                 valid = torch.arange(max_len, device=self.device)[None, :] < batch.seq_lens[:, None]
-            self._padded = _Padded(batch.batch_size, 1, idx.masked_fill(~valid, 0).view(-1), valid[:, None, :], None, None)
-            return
-        q_lens = batch.extend_seq_lens_cpu
-        if batch.batch_size > 1 and max(q_lens) <= SHORT_EXTEND:
-            self._padded = self._short_extend(batch, table)
-            return
-        self._padded = None
-        # Per request: (query start, query length, KV slots or None to use the new K/V, mask).
-        meta = []
-        start = 0
-        rows = batch.req_pool_indices.tolist()
-        for i, (row, kv_len, q_len) in enumerate(zip(rows, batch.seq_lens_cpu, q_lens)):
-            custom = batch.custom_masks[i] if batch.custom_masks is not None else None
-            if kv_len == q_len and custom is None:
-                meta.append((start, q_len, None, None))
-            else:
-                meta.append((start, q_len, table[row, :kv_len].to(torch.int64), custom if custom is not None
-                             else causal_mask(kv_len - q_len, kv_len, self.device)))
-            start += q_len
-        self._extend_meta = meta
-
-    def _short_extend(self, batch: ForwardBatch, table: torch.Tensor) -> _Padded:
+            return _Padded(batch.batch_size, 1, idx.masked_fill(~valid, 0).view(-1), valid[:, None, :], None, None)
         b, q_lens, kv_lens = batch.batch_size, batch.extend_seq_lens_cpu, batch.seq_lens_cpu
         q_max, kv_max = max(q_lens), max(kv_lens)
         idx = table[batch.req_pool_indices, :kv_max].to(torch.int64)
@@ -86,6 +117,8 @@ class TorchNativeBackend(AttentionBackend):
             out_rows.extend(range(i * q_max, i * q_max + q_len))
             start += q_len
         valid = mask.any(1)
+        if all(q == q_max for q in q_lens):  # every request fills its rows: no reordering
+            return _Padded(b, q_max, idx.masked_fill(~valid, 0).view(-1), mask, None, None)
         return _Padded(b, q_max, idx.masked_fill(~valid, 0).view(-1), mask,
                        torch.tensor(q_rows, device=self.device), torch.tensor(out_rows, device=self.device))
 
@@ -96,11 +129,11 @@ class TorchNativeBackend(AttentionBackend):
         k = k.view(-1, nkv, hd)
         v = v.view(-1, nkv, hd)
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
-        if self._padded is not None:
-            return self._forward_padded(q, layer, pool)
+        if isinstance(batch.attn_meta, _Padded):
+            return self._forward_padded(q, layer, pool, batch.attn_meta)
         q = q.view(-1, nh, hd)
         out = torch.empty_like(q)
-        for start, q_len, slots, mask in self._extend_meta:
+        for start, q_len, slots, mask in batch.attn_meta:
             qi = q[start:start + q_len].transpose(0, 1)
             if slots is None:
                 ki = k[start:start + q_len].transpose(0, 1)
@@ -114,8 +147,7 @@ class TorchNativeBackend(AttentionBackend):
             out[start:start + q_len] = oi.transpose(0, 1)
         return out.view(-1, nh * hd)
 
-    def _forward_padded(self, q: torch.Tensor, layer: "Attention", pool) -> torch.Tensor:
-        p = self._padded
+    def _forward_padded(self, q: torch.Tensor, layer: "Attention", pool, p: _Padded) -> torch.Tensor:
         nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
         group = nh // nkv
         b, nq = p.batch, p.queries

@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch
 
-from spec_engine.attention.torch_native import TorchNativeBackend
+from spec_engine.attention import make_backend
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
-from spec_engine.graph_runner import GraphRunner, Padded, SelfCheckBatches, build_graph_runners, self_check
+from spec_engine.graph_runner import GraphRunner, SelfCheckBatches, build_graph_runners, self_check
 from spec_engine.layers.linear import Linear
 from spec_engine.mem.kv_pool import KVPool
 from spec_engine.model_config import ModelConfig
@@ -52,8 +52,9 @@ class DraftRunner:
         layers = 1 if kind == "MTP" else self.config.num_hidden_layers
         self.kv_pool = KVPool(target.max_total_tokens, target.args.page_size, layers,
                               self.config.num_key_value_heads, self.config.head_dim, self.dtype, self.device)
-        self.attn_backend = TorchNativeBackend(self.device)
+        self.attn_backend = make_backend(target.args.attention_backend, self.device, self.config, self.dtype)
         self.graphs = self._graph_runners()
+        self.capture_graphs()
         if self.graphs and target.args.cuda_graph_self_check:
             self._self_check()
 
@@ -63,12 +64,34 @@ class DraftRunner:
         args = self.target.args
         if args.disable_cuda_graph or args.disable_draft_cuda_graph:
             return {}
-        specs = {"steps": ("draft steps", ForwardMode.DECODE, args.speculative_eagle_topk),
-                 "extend": ("draft extend", ForwardMode.DRAFT_EXTEND, args.speculative_num_steps + 1)}
+        own = self.config.hidden_size if self.uses_features else None
+        target = self.target.model_config.hidden_size * (3 if self.kind == "EAGLE3" else 1) if self.uses_features else None
+        specs = {"steps": ("draft steps", ForwardMode.DECODE, args.speculative_eagle_topk, own, True),
+                 "extend": ("draft extend", ForwardMode.DRAFT_EXTEND, args.speculative_num_steps + 1, target, False)}
         if not self.uses_features:
-            specs["root"] = ("draft root", ForwardMode.DECODE, 1)
+            specs["root"] = ("draft root", ForwardMode.DECODE, 1, None, False)
         return build_graph_runners(args, self.target.max_running_requests, self.target.req_to_token_pool.dummy_row,
                                    self.device, specs)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """(Re)capture every draft graph, in the target's memory pool."""
+        for g in self.graphs.values():
+            self.capture(g)
+
+    def capture(self, g: GraphRunner) -> None:
+        kv_width = self.target.req_to_token_pool.max_context_len
+        if g.kv_rows:  # a tree step's row attends to its prefix, its path (steps - 1 nodes) and itself
+            kv_width += self.target.args.speculative_num_steps
+        g.capture(self._graph_forward, self._bind, kv_width, self.dtype, self.target.graph_pool,
+                  check_inputs=self.target.args.cuda_graph_self_check)
+
+    def release_graphs(self) -> None:
+        for g in self.graphs.values():
+            g.release()
+
+    def _graph_forward(self, batch: ForwardBatch, hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._forward(batch, hidden, metadata=False)
 
     def _graph_for(self, batch: ForwardBatch) -> Optional[GraphRunner]:
         if batch.mode is ForwardMode.DRAFT_EXTEND:
@@ -79,12 +102,9 @@ class DraftRunner:
 
     @torch.inference_mode()
     def _self_check(self) -> None:
-        target_dim = self.target.model_config.hidden_size * (3 if self.kind == "EAGLE3" else 1)
-        dims = {"steps": self.config.hidden_size, "extend": target_dim, "root": None}
         batches = SelfCheckBatches(self.target.req_to_token_pool, self.target.allocator, [self.kv_pool],
                                    self.config.vocab_size, self.device)
-        runs = [(g, dims[name] if self.uses_features else None, name == "steps") for name, g in self.graphs.items()]
-        self_check(runs, self._forward, batches, self_check_tolerance(self.dtype))
+        self_check(list(self.graphs.values()), self._forward, batches, self_check_tolerance(self.dtype))
 
     def refresh(self) -> None:
         """Rebuild what derives from weights outside the draft model: the id map (EAGLE-3's d2t)
@@ -96,10 +116,12 @@ class DraftRunner:
             raise ValueError("the draft vocabulary maps two ids to one target token (a repeated id in "
                              "--speculative-token-map, or in the EAGLE-3 draft's d2t); ids must be unique")
         if self.token_map is not None:
-            hot = Linear(self.config.hidden_size, len(self.hot_ids))
-            hot.weight.data = self.target.model.lm_head.weight.detach()[self.hot_ids].contiguous()
-            hot.refresh_derived()
-            self.head = hot
+            rows = self.target.model.lm_head.weight.detach()[self.hot_ids]
+            if not isinstance(self.head, Linear) or self.head is self.target.model.lm_head:
+                self.head = Linear(self.config.hidden_size, len(self.hot_ids)).to(rows.dtype).to(rows.device)
+            # In place: captured draft graphs read this tensor.
+            self.head.weight.data.copy_(rows)
+            self.head.refresh_derived()
 
     def check_update(self, tensors: dict[str, torch.Tensor]) -> None:
         """Refuse, before anything is copied, a new EAGLE-3 id map that refresh() could not use."""
@@ -120,22 +142,27 @@ class DraftRunner:
         """Returns (draft-vocabulary logits at batch.logits_indices (all rows if None), the
         features for the next draft step at the same rows)."""
         g = self._graph_for(batch)
-        padded: Optional[Padded] = g.pad(batch, hidden) if g is not None else None
-        if padded is None:
+        outs = g.run(batch, hidden) if g is not None else None
+        if outs is None:
             return self._forward(batch, hidden)
-        logits, nxt = self._forward(padded.batch, padded.features)
-        return padded.rows(logits), padded.rows(nxt)
+        logits, nxt = outs
+        return logits, nxt
 
-    def _forward(self, batch: ForwardBatch, hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        batch.kv_pool = self.kv_pool
-        batch.req_to_token_pool = self.target.req_to_token_pool
-        batch.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(batch)
+    def _forward(self, batch: ForwardBatch, hidden: Optional[torch.Tensor],
+                 metadata: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        self._bind(batch)
+        if metadata:
+            self.attn_backend.init_forward_metadata(batch)
         embeds = self.embed(batch.input_ids)
         to_logits, to_next = self.model.draft_forward(embeds, batch.positions, batch, hidden)
         if batch.logits_indices is not None:
             to_logits, to_next = to_logits[batch.logits_indices], to_next[batch.logits_indices]
         return self.head(to_logits).float(), to_next
+
+    def _bind(self, batch: ForwardBatch) -> None:
+        batch.kv_pool = self.kv_pool
+        batch.req_to_token_pool = self.target.req_to_token_pool
+        batch.attn_backend = self.attn_backend
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.hot_ids is None else self.hot_ids[ids]

@@ -1,0 +1,132 @@
+"""FlashInfer attention (CUDA): paged decode, paged prefill/verify with the tree mask, draft steps.
+
+The KV pool is used as FlashInfer's paged cache with page size 1 (slot = page), as SGLang
+does: a request's pages are its request-to-token row, a draft tree row's pages are its own KV
+indices. New K/V are written to the pool before attention, so extends (prefill after a cached
+prefix, target verify, draft extend) all run the paged prefill kernel over prefix + new
+tokens, causal or with the per-request custom mask.
+
+FlashInfer splits work into `plan` (host-side scheduling into index buffers) and `run` (the
+kernels). A captured graph gets wrappers created with `use_cuda_graph=True` over static
+buffers; `fill_graph_metadata` re-plans them before each replay, outside the graph.
+Imported only when `--attention-backend flashinfer` is chosen (the `[gpu]` extra).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import flashinfer
+import torch
+
+from spec_engine.attention.base import AttentionBackend
+from spec_engine.forward_batch import ForwardBatch, causal_mask
+
+if TYPE_CHECKING:
+    from spec_engine.layers.attention import Attention
+
+WORKSPACE_BYTES = 256 * 1024 * 1024
+# Query heads per KV head from which the tensor-core decode kernel is faster (SGLang's choice).
+TENSOR_CORE_GROUP = 4
+
+
+@dataclass
+class _Meta:
+    wrapper: Any               # a planned FlashInfer wrapper
+    decode: bool
+    buffers: Optional[dict] = None  # a graph wrapper's static buffers (kept alive with it)
+
+
+class FlashInferBackend(AttentionBackend):
+    def __init__(self, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
+                 dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scaling = num_heads, num_kv_heads, head_dim, scaling
+        self.tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_GROUP
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                    use_tensor_cores=self.tensor_cores)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.mode.is_decode():
+            self._plan_decode(self.decode, batch)
+            batch.attn_meta = _Meta(self.decode, True)
+        else:
+            self._plan_extend(self.prefill, batch, always_mask=False)
+            batch.attn_meta = _Meta(self.prefill, False)
+
+    def graph_metadata(self, batch: ForwardBatch, kv_width: int) -> _Meta:
+        b = batch.batch_size
+        i32 = dict(dtype=torch.int32, device=self.device)
+        if batch.mode.is_decode():
+            bufs = dict(paged_kv_indptr_buffer=torch.zeros(b + 1, **i32),
+                        paged_kv_indices_buffer=torch.zeros(b * kv_width, **i32),
+                        paged_kv_last_page_len_buffer=torch.ones(b, **i32))
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores, **bufs)
+            meta = _Meta(wrapper, True, bufs)
+        else:
+            queries = batch.extend_seq_lens_cpu[0]
+            bufs = dict(qo_indptr_buf=torch.zeros(b + 1, **i32), paged_kv_indptr_buf=torch.zeros(b + 1, **i32),
+                        paged_kv_indices_buf=torch.zeros(b * kv_width, **i32),
+                        paged_kv_last_page_len_buf=torch.ones(b, **i32),
+                        # each request's mask packed to bits on its own, rounded up to a byte
+                        custom_mask_buf=torch.zeros(b * ((queries * kv_width + 7) // 8), dtype=torch.uint8,
+                                                    device=self.device),
+                        mask_indptr_buf=torch.zeros(b + 1, **i32))
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=True, **bufs)
+            meta = _Meta(wrapper, False, bufs)
+        self.fill_graph_metadata(meta, batch)
+        return meta
+
+    def fill_graph_metadata(self, meta: _Meta, batch: ForwardBatch) -> None:
+        if meta.decode:
+            self._plan_decode(meta.wrapper, batch)
+        else:
+            # A graph's kernels are chosen at capture: every replay uses the custom-mask kernel.
+            self._plan_extend(meta.wrapper, batch, always_mask=True)
+
+    def _plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
+        if batch.kv_indices is not None:
+            valid = batch.kv_mask
+            indices = batch.kv_indices[valid]
+        else:
+            width = max(batch.seq_lens_cpu)
+            valid = torch.arange(width, device=self.device)[None, :] < batch.seq_lens[:, None]
+            indices = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :width][valid]
+        lens = valid.sum(1)
+        wrapper.plan(_indptr(lens), indices.to(torch.int32), torch.ones_like(lens, dtype=torch.int32),
+                     self.num_heads, self.num_kv_heads, self.head_dim, 1, q_data_type=self.dtype,
+                     kv_data_type=batch.kv_pool.dtype, sm_scale=self.scaling)
+
+    def _plan_extend(self, wrapper: Any, batch: ForwardBatch, always_mask: bool) -> None:
+        table = batch.req_to_token_pool.req_to_token
+        q_lens, kv_lens = batch.extend_seq_lens_cpu, batch.seq_lens_cpu
+        rows = batch.req_pool_indices.tolist()
+        indices = torch.cat([table[row, :n] for row, n in zip(rows, kv_lens)]).to(torch.int32)
+        masks = batch.custom_masks
+        if masks is None and always_mask:
+            masks = [causal_mask(n - q, n, self.device) for q, n in zip(q_lens, kv_lens)]
+        custom = torch.cat([m.reshape(-1) for m in masks]) if masks is not None else None
+        wrapper.plan(_indptr(torch.tensor(q_lens, device=self.device)), _indptr(torch.tensor(kv_lens, device=self.device)),
+                     indices, torch.ones(len(q_lens), dtype=torch.int32, device=self.device),
+                     self.num_heads, self.num_kv_heads, self.head_dim, 1, custom_mask=custom,
+                     causal=custom is None, sm_scale=self.scaling, q_data_type=self.dtype,
+                     kv_data_type=batch.kv_pool.dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
+                batch: ForwardBatch) -> torch.Tensor:
+        pool = batch.kv_pool
+        nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k.view(-1, nkv, hd), v.view(-1, nkv, hd))
+        cache = (pool.k_buffer[layer.layer_id].unsqueeze(1), pool.v_buffer[layer.layer_id].unsqueeze(1))
+        out = batch.attn_meta.wrapper.run(q.view(-1, nh, hd).to(pool.dtype), cache)
+        return out.view(-1, nh * hd).to(q.dtype)
+
+
+def _indptr(lens: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32, device=lens.device)
+    out[1:] = lens.cumsum(0)
+    return out
