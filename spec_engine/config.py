@@ -94,7 +94,7 @@ class EngineArgs:
     speculative_ngram_branch_length: int = _opt(18, "NGRAM: tokens stored per cached branch (must exceed the max match window).")
     speculative_ngram_capacity: int = _opt(10_000_000, "NGRAM: maximum nodes in the n-gram cache (it is cleared when full).")
     # Kernels
-    attention_backend: Optional[str] = _opt(None, "Attention kernels (auto: flashinfer on CUDA when installed, else torch_native). torch_native runs everywhere; under CUDA graphs it attends over the whole context width, so bound --context-length or use flashinfer for long contexts.", choices=ATTENTION_BACKENDS)
+    attention_backend: Optional[str] = _opt(None, "Attention kernels (auto: flashinfer on CUDA when installed, else torch_native). torch_native runs everywhere; its CUDA graphs are captured per power-of-two key width on first use, so prefer flashinfer for long contexts on GPUs.", choices=ATTENTION_BACKENDS)
     # CUDA graphs and padding (without CUDA the same sizes and padding run eagerly)
     cuda_graph_bs: Optional[list[int]] = _opt(None, "Batch sizes to capture, any list (deduplicated and sorted; sizes above --max-running-requests are dropped). A batch runs as the smallest size >= its own, padded. Default: 1..8, then steps of 2 to 32, 4 to 64, 8 to 256, 16 beyond, up to --cuda-graph-max-bs.")
     cuda_graph_max_bs: Optional[int] = _opt(None, "Largest size of the default capture list (auto: min(--max-running-requests, 256)); larger batches run eagerly.")

@@ -121,16 +121,17 @@ class GraphRunner:
         self.features: Optional[torch.Tensor] = None
         self.kv_indices: Optional[torch.Tensor] = None
         self.kv_mask: Optional[torch.Tensor] = None
-        self.bind: Optional[Callable[[ForwardBatch], None]] = None
-        self._graphs: dict[int, tuple[ForwardBatch, Any]] = {}
+        self.live = False  # graphs captured (or capturable on first use) and not released
+        self._graphs: dict[tuple[int, int], tuple[ForwardBatch, Any]] = {}
         self._told: set[str] = set()
 
     def capture(self, forward: ForwardFn, bind: Callable[[ForwardBatch], None], kv_width: int,
                 dtype: torch.dtype, pool: Any, check_inputs: bool = False) -> None:
         """Capture `forward` at every size, largest first, over views of the static buffers.
         `bind` sets a batch's KV pool, table and attention backend; `kv_width`: the most keys a
-        row can attend to; `check_inputs`: see EmulatedGraph."""
-        self.bind = bind
+        row can attend to; `check_inputs`: see EmulatedGraph. A backend whose graphs have a fixed
+        key width (torch_native) gets one graph per (size, width bucket), captured on first use."""
+        self.bind, self.forward, self.pool, self.check_inputs, self.kv_width = bind, forward, pool, check_inputs, kv_width
         if self.kv_rows:
             rows = self.sizes[-1] * self.width
             self.kv_indices = torch.full((rows, kv_width), DUMMY_SLOT, dtype=torch.int64, device=self.device)
@@ -138,34 +139,48 @@ class GraphRunner:
             self.kv_mask[:, 0] = True
         if self.feature_dim is not None:
             self.features = torch.zeros(self.sizes[-1] * self.width, self.feature_dim, dtype=dtype, device=self.device)
+        probe = self._static_batch(self.sizes[-1], kv_width)
+        bind(probe)
+        self.backend = probe.attn_backend
         self._graphs = {}
-        for size in reversed(self.sizes):
-            batch = self._static_batch(size)
-            bind(batch)
-            batch.attn_meta = batch.attn_backend.graph_metadata(batch, kv_width)
-            features = None if self.features is None else self.features[:size * self.width]
-            graph = capture(lambda b=batch, f=features: forward(b, f), f"{self.label} at batch size {size}",
-                            self.device, pool, check_inputs)
-            self._graphs[size] = (batch, graph)
+        self.live = True
+        if not self.backend.bucketed_graph_widths:
+            for size in reversed(self.sizes):
+                self._capture(size, kv_width)
+
+    def _capture(self, size: int, kv_width: int) -> tuple[ForwardBatch, Any]:
+        batch = self._static_batch(size, kv_width)
+        self.bind(batch)
+        batch.attn_meta = self.backend.graph_metadata(batch, kv_width)
+        features = None if self.features is None else self.features[:size * self.width]
+        graph = capture(lambda b=batch, f=features: self.forward(b, f), f"{self.label} at batch size {size}",
+                        self.device, self.pool, self.check_inputs)
+        self._graphs[(size, kv_width)] = (batch, graph)
+        return batch, graph
 
     def release(self) -> None:
         """Drop the captured graphs (and their memory); capture() again before run()."""
         self._graphs = {}
+        self.live = False
 
     def run(self, batch: ForwardBatch, features: Optional[torch.Tensor] = None,
             size: Optional[int] = None) -> Optional[list[Optional[torch.Tensor]]]:
         """The batch's outputs from its captured graph, at its own logits rows, or None to run it eagerly."""
-        if not self._graphs:
+        if not self.live:
             return None
         padded = self.pad(batch, features, size)
         if padded is None:
             return None
-        static, graph = self._graphs[padded.size]
+        needed = batch.kv_indices.shape[1] if self.kv_rows else max(padded.batch.seq_lens_cpu)
+        width = self.backend.graph_kv_width(needed, self.kv_width)
+        # Captured on first use after pad(): the capture's warm-up writes K/V only to the slots
+        # this batch owns (or the dummy slot), which the replay below rewrites.
+        static, graph = self._graphs.get((padded.size, width)) or self._capture(padded.size, width)
         self.bind(padded.batch)
-        static.attn_backend.fill_graph_metadata(static.attn_meta, padded.batch)
+        self.backend.fill_graph_metadata(static.attn_meta, padded.batch)
         return [None if out is None else padded.rows(out) for out in graph.replay()]
 
-    def _static_batch(self, size: int) -> ForwardBatch:
+    def _static_batch(self, size: int, kv_width: int) -> ForwardBatch:
         """The batch a graph is captured with: views of the buffers; its Python fields keep their
         capture-time values, as inside a CUDA graph."""
         rows = size * self.width
@@ -173,12 +188,12 @@ class GraphRunner:
         return ForwardBatch(
             mode=self.mode, input_ids=self.input_ids[:rows], positions=self.positions[:rows],
             out_cache_loc=self.out_cache_loc[:rows], req_pool_indices=self.req_pool_indices[:reqs],
-            seq_lens=self.seq_lens[:reqs], seq_lens_cpu=self.seq_lens[:reqs].tolist(),
+            seq_lens=self.seq_lens[:reqs], seq_lens_cpu=[self.width if self.extend else SEQ_LEN_FILL] * reqs,
             extend_seq_lens_cpu=[self.width] * size if self.extend else None,
             extend_prefix_lens_cpu=[0] * size if self.extend else None,
             logits_indices=self.logits_indices[:size] if self.per_request_logits else None,
-            kv_indices=self.kv_indices[:rows] if self.kv_rows else None,
-            kv_mask=self.kv_mask[:rows] if self.kv_rows else None,
+            kv_indices=self.kv_indices[:rows, :kv_width] if self.kv_rows else None,
+            kv_mask=self.kv_mask[:rows, :kv_width] if self.kv_rows else None,
             capture_hidden=True,
         )
 
@@ -236,6 +251,7 @@ class GraphRunner:
             kv_idx[n:] = DUMMY_SLOT
             kv_ok[n:] = False
             kv_ok[n:, 0] = True
+            kv_idx, kv_ok = kv_idx[:, :width], kv_ok[:, :width]  # the metadata refill reads the batch's own width
         padded = replace(batch, input_ids=ids, positions=pos, out_cache_loc=loc, req_pool_indices=rpi,
                          seq_lens=lens, seq_lens_cpu=list(batch.seq_lens_cpu) + [SEQ_LEN_FILL] * (rows - n),
                          kv_indices=kv_idx, kv_mask=kv_ok)

@@ -119,6 +119,9 @@ class ModelRunner:
                                      {mode: (f"target {mode.value}", mode, w, None, False) for mode, w in widths.items()})
         logger.info("graph batch sizes: %s%s", graphs[ForwardMode.DECODE].sizes, "" if self.device.type == "cuda"
                     else " (no CUDA: graphs are emulated, padded batches replay eagerly)")
+        if self.device.type == "cuda" and args.attention_backend == "torch_native":
+            logger.warning("torch_native CUDA graphs are captured on first use per power-of-two key width (up to %d); "
+                           "use --attention-backend flashinfer for long contexts", self.req_to_token_pool.max_context_len)
         return graphs
 
     @torch.inference_mode()

@@ -22,11 +22,19 @@ class AttentionBackend(ABC):
     Captured graphs cannot rebuild metadata of a new shape, so for them the backend allocates
     static metadata once per captured batch (`graph_metadata`, covering up to `kv_width` keys
     per row) and refills it in place before every replay (`fill_graph_metadata`, outside the
-    graph, where host work is allowed).
+    graph, where host work is allowed). A backend whose kernels read every one of those keys
+    sets `bucketed_graph_widths` and maps batches to smaller widths (`graph_kv_width`).
     """
+
+    # True when a graph's metadata fixes its key width (then graphs exist per width bucket).
+    bucketed_graph_widths = False
 
     @abstractmethod
     def init_forward_metadata(self, batch: "ForwardBatch") -> None: ...
+
+    def graph_kv_width(self, needed: int, kv_width: int) -> int:
+        """The key width of the graph that replays a batch needing `needed` keys per row."""
+        return kv_width
 
     @abstractmethod
     def graph_metadata(self, batch: "ForwardBatch", kv_width: int) -> Any: ...

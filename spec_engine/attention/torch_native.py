@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 # Extends whose every request adds at most this many tokens take the padded batched path.
 SHORT_EXTEND = 32
+# The smallest key width of a graph (see graph_kv_width).
+MIN_GRAPH_KEYS = 64
 
 
 @dataclass
@@ -41,6 +43,9 @@ _PerRequest = list[tuple[int, int, Optional[torch.Tensor], Optional[torch.Tensor
 
 
 class TorchNativeBackend(AttentionBackend):
+    # SDPA attends over every key of the static block, so graphs come per key-width bucket.
+    bucketed_graph_widths = True
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         # Graph metadata buffers by (queries per row, kv width), sized by the first (largest)
@@ -65,9 +70,13 @@ class TorchNativeBackend(AttentionBackend):
             start += q_len
         batch.attn_meta = meta
 
+    def graph_kv_width(self, needed: int, kv_width: int) -> int:
+        """Powers of two from MIN_GRAPH_KEYS up to the context width: a graph's SDPA reads every
+        key of its width, so a short context should not pay for a long one."""
+        return min(kv_width, max(MIN_GRAPH_KEYS, 1 << (needed - 1).bit_length()))
+
     def graph_metadata(self, batch: ForwardBatch, kv_width: int) -> _Padded:
-        """Static metadata over `kv_width` keys per row: a graph's attention reads the whole
-        width, invalid keys masked (use --context-length to bound it on long-context models)."""
+        """Static metadata over `kv_width` keys per row, invalid keys masked."""
         rows = batch.batch_size
         queries = 1 if batch.mode.is_decode() else batch.extend_seq_lens_cpu[0]
         idx, mask = self._graph_buffers.get((queries, kv_width), (None, None))
