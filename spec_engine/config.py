@@ -94,7 +94,7 @@ class EngineArgs:
     speculative_ngram_branch_length: int = _opt(18, "NGRAM: tokens stored per cached branch (must exceed the max match window).")
     speculative_ngram_capacity: int = _opt(10_000_000, "NGRAM: maximum nodes in the n-gram cache (it is cleared when full).")
     # Kernels
-    attention_backend: Optional[str] = _opt(None, "Attention kernels (auto: flashinfer on CUDA when installed, else torch_native). torch_native runs everywhere; its CUDA graphs are captured per power-of-two key width on first use, so prefer flashinfer for long contexts on GPUs.", choices=ATTENTION_BACKENDS)
+    attention_backend: Optional[str] = _opt(None, "Attention kernels (auto: flashinfer on CUDA when installed, for bfloat16/float16 and head_dim 64/128/256; else torch_native). torch_native runs everywhere; its CUDA graphs are captured per power-of-two key width on first use, so prefer flashinfer for long contexts on GPUs.", choices=ATTENTION_BACKENDS)
     # CUDA graphs and padding (without CUDA the same sizes and padding run eagerly)
     cuda_graph_bs: Optional[list[int]] = _opt(None, "Batch sizes to capture, any list (deduplicated and sorted; sizes above --max-running-requests are dropped). A batch runs as the smallest size >= its own, padded. Default: 1..8, then steps of 2 to 32, 4 to 64, 8 to 256, 16 beyond, up to --cuda-graph-max-bs.")
     cuda_graph_max_bs: Optional[int] = _opt(None, "Largest size of the default capture list (auto: min(--max-running-requests, 256)); larger batches run eagerly.")
@@ -188,16 +188,21 @@ def resolve_auto(args: EngineArgs, *, cuda_available: bool, checkpoint_dtype: Op
         else:
             dtype = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
     fits = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
+    half = dtype in ("bfloat16", "float16", "bf16", "fp16", "half")
     backend = args.attention_backend or (
-        "flashinfer" if device == "cuda" and fits and flashinfer_installed() else "torch_native")
-    if backend == "flashinfer" and not fits:
-        raise ValueError(f"--attention-backend flashinfer has no kernels for head_dim {head_dim} (it has "
-                         f"{FLASHINFER_HEAD_DIMS}); use --attention-backend torch_native")
-    if backend == "flashinfer" and device != "cuda":
-        raise ValueError("--attention-backend flashinfer needs CUDA; use --attention-backend torch_native on CPU")
-    if backend == "flashinfer" and not flashinfer_installed():
-        raise ValueError("--attention-backend flashinfer needs the flashinfer-python package: pip install "
-                         "'specrl[gpu]', or use --attention-backend torch_native")
+        "flashinfer" if device == "cuda" and fits and half and flashinfer_installed() else "torch_native")
+    if backend == "flashinfer":
+        if device != "cuda":
+            raise ValueError("--attention-backend flashinfer needs CUDA; use --attention-backend torch_native on CPU")
+        if not flashinfer_installed():
+            raise ValueError("--attention-backend flashinfer needs the flashinfer-python package: pip install "
+                             "'specrl[gpu]', or use --attention-backend torch_native")
+        if not fits:
+            raise ValueError(f"--attention-backend flashinfer has no kernels for head_dim {head_dim} (it has "
+                             f"{FLASHINFER_HEAD_DIMS}); use --attention-backend torch_native")
+        if not half:
+            raise ValueError(f"--attention-backend flashinfer has no {dtype} kernels; use --dtype bfloat16 or "
+                             "float16, or --attention-backend torch_native")
     chunk = args.chunked_prefill_size
     if chunk is None:
         chunk = CHUNKED_PREFILL_CUDA if device == "cuda" else CHUNKED_PREFILL_CPU

@@ -84,6 +84,7 @@ def test_attention_backend_choice(monkeypatch):
         return resolve_auto(EngineArgs(model_path="/m", **kw.pop("args", {})), checkpoint_dtype=None, **kw)
 
     assert resolve(True, cuda_available=True, head_dim=128).attention_backend == "flashinfer"
+    assert resolve(True, cuda_available=True, head_dim=128, args=dict(dtype="float32")).attention_backend == "torch_native"
     assert resolve(True, cuda_available=True, head_dim=16).attention_backend == "torch_native"
     assert resolve(False, cuda_available=True, head_dim=128).attention_backend == "torch_native"
     assert resolve(True, cuda_available=False, head_dim=128).attention_backend == "torch_native"
@@ -91,6 +92,8 @@ def test_attention_backend_choice(monkeypatch):
                                               (True, True, 16, "no kernels for head_dim 16")):
         with pytest.raises(ValueError, match=needle):
             resolve(installed, cuda_available=cuda, head_dim=head_dim, args=dict(attention_backend="flashinfer"))
+    with pytest.raises(ValueError, match="no float32 kernels"):
+        resolve(True, cuda_available=True, head_dim=128, args=dict(attention_backend="flashinfer", dtype="float32"))
 
 
 def test_closest_field_suggestion():

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from spec_engine.layers.attention import Attention
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
+# FlashInfer's prefill/decode tiles hold this many query rows (its split-kv scratch is per tile).
+CTA_TILE_Q = 128
 # Query heads per KV head from which the tensor-core decode kernel is faster (SGLang's choice).
 TENSOR_CORE_GROUP = 4
 
@@ -47,7 +49,13 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                     use_tensor_cores=self.tensor_cores)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # fa2 explicitly: "auto" settles on the first plan, and FA3 (chosen for a mask-free
+        # prefill on Hopper) cannot run the verify step's custom mask.
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        # Graph workspace and index buffers: sized by the first (largest) capture of each kind,
+        # every smaller size gets slices (each replay re-plans into them just before it runs).
+        self.graph_workspace: Optional[torch.Tensor] = None
+        self._graph_buffers: dict[tuple, dict[str, Any]] = {}
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode.is_decode():
@@ -58,28 +66,45 @@ class FlashInferBackend(AttentionBackend):
             batch.attn_meta = _Meta(self.prefill, False)
 
     def graph_metadata(self, batch: ForwardBatch, kv_width: int) -> _Meta:
-        b = batch.batch_size
-        i32 = dict(dtype=torch.int32, device=self.device)
-        if batch.mode.is_decode():
-            bufs = dict(paged_kv_indptr_buffer=torch.zeros(b + 1, **i32),
-                        paged_kv_indices_buffer=torch.zeros(b * kv_width, **i32),
-                        paged_kv_last_page_len_buffer=torch.ones(b, **i32))
+        b, decode = batch.batch_size, batch.mode.is_decode()
+        queries = 1 if decode else batch.extend_seq_lens_cpu[0]
+        workspace = self._graph_workspace(b, queries)
+        full = self._graph_buffers.setdefault((decode, queries, kv_width), self._new_buffers(b, queries, kv_width))
+        ptr, idx = full["indptr"][:b + 1], full["indices"][:b * kv_width]
+        last = full["last"][:b]
+        if decode:
+            bufs = dict(paged_kv_indptr_buffer=ptr, paged_kv_indices_buffer=idx, paged_kv_last_page_len_buffer=last)
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores, **bufs)
-            meta = _Meta(wrapper, True, bufs)
+                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores, **bufs)
         else:
-            queries = batch.extend_seq_lens_cpu[0]
-            bufs = dict(qo_indptr_buf=torch.zeros(b + 1, **i32), paged_kv_indptr_buf=torch.zeros(b + 1, **i32),
-                        paged_kv_indices_buf=torch.zeros(b * kv_width, **i32),
-                        paged_kv_last_page_len_buf=torch.ones(b, **i32),
-                        # each request's mask packed to bits on its own, rounded up to a byte
-                        custom_mask_buf=torch.zeros(b * ((queries * kv_width + 7) // 8), dtype=torch.uint8,
-                                                    device=self.device),
-                        mask_indptr_buf=torch.zeros(b + 1, **i32))
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", use_cuda_graph=True, **bufs)
-            meta = _Meta(wrapper, False, bufs)
+            bufs = dict(qo_indptr_buf=full["qo_indptr"][:b + 1], paged_kv_indptr_buf=ptr, paged_kv_indices_buf=idx,
+                        paged_kv_last_page_len_buf=last, custom_mask_buf=full["mask"][:b * full["mask_row"]],
+                        mask_indptr_buf=full["mask_indptr"][:b + 1])
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", use_cuda_graph=True,
+                                                                     backend="fa2", **bufs)
+        meta = _Meta(wrapper, decode, bufs)
         self.fill_graph_metadata(meta, batch)
         return meta
+
+    def _new_buffers(self, b: int, queries: int, kv_width: int) -> dict[str, Any]:
+        i32 = dict(dtype=torch.int32, device=self.device)
+        mask_row = (queries * kv_width + 7) // 8  # each request's mask packed to bits, rounded up to a byte
+        return dict(indptr=torch.zeros(b + 1, **i32), indices=torch.zeros(b * kv_width, **i32),
+                    last=torch.ones(b, **i32), qo_indptr=torch.zeros(b + 1, **i32),
+                    mask=torch.zeros(b * mask_row, dtype=torch.uint8, device=self.device), mask_row=mask_row,
+                    mask_indptr=torch.zeros(b + 1, **i32))
+
+    def _graph_workspace(self, b: int, queries: int) -> torch.Tensor:
+        """Under CUDA graphs FlashInfer always splits KV and reserves split scratch for the worst
+        case: num_heads x (ceil(rows * group / CTA_TILE_Q) + b - 1) tiles of CTA_TILE_Q x head_dim
+        float32. Sized by the largest capture of each kind (captured first), with headroom."""
+        group = self.num_heads // self.num_kv_heads
+        tiles = -(-b * queries * group // CTA_TILE_Q) + b - 1
+        need = int(1.25 * self.num_heads * tiles * CTA_TILE_Q * self.head_dim * 4) + WORKSPACE_BYTES
+        if self.graph_workspace is None or self.graph_workspace.numel() < need:
+            # Graphs captured earlier keep the smaller one they were planned with.
+            self.graph_workspace = torch.zeros(need, dtype=torch.uint8, device=self.device)
+        return self.graph_workspace
 
     def fill_graph_metadata(self, meta: _Meta, batch: ForwardBatch) -> None:
         if meta.decode:
@@ -122,7 +147,7 @@ class FlashInferBackend(AttentionBackend):
         nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k.view(-1, nkv, hd), v.view(-1, nkv, hd))
         cache = (pool.k_buffer[layer.layer_id].unsqueeze(1), pool.v_buffer[layer.layer_id].unsqueeze(1))
-        out = batch.attn_meta.wrapper.run(q.view(-1, nh, hd).to(pool.dtype), cache)
+        out = batch.attn_meta.wrapper.run(q.view(-1, nh, hd).to(self.dtype), cache)
         return out.view(-1, nh * hd).to(q.dtype)
 
 
