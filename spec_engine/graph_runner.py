@@ -99,7 +99,7 @@ class GraphRunner:
 
     def __init__(self, label: str, mode: ForwardMode, sizes: Sequence[int], width: int, padding: bool,
                  dummy_row: int, device: torch.device, feature_dim: Optional[int] = None,
-                 kv_rows: bool = False) -> None:
+                 kv_rows: bool = False, dtype: torch.dtype = torch.float32) -> None:
         self.label = label
         self.mode = mode
         self.sizes = list(sizes)
@@ -118,7 +118,8 @@ class GraphRunner:
         self.req_pool_indices = torch.full((reqs,), dummy_row, dtype=torch.int64, device=device)
         self.seq_lens = torch.full((reqs,), width if self.extend else SEQ_LEN_FILL, dtype=torch.int64, device=device)
         self.logits_indices = torch.arange(self.sizes[-1], device=device) * width
-        self.features: Optional[torch.Tensor] = None
+        self.dtype = dtype
+        self.features = None if feature_dim is None else torch.zeros(rows, feature_dim, dtype=dtype, device=device)
         self.kv_indices: Optional[torch.Tensor] = None
         self.kv_mask: Optional[torch.Tensor] = None
         self.live = False  # graphs captured (or capturable on first use) and not released
@@ -126,7 +127,7 @@ class GraphRunner:
         self._told: set[str] = set()
 
     def capture(self, forward: ForwardFn, bind: Callable[[ForwardBatch], None], kv_width: int,
-                dtype: torch.dtype, pool: Any, check_inputs: bool = False) -> None:
+                pool: Any, check_inputs: bool = False) -> None:
         """Capture `forward` at every size, largest first, over views of the static buffers.
         `bind` sets a batch's KV pool, table and attention backend; `kv_width`: the most keys a
         row can attend to; `check_inputs`: see EmulatedGraph. A backend whose graphs have a fixed
@@ -137,8 +138,6 @@ class GraphRunner:
             self.kv_indices = torch.full((rows, kv_width), DUMMY_SLOT, dtype=torch.int64, device=self.device)
             self.kv_mask = torch.zeros(rows, kv_width, dtype=torch.bool, device=self.device)
             self.kv_mask[:, 0] = True
-        if self.feature_dim is not None:
-            self.features = torch.zeros(self.sizes[-1] * self.width, self.feature_dim, dtype=dtype, device=self.device)
         probe = self._static_batch(self.sizes[-1], kv_width)
         bind(probe)
         self.backend = probe.attn_backend
@@ -295,9 +294,6 @@ class GraphRunner:
             out_rows = torch.arange(b, device=self.device)
         padded_features = None
         if features is not None:
-            if self.features is None:
-                self.features = torch.zeros(self.sizes[-1] * self.width, self.feature_dim, dtype=features.dtype,
-                                            device=self.device)
             padded_features = self.features[:size * self.width]
             padded_features.zero_()
             padded_features.index_copy_(0, token_rows, features.to(padded_features.dtype))
@@ -400,11 +396,11 @@ class SelfCheckBatches:
 
 
 def build_graph_runners(args: Any, max_running_requests: int, dummy_row: int, device: torch.device,
-                        specs: dict[Any, tuple[str, ForwardMode, int, Optional[int], bool]]) -> dict[Any, GraphRunner]:
+                        dtype: torch.dtype, specs: dict[Any, tuple[str, ForwardMode, int, Optional[int], bool]]) -> dict[Any, GraphRunner]:
     """One GraphRunner per {key: (label, mode, width, feature_dim, kv_rows)}, all on the capture list from `args`."""
     sizes = capture_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, max_running_requests)
     return {key: GraphRunner(label, mode, sizes, width, not args.disable_cuda_graph_padding, dummy_row, device,
-                             feature_dim, kv_rows)
+                             feature_dim, kv_rows, dtype)
             for key, (label, mode, width, feature_dim, kv_rows) in specs.items()}
 
 

@@ -116,6 +116,7 @@ class ModelRunner:
         if args.speculative_algorithm is not None:
             widths[ForwardMode.TARGET_VERIFY] = args.speculative_num_draft_tokens
         graphs = build_graph_runners(args, self.max_running_requests, self.req_to_token_pool.dummy_row, self.device,
+                                     self.dtype,
                                      {mode: (f"target {mode.value}", mode, w, None, False) for mode, w in widths.items()})
         logger.info("graph batch sizes: %s%s", graphs[ForwardMode.DECODE].sizes, "" if self.device.type == "cuda"
                     else " (no CUDA: graphs are emulated, padded batches replay eagerly)")
@@ -132,8 +133,8 @@ class ModelRunner:
             self.capture(g)
 
     def capture(self, g: GraphRunner) -> None:
-        g.capture(self._graph_forward, self._bind, self.req_to_token_pool.max_context_len, self.dtype,
-                  self.graph_pool, check_inputs=self.args.cuda_graph_self_check)
+        g.capture(self._graph_forward, self._bind, self.req_to_token_pool.max_context_len, self.graph_pool,
+                  check_inputs=self.args.cuda_graph_self_check)
 
     def release_graphs(self) -> None:
         for g in self.graphs.values():

@@ -156,7 +156,7 @@ def test_property_padded_equals_eager(models):  # noqa: F811
                 g0, owner, forward, pool, vocab = rng.choice(owners)
                 sizes = sorted(rng.sample(range(1, 13), rng.randint(1, 4)))
                 g = GraphRunner(g0.label, g0.mode, sizes, g0.width, True, g0.dummy_row, g0.device, g0.feature_dim,
-                                g0.kv_rows)
+                                g0.kv_rows, g0.dtype)
                 num = rng.randint(1, sizes[-1])
                 batches = SelfCheckBatches(target.req_to_token_pool, target.allocator, [pool], vocab, target.device)
                 try:

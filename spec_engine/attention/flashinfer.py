@@ -35,9 +35,8 @@ TENSOR_CORE_GROUP = 4
 
 @dataclass
 class _Meta:
-    wrapper: Any               # a planned FlashInfer wrapper
+    wrapper: Any  # a planned FlashInfer wrapper
     decode: bool
-    buffers: Optional[dict] = None  # a graph wrapper's static buffers (kept alive with it)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -82,7 +81,7 @@ class FlashInferBackend(AttentionBackend):
                         mask_indptr_buf=full["mask_indptr"][:b + 1])
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", use_cuda_graph=True,
                                                                      backend="fa2", **bufs)
-        meta = _Meta(wrapper, decode, bufs)
+        meta = _Meta(wrapper, decode)
         self.fill_graph_metadata(meta, batch)
         return meta
 

@@ -71,7 +71,7 @@ class DraftRunner:
         if not self.uses_features:
             specs["root"] = ("draft root", ForwardMode.DECODE, 1, None, False)
         return build_graph_runners(args, self.target.max_running_requests, self.target.req_to_token_pool.dummy_row,
-                                   self.device, specs)
+                                   self.device, self.dtype, specs)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -83,7 +83,7 @@ class DraftRunner:
         kv_width = self.target.req_to_token_pool.max_context_len
         if g.kv_rows:  # a tree step's row attends to its prefix, its path (steps - 1 nodes) and itself
             kv_width += self.target.args.speculative_num_steps
-        g.capture(self._graph_forward, self._bind, kv_width, self.dtype, self.target.graph_pool,
+        g.capture(self._graph_forward, self._bind, kv_width, self.target.graph_pool,
                   check_inputs=self.target.args.cuda_graph_self_check)
 
     def release_graphs(self) -> None:
@@ -143,10 +143,7 @@ class DraftRunner:
         features for the next draft step at the same rows)."""
         g = self._graph_for(batch)
         outs = g.run(batch, hidden) if g is not None else None
-        if outs is None:
-            return self._forward(batch, hidden)
-        logits, nxt = outs
-        return logits, nxt
+        return self._forward(batch, hidden) if outs is None else (outs[0], outs[1])
 
     def _forward(self, batch: ForwardBatch, hidden: Optional[torch.Tensor],
                  metadata: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
