@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from rollout.rewards import REWARD_TYPES
-from spec_engine.dataclass_cli import add_dataclass_args, dataclass_from_args
+from spec_engine.args.dataclass_cli import add_dataclass_args, dataclass_from_args
 
 REQUIRED = dataclasses.MISSING
 

@@ -81,7 +81,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from scripts.make_tiny_model import build_checkpoint
+    from specrl.tiny_models import build_checkpoint
     from spec_engine import Engine
 
     path = args.model_path

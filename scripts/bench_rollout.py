@@ -24,7 +24,7 @@ import time
 import torch
 
 from scripts.bench_engine import random_batches
-from scripts.make_tiny_model import add_mimo_mtp, build_checkpoint, build_eagle_draft
+from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
 ALGORITHMS = ("baseline", "eagle", "eagle3", "mtp", "standalone-self", "ngram")
 # Model shapes to benchmark at (random weights): Llama-3.1-8B's config.

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from scripts.make_tiny_model import build_checkpoint
+from specrl.tiny_models import build_checkpoint
 from trainer_bridge.megatron_compat import free_port
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
     from spec_engine import Engine
-    from spec_engine.weights import FlattenedBucket, refresh_derived
+    from spec_engine.weights.loader import FlattenedBucket, refresh_derived
 
     root = tempfile.mkdtemp(prefix="bench-weights-")
     path = build_checkpoint(os.path.join(root, "model"), arch="llama", vocab_size=args.vocab_size,

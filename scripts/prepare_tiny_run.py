@@ -18,7 +18,7 @@ import os
 import random
 
 from rollout.tiny_task import PROMPT_FORMAT, write_tiny_task
-from scripts.make_tiny_model import add_mimo_mtp, build_tiny_model
+from specrl.tiny_models import add_mimo_mtp, build_tiny_model
 
 logger = logging.getLogger("specrl.prepare_tiny_run")
 

@@ -28,10 +28,10 @@ from rollout.config import RolloutArgs
 from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
 from rollout.metrics import MetricsLogger, rollout_metrics
 from rollout.sample import Sample
-from spec_engine import config as engine_config
-from spec_engine.config import EngineArgs
+from spec_engine.args import engine_args as engine_config
+from spec_engine.args.engine_args import EngineArgs
 from trainer_bridge.actor import TrainBatch, TrainerArgs
-from spec_engine.dataclass_cli import add_dataclass_args, dataclass_from_args
+from spec_engine.args.dataclass_cli import add_dataclass_args, dataclass_from_args
 from trainer_bridge.loss import LossConfig
 from trainer_bridge.weight_sync import WeightSyncConfig
 

@@ -19,16 +19,16 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 import torch
 
 import spec_engine
-from spec_engine.config import EngineArgs, resolve_auto, resolve_speculative, speculative_positions
-from spec_engine.model_config import ModelConfig
-from spec_engine.model_runner import ModelRunner, context_length
-from spec_engine.inputs import InputIds, Params, Prompt, RequestBuilder
-from spec_engine.outputs import Delivery, RequestOutput
-from spec_engine.request import Req
-from spec_engine.scheduler import Scheduler
-from spec_engine.tokenizer import load_tokenizer
-from spec_engine.weights import FlattenedBucket
-from spec_engine.weight_updater import WeightUpdater
+from spec_engine.args.engine_args import EngineArgs, resolve_auto, resolve_speculative, speculative_positions
+from spec_engine.models.hf_config import ModelConfig
+from spec_engine.runner.model_runner import ModelRunner, context_length
+from spec_engine.core.inputs import InputIds, Params, Prompt, RequestBuilder
+from spec_engine.core.outputs import Delivery, RequestOutput
+from spec_engine.core.request import Req
+from spec_engine.core.scheduler import Scheduler
+from spec_engine.core.tokenizer import load_tokenizer
+from spec_engine.weights.loader import FlattenedBucket
+from spec_engine.weights.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from typing import Optional
 
 import uvicorn
 
-from spec_engine.config import add_cli_args, from_cli_args
+from spec_engine.args.engine_args import add_cli_args, from_cli_args
 from spec_engine.engine import Engine
-from spec_engine.http_server import create_app
+from spec_engine.server.http_server import create_app
 
 logger = logging.getLogger("spec_engine.launch_server")
 

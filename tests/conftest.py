@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from scripts.make_tiny_model import build_checkpoint, build_tokenizer
+from specrl.tiny_models import build_checkpoint, build_tokenizer
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from scripts.make_tiny_model import add_mimo_mtp
+from specrl.tiny_models import add_mimo_mtp
 from spec_engine import Engine
 from tests.conftest import random_prompts
 from trainer_bridge.loss import LossConfig
@@ -109,7 +109,7 @@ def test_grpo_steps_raise_rewarded_responses(actor, mimo):
 
 
 def test_exported_weights_land_in_an_engine(actor, mimo, tmp_path):
-    from spec_engine.weights import tensor_checksum
+    from spec_engine.weights.loader import tensor_checksum
     from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
     path = str(tmp_path / "hf")

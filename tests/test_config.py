@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from spec_engine.config import EngineArgs, add_cli_args, closest_field, from_cli_args, resolve_auto
+from spec_engine.args.engine_args import EngineArgs, add_cli_args, closest_field, from_cli_args, resolve_auto
 from spec_engine.launch_server import build_parser
-from spec_engine.model_config import ModelConfig
+from spec_engine.models.hf_config import ModelConfig
 
 
 def parse(argv: list[str], prefix: str = "") -> EngineArgs:
@@ -77,7 +77,7 @@ def test_resolve_auto_on_cpu():
 def test_attention_backend_choice(monkeypatch):
     """auto: FlashInfer on CUDA when installed and it has kernels for the head size; an explicit
     flashinfer that cannot run is refused, naming what to change."""
-    from spec_engine import config
+    from spec_engine.args import engine_args as config
 
     def resolve(installed, **kw):
         monkeypatch.setattr(config, "flashinfer_installed", lambda: installed)

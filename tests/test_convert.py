@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from torch.nn import functional as F
 
 from conftest import FAMILIES
-from scripts.make_tiny_model import add_mimo_mtp
+from specrl.tiny_models import add_mimo_mtp
 from trainer_bridge.convert import (hf_to_mcore, hf_to_mcore_state_dict, load_hf_weights, load_mcore_rank,
                                     load_mcore_state_dict, mcore_to_hf, mcore_to_hf_tensors, read_hf_weights,
                                     read_mcore_meta)

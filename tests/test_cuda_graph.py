@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from spec_engine import Engine
-from spec_engine.config import EngineArgs
+from spec_engine.args.engine_args import EngineArgs
 from spec_engine.forward_batch import ForwardMode
-from spec_engine.graph_runner import (GraphRunner, SelfCheckBatches, capture_sizes, default_capture_sizes)
+from spec_engine.runner.graph_runner import (GraphRunner, SelfCheckBatches, capture_sizes, default_capture_sizes)
 from tests.conftest import random_prompts
 from tests.test_speculative import models, spec_args  # noqa: F401  (module fixture)
 
@@ -180,7 +180,7 @@ def _target_forward(runner, batch, _features):
 def test_self_check_refuses_a_padding_bug(llama_path, monkeypatch):
     """Padded rows that write a real slot (the class of bug behind SGLang's draft-padding
     crashes) make startup fail, naming the mode and size."""
-    import spec_engine.graph_runner as graph_runner
+    import spec_engine.runner.graph_runner as graph_runner
 
     monkeypatch.setattr(graph_runner, "DUMMY_SLOT", 1)  # the first slot handed out
     with pytest.raises(RuntimeError, match="target decode at batch size 2"):
@@ -193,7 +193,7 @@ def test_capture_refuses_a_host_sync_in_the_forward(llama_path, monkeypatch):
     refused at startup on CPU with --cuda-graph-self-check, naming the graph, as CUDA graph
     capture would refuse it."""
     from spec_engine.attention import torch_native
-    from spec_engine.graph_capture import CaptureError
+    from spec_engine.runner.graph_capture import CaptureError
 
     original = torch_native.TorchNativeBackend._forward_padded
 

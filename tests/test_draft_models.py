@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaML
                                                       apply_rotary_pos_emb)
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
 
-from scripts.make_tiny_model import add_mimo_mtp, build_eagle_draft
+from specrl.tiny_models import add_mimo_mtp, build_eagle_draft
 from spec_engine import Engine
 
 PROMPT = [17, 240, 33, 91, 5, 402, 77, 12, 300, 45, 8]

@@ -63,7 +63,7 @@ def test_real_cuda_graphs_equal_eager(models, algo):  # noqa: F811
 @pytest.fixture(scope="module")
 def wide_models(make_model, tmp_path_factory):
     """head_dim 64 (FlashInfer has kernels for it): a Llama target and an EAGLE-2 draft."""
-    from scripts.make_tiny_model import build_eagle_draft
+    from specrl.tiny_models import build_eagle_draft
 
     target = make_model("llama", num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
     return target, build_eagle_draft(str(tmp_path_factory.mktemp("wide") / "eagle"), target, version=2)

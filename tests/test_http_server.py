@@ -209,7 +209,7 @@ def test_api_key_guards_everything_but_health(make_model):
     from fastapi.testclient import TestClient
 
     from spec_engine import Engine
-    from spec_engine.http_server import create_app
+    from spec_engine.server.http_server import create_app
 
     with Engine(model_path=make_model("llama"), random_seed=0, api_key="sekret") as engine:
         client = TestClient(create_app(engine))

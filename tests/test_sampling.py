@@ -9,8 +9,8 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
 
 from spec_engine import Engine
 from spec_engine.layers.sampler import Sampler, SamplingBatch, request_uniform
-from spec_engine.request import Req
-from spec_engine.sampling_params import SamplingParams
+from spec_engine.core.request import Req
+from spec_engine.core.sampling_params import SamplingParams
 
 VOCAB = 16
 CONFIGS = [

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from scripts.make_tiny_model import add_mimo_mtp, build_checkpoint, build_eagle_draft
+from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 from spec_engine import Engine
 from tests.conftest import random_prompts
 from tests.test_sampling import chi2_pvalue, expected_probs

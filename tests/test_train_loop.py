@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from scripts.make_tiny_model import add_mimo_mtp
+from specrl.tiny_models import add_mimo_mtp
 from scripts.train import parse_args
 
 pytest.importorskip("ray")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scripts.make_tiny_model import add_mimo_mtp
+from specrl.tiny_models import add_mimo_mtp
 from spec_engine import Engine
 from tests.conftest import random_prompts
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig, buckets
@@ -77,7 +77,7 @@ class DropsOne:
         return getattr(self.engine, attr)
 
     def update_weights_from_tensor(self, named_tensors, **kwargs):
-        from spec_engine.weights import FlattenedBucket
+        from spec_engine.weights.loader import FlattenedBucket
 
         pairs = [p for b in named_tensors for p in FlattenedBucket.from_dict(b).unpack() if p[0] != self.name]
         kwargs.pop("load_format")

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from scripts.make_tiny_model import add_mimo_mtp
+from specrl.tiny_models import add_mimo_mtp
 from spec_engine import Engine
-from spec_engine.weights import FlattenedBucket, tensor_checksum
+from spec_engine.weights.loader import FlattenedBucket, tensor_checksum
 from tests.conftest import random_prompts
 from trainer_bridge.megatron_compat import free_port
 
@@ -122,7 +122,7 @@ def test_mtp_draft_layers_are_updated_with_the_target(mimo_pair):
 
 
 def test_external_draft_is_updated_by_prefix_and_from_disk(pair, tmp_path):
-    from scripts.make_tiny_model import build_eagle_draft
+    from specrl.tiny_models import build_eagle_draft
 
     old, new = pair
     d_old = build_eagle_draft(str(tmp_path / "d_old"), old, version=2, seed=1)
@@ -278,8 +278,8 @@ def test_bad_updates_are_refused_and_change_nothing(pair, bad, needle):
 def test_http_weight_and_memory_endpoints(pair):
     from fastapi.testclient import TestClient
 
-    from spec_engine.http_server import create_app
-    from spec_engine.weights import serialize_tensors
+    from spec_engine.server.http_server import create_app
+    from spec_engine.weights.loader import serialize_tensors
 
     old, new = pair
     tensors = checkpoint_tensors(new)
@@ -344,7 +344,7 @@ def test_checkpoint_buffers_are_accepted_and_tied_conflicts_refused(pair, make_m
 
 
 def test_bad_eagle3_id_map_is_refused_before_anything_changes(make_model, tmp_path):
-    from scripts.make_tiny_model import build_eagle_draft
+    from specrl.tiny_models import build_eagle_draft
 
     target = make_model("llama", num_layers=4)
     draft = build_eagle_draft(str(tmp_path / "eagle3"), target, version=3, draft_vocab_size=128)

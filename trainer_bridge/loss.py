@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from spec_engine.dataclass_cli import add_dataclass_args, dataclass_from_args
+from spec_engine.args.dataclass_cli import add_dataclass_args, dataclass_from_args
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")

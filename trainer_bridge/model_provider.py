@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Union
 
 import torch
 
-from spec_engine.model_config import rope_from_config
+from spec_engine.models.hf_config import rope_from_config
 
 if TYPE_CHECKING:  # megatron is imported when a model is built, so conversion alone stays light
     from megatron.core.models.gpt import GPTModel

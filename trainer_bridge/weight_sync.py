@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from spec_engine.model_runner import DTYPES
-from spec_engine.weights import FlattenedBucket, tensor_checksum
+from spec_engine.runner.model_runner import DTYPES
+from spec_engine.weights.loader import FlattenedBucket, tensor_checksum
 from trainer_bridge.megatron_compat import free_port
 
 logger = logging.getLogger(__name__)

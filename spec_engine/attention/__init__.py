@@ -10,7 +10,7 @@ import torch
 from spec_engine.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
-    from spec_engine.model_config import ModelConfig
+    from spec_engine.models.hf_config import ModelConfig
 
 
 def flashinfer_installed() -> bool:

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from spec_engine.request import Req
+from spec_engine.core.request import Req
 
 _MASK64 = (1 << 64) - 1
 

@@ -18,7 +18,7 @@ from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
-    from spec_engine.request import Req
+    from spec_engine.core.request import Req
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _tick = itertools.count()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from spec_engine.model_config import ModelConfig
+from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.llama import LlamaForCausalLM
 
 _MODEL_CLASSES: dict[str, type[nn.Module]] = {

@@ -18,8 +18,8 @@ from spec_engine.layers.linear import Linear
 from spec_engine.layers.norm import RMSNorm
 from spec_engine.layers.rotary import RotaryEmbedding
 from spec_engine.layers.vocab import Embedding
-from spec_engine.model_config import ModelConfig
-from spec_engine.weights import WeightSlot
+from spec_engine.models.hf_config import ModelConfig
+from spec_engine.weights.loader import WeightSlot
 
 
 def make_rotary(config: ModelConfig) -> RotaryEmbedding:

@@ -15,9 +15,9 @@ from torch import nn
 
 from spec_engine.forward_batch import ForwardBatch
 from spec_engine.layers.linear import Linear
-from spec_engine.model_config import ModelConfig
+from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.llama import LlamaDecoderLayer, decoder_layer_spec, make_rotary
-from spec_engine.weights import WeightSlot
+from spec_engine.weights.loader import WeightSlot
 
 
 class LlamaForCausalLMEagle(nn.Module):

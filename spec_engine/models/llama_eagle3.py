@@ -17,9 +17,9 @@ from torch import nn
 from spec_engine.forward_batch import ForwardBatch
 from spec_engine.layers.linear import Linear
 from spec_engine.layers.norm import RMSNorm
-from spec_engine.model_config import ModelConfig
+from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.llama import LlamaAttention, LlamaMLP, decoder_layer_spec, make_rotary
-from spec_engine.weights import WeightSlot
+from spec_engine.weights.loader import WeightSlot
 
 
 class Eagle3Layer(nn.Module):

@@ -7,10 +7,10 @@ the same tree rejection sampling (verify.py) and KV bookkeeping (base.py).
 
 from __future__ import annotations
 
-from spec_engine.config import EngineArgs
-from spec_engine.model_config import ModelConfig
-from spec_engine.model_runner import ModelRunner
-from spec_engine.worker import AllocFn, ModelWorker
+from spec_engine.args.engine_args import EngineArgs
+from spec_engine.models.hf_config import ModelConfig
+from spec_engine.runner.model_runner import ModelRunner
+from spec_engine.core.worker import AllocFn, ModelWorker
 
 
 def create_worker(args: EngineArgs, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int]) -> ModelWorker:

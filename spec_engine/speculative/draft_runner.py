@@ -15,11 +15,11 @@ import torch
 
 from spec_engine.attention import make_backend
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
-from spec_engine.graph_runner import GraphRunner, SelfCheckBatches, build_graph_runners, self_check
+from spec_engine.runner.graph_runner import GraphRunner, SelfCheckBatches, build_graph_runners, self_check
 from spec_engine.layers.linear import Linear
 from spec_engine.mem.kv_pool import KVPool
-from spec_engine.model_config import ModelConfig
-from spec_engine.model_runner import ModelRunner, build_model, self_check_tolerance
+from spec_engine.models.hf_config import ModelConfig
+from spec_engine.runner.model_runner import ModelRunner, build_model, self_check_tolerance
 from spec_engine.models.llama import LlamaForCausalLM
 from spec_engine.models.llama_eagle import LlamaForCausalLMEagle
 from spec_engine.models.llama_eagle3 import LlamaForCausalLMEagle3

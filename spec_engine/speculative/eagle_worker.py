@@ -21,14 +21,14 @@ from typing import Sequence
 
 import torch
 
-from spec_engine.config import EngineArgs
+from spec_engine.args.engine_args import EngineArgs
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
-from spec_engine.model_runner import ForwardOutput, ModelRunner
-from spec_engine.request import Req
+from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
+from spec_engine.core.request import Req
 from spec_engine.speculative.base import SpecWorker
 from spec_engine.speculative.draft_runner import DraftRunner
 from spec_engine.speculative.tree import DraftTree, select_trees
-from spec_engine.worker import AllocFn, StepResult
+from spec_engine.core.worker import AllocFn, StepResult
 
 
 @dataclass

@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from spec_engine.config import EngineArgs
-from spec_engine.model_runner import ModelRunner
-from spec_engine.request import Req
+from spec_engine.args.engine_args import EngineArgs
+from spec_engine.runner.model_runner import ModelRunner
+from spec_engine.core.request import Req
 from spec_engine.speculative.base import SpecWorker
 from spec_engine.speculative.tree import DraftTree
-from spec_engine.worker import AllocFn, StepResult
+from spec_engine.core.worker import AllocFn, StepResult
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from spec_engine.layers.sampler import filtered_probs, inverse_cdf, request_uniform
-from spec_engine.request import Req
+from spec_engine.core.request import Req
 from spec_engine.speculative.tree import DraftTree
 
 # Uniform streams of a request (stream 0 is plain sampling).

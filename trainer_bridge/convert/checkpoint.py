@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from spec_engine.weights import iterate_safetensors
+from spec_engine.weights.loader import iterate_safetensors
 from trainer_bridge.convert.llama import hf_to_mcore_state_dict, mcore_to_hf_items
 from trainer_bridge.convert.tp import gather_state_dicts, shard_state_dict
 from trainer_bridge.model_provider import DEFAULT_VOCAB_DIVISOR, HFArch, padded_vocab_size

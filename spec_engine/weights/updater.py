@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spec_engine.model_runner import ModelRunner
-from spec_engine.weights import (check_weights, copy_weights, hf_tensor, is_ignored, iterate_safetensors,
+from spec_engine.runner.model_runner import ModelRunner
+from spec_engine.weights.loader import (check_weights, copy_weights, hf_tensor, is_ignored, iterate_safetensors,
                                  materialize, named_params, refresh_derived, safetensors_metadata, tensor_checksum,
                                  weight_spec)
 

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from spec_engine.sampling_params import SamplingParams
+from spec_engine.core.sampling_params import SamplingParams
 
 # How many trailing tokens are decoded to look for a stop string, beyond its length in chars:
 # a token decodes to at least one character except for partial UTF-8 sequences.

@@ -15,8 +15,8 @@ import torch
 
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.sampler import Sampler, SamplingBatch
-from spec_engine.model_runner import ForwardOutput, ModelRunner
-from spec_engine.request import Req
+from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
+from spec_engine.core.request import Req
 
 # alloc_kv(start_lens, end_lens, last_slots) -> slots; evicts cached prefixes when needed.
 AllocFn = Callable[[Sequence[int], Sequence[int], Sequence[int]], torch.Tensor]

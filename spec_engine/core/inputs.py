@@ -9,8 +9,8 @@ from typing import Any, Optional, Union
 from transformers import PreTrainedTokenizerBase
 
 from spec_engine.layers.sampler import derive_seed
-from spec_engine.request import Req
-from spec_engine.sampling_params import SamplingParams
+from spec_engine.core.request import Req
+from spec_engine.core.sampling_params import SamplingParams
 
 Prompt = Union[str, list[str], None]
 InputIds = Union[list[int], list[list[int]], None]

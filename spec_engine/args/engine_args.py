@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from spec_engine.attention import flashinfer_installed
-from spec_engine.dataclass_cli import add_dataclass_args, dataclass_from_args
+from spec_engine.args.dataclass_cli import add_dataclass_args, dataclass_from_args
 
 if TYPE_CHECKING:
-    from spec_engine.model_config import ModelConfig
+    from spec_engine.models.hf_config import ModelConfig
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")

@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 from transformers import PreTrainedTokenizerBase
 
-from spec_engine.request import Req
-from spec_engine.tokenizer import IncrementalDetokenizer, decode_text
+from spec_engine.core.request import Req
+from spec_engine.core.tokenizer import IncrementalDetokenizer, decode_text
 
 
 @dataclass

@@ -10,7 +10,7 @@ construction:
   * their attention mask rows are non-empty (no NaN rows), real rows never see a padded key;
   * their outputs are dropped before anyone reads them.
 Every size is captured once over views of the static buffers (largest first, one memory pool):
-a CUDA graph on CUDA, its emulation on CPU (spec_engine.graph_capture), so the padding and
+a CUDA graph on CUDA, its emulation on CPU (spec_engine.runner.graph_capture), so the padding and
 replay path the CPU tests exercise is the one a GPU replays. Before a replay the batch is
 copied into the buffers and the attention backend refills its static metadata; outputs are
 copied out of graph memory. Batches larger than the largest size, or (with
@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from spec_engine.forward_batch import ForwardBatch, ForwardMode, causal_mask
-from spec_engine.graph_capture import Outputs, capture
+from spec_engine.runner.graph_capture import Outputs, capture
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
 

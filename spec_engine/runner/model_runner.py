@@ -12,15 +12,15 @@ import torch
 from torch import nn
 
 from spec_engine.attention import make_backend
-from spec_engine.config import EngineArgs
+from spec_engine.args.engine_args import EngineArgs
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
-from spec_engine.graph_capture import new_pool
-from spec_engine.graph_runner import GraphRunner, SelfCheckBatches, build_graph_runners, self_check
+from spec_engine.runner.graph_capture import new_pool
+from spec_engine.runner.graph_runner import GraphRunner, SelfCheckBatches, build_graph_runners, self_check
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
-from spec_engine.model_config import ModelConfig
+from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models import model_class
-from spec_engine.weights import load_checkpoint
+from spec_engine.weights.loader import load_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from spec_engine.engine import Engine
-from spec_engine.openai_protocol import ChatCompletionRequest, CompletionRequest
-from spec_engine.weights import deserialize_tensors
+from spec_engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from spec_engine.weights.loader import deserialize_tensors
 
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num", "stream", "rid",
                   "return_text_in_logprobs"}

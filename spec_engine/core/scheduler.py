@@ -18,12 +18,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from spec_engine.config import EngineArgs
+from spec_engine.args.engine_args import EngineArgs
 from spec_engine.mem.radix_cache import RadixCache
-from spec_engine.model_runner import ModelRunner
-from spec_engine.request import Req
+from spec_engine.runner.model_runner import ModelRunner
+from spec_engine.core.request import Req
 from spec_engine.speculative import create_worker
-from spec_engine.worker import StepResult
+from spec_engine.core.worker import StepResult
 
 logger = logging.getLogger(__name__)
 
