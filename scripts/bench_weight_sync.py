@@ -49,7 +49,8 @@ def main() -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
     from spec_engine import Engine
-    from spec_engine.weights.loader import FlattenedBucket, refresh_derived
+    from spec_engine.weights.loader import refresh_derived
+    from spec_engine.weights.transport import FlattenedBucket
 
     root = tempfile.mkdtemp(prefix="bench-weights-")
     path = build_checkpoint(os.path.join(root, "model"), arch="llama", vocab_size=args.vocab_size,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from spec_engine.version import __version__
 
 if TYPE_CHECKING:
     from spec_engine.args.engine_args import EngineArgs

@@ -18,16 +18,19 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
 import torch
 
-import spec_engine
-from spec_engine.args.engine_args import EngineArgs, resolve_auto, resolve_speculative, speculative_positions
-from spec_engine.models.hf_config import ModelConfig
-from spec_engine.runner.model_runner import ModelRunner, context_length
+from spec_engine.args.engine_args import EngineArgs
+from spec_engine.args.resolve import resolve_engine_config
 from spec_engine.core.inputs import InputIds, Params, Prompt, RequestBuilder
+from spec_engine.core.memory import MemoryController
 from spec_engine.core.outputs import Delivery, RequestOutput
 from spec_engine.core.request import Req
 from spec_engine.core.scheduler import Scheduler
 from spec_engine.core.tokenizer import load_tokenizer
-from spec_engine.weights.loader import FlattenedBucket
+from spec_engine.mem.radix_cache import RadixCache
+from spec_engine.runner.model_runner import ModelRunner
+from spec_engine.speculative.factory import create_worker
+from spec_engine.version import __version__
+from spec_engine.weights.transport import FlattenedBucket
 from spec_engine.weights.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -81,27 +84,28 @@ class Engine:
     def __init__(self, engine_args: Optional[EngineArgs] = None, **kwargs: Any) -> None:
         args = dataclasses.replace(engine_args, **kwargs) if engine_args is not None else EngineArgs(**kwargs)
         logging.getLogger("spec_engine").setLevel(args.log_level.upper())
-        if args.model_path is None:
-            raise ValueError("model_path is required: a Hugging Face checkpoint directory")
-        self.model_config = ModelConfig.from_pretrained(args.model_path)
-        args = resolve_auto(args, cuda_available=torch.cuda.is_available(), checkpoint_dtype=self.model_config.torch_dtype,
-                            head_dim=self.model_config.head_dim)
-        draft_path = args.speculative_draft_model_path
-        draft_config = ModelConfig.from_pretrained(draft_path) if draft_path is not None else None
-        self.args = resolve_speculative(args, self.model_config, draft_config, context_length(self.model_config, args))
-        self.tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(self.args.tokenizer_path, self.args.chat_template)
-        self.runner = ModelRunner(self.model_config, self.args, extra_positions=speculative_positions(self.args))
-        self.context_len = self.runner.context_len
+        self.config = resolve_engine_config(args, cuda_available=torch.cuda.is_available())
+        self.args = args = self.config.args
+        self.model_config = self.config.target
+        self.context_len = self.config.context_len
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path, args.chat_template)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         decode_tail = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
-        self.scheduler = Scheduler(self.args, self.runner, frozenset(eos), decode_tail)
+        self.runner = ModelRunner(self.config)
+        tree_cache = RadixCache(self.runner.allocator, self.runner.req_to_token_pool, args.page_size,
+                                disable=args.disable_radix_cache)
+        worker = create_worker(self.config, self.runner, tree_cache.alloc_slots, frozenset(eos))
+        self.scheduler = Scheduler(args, worker, tree_cache, frozenset(eos), decode_tail)
         self.inputs = RequestBuilder(self.tokenizer, self.model_config.vocab_size, self.context_len,
-                                     self.runner.max_total_tokens, self.scheduler.worker.decode_headroom(),
-                                     self.args.page_size, self.args.random_seed)
-        self.updater = WeightUpdater(self.runner, getattr(self.scheduler.worker, "draft", None))
-        self.weight_version = self.args.weight_version
+                                     self.runner.max_total_tokens, worker.decode_headroom(), args.page_size,
+                                     args.random_seed)
+        draft = getattr(worker, "draft", None)
+        self.updater = WeightUpdater(self.runner.model, self.runner.device, draft)
+        self.memory = MemoryController(self.scheduler, [self.runner] + ([draft] if draft is not None else []),
+                                       self.updater)
+        self.weight_version = args.weight_version
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -182,7 +186,7 @@ class Engine:
     def _abort_unfinished(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if not out.finished:
-                self.abort_request(out.req.rid)
+                self.abort_request(out.req.input.rid)
 
     # ------------------------------------------------------------ control
 
@@ -238,8 +242,7 @@ class Engine:
 
     def _update_weights(self, load: Callable[[], int], flush_cache: bool, weight_version: Optional[str]) -> dict[str, Any]:
         def run() -> dict[str, Any]:
-            if self.updater.weights_released:
-                raise ValueError("weights are released; call resume_memory_occupation first")
+            self.memory.require_weights()
             start = time.perf_counter()
             received = load()
             self.scheduler.weights_changed(flush=flush_cache)
@@ -251,70 +254,38 @@ class Engine:
         return self._call(run)
 
     def get_weights_checksum(self, names: Optional[list[str]] = None) -> dict[str, str]:
-        """SHA-256 of each named tensor as the engine holds it (see weights.tensor_checksum)."""
-        return self._call(lambda: self.updater.checksums(names))
+        """SHA-256 of each named tensor as the engine holds it (see weights.loader.tensor_checksum)."""
+        def checksums() -> dict[str, str]:
+            self.memory.require_weights()
+            return self.updater.checksums(names)
+
+        return self._call(checksums)
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Stop generating: abort (end requests), retract (re-queue them) or in_place (keep them)."""
-        self._call(lambda: self.scheduler.pause(mode))
+        self._call(lambda: self.memory.pause(mode))
 
     def continue_generation(self) -> None:
-        self._call(lambda: setattr(self.scheduler, "paused", False))
+        self._call(self.memory.unpause)
 
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
         """Free weights and/or the KV cache (tags "weights", "kv_cache", "cuda_graph"; all by
         default) until resume_memory_occupation; generation waits meanwhile."""
-        self._call(lambda: self._release(_check_tags(tags)))
+        self._call(lambda: self.memory.release(tags))
 
     def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
-        self._call(lambda: self._resume(_check_tags(tags)))
-
-    def _release(self, tags: set[str]) -> None:
-        s = self.scheduler
-        if "kv_cache" in tags and "kv_cache" not in s.released:
-            if s.running or s.chunked:
-                raise ValueError("cannot release the KV cache while requests hold it; pause_generation with mode "
-                                 "'retract' or 'abort' first")
-            s.drop_prefix_cache()
-            for pool in self._kv_pools():
-                pool.release()
-        if "weights" in tags:
-            self.updater.release_weights()
-        if "cuda_graph" in tags:
-            for runner in self._graph_owners():
-                runner.release_graphs()
-        s.released |= tags
-
-    def _resume(self, tags: set[str]) -> None:
-        s = self.scheduler
-        if "kv_cache" in tags and "kv_cache" in s.released:
-            for pool in self._kv_pools():
-                pool.allocate()
-        if "weights" in tags:
-            self.updater.resume_weights()
-        replaced = tags & s.released  # graphs read the old KV buffers and weights: capture again
-        s.released -= tags
-        if replaced and not s.released:
-            for runner in self._graph_owners():
-                runner.capture_graphs()
-
-    def _graph_owners(self) -> list:
-        draft = getattr(self.scheduler.worker, "draft", None)
-        return [self.runner] + ([draft] if draft is not None else [])
-
-    def _kv_pools(self) -> list:
-        return [runner.kv_pool for runner in self._graph_owners()]
+        self._call(lambda: self.memory.resume(tags))
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache. Refused (False) while requests are queued or running, unless paused."""
-        return self._call(self.scheduler.flush_cache)
+        return self._call(self.memory.flush_cache)
 
     def get_server_info(self) -> dict[str, Any]:
         """Engine options (without the API key), sizes, and the scheduler's current state."""
         args = {k: v for k, v in self.args.to_dict().items() if k != "api_key"}
         return {
             **args,
-            "version": spec_engine.__version__,
+            "version": __version__,
             "context_length": self.context_len,
             "max_total_num_tokens": self.runner.max_total_tokens,
             "weight_version": self.weight_version,
@@ -383,7 +354,7 @@ class Engine:
             delivered = channel.put(Delivery.of(index, req, finished, self.weight_version,
                                                 self.args.speculative_algorithm is not None))
             if not delivered and not finished and not self._closed:
-                self._post(lambda: self.scheduler.abort(req.rid, "the caller went away"))
+                self._post(lambda: self.scheduler.abort(req.input.rid, "the caller went away"))
 
         return on_output
 
@@ -406,7 +377,7 @@ class Engine:
             try:
                 if not self._run_commands():
                     return
-                if self.scheduler.has_work():
+                if self._can_step():
                     self.scheduler.step()
             except Exception as e:
                 logger.exception("engine step failed; failing the requests in flight")
@@ -415,10 +386,13 @@ class Engine:
                 except Exception:  # keep the thread alive: callers poll it
                     logger.exception("failing the requests in flight failed too")
 
+    def _can_step(self) -> bool:
+        return self.memory.generation_allowed and self.scheduler.has_work()
+
     def _run_commands(self) -> bool:
         """Run queued commands (waiting for one when idle); False once shut down."""
         try:
-            item = self._inbox.get(block=not self.scheduler.has_work())
+            item = self._inbox.get(block=not self._can_step())
         except queue.Empty:
             return True
         while True:
@@ -434,15 +408,3 @@ class Engine:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return True
-
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-def _check_tags(tags: Optional[list[str]]) -> set[str]:
-    if tags is None:
-        return set(MEMORY_TAGS)
-    unknown = [t for t in tags if t not in MEMORY_TAGS]
-    if unknown:
-        raise ValueError(f"unknown memory tags {unknown}; use {', '.join(MEMORY_TAGS)}")
-    return set(tags)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from spec_engine.attention.base import AttentionBackend
-    from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
+from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
 
 
 class ForwardMode(enum.Enum):
@@ -51,10 +49,11 @@ class ForwardBatch:
     kv_mask: Optional[torch.Tensor] = None     # [B, L] bool
     # Return hidden states for every token (speculative drafts read them), not only logits rows.
     capture_hidden: bool = False
-    # Set by the model runner.
-    kv_pool: Optional["KVPool"] = None
-    req_to_token_pool: Optional["ReqToTokenPool"] = None
-    attn_backend: Optional["AttentionBackend"] = None
+    # Set by the runner: the memory this forward reads and writes, and the attention backend
+    # (an attention.base.AttentionBackend; not imported here, since backends read this batch).
+    kv_pool: Optional[KVPool] = None
+    req_to_token_pool: Optional[ReqToTokenPool] = None
+    attn_backend: Any = None
     # The backend's per-forward metadata (index tensors, masks): set by init_forward_metadata,
     # or, for a captured graph, static buffers the graph runner refills before each replay.
     attn_meta: Any = None

@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from spec_engine.args.engine_args import EngineArgs, add_cli_args, closest_field, from_cli_args, resolve_auto
+from spec_engine.args.engine_args import EngineArgs, add_cli_args, closest_field, from_cli_args
+from spec_engine.args.resolve import resolve_auto
 from spec_engine.launch_server import build_parser
 from spec_engine.models.hf_config import ModelConfig
 
@@ -77,7 +78,7 @@ def test_resolve_auto_on_cpu():
 def test_attention_backend_choice(monkeypatch):
     """auto: FlashInfer on CUDA when installed and it has kernels for the head size; an explicit
     flashinfer that cannot run is refused, naming what to change."""
-    from spec_engine.args import engine_args as config
+    from spec_engine.args import resolve as config
 
     def resolve(installed, **kw):
         monkeypatch.setattr(config, "flashinfer_installed", lambda: installed)

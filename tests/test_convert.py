@@ -20,7 +20,7 @@ from trainer_bridge.convert import (hf_to_mcore, hf_to_mcore_state_dict, load_hf
                                     load_mcore_state_dict, mcore_to_hf, mcore_to_hf_tensors, read_hf_weights,
                                     read_mcore_meta)
 from trainer_bridge.convert.__main__ import main as convert_cli
-from trainer_bridge.model_provider import HFArch, padded_vocab_size
+from trainer_bridge.model_provider import padded_vocab_size, read_model_config
 
 # megatron's notices about absent Transformer Engine/apex and its own deprecations: not ours to fix.
 pytestmark = [pytest.mark.filterwarnings("ignore:::megatron"),
@@ -210,11 +210,11 @@ def test_mtp_eh_proj_reads_embedding_then_hidden(checkpoints):
 
 def test_errors_name_the_bad_value(checkpoints, tmp_path, capsys):
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        HFArch.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+        read_model_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     with open(os.path.join(checkpoints["qwen2"], "config.json")) as f:
         cfg = json.load(f)
     with pytest.raises(ValueError, match="'yarn'"):
-        HFArch.from_hf({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}})
+        read_model_config({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         hf_to_mcore(checkpoints["qwen2"], str(tmp_path / "tp4"), tp=4)
     weights = read_hf_weights(checkpoints["qwen3"])
@@ -234,8 +234,8 @@ def test_arch_from_a_transformers_config_equals_from_the_directory(checkpoints):
     from transformers import AutoConfig
 
     for name in NAMES:
-        arch = HFArch.from_hf(checkpoints[name])
-        assert HFArch.from_hf(AutoConfig.from_pretrained(checkpoints[name])) == arch
-    qwen3 = HFArch.from_hf(checkpoints["qwen3"])
+        arch = read_model_config(checkpoints[name])
+        assert read_model_config(AutoConfig.from_pretrained(checkpoints[name])) == arch
+    qwen3 = read_model_config(checkpoints["qwen3"])
     assert (qwen3.head_dim, qwen3.qk_norm, qwen3.qkv_bias) == (32, True, False)
-    assert HFArch.from_hf(checkpoints["mimo"]).num_mtp_layers == 1
+    assert read_model_config(checkpoints["mimo"]).num_mtp_layers == 1

@@ -15,7 +15,8 @@ import torch
 from spec_engine import Engine
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.forward_batch import ForwardMode
-from spec_engine.runner.graph_runner import (GraphRunner, SelfCheckBatches, capture_sizes, default_capture_sizes)
+from spec_engine.runner.graph_runner import GraphRunner, capture_sizes, default_capture_sizes
+from spec_engine.runner.self_check import SelfCheckBatches
 from tests.conftest import random_prompts
 from tests.test_speculative import models, spec_args  # noqa: F401  (module fixture)
 
@@ -118,7 +119,7 @@ def test_padded_rows_are_inert(llama_path):
         runner = engine.runner
         dummy = runner.req_to_token_pool.dummy_row
         assert runner.req_to_token_pool.req_to_token[dummy].abs().sum() == 0
-        decode, verify = runner.graphs[ForwardMode.DECODE], runner.graphs[ForwardMode.TARGET_VERIFY]
+        decode, verify = runner.graphs  # target decode, target verify
         batches = SelfCheckBatches(runner.req_to_token_pool, runner.allocator, [runner.kv_pool], 100, runner.device)
         try:
             for _ in range(2):  # a second pad must not leave values from the first in padded rows
@@ -150,13 +151,12 @@ def test_property_padded_equals_eager(models):  # noqa: F811
         with Engine(model_path=path, random_seed=0, max_running_requests=12, **kwargs) as engine:
             target, draft = engine.runner, engine.scheduler.worker.draft
             owners = [(g, target, functools.partial(_target_forward, target), target.kv_pool,
-                       target.model_config.vocab_size) for g in target.graphs.values()]
-            owners += [(g, draft, draft._forward, draft.kv_pool, draft.config.vocab_size) for g in draft.graphs.values()]
+                       target.model_config.vocab_size) for g in target.graphs]
+            owners += [(g, draft, draft._forward, draft.kv_pool, draft.model_config.vocab_size) for g in draft.graphs]
             for _ in range(6):
                 g0, owner, forward, pool, vocab = rng.choice(owners)
                 sizes = sorted(rng.sample(range(1, 13), rng.randint(1, 4)))
-                g = GraphRunner(g0.label, g0.mode, sizes, g0.width, True, g0.dummy_row, g0.device, g0.feature_dim,
-                                g0.kv_rows, g0.dtype)
+                g = GraphRunner(g0.spec, sizes, True, g0.dummy_row, g0.device, g0.dtype)
                 num = rng.randint(1, sizes[-1])
                 batches = SelfCheckBatches(target.req_to_token_pool, target.allocator, [pool], vocab, target.device)
                 try:

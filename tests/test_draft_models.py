@@ -37,7 +37,7 @@ def engine_first_level(path: str, **spec) -> tuple[torch.Tensor, torch.Tensor, l
 
         worker.prefill = capture
         out = engine.generate(input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 1})
-        layers = engine.runner.model.model.layers_to_capture
+        layers = list(engine.runner.model.model.capture_layers)
     return states[0].probs, states[0].ids, out["output_ids"], layers
 
 

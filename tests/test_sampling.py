@@ -8,8 +8,9 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinPLog
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
 from spec_engine import Engine
-from spec_engine.layers.sampler import Sampler, SamplingBatch, request_uniform
-from spec_engine.core.request import Req
+from spec_engine.core.request import Req, ReqInput
+from spec_engine.core.worker import sampling_batch
+from spec_engine.layers.sampler import Sampler, request_uniform
 from spec_engine.core.sampling_params import SamplingParams
 
 VOCAB = 16
@@ -51,8 +52,9 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def draw(logits: torch.Tensor, params: dict, n: int) -> tuple[torch.Tensor, list[float], list[int]]:
     sp = SamplingParams(**params)
-    reqs = [Req(rid=str(i), origin_input_ids=[0], sampling_params=sp, seed=1000 + i, return_logprob=True) for i in range(n)]
-    batch = SamplingBatch.from_reqs(reqs, VOCAB, torch.device("cpu"))
+    reqs = [Req(ReqInput(rid=str(i), origin_input_ids=(0,), sampling_params=sp, seed=1000 + i, return_logprob=True))
+            for i in range(n)]
+    batch = sampling_batch(reqs, VOCAB, torch.device("cpu"))
     out = Sampler()(logits[None].expand(n, -1).contiguous(), batch)
     return torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB).double(), out.logprobs, out.token_ids
 

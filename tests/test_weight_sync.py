@@ -77,7 +77,7 @@ class DropsOne:
         return getattr(self.engine, attr)
 
     def update_weights_from_tensor(self, named_tensors, **kwargs):
-        from spec_engine.weights.loader import FlattenedBucket
+        from spec_engine.weights.transport import FlattenedBucket
 
         pairs = [p for b in named_tensors for p in FlattenedBucket.from_dict(b).unpack() if p[0] != self.name]
         kwargs.pop("load_format")

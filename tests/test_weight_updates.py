@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from specrl.tiny_models import add_mimo_mtp
 from spec_engine import Engine
-from spec_engine.weights.loader import FlattenedBucket, tensor_checksum
+from spec_engine.weights.loader import tensor_checksum
+from spec_engine.weights.transport import FlattenedBucket
 from tests.conftest import random_prompts
 from trainer_bridge.megatron_compat import free_port
 
@@ -192,7 +193,7 @@ def test_pause_retract_update_continue_finishes_on_new_weights(pair):
     with Engine(model_path=old, random_seed=0) as engine:
         t, result = run_in_background(engine, params)
         engine.pause_generation(mode="retract")
-        partial = engine._call(lambda: {r.rid: list(r.output_ids) for r in engine.scheduler.waiting})
+        partial = engine._call(lambda: {r.input.rid: list(r.output_ids) for r in engine.scheduler.waiting})
         assert len(partial) == len(PROMPTS) and engine.scheduler.running == []
         engine.update_weights_from_disk(new)
         engine.continue_generation()
@@ -279,7 +280,7 @@ def test_http_weight_and_memory_endpoints(pair):
     from fastapi.testclient import TestClient
 
     from spec_engine.server.http_server import create_app
-    from spec_engine.weights.loader import serialize_tensors
+    from spec_engine.weights.transport import serialize_tensors
 
     old, new = pair
     tensors = checkpoint_tensors(new)

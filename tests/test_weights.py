@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from spec_engine import Engine
 from spec_engine.models.hf_config import ModelConfig
-from spec_engine.models import model_class
+from spec_engine.models.registry import model_class
 from spec_engine.weights.loader import check_weights, copy_weights, load_checkpoint
 
 

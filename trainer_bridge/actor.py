@@ -87,7 +87,7 @@ class TrainActor:
 
         from trainer_bridge.convert import load_hf_weights, load_mcore_state_dict
         from trainer_bridge.megatron_compat import free_port, init_model_parallel
-        from trainer_bridge.model_provider import HFArch, build_gpt_model
+        from trainer_bridge.model_provider import build_gpt_model, read_model_config
 
         if args.hf_checkpoint is None:
             raise ValueError("--hf-checkpoint is required: the Hugging Face checkpoint the policy starts from")
@@ -95,7 +95,7 @@ class TrainActor:
             raise ValueError("--bf16 needs CUDA (megatron's mixed-precision optimizer only wraps CUDA tensors); "
                              "train in float32 on CPU")
         self.args, self.loss_cfg, self.temperature = args, loss_cfg or LossConfig(), temperature
-        self.arch = HFArch.from_hf(args.hf_checkpoint)
+        self.arch = read_model_config(args.hf_checkpoint)
         if args.enable_mtp_training and not self.arch.num_mtp_layers:
             raise ValueError(f"--enable-mtp-training needs a model with MTP layers; {args.hf_checkpoint} "
                              f"({self.arch.architecture}) has none")
@@ -298,7 +298,7 @@ class TrainActor:
             for k, v in self._optimizer_step(tokens, mask, rows, loss_fn, per_token).items():
                 totals.setdefault(k, []).append(v)
         result = {f"train/{k}": sum(v) / len(v) for k, v in totals.items()}
-        if "train/entropy_loss" in result:  # DESIGN.md's name; slime's is entropy_loss
+        if "train/entropy_loss" in result:  # the documented metric key (docs/design.md); slime names it entropy_loss
             result["train/entropy"] = result["train/entropy_loss"]
         result["perf/actor_train_time"] = time.perf_counter() - start
         return result

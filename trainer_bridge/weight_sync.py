@@ -1,7 +1,8 @@
 """Push trainer weights (Hugging Face names) into rollout engines, in buckets, and verify them.
 
-Three paths, as in slime: `tensor` (colocated: per-dtype flattened buckets; on CUDA the engine
-receives them as IPC handles), `distributed` (disaggregated: the trainer is rank 0 of a group
+Three paths, as in slime: `tensor` (colocated: per-dtype flattened buckets passed as tensors
+through the engine's call; the engine also accepts CUDA IPC handles, which this pusher does not
+send yet), `distributed` (disaggregated: the trainer is rank 0 of a group
 with every engine and broadcasts each tensor) and `disk` (a Hugging Face checkpoint the engines
 load). The target's and the MTP layers' tensors travel together (MTP names route to the draft in
 the engine). Engines are anything with `spec_engine.Engine`'s update methods: an in-process
@@ -25,7 +26,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from spec_engine.runner.model_runner import DTYPES
-from spec_engine.weights.loader import FlattenedBucket, tensor_checksum
+from spec_engine.weights.loader import tensor_checksum
+from spec_engine.weights.transport import FlattenedBucket
 from trainer_bridge.megatron_compat import free_port
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class WeightSyncConfig:
     update_weight_buffer_size: int = field(default=512 * 2**20, metadata={
         "help": "Bytes of weights per bucket pushed into the engines (slime's default: 512 MiB)."})
     weight_sync_mode: str = field(default="tensor", metadata={
-        "help": "tensor (colocated: flattened buckets, CUDA IPC on GPUs), distributed (a broadcast group with "
+        "help": "tensor (colocated: flattened buckets through the engine call), distributed (a broadcast group with "
                 "the engines) or disk (save a Hugging Face checkpoint the engines load).", "choices": SYNC_MODES})
     check_weight_update_equal: bool = field(default=False, metadata={
         "help": "After every push, compare each engine's per-tensor checksums with what was sent; fail on a difference."})

@@ -42,10 +42,3 @@ async def score(reward_fn: RewardFn, args: Any, sample: Any) -> float:
         name = getattr(reward_fn, "__qualname__", repr(reward_fn))
         raise TypeError(f"reward function {name} returned {reward!r} for sample {sample.index}; it must return a float")
     return float(reward)
-
-
-def require_label(sample: Any, rm_name: str) -> str:
-    if sample.label is None:
-        raise ValueError(f"--rm-type {rm_name} compares with the label, but sample {sample.index} has none; "
-                         "set --label-key to the label's key in the prompt data")
-    return str(sample.label)

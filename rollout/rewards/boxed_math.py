@@ -13,7 +13,7 @@ import re
 from fractions import Fraction
 from typing import Any, Optional
 
-from rollout.rewards import require_label
+from rollout.rewards.label import require_label
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\displaystyle", "$", "^{\\circ}", "^\\circ", "\\%", "%")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.rewards import require_label
+from rollout.rewards.label import require_label
 
 
 def exact_match_rm(args: Any, sample: Any) -> float:

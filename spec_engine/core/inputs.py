@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 from transformers import PreTrainedTokenizerBase
 
 from spec_engine.layers.sampler import derive_seed
-from spec_engine.core.request import Req
+from spec_engine.core.request import Req, ReqInput
 from spec_engine.core.sampling_params import SamplingParams
 
 Prompt = Union[str, list[str], None]
@@ -63,17 +63,17 @@ class RequestBuilder:
                 else:
                     seed = derive_seed(self.random_seed, self._submitted)
                     self._submitted += 1
-                reqs.append(Req(
+                reqs.append(Req(ReqInput(
                     rid=base_rid if sp.n == 1 else f"{base_rid}-{i}",
                     parent_rid=None if sp.n == 1 else base_rid,
-                    origin_input_ids=list(ids),
+                    origin_input_ids=tuple(ids),
                     sampling_params=sp,
                     seed=seed,
                     return_logprob=return_logprob,
                     # As in SGLang, top log-probs come only with return_logprob.
                     top_logprobs_num=top_logprobs_num if return_logprob else 0,
                     stream=stream,
-                ))
+                )))
         return reqs, single and len(reqs) == 1
 
     def _tokenize(self, prompt: Prompt, input_ids: InputIds) -> tuple[list[list[int]], bool]:

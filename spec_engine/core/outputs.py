@@ -34,12 +34,12 @@ class Delivery:
         return cls(
             index=index,
             new_ids=req.output_ids[start:],
-            new_logprobs=req.output_logprobs[start:] if req.return_logprob else None,
-            new_top_logprobs=req.output_top_logprobs[start:] if req.top_logprobs_num else None,
+            new_logprobs=req.output_logprobs[start:] if req.input.return_logprob else None,
+            new_top_logprobs=req.output_top_logprobs[start:] if req.input.top_logprobs_num else None,
             finished=finished,
             finish_reason=req.finished_reason if finished else None,
             cached_tokens=req.cached_tokens,
-            e2e_latency=time.perf_counter() - req.created_time,
+            e2e_latency=time.perf_counter() - req.input.created_time,
             weight_version=weight_version,
             spec=(req.spec_verify_ct, req.spec_emitted, req.spec_drafted) if speculative else None,
         )
@@ -55,10 +55,10 @@ class RequestOutput:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[float, int]]] = []
         self.last: Optional[Delivery] = None
-        sp = req.sampling_params
-        self.detokenizer = (IncrementalDetokenizer(tokenizer, req.origin_input_ids, sp.skip_special_tokens,
+        sp = req.input.sampling_params
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, req.input.origin_input_ids, sp.skip_special_tokens,
                                                    sp.spaces_between_special_tokens)
-                            if tokenizer is not None and req.stream else None)
+                            if tokenizer is not None and req.input.stream else None)
 
     @property
     def finished(self) -> bool:
@@ -79,11 +79,11 @@ class RequestOutput:
         d = self.last
         fr = d.finish_reason
         if fr is not None and fr.get("status_code", 200) >= 500:
-            raise RuntimeError(f"request {self.req.rid} failed: {fr['message']}")
+            raise RuntimeError(f"request {self.req.input.rid} failed: {fr['message']}")
         meta: dict[str, Any] = {
-            "id": self.req.rid,
+            "id": self.req.input.rid,
             "finish_reason": fr,
-            "prompt_tokens": len(self.req.origin_input_ids),
+            "prompt_tokens": len(self.req.input.origin_input_ids),
             "completion_tokens": len(self.ids),
             "cached_tokens": d.cached_tokens,
             "e2e_latency": d.e2e_latency,
@@ -100,9 +100,9 @@ class RequestOutput:
                 "spec_draft_token_num": drafted,
                 "spec_accept_rate": accepted / drafted if drafted else 0.0,
             })
-        if self.req.return_logprob:
+        if self.req.input.return_logprob:
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(self.logprobs, self.ids)]
-            if self.req.top_logprobs_num:
+            if self.req.input.top_logprobs_num:
                 meta["output_top_logprobs"] = [[(lp, t, None) for lp, t in top] for top in self.top_logprobs]
         out = {"text": self._text(), "output_ids": list(self.ids), "meta_info": meta}
         if index is not None:
@@ -112,7 +112,7 @@ class RequestOutput:
     def _text(self) -> Optional[str]:
         if self.tokenizer is None:
             return None
-        sp = self.req.sampling_params
+        sp = self.req.input.sampling_params
         if not self.finished:
             return _hold_back_stop_prefix(self.detokenizer.text, sp.stop) if self.detokenizer else None
         fr = self.last.finish_reason

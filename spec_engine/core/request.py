@@ -1,4 +1,5 @@
-"""Req: one generation request as the scheduler tracks it, from admission to finish."""
+"""Req: one generation request as the scheduler tracks it, from admission to finish: its fixed
+input (ReqInput) and the state that changes."""
 
 from __future__ import annotations
 
@@ -13,20 +14,35 @@ from spec_engine.core.sampling_params import SamplingParams
 _STOP_TAIL_EXTRA_TOKENS = 4
 
 
-@dataclass(eq=False)
-class Req:
+@dataclass(frozen=True)
+class ReqInput:
+    """A request as it arrives: nothing changes it afterwards."""
+
     rid: str
-    origin_input_ids: list[int]
-    sampling_params: SamplingParams
+    origin_input_ids: tuple[int, ...]
+    sampling_params: SamplingParams  # max_new_tokens resolved (see RequestBuilder)
     seed: int
     # The rid the caller used when this request is one of its n samples.
     parent_rid: Optional[str] = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = False
+    created_time: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(eq=False)
+class Req:
+    """A request in the scheduler: its fixed `input`, and what the scheduler and the worker change."""
+
+    input: ReqInput
+    # Set by the engine before submission: called from the scheduler thread with (req, finished)
+    # when there is output to deliver; `delivered` counts the output tokens handed over so far.
+    on_output: Optional[Callable[["Req", bool], None]] = None
+    delivered: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    finished_reason: Optional[dict[str, Any]] = None
     # KV state: positions [0, kv_len) have KV at req_to_token[req_pool_idx, :kv_len];
     # [0, prefix_len) of those belong to the prefix cache, locked through last_node.
     req_pool_idx: Optional[int] = None
@@ -38,7 +54,6 @@ class Req:
     cached_tokens: int = 0
     # Tokens this request still has to prefill before it can decode (chunked prefill).
     extend_len: int = 0
-    finished_reason: Optional[dict[str, Any]] = None
     retractions: int = 0
     # Speculative decoding: the worker's per-request state (draft top-k and features, or n-gram
     # cursors) and counters (verify passes, tokens they emitted, draft tokens proposed).
@@ -46,33 +61,28 @@ class Req:
     spec_verify_ct: int = 0
     spec_emitted: int = 0
     spec_drafted: int = 0
-    created_time: float = field(default_factory=time.perf_counter)
-    # Set by the engine: called from the scheduler thread with (req, finished) when there is
-    # output to deliver; `delivered` counts the output tokens handed over so far.
-    on_output: Optional[Callable[["Req", bool], None]] = None
-    delivered: int = 0
 
     @property
     def fill_ids(self) -> list[int]:
         """Every token whose KV the request needs: the prompt, then what it generated."""
-        return self.origin_input_ids + self.output_ids
+        return [*self.input.origin_input_ids, *self.output_ids]
 
     @property
     def seq_len(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
+        return len(self.input.origin_input_ids) + len(self.output_ids)
 
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
 
     def max_new_tokens(self) -> int:
-        assert self.sampling_params.max_new_tokens is not None, "max_new_tokens is resolved at admission"
-        return self.sampling_params.max_new_tokens
+        assert self.input.sampling_params.max_new_tokens is not None, "max_new_tokens is resolved at admission"
+        return self.input.sampling_params.max_new_tokens
 
     def banned_tokens(self, eos_token_ids: frozenset[int], ahead: int = 0) -> list[int]:
         """Tokens that may not be emitted `ahead` tokens from now: EOS and stop ids before
         min_new_tokens."""
-        sp = self.sampling_params
+        sp = self.input.sampling_params
         if len(self.output_ids) + ahead >= sp.min_new_tokens or sp.ignore_eos:
             return []
         return sorted(eos_token_ids.union(sp.stop_token_ids or ()))
@@ -81,7 +91,7 @@ class Req:
         """Set finished_reason if the last emitted token ends the request (SGLang's rules)."""
         if self.finished_reason is not None:
             return
-        sp = self.sampling_params
+        sp = self.input.sampling_params
         n_out = len(self.output_ids)
         if n_out >= self.max_new_tokens():
             self.finished_reason = {"type": "length", "length": n_out}

@@ -14,16 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
-import torch
 
 from spec_engine.args.engine_args import EngineArgs
-from spec_engine.mem.radix_cache import RadixCache
-from spec_engine.runner.model_runner import ModelRunner
 from spec_engine.core.request import Req
-from spec_engine.speculative import create_worker
-from spec_engine.core.worker import StepResult
+from spec_engine.core.worker import ModelWorker, StepResult
+from spec_engine.mem.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
 
@@ -34,18 +31,20 @@ NEW_TOKEN_RATIO_DECAY_STEPS = 600   # steps to decay from the initial to the min
 
 
 class Scheduler:
-    def __init__(self, args: EngineArgs, runner: ModelRunner, eos_token_ids: frozenset[int],
+    """Admission, batching, retraction and outputs over one worker. Whether generation may run
+    at all (pause, released memory) is core.memory.MemoryController's to say, not the scheduler's."""
+
+    def __init__(self, args: EngineArgs, worker: ModelWorker, tree_cache: RadixCache, eos_token_ids: frozenset[int],
                  decode_tail: Optional[Callable[[list[int]], str]] = None) -> None:
         self.args = args
-        self.runner = runner
-        self.allocator = runner.allocator
-        self.req_to_token = runner.req_to_token_pool
+        self.worker = worker
+        self.tree_cache = tree_cache
+        self.allocator = tree_cache.allocator
+        self.req_to_token = tree_cache.req_to_token
         self.page_size = args.page_size
-        self.tree_cache = RadixCache(self.allocator, self.req_to_token, args.page_size, disable=args.disable_radix_cache)
-        self.worker = create_worker(args, runner, self.alloc_kv, eos_token_ids)
         self.eos_token_ids = eos_token_ids
         self.decode_tail = decode_tail
-        self.max_running = runner.max_running_requests
+        self.max_running = args.max_running_requests
         chunk = args.chunked_prefill_size
         self.chunking = chunk != -1
         self.prefill_budget = min(args.max_prefill_tokens, chunk) if self.chunking else args.max_prefill_tokens
@@ -61,9 +60,6 @@ class Scheduler:
         self.last_gen_throughput = 0.0
         self.spec_verify_ct = 0   # verify passes, engine-wide
         self.spec_emitted = 0     # tokens those passes emitted
-        # Generation stops while paused (pause_generation) or while memory is released.
-        self.paused = False
-        self.released: set[str] = set()
         # Bumped when weights change and cached KV is dropped; KV from an older epoch is never shared.
         self.weight_epoch = 0
 
@@ -73,27 +69,22 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        """Whether step() has anything to do (never while paused or with memory released)."""
-        return not (self.paused or self.released) and self._has_requests()
-
-    def _has_requests(self) -> bool:
+        """Whether any request is queued or running."""
         return bool(self.waiting or self.running or self.chunked)
 
-    def pause(self, mode: str) -> None:
-        """Stop generating. abort: end every request; retract: put running requests back in the
-        queue (their KV released, recomputed on resume); in_place: keep them and their KV."""
-        if mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
-        if mode == "abort":
-            self.abort_all("generation paused with mode 'abort'")
-        elif mode == "retract":
-            active = self._active_reqs()
-            for req in active:
-                self._release_kv(req)
-                req.retractions += 1
-            self.running, self.chunked = [], None
-            self.waiting.extendleft(reversed(active))
-        self.paused = True
+    def holds_kv(self) -> bool:
+        """Whether a running (or half-prefilled) request holds KV slots."""
+        return bool(self.running or self.chunked)
+
+    def retract_all(self) -> None:
+        """Put every running request back at the head of the queue, its KV released (it is
+        recomputed when the request runs again)."""
+        active = self._active_reqs()
+        for req in active:
+            self._release_kv(req)
+            req.retractions += 1
+        self.running, self.chunked = [], None
+        self.waiting.extendleft(reversed(active))
 
     def weights_changed(self, flush: bool) -> None:
         """New weights are in: with `flush`, cached prefixes stop being served (KV that running
@@ -122,7 +113,7 @@ class Scheduler:
 
     def abort(self, rid: str, message: str = "aborted by request") -> int:
         """Abort every request with this rid (or whose n-sample parent has it); returns how many."""
-        victims = [r for r in self._all_reqs() if r.rid == rid or r.parent_rid == rid]
+        victims = [r for r in self._all_reqs() if r.input.rid == rid or r.input.parent_rid == rid]
         for req in victims:
             self._finish_abort(req, message)
         return len(victims)
@@ -152,26 +143,16 @@ class Scheduler:
         self.tree_cache.evict(self.tree_cache.total_size())
         self.tree_cache.reset()
 
-    def flush_cache(self) -> bool:
+    def flush_cache(self, paused: bool) -> bool:
         """Drop the prefix cache; refused (False) while requests are queued or running, unless
-        generation is paused."""
-        if not self._has_requests():
+        generation is `paused` (then cached prefixes just stop being served)."""
+        if not self.has_work():
             self.drop_prefix_cache()
             return True
-        if self.paused:
-            self.weight_epoch += 1
-            self.tree_cache.invalidate()
+        if paused:
+            self.weights_changed(flush=True)
             return True
         return False
-
-    def alloc_kv(self, starts: Sequence[int], ends: Sequence[int], last_slots: Sequence[int]) -> torch.Tensor:
-        short = self.allocator.pages_needed(starts, ends) * self.page_size - self.allocator.available_size()
-        if short > 0:
-            self.tree_cache.evict(short)
-        slots = self.allocator.alloc(starts, ends, last_slots)
-        if slots is None:
-            raise RuntimeError("KV cache exhausted although the scheduler reserved room; this is a bug")
-        return slots
 
     def available_tokens(self) -> int:
         return self.allocator.available_size() + self.tree_cache.evictable_size()
@@ -205,7 +186,7 @@ class Scheduler:
             if req.extend_len < remaining:
                 return batch
             self.chunked = None  # its last chunk; its KV was reserved (see _reserved_tokens)
-        prompts_in_batch = {tuple(r.origin_input_ids) for r in batch} if not self.tree_cache.disable else set()
+        prompts_in_batch = {tuple(r.input.origin_input_ids) for r in batch} if not self.tree_cache.disable else set()
         admitted: list[Req] = []
         for req in self.waiting:
             if budget <= 0 or len(self.running) + len(batch) >= self.max_running:
@@ -217,7 +198,7 @@ class Scheduler:
                 prefix, node = self.tree_cache.match_prefix(req.fill_ids[: len(prefix) - self.worker.prefix_backoff])
             prefix_len = len(prefix)
             cacheable = (req.seq_len - 1) // self.page_size * self.page_size - self.worker.prefix_backoff
-            if prefix_len < cacheable and tuple(req.origin_input_ids) in prompts_in_batch:
+            if prefix_len < cacheable and tuple(req.input.origin_input_ids) in prompts_in_batch:
                 continue  # an identical prompt is being prefilled: reuse its KV next step
             extend = req.seq_len - prefix_len
             future = min(req.max_new_tokens() - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
@@ -243,7 +224,7 @@ class Scheduler:
             batch.append(req)
             admitted.append(req)
             if not self.tree_cache.disable:
-                prompts_in_batch.add(tuple(req.origin_input_ids))
+                prompts_in_batch.add(tuple(req.input.origin_input_ids))
             if n < extend:
                 self.chunked = req
                 break
@@ -290,7 +271,7 @@ class Scheduler:
                 victim, self.chunked = self.chunked, None
             elif len(self.running) > 1:
                 # SGLang's choice: the request with the fewest outputs, then the longest prompt.
-                victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+                victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input.origin_input_ids)))
                 self.running.remove(victim)
             else:
                 raise RuntimeError("a single request does not fit in the KV cache; admission should have refused it")
@@ -333,7 +314,7 @@ class Scheduler:
                 self._trim_kv(req)
                 self._release_kv(req)
                 self._notify(req, True)
-            elif req.stream and len(req.output_ids) - req.delivered >= self.args.stream_interval:
+            elif req.input.stream and len(req.output_ids) - req.delivered >= self.args.stream_interval:
                 self._notify(req, False)
         if any(r.finished for r in reqs):
             self.running = [r for r in self.running if not r.finished]
@@ -354,7 +335,7 @@ class Scheduler:
         try:
             req.on_output(req, finished)
         except Exception:  # a consumer's failure must not stop the engine; it is logged
-            logger.exception("delivering output of request %s failed", req.rid)
+            logger.exception("delivering output of request %s failed", req.input.rid)
         req.delivered = len(req.output_ids)
 
     def _finish_abort(self, req: Req, message: str) -> None:

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
-from spec_engine.layers.sampler import Sampler, SamplingBatch
+from spec_engine.layers.sampler import Sampler, SamplingBatch, request_uniform
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
 from spec_engine.core.request import Req
 
@@ -134,7 +134,7 @@ class ModelWorker:
 
     def _sample_into(self, result: StepResult, logits: torch.Tensor, reqs: Sequence[Req], rows: Sequence[int]) -> None:
         """Sample one token per logits row; row j belongs to request rows[j] of the result."""
-        sampled = self.sampler(logits, SamplingBatch.from_reqs(reqs, self.vocab_size, self.device, self.eos_token_ids))
+        sampled = self.sampler(logits, sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids))
         if sampled.logprobs is not None:
             result.logprobs = [[] for _ in result.tokens]
         if sampled.top_logprobs is not None:
@@ -144,7 +144,46 @@ class ModelWorker:
             if sampled.logprobs is not None:
                 result.logprobs[i].append(sampled.logprobs[j])
             if sampled.top_logprobs is not None:
-                result.top_logprobs[i].append(sampled.top_logprobs[j][: reqs[j].top_logprobs_num])
+                result.top_logprobs[i].append(sampled.top_logprobs[j][: reqs[j].input.top_logprobs_num])
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def sampling_batch(reqs: Sequence[Req], vocab_size: int, device: torch.device,
+                   eos_token_ids: frozenset[int] = frozenset()) -> SamplingBatch:
+    """The requests' sampling parameters as one batch of tensors (built once per step)."""
+    temps, ks, ps, mins, uniforms, plain, filtered = [], [], [], [], [], [], []
+    banned_rows, banned_ids = [], []
+    for i, req in enumerate(reqs):
+        for t in req.banned_tokens(eos_token_ids):
+            banned_rows.append(i)
+            banned_ids.append(t)
+        sp = req.input.sampling_params
+        temps.append(sp.temperature if sp.temperature > 0 else 1.0)
+        k = vocab_size if sp.top_k < 0 else min(sp.top_k, vocab_size)
+        ks.append(k)
+        ps.append(sp.top_p)
+        mins.append(sp.min_p)
+        greedy = sp.is_greedy
+        uniforms.append(0.0 if greedy else request_uniform(req.input.seed, len(req.output_ids)))
+        if not greedy:
+            (filtered if k < vocab_size or sp.top_p < 1.0 or sp.min_p > 0.0 else plain).append(i)
+
+    def rows(indices: list[int]) -> Optional[torch.Tensor]:
+        return torch.tensor(indices, dtype=torch.int64, device=device) if indices else None
+
+    return SamplingBatch(
+        temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
+        top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
+        top_ps=torch.tensor(ps, dtype=torch.float32, device=device),
+        min_ps=torch.tensor(mins, dtype=torch.float32, device=device),
+        uniforms=torch.tensor(uniforms, dtype=torch.float64, device=device),
+        all_greedy=not plain and not filtered,
+        unit_temperature=all(t == 1.0 for t in temps),
+        plain_rows=rows(plain),
+        filter_rows=rows(filtered),
+        need_logprobs=any(r.input.return_logprob for r in reqs),
+        top_logprobs_num=max((r.input.top_logprobs_num for r in reqs), default=0),
+        banned=(rows(banned_rows), rows(banned_ids)) if banned_rows else None,
+    )

@@ -12,11 +12,9 @@ top-k/top-p/min-p filtering (what a trainer recomputes); temperature 0 counts as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
-
-from spec_engine.core.request import Req
 
 _MASK64 = (1 << 64) - 1
 
@@ -53,44 +51,6 @@ class SamplingBatch:
     need_logprobs: bool
     top_logprobs_num: int
     banned: Optional[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) that may not be drawn
-
-    @classmethod
-    def from_reqs(cls, reqs: Sequence[Req], vocab_size: int, device: torch.device,
-                  eos_token_ids: frozenset[int] = frozenset()) -> "SamplingBatch":
-        temps, ks, ps, mins, uniforms, plain, filtered = [], [], [], [], [], [], []
-        banned_rows, banned_ids = [], []
-        for i, req in enumerate(reqs):
-            for t in req.banned_tokens(eos_token_ids):
-                banned_rows.append(i)
-                banned_ids.append(t)
-            sp = req.sampling_params
-            temps.append(sp.temperature if sp.temperature > 0 else 1.0)
-            k = vocab_size if sp.top_k < 0 else min(sp.top_k, vocab_size)
-            ks.append(k)
-            ps.append(sp.top_p)
-            mins.append(sp.min_p)
-            greedy = sp.is_greedy
-            uniforms.append(0.0 if greedy else request_uniform(req.seed, len(req.output_ids)))
-            if not greedy:
-                (filtered if k < vocab_size or sp.top_p < 1.0 or sp.min_p > 0.0 else plain).append(i)
-
-        def rows(indices: list[int]) -> Optional[torch.Tensor]:
-            return torch.tensor(indices, dtype=torch.int64, device=device) if indices else None
-
-        return cls(
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
-            top_ps=torch.tensor(ps, dtype=torch.float32, device=device),
-            min_ps=torch.tensor(mins, dtype=torch.float32, device=device),
-            uniforms=torch.tensor(uniforms, dtype=torch.float64, device=device),
-            all_greedy=not plain and not filtered,
-            unit_temperature=all(t == 1.0 for t in temps),
-            plain_rows=rows(plain),
-            filter_rows=rows(filtered),
-            need_logprobs=any(r.return_logprob for r in reqs),
-            top_logprobs_num=max((r.top_logprobs_num for r in reqs), default=0),
-            banned=(rows(banned_rows), rows(banned_ids)) if banned_rows else None,
-        )
 
 
 @dataclass

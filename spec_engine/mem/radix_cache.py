@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import ReqToTokenPool
 
-if TYPE_CHECKING:
-    from spec_engine.core.request import Req
-
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _tick = itertools.count()
+
+
+class HoldsKV(Protocol):
+    """What the cache reads and updates of a request (core.request.Req)."""
+
+    fill_ids: list[int]
+    req_pool_idx: Optional[int]
+    kv_len: int
+    prefix_len: int
+    last_node: Any
 
 
 class TreeNode:
@@ -59,7 +66,7 @@ class RadixCache:
 
     def invalidate(self) -> None:
         """Stop serving every cached prefix (the weights changed): unlocked entries are freed now,
-        entries still locked by requests are freed once those requests let go of them."""
+        entries still locked by requests become evictable once those requests let go of them."""
         if self.disable:
             return
         self._stale_roots.append(self.root)
@@ -161,9 +168,21 @@ class RadixCache:
         self._stale_roots = [r for r in self._stale_roots if r.children]
         return freed
 
+    def alloc_slots(self, starts: Sequence[int], ends: Sequence[int], last_slots: Sequence[int]) -> torch.Tensor:
+        """KV slots for positions [start, end) of each request (see PageAllocator.alloc),
+        evicting cached prefixes when the free pages do not suffice."""
+        page = self.page_size
+        short = self.allocator.pages_needed(starts, ends) * page - self.allocator.available_size()
+        if short > 0:
+            self.evict(short)
+        slots = self.allocator.alloc(starts, ends, last_slots)
+        if slots is None:
+            raise RuntimeError("KV cache exhausted although the scheduler reserved room; this is a bug")
+        return slots
+
     # ------------------------------------------------------------ request-level
 
-    def cache_unfinished_req(self, req: "Req", insert: bool = True) -> None:
+    def cache_unfinished_req(self, req: HoldsKV, insert: bool = True) -> None:
         """Move the request's computed whole pages into the tree and lock them for it (not when
         `insert` is False: KV computed with weights that have since changed is not shared)."""
         if self.disable or not insert:
@@ -182,7 +201,7 @@ class RadixCache:
         self.dec_lock_ref(req.last_node)
         req.prefix_len, req.last_node = aligned, node
 
-    def cache_finished_req(self, req: "Req", insert: bool = True) -> None:
+    def cache_finished_req(self, req: HoldsKV, insert: bool = True) -> None:
         """Release a request's KV: whole pages go to the tree (unlocked), the rest is freed.
         With `insert` False (stale KV) nothing new enters the tree."""
         row = req.req_pool_idx

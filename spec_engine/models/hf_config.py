@@ -1,11 +1,16 @@
-"""ModelConfig: a Hugging Face config.json normalized into the fields the engine uses."""
+"""ModelConfig: a Hugging Face config.json normalized into the fields a model needs.
+
+The one reader of Hugging Face configs: the engine builds its models from it and the trainer
+(trainer_bridge.model_provider) builds megatron-core models from it, so both read a checkpoint
+the same way. Each side refuses what it cannot run on top of what is refused here.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Union
 
 # architecture name -> family; the family decides biases and norms the config does not state.
 SUPPORTED_ARCHITECTURES = {
@@ -18,7 +23,12 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLMEagle3": "llama",
 }
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
+# config.json files without `architectures`: the class their model_type stands for.
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "mimo": "MiMoForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# A config directory or config.json path, a config dict, or a transformers PretrainedConfig.
+ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any], Any]
 
 
 @dataclass
@@ -41,8 +51,9 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    torch_dtype: Optional[str]
-    eos_token_ids: list[int] = field(default_factory=list)
+    # Not part of the architecture: two readings of one checkpoint compare equal without them.
+    torch_dtype: Optional[str] = field(default=None, compare=False)
+    eos_token_ids: list[int] = field(default_factory=list, compare=False)
     # Multi-token-prediction layers carried by the checkpoint (MiMo's num_nextn_predict_layers).
     num_mtp_layers: int = 0
     # EAGLE-3 drafts: own head size, the target's hidden size, target layers whose outputs it reads.
@@ -51,11 +62,33 @@ class ModelConfig:
     eagle_aux_layer_ids: Optional[list[int]] = None
     # Rows of the rotary tables; the runner raises it above max_position_embeddings for drafts.
     rope_max_positions: Optional[int] = None
-    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def is_draft(self) -> bool:
         return self.architecture in DRAFT_ARCHITECTURES
+
+    @property
+    def heads_per_group(self) -> int:
+        """Query heads sharing one key/value head (GQA)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def load(cls, source: ConfigSource) -> "ModelConfig":
+        """From a checkpoint directory, a config.json path, a config dict or a transformers config."""
+        if isinstance(source, Mapping):
+            return cls.from_dict(dict(source))
+        if isinstance(source, (str, os.PathLike)):
+            if os.path.isdir(source):
+                return cls.from_pretrained(os.fspath(source))
+            if not os.path.isfile(source):
+                raise ValueError(f"no Hugging Face config at {os.fspath(source)!r}: pass a checkpoint directory "
+                                 "or its config.json")
+            with open(source) as f:
+                return cls.from_dict(json.load(f))
+        if hasattr(source, "to_dict"):
+            return cls.from_dict(source.to_dict())
+        raise TypeError(f"expected a transformers config, a dict or a path, got {type(source).__name__}")
 
     @classmethod
     def from_pretrained(cls, model_path: str) -> "ModelConfig":
@@ -73,16 +106,21 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], eos_token_ids: Optional[list[int]] = None) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
+        archs = cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type", ""), "")]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ValueError(f"unsupported architecture {archs!r} (model_type {cfg.get('model_type')!r}); "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         family = SUPPORTED_ARCHITECTURES[arch]
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
-            raise ValueError(f"{arch} with sliding-window attention is not supported; use a config with use_sliding_window=false")
+            raise ValueError(f"{arch} with sliding-window attention is not supported; use a config with "
+                             "use_sliding_window=false")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{arch} with hidden_act={cfg['hidden_act']!r} is not supported; only silu (SwiGLU) is")
         heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         hidden = cfg["hidden_size"]
         rope_theta, rope_scaling = rope_from_config(cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -94,7 +132,7 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            num_key_value_heads=kv_heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),

@@ -6,7 +6,7 @@ and scheduling live elsewhere; attention goes through the batch's backend.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -92,14 +92,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The decoder stack. `capture_layers`: layers whose input (the residual stream entering
+    them; len(layers) = the final one) is also returned, concatenated (EAGLE-3 targets)."""
+
+    def __init__(self, config: ModelConfig, capture_layers: Sequence[int] = ()) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotary = make_rotary(config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # EAGLE-3 reads the residual stream entering these layers (len(layers) = the final one).
-        self.layers_to_capture: list[int] = []
+        self.capture_layers = tuple(capture_layers)
 
     def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, batch: ForwardBatch,
                 input_embeds: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -108,12 +110,12 @@ class LlamaModel(nn.Module):
         residual = None
         captured = []
         for i, layer in enumerate(self.layers):
-            if i in self.layers_to_capture:
+            if i in self.capture_layers:
                 state = hidden if residual is None else hidden + residual
-                captured.extend([state] * self.layers_to_capture.count(i))
+                captured.extend([state] * self.capture_layers.count(i))
             hidden, residual = layer(positions, hidden, residual, batch)
-        if len(self.layers) in self.layers_to_capture:
-            captured.extend([hidden + residual] * self.layers_to_capture.count(len(self.layers)))
+        if len(self.layers) in self.capture_layers:
+            captured.extend([hidden + residual] * self.capture_layers.count(len(self.layers)))
         hidden, _ = self.norm(hidden, residual)
         return hidden, (torch.cat(captured, dim=-1) if captured else None)
 
@@ -121,12 +123,21 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama, Qwen2, Qwen3 (and MiMo's trunk) causal LMs; the differences come from ModelConfig."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, capture_layers: Sequence[int] = ()) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, capture_layers)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_weights()
+
+    @staticmethod
+    def eagle3_capture_layers(config: ModelConfig, aux_layer_ids: Optional[Sequence[int]]) -> tuple[int, ...]:
+        """The layers an EAGLE-3 draft reads: the outputs of the draft config's
+        `eagle_aux_hidden_state_layer_ids`, else SGLang's default, the residual stream entering
+        layers 2, N//2 and N-3 (clamped for tiny models)."""
+        n = config.num_hidden_layers
+        layers = [i + 1 for i in aux_layer_ids] if aux_layer_ids is not None else [2, n // 2, n - 3]
+        return tuple(min(max(i, 0), n) for i in layers)
 
     def tie_weights(self) -> None:
         """Make a tied embedding share the head's storage again (after re-allocation)."""

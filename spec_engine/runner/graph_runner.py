@@ -28,8 +28,6 @@ import torch
 
 from spec_engine.forward_batch import ForwardBatch, ForwardMode, causal_mask
 from spec_engine.runner.graph_capture import Outputs, capture
-from spec_engine.mem.allocator import PageAllocator
-from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +68,30 @@ def capture_sizes(cuda_graph_bs: Optional[Sequence[int]], cuda_graph_max_bs: Opt
 ForwardFn = Callable[[ForwardBatch, Optional[torch.Tensor]], Outputs]
 
 
+@dataclass(frozen=True)
+class GraphSpec:
+    """What one graph runner captures: a forward mode at a fixed number of token rows per request.
+
+    `width`: token rows per request (1 for decode, topk for draft tree steps, the verify or draft
+    extend width for TARGET_VERIFY / DRAFT_EXTEND, whose requests carry up to `width` query
+    tokens each over a prefix; in DECODE every row is its own decode row).
+    `feature_dim`: width of the per-token input features (draft models), None without.
+    `kv_rows`: decode rows that carry their own KV indices (draft tree steps), attending to up to
+    `extra_keys` keys beyond a request's context (its path in the tree).
+    """
+
+    label: str
+    mode: ForwardMode
+    width: int
+    feature_dim: Optional[int] = None
+    kv_rows: bool = False
+    extra_keys: int = 0
+
+    def matches(self, batch: ForwardBatch) -> bool:
+        """Whether `batch` is of this spec's kind (its mode, and KV indices of its own or not)."""
+        return batch.mode is self.mode and (batch.kv_indices is not None) == self.kv_rows
+
+
 @dataclass
 class Padded:
     """A padded batch (host-side fields included, for the metadata refill) and how to get the
@@ -87,29 +109,21 @@ class Padded:
 
 
 class GraphRunner:
-    """Sizes, static buffers, padding and captured graphs for one forward mode.
+    """Sizes, static buffers, padding and captured graphs for one GraphSpec. DRAFT_EXTEND
+    batches have one logits row per request; other modes have logits at every row."""
 
-    `width`: token rows per request (1 for decode, topk for draft steps, the verify or draft
-    extend width for TARGET_VERIFY / DRAFT_EXTEND, whose requests carry up to `width` query
-    tokens each over a prefix; in DECODE every row is its own decode row).
-    `feature_dim`: width of the per-token input features (draft models), None without.
-    `kv_rows`: decode rows that carry their own KV indices (draft tree steps) of up to
-    `kv_width` keys. DRAFT_EXTEND batches have one logits row per request; other modes all rows.
-    """
-
-    def __init__(self, label: str, mode: ForwardMode, sizes: Sequence[int], width: int, padding: bool,
-                 dummy_row: int, device: torch.device, feature_dim: Optional[int] = None,
-                 kv_rows: bool = False, dtype: torch.dtype = torch.float32) -> None:
-        self.label = label
-        self.mode = mode
+    def __init__(self, spec: GraphSpec, sizes: Sequence[int], padding: bool, dummy_row: int,
+                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+        self.spec = spec
+        self.label, self.mode, self.width = spec.label, spec.mode, spec.width
+        self.feature_dim, self.kv_rows = spec.feature_dim, spec.kv_rows
         self.sizes = list(sizes)
-        self.width = width
-        self.extend = mode is not ForwardMode.DECODE
-        self.per_request_logits = mode is ForwardMode.DRAFT_EXTEND
+        self.extend = spec.mode is not ForwardMode.DECODE
+        self.per_request_logits = spec.mode is ForwardMode.DRAFT_EXTEND
         self.padding = padding
         self.dummy_row = dummy_row
         self.device = device
-        self.feature_dim, self.kv_rows = feature_dim, kv_rows
+        width = spec.width
         rows = self.sizes[-1] * width
         reqs = self.sizes[-1] if self.extend else rows
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -119,19 +133,22 @@ class GraphRunner:
         self.seq_lens = torch.full((reqs,), width if self.extend else SEQ_LEN_FILL, dtype=torch.int64, device=device)
         self.logits_indices = torch.arange(self.sizes[-1], device=device) * width
         self.dtype = dtype
-        self.features = None if feature_dim is None else torch.zeros(rows, feature_dim, dtype=dtype, device=device)
+        self.features = (None if spec.feature_dim is None
+                         else torch.zeros(rows, spec.feature_dim, dtype=dtype, device=device))
         self.kv_indices: Optional[torch.Tensor] = None
         self.kv_mask: Optional[torch.Tensor] = None
         self.live = False  # graphs captured (or capturable on first use) and not released
         self._graphs: dict[tuple[int, int], tuple[ForwardBatch, Any]] = {}
         self._told: set[str] = set()
 
-    def capture(self, forward: ForwardFn, bind: Callable[[ForwardBatch], None], kv_width: int,
+    def capture(self, forward: ForwardFn, bind: Callable[[ForwardBatch], None], context_len: int,
                 pool: Any, check_inputs: bool = False) -> None:
         """Capture `forward` at every size, largest first, over views of the static buffers.
-        `bind` sets a batch's KV pool, table and attention backend; `kv_width`: the most keys a
-        row can attend to; `check_inputs`: see EmulatedGraph. A backend whose graphs have a fixed
-        key width (torch_native) gets one graph per (size, width bucket), captured on first use."""
+        `bind` sets a batch's KV pool, table and attention backend; `context_len`: the most keys
+        a request's row of the table holds; `check_inputs`: see EmulatedGraph. A backend whose
+        graphs have a fixed key width (torch_native) gets one graph per (size, width bucket),
+        captured on first use."""
+        kv_width = context_len + self.spec.extra_keys
         self.bind, self.forward, self.pool, self.check_inputs, self.kv_width = bind, forward, pool, check_inputs, kv_width
         if self.kv_rows:
             rows = self.sizes[-1] * self.width
@@ -305,121 +322,8 @@ class GraphRunner:
             logger.info(message)
 
 
-class SelfCheckBatches:
-    """Synthetic batches for the startup self-check, over freshly allocated KV slots: every
-    request reads two shared context slots holding random K/V and writes slots of its own.
-    Runs before any request exists (all table rows and slots are free); close() gives them back."""
-
-    CONTEXT = 2
-
-    def __init__(self, table: ReqToTokenPool, allocator: PageAllocator, pools: Sequence[KVPool],
-                 vocab_size: int, device: torch.device) -> None:
-        self.table, self.allocator, self.vocab_size, self.device = table, allocator, vocab_size, device
-        self.gen = torch.Generator(device="cpu").manual_seed(0)
-        self._slots: list[torch.Tensor] = []
-        self._rows: set[int] = set()
-        self.context = self._alloc(self.CONTEXT)
-        for pool in pools:
-            for buf in pool.k_buffer + pool.v_buffer:
-                buf[self.context] = torch.randn(buf[self.context].shape, generator=self.gen).to(buf.dtype)
-
-    def make(self, g: GraphRunner, num: int, feature_dim: Optional[int],
-             kv_rows: bool = False) -> tuple[ForwardBatch, Optional[torch.Tensor]]:
-        """A batch of `num` requests for `g`'s mode; `kv_rows`: draft-step rows that carry their
-        own KV indices instead of a table row."""
-        c = self.CONTEXT
-        if g.extend:
-            q = max(g.width - 1, 1)  # one short of the width, so token padding runs as well
-            own = self._alloc(num * q).view(num, q)
-            rows = self._table_rows(num, own)
-            masks = None
-            if g.mode is ForwardMode.TARGET_VERIFY:
-                # A tree: each query sees the context, itself and a random subset of earlier nodes.
-                tree = torch.rand(q, q, generator=self.gen) < 0.5
-                tree = (tree.tril(-1) | torch.eye(q, dtype=torch.bool)).to(self.device)
-                masks = [torch.cat((torch.ones(q, c, dtype=torch.bool, device=self.device), tree), 1)] * num
-            batch = ForwardBatch(
-                mode=g.mode, input_ids=self._ids(num * q), positions=torch.arange(c, c + q, device=self.device).repeat(num),
-                out_cache_loc=own.reshape(-1), req_pool_indices=rows, seq_lens=torch.full((num,), c + q, device=self.device),
-                seq_lens_cpu=[c + q] * num, extend_seq_lens_cpu=[q] * num, extend_prefix_lens_cpu=[c] * num,
-                custom_masks=masks,
-                logits_indices=None if masks is not None else torch.arange(q - 1, num * q, q, device=self.device),
-            )
-            tokens = num * q
-        else:
-            n = num * g.width
-            own = self._alloc(n)
-            kv_idx = kv_ok = None
-            if kv_rows:
-                kv_idx = torch.cat((self.context.expand(n, c), own[:, None]), 1)
-                kv_ok = torch.ones(n, c + 1, dtype=torch.bool, device=self.device)
-                rows = torch.full((n,), g.dummy_row, dtype=torch.int64, device=self.device)
-            else:
-                rows = self._table_rows(n, own[:, None])
-            batch = ForwardBatch(
-                mode=g.mode, input_ids=self._ids(n), positions=torch.full((n,), c, device=self.device),
-                out_cache_loc=own, req_pool_indices=rows, seq_lens=torch.full((n,), c + 1, device=self.device),
-                seq_lens_cpu=[c + 1] * n, kv_indices=kv_idx, kv_mask=kv_ok,
-            )
-            tokens = n
-        features = None
-        if feature_dim is not None:
-            features = torch.randn(tokens, feature_dim, generator=self.gen).to(self.device)
-        return batch, features
-
-    def close(self) -> None:
-        for row in self._rows:
-            self.table.req_to_token[row].zero_()
-        for slots in self._slots:
-            self.allocator.free(slots)
-        self._slots, self._rows = [], set()
-
-    def _alloc(self, n: int) -> torch.Tensor:
-        slots = self.allocator.alloc([0], [n], [0])
-        if slots is None:
-            raise ValueError(f"--cuda-graph-self-check needs {n} free KV slots for its test batches; raise "
-                             "--max-total-tokens or lower the largest --cuda-graph-bs size")
-        self._slots.append(slots)
-        return slots
-
-    def _table_rows(self, n: int, own: torch.Tensor) -> torch.Tensor:
-        if n > self.table.size:
-            raise ValueError(f"--cuda-graph-self-check needs {n} request rows; lower the largest --cuda-graph-bs "
-                             f"size to --max-running-requests ({self.table.size}) or below")
-        for row in range(n):
-            self.table.write(row, 0, torch.cat((self.context, own[row])))
-            self._rows.add(row)
-        return torch.arange(n, device=self.device)
-
-    def _ids(self, n: int) -> torch.Tensor:
-        return torch.randint(self.vocab_size, (n,), generator=self.gen).to(self.device)
-
-
 def build_graph_runners(args: Any, max_running_requests: int, dummy_row: int, device: torch.device,
-                        dtype: torch.dtype, specs: dict[Any, tuple[str, ForwardMode, int, Optional[int], bool]]) -> dict[Any, GraphRunner]:
-    """One GraphRunner per {key: (label, mode, width, feature_dim, kv_rows)}, all on the capture list from `args`."""
+                        dtype: torch.dtype, specs: Sequence[GraphSpec]) -> list[GraphRunner]:
+    """One GraphRunner per spec, all on the capture list from `args`."""
     sizes = capture_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, max_running_requests)
-    return {key: GraphRunner(label, mode, sizes, width, not args.disable_cuda_graph_padding, dummy_row, device,
-                             feature_dim, kv_rows, dtype)
-            for key, (label, mode, width, feature_dim, kv_rows) in specs.items()}
-
-
-def self_check(runners: Sequence[GraphRunner], forward: ForwardFn, batches: SelfCheckBatches, atol: float) -> None:
-    """Replay every size of every runner on a synthetic batch one request short of it (padding
-    runs) and compare with the eager forward; raise naming the size and mode on a mismatch
-    (--cuda-graph-self-check at startup). Gives the batches' slots and rows back at the end."""
-    try:
-        for g in runners:
-            for size in g.sizes:
-                num = size - 1 if g.padding and size > 1 else size
-                batch, features = batches.make(g, num, g.feature_dim, g.kv_rows)
-                eager = forward(batch, features)
-                replayed = g.run(batch, features, size=size)
-                for name, want, got in zip(("logits", "features"), eager, replayed):
-                    err = (got.float() - want.float()).abs().max().item()
-                    if not err <= atol:
-                        raise RuntimeError(f"CUDA-graph self-check failed: {g.label} at batch size {size} "
-                                           f"({num} real requests) differs from eager in {name} by {err:.3g} "
-                                           f"(tolerance {atol}); run with --disable-cuda-graph and report this")
-    finally:
-        batches.close()
+    return [GraphRunner(spec, sizes, not args.disable_cuda_graph_padding, dummy_row, device, dtype) for spec in specs]

@@ -21,7 +21,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from spec_engine.engine import Engine
 from spec_engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from spec_engine.weights.loader import deserialize_tensors
+from spec_engine.weights.transport import deserialize_tensors
 
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "top_logprobs_num", "stream", "rid",
                   "return_text_in_logprobs"}
@@ -137,7 +137,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     def tensors_from_text(body: dict) -> dict:
         if "serialized_named_tensors" not in body:
-            raise BadRequest("serialized_named_tensors is required (weights.serialize_tensors output)")
+            raise BadRequest("serialized_named_tensors is required (spec_engine.weights.transport.serialize_tensors output)")
         body["named_tensors"] = deserialize_tensors(body.pop("serialized_named_tensors"))
         return body
 

@@ -77,8 +77,8 @@ class SpecWorker(ModelWorker):
         out = self.runner.forward(batch)
         banned = [[r.banned_tokens(self.eos_token_ids, d) for d in range(max(t.depths) + 1)] for r, t in zip(reqs, trees)]
         accepts = verify_trees(out.logits, trees, reqs, banned, self.threshold_single, self.threshold_acc)
-        logprobs, top = emitted_logprobs(out.logits, reqs, accepts, [r.return_logprob for r in reqs],
-                                         [r.top_logprobs_num for r in reqs])
+        logprobs, top = emitted_logprobs(out.logits, reqs, accepts, [r.input.return_logprob for r in reqs],
+                                         [r.input.top_logprobs_num for r in reqs])
         self.timings["verify_s"] += time.perf_counter() - start
         start = time.perf_counter()
         self._keep_accepted(reqs, sizes, accepts)

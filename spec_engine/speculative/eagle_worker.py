@@ -22,13 +22,14 @@ from typing import Sequence
 import torch
 
 from spec_engine.args.engine_args import EngineArgs
+from spec_engine.args.resolve import DraftKind
+from spec_engine.core.request import Req
+from spec_engine.core.worker import AllocFn, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
-from spec_engine.core.request import Req
 from spec_engine.speculative.base import SpecWorker
 from spec_engine.speculative.draft_runner import DraftRunner
 from spec_engine.speculative.tree import DraftTree, select_trees
-from spec_engine.core.worker import AllocFn, StepResult
 
 
 @dataclass
@@ -40,6 +41,17 @@ class DraftState:
     hidden: torch.Tensor  # [H] feature for the next draft step
 
 
+@dataclass
+class DraftExtend:
+    """One request's part of a draft forward over consecutive positions: `tokens` at positions
+    start .. start + len(tokens) - 1, writing draft KV at the target's slots for them."""
+
+    req: Req
+    start: int
+    tokens: list[int]
+    keep_state: bool  # keep the draft's output at the last position as the next round's first level
+
+
 class EagleWorker(SpecWorker):
     def __init__(self, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int], args: EngineArgs,
                  draft: DraftRunner) -> None:
@@ -47,14 +59,9 @@ class EagleWorker(SpecWorker):
         self.draft = draft
         self.steps = args.speculative_num_steps
         self.topk = args.speculative_eagle_topk
-        self.features = draft.uses_features
-        if draft.kind == "EAGLE3":
-            n = runner.model_config.num_hidden_layers
-            ids = draft.config.eagle_aux_layer_ids
-            # SGLang's defaults: the residual stream entering layers 2, N//2 and N-3 (clamped for tiny models).
-            layers = [i + 1 for i in ids] if ids is not None else [2, n // 2, n - 3]
-            runner.model.model.layers_to_capture = [min(max(i, 0), n) for i in layers]
-        self.aux_features = draft.kind == "EAGLE3"
+        self.features = draft.kind.uses_target_features
+        # EAGLE-3 reads the target layers the target model captures (EngineConfig.capture_layers).
+        self.aux_features = draft.kind is DraftKind.EAGLE3
 
     # ---------------------------------------------------------------- memory
 
@@ -82,13 +89,14 @@ class EagleWorker(SpecWorker):
         start = time.perf_counter()
         entries = []
         for i, (r, s, e) in enumerate(zip(reqs, starts, ends)):
+            done = e == r.seq_len  # the prompt is complete: its last draft output starts round one
             if self.features:
-                nxt = result.tokens[i][0] if e == r.seq_len else r.fill_ids[e]
-                entries.append((r, s, r.fill_ids[s + 1:e] + [nxt]))
+                nxt = result.tokens[i][0] if done else r.fill_ids[e]
+                entries.append(DraftExtend(r, s, r.fill_ids[s + 1:e] + [nxt], done))
             else:
-                entries.append((r, s, r.fill_ids[s:e]))
+                entries.append(DraftExtend(r, s, r.fill_ids[s:e], done))
         feats = self._features(out) if self.features else None
-        self._extend_draft(entries, feats, update_state=[e == r.seq_len for r, e in zip(reqs, ends)])
+        self._extend_draft(entries, feats)
         self.timings["draft_s"] += time.perf_counter() - start
         return result
 
@@ -111,30 +119,29 @@ class EagleWorker(SpecWorker):
             kept = len(acc.path)
             first = r.kv_len - kept
             tokens = acc.tokens if self.features else [tree.tokens[n] for n in acc.path]
-            entries.append((r, first, tokens))
+            entries.append(DraftExtend(r, first, tokens, keep_state=True))
             rows.extend(offset + n for n in acc.path)
             offset += tree.size
         hidden = feats[self._tensor(rows)] if feats is not None else None
-        self._extend_draft(entries, hidden, update_state=[True] * len(reqs), mode=ForwardMode.DRAFT_EXTEND)
+        self._extend_draft(entries, hidden, mode=ForwardMode.DRAFT_EXTEND)
         self.timings["draft_s"] += time.perf_counter() - start
         return result
 
     def _features(self, out: ForwardOutput) -> torch.Tensor:
         return out.aux_hidden if self.aux_features else out.hidden
 
-    def _extend_draft(self, entries: list[tuple[Req, int, list[int]]], hidden: torch.Tensor | None,
-                      update_state: list[bool], mode: ForwardMode = ForwardMode.EXTEND) -> None:
-        """Draft forward over positions [start, start + len(tokens)) of each request, writing draft
-        KV at the target's slots; keeps the next round's first level where asked. `mode`:
-        DRAFT_EXTEND for a decode round's accepted tokens (graph-run), EXTEND after a prefill."""
+    def _extend_draft(self, entries: list[DraftExtend], hidden: torch.Tensor | None,
+                      mode: ForwardMode = ForwardMode.EXTEND) -> None:
+        """One draft forward over every entry; keeps the next round's first level where asked.
+        `mode`: DRAFT_EXTEND for a decode round's accepted tokens (graph-run), EXTEND after a prefill."""
         table = self.runner.req_to_token_pool
         ids, positions, slots, ends, lens, last = [], [], [], [], [], []
-        for r, s, toks in entries:
-            n = len(toks)
-            ids.extend(toks)
-            positions.extend(range(s, s + n))
-            slots.append(table.read(r.req_pool_idx, s + n, start=s))
-            ends.append(s + n)
+        for e in entries:
+            n = len(e.tokens)
+            ids.extend(e.tokens)
+            positions.extend(range(e.start, e.start + n))
+            slots.append(table.read(e.req.req_pool_idx, e.start + n, start=e.start))
+            ends.append(e.start + n)
             lens.append(n)
             last.append(len(ids) - 1)
         batch = ForwardBatch(
@@ -142,11 +149,11 @@ class EagleWorker(SpecWorker):
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
             out_cache_loc=torch.cat(slots),
-            req_pool_indices=self._tensor([r.req_pool_idx for r, _, _ in entries]),
+            req_pool_indices=self._tensor([e.req.req_pool_idx for e in entries]),
             seq_lens=self._tensor(ends),
             seq_lens_cpu=ends,
             extend_seq_lens_cpu=lens,
-            extend_prefix_lens_cpu=[s for _, s, _ in entries],
+            extend_prefix_lens_cpu=[e.start for e in entries],
             logits_indices=self._tensor(last),
         )
         logits, nxt = self.draft.forward(batch, hidden)
@@ -154,9 +161,9 @@ class EagleWorker(SpecWorker):
             return
         probs, top_ids = torch.softmax(logits, -1).topk(self.topk, dim=-1)
         top_ids = self.draft.to_target_ids(top_ids)
-        for i, ((r, _, _), keep) in enumerate(zip(entries, update_state)):
-            if keep:
-                r.spec_state = DraftState(probs[i], top_ids[i], nxt[i])
+        for i, e in enumerate(entries):
+            if e.keep_state:
+                e.req.spec_state = DraftState(probs[i], top_ids[i], nxt[i])
 
     def _draft_trees(self, reqs: Sequence[Req], scratch: torch.Tensor | None) -> list[DraftTree]:
         b, k = len(reqs), self.topk

@@ -40,7 +40,7 @@ def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) 
     vocab = logits.shape[-1]
     temps, ks, ps, mins, filtered = [], [], [], [], []
     for row, i in enumerate(row_req):
-        sp = reqs[i].sampling_params
+        sp = reqs[i].input.sampling_params
         temps.append(sp.temperature if sp.temperature > 0 else 1.0)
         k = vocab if sp.top_k < 0 else min(sp.top_k, vocab)
         ks.append(k)
@@ -80,7 +80,7 @@ def verify_trees(logits: torch.Tensor, trees: Sequence[DraftTree], reqs: Sequenc
     if ban_rows:
         masked = logits.index_put((torch.tensor(ban_rows, device=logits.device), torch.tensor(ban_ids, device=logits.device)),
                                   torch.tensor(float("-inf"), device=logits.device))
-    greedy = [r.sampling_params.is_greedy for r in reqs]
+    greedy = [r.input.sampling_params.is_greedy for r in reqs]
     argmax = masked.argmax(-1).tolist()
     probs = target_probs(masked, reqs, row_req) if not all(greedy) else None
     out = []
@@ -115,7 +115,7 @@ def _walk_sampled(tree: DraftTree, probs: torch.Tensor, offset: int, req: Req, t
         row = offset + node
         child_tokens = [tree.tokens[k] for k in kids[node]]
         child_probs = probs[row, child_tokens].tolist() if child_tokens else []
-        u = request_uniform(req.seed, level, ACCEPT_STREAM)
+        u = request_uniform(req.input.seed, level, ACCEPT_STREAM)
         acc, accepted = 0.0, None
         for k, p in zip(kids[node], child_probs):
             acc += p
@@ -132,7 +132,7 @@ def _walk_sampled(tree: DraftTree, probs: torch.Tensor, offset: int, req: Req, t
                 # The children hold all the mass and u only passed their float sum by rounding.
                 accepted = kids[node][-1]
         if accepted is None:
-            uniform = torch.tensor([request_uniform(req.seed, level, RESIDUAL_STREAM)], dtype=torch.float64,
+            uniform = torch.tensor([request_uniform(req.input.seed, level, RESIDUAL_STREAM)], dtype=torch.float64,
                                    device=probs.device)
             tokens.append(int(inverse_cdf(residual[None], uniform)[0]))
             return Acceptance(path, tokens, rows)
@@ -150,7 +150,7 @@ def emitted_logprobs(logits: torch.Tensor, reqs: Sequence[Req], accepts: Sequenc
         return None, None
     rows, temps, toks = [], [], []
     for req, acc in zip(reqs, accepts):
-        t = req.sampling_params.temperature
+        t = req.input.sampling_params.temperature
         rows.extend(acc.rows)
         temps.extend([t if t > 0 else 1.0] * len(acc.rows))
         toks.extend(acc.tokens)

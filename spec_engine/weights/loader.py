@@ -1,4 +1,4 @@
-"""Weights: read Hugging Face safetensors checkpoints and copy named tensors into a model.
+"""Loading weights: read Hugging Face safetensors checkpoints and copy named tensors into a model.
 
 A model describes the Hugging Face names it takes with `hf_weight_spec()`: for each name the
 parameter it lands in, the row range inside a fused parameter, and the expected shape. Loading
@@ -8,14 +8,11 @@ any (`copy_weights`), so a bad request leaves the model unchanged.
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import io
 import json
 import os
-import pickle
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -90,6 +87,19 @@ def safetensors_metadata(model_path: str) -> Iterator[tuple[str, tuple[int, ...]
             for name in f.keys():
                 sl = f.get_slice(name)
                 yield name, tuple(sl.get_shape()), sl.get_dtype()
+
+
+def build_model(model_cls: type[nn.Module], config: Any, dtype: torch.dtype, device: torch.device,
+                checkpoint: str, only_known: bool = False, **model_kwargs: Any) -> nn.Module:
+    """Instantiate and load a model: built on the meta device and allocated once on the target
+    device, so no time goes to a random initialisation that loading overwrites."""
+    with torch.device("meta"):
+        model = model_cls(config, **model_kwargs)
+    model = model.to(dtype).to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    load_checkpoint(model, checkpoint, only_known=only_known)
+    return model.eval().requires_grad_(False)
 
 
 def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False) -> None:
@@ -181,102 +191,3 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
     checksum of what was sent, cast to the engine's dtype."""
     data = tensor.detach().contiguous().cpu()
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-@dataclass(frozen=True)
-class FlatMeta:
-    name: str
-    shape: tuple[int, ...]
-    start: int   # element range in the bucket's flat tensor
-    end: int
-
-
-@dataclass
-class FlattenedBucket:
-    """Many tensors of one dtype sent as one flat tensor plus (name, shape, range) metadata:
-    one large transfer instead of many small ones (SGLang's "flattened_bucket" load format)."""
-
-    flat: torch.Tensor
-    metadata: list[FlatMeta]
-
-    @classmethod
-    def pack(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list["FlattenedBucket"]:
-        """One bucket per dtype."""
-        groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-        for name, tensor in named_tensors:
-            groups.setdefault(tensor.dtype, []).append((name, tensor))
-        buckets = []
-        for items in groups.values():
-            metadata, start = [], 0
-            for name, tensor in items:
-                metadata.append(FlatMeta(name, tuple(tensor.shape), start, start + tensor.numel()))
-                start += tensor.numel()
-            buckets.append(cls(torch.cat([t.reshape(-1) for _, t in items]), metadata))
-        return buckets
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "FlattenedBucket":
-        """From {"flattened_tensor": tensor, "metadata": [{name, shape, start_idx, end_idx}, ...]}."""
-        try:
-            flat = data["flattened_tensor"]
-            metadata = [FlatMeta(str(m["name"]), tuple(int(d) for d in m["shape"]), int(m["start_idx"]), int(m["end_idx"]))
-                        for m in data["metadata"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"a flattened bucket needs 'flattened_tensor' and 'metadata' entries with name, shape, "
-                             f"start_idx, end_idx ({e!r})") from None
-        bad = next((m for m in metadata if any(d < 0 for d in m.shape) or not 0 <= m.start <= m.end), None)
-        if bad is not None:
-            raise ValueError(f"flattened bucket entry {bad.name!r} has shape {bad.shape} and range "
-                             f"[{bad.start}, {bad.end}); dimensions and ranges must be non-negative")
-        return cls(flat, metadata)
-
-    def to_dict(self) -> dict:
-        return {"flattened_tensor": self.flat,
-                "metadata": [{"name": m.name, "shape": list(m.shape), "start_idx": m.start, "end_idx": m.end}
-                             for m in self.metadata]}
-
-    def unpack(self) -> list[tuple[str, torch.Tensor]]:
-        """Views into the flat tensor; a range past its end or not matching the shape is refused."""
-        if not isinstance(self.flat, torch.Tensor) or self.flat.dim() != 1:
-            raise ValueError("a flattened bucket's tensor must be 1-D")
-        out = []
-        for m in self.metadata:
-            numel = 1
-            for d in m.shape:
-                numel *= d
-            if m.end - m.start != numel or m.start < 0:
-                raise ValueError(f"bucket entry {m.name!r}: range [{m.start}, {m.end}) does not hold shape {m.shape}")
-            if m.end > self.flat.numel():
-                raise ValueError(f"bucket entry {m.name!r} ends at {m.end} but the bucket holds {self.flat.numel()} "
-                                 "elements (truncated bucket)")
-            out.append((m.name, self.flat[m.start:m.end].view(m.shape)))
-        return out
-
-
-def materialize(value) -> torch.Tensor:
-    """A tensor, or one shared by another process: the (rebuild function, args) pair that
-    torch.multiprocessing.reductions.reduce_tensor makes (CUDA IPC handles, CPU shared memory)."""
-    tensor = value
-    if isinstance(value, tuple) and len(value) == 2 and callable(value[0]):
-        tensor = value[0](*value[1])
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"expected a tensor (or a reduce_tensor handle), got {type(value).__name__}")
-    if tensor.is_meta or tensor.layout != torch.strided or tensor.is_quantized:
-        # Checked here, before anything is copied: such a tensor would fail half-way through.
-        raise ValueError(f"expected a dense tensor with data, got a {'meta' if tensor.is_meta else tensor.layout} tensor")
-    return tensor
-
-
-def serialize_tensors(payload) -> str:
-    """Tensors (a list of (name, tensor), or bucket dicts) as base64 text for HTTP."""
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def deserialize_tensors(text: str):
-    """The inverse of serialize_tensors; loads tensors and plain containers only (weights_only)."""
-    try:
-        return torch.load(io.BytesIO(base64.b64decode(text, validate=True)), map_location="cpu", weights_only=True)
-    except (ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        raise ValueError(f"serialized_named_tensors could not be decoded ({e}); send serialize_tensors' output") from None

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from spec_engine.runner.model_runner import ModelRunner
 from spec_engine.weights.loader import (check_weights, copy_weights, hf_tensor, is_ignored, iterate_safetensors,
-                                 materialize, named_params, refresh_derived, safetensors_metadata, tensor_checksum,
-                                 weight_spec)
+                                        named_params, refresh_derived, safetensors_metadata, tensor_checksum,
+                                        weight_spec)
+from spec_engine.weights.transport import materialize
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +33,24 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 GROUP_CONNECT_TIMEOUT = datetime.timedelta(seconds=120)
 
 
+class DraftWeights(Protocol):
+    """What the updater needs of a draft (the draft runner)."""
+
+    model: nn.Module
+    external: bool  # a checkpoint of its own, addressed with DRAFT_PREFIX (not an MTP draft)
+
+    def check_update(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+    def refresh(self) -> None: ...
+
+
 class WeightUpdater:
-    def __init__(self, runner: ModelRunner, draft=None) -> None:
-        self.runner = runner
-        self.draft = draft  # a DraftRunner, or None without model-based speculation
+    """Updates of the target model (on `device`) and of the draft, if there is one."""
+
+    def __init__(self, target: nn.Module, device: torch.device, draft: Optional[DraftWeights] = None) -> None:
+        self.target = target
+        self.device = device
+        self.draft = draft
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._backup: Optional[list[tuple[nn.Parameter, torch.Tensor]]] = None
 
@@ -46,16 +60,16 @@ class WeightUpdater:
         """(the model a Hugging Face name updates, or None if no model uses it; name in that model)."""
         draft = self.draft
         if name.startswith(DRAFT_PREFIX):
-            if draft is None or draft.kind == "MTP":
+            if draft is None or not draft.external:
                 raise ValueError(f"weight {name!r}: the engine has no external draft model to update")
             return draft.model, name[len(DRAFT_PREFIX):]
-        slot = weight_spec(self.runner.model).get(name)
+        slot = weight_spec(self.target).get(name)
         if slot is None:
-            raise ValueError(f"unknown weight {name!r} for {self.runner.model_config.architecture}"
+            raise ValueError(f"unknown weight {name!r} for {self.target.config.architecture}"
                              f" (address an external draft's tensors as '{DRAFT_PREFIX}<name>')")
         if slot.param is not None:
-            return self.runner.model, name
-        if draft is not None and draft.kind == "MTP" and name in weight_spec(draft.model):
+            return self.target, name
+        if draft is not None and not draft.external and name in weight_spec(draft.model):
             return draft.model, name
         return None, name  # an MTP layer no draft step uses
 
@@ -92,14 +106,14 @@ class WeightUpdater:
         draft) or, with component="draft", into the external draft."""
         meta = [m for m in safetensors_metadata(model_path) if not is_ignored(m[0])]
         if component == "draft":
-            if self.draft is None or self.draft.kind == "MTP":
+            if self.draft is None or not self.draft.external:
                 raise ValueError("component='draft': the engine has no external draft model")
             models = {id(self.draft.model): self.draft.model}
             routes = {name: (self.draft.model, name) for name, _, _ in meta}
         elif component == "target":
             routes = {name: self._route(name) for name, _, _ in meta}
             models = {id(m): m for m, _ in routes.values() if m is not None}
-            models.setdefault(id(self.runner.model), self.runner.model)
+            models.setdefault(id(self.target), self.target)
         else:
             raise ValueError(f"component must be 'target' or 'draft', got {component!r}")
         for model in models.values():
@@ -127,7 +141,7 @@ class WeightUpdater:
             raise ValueError(f"weight update group {group_name!r} exists already")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        if backend == "nccl" and self.runner.device.type != "cuda":
+        if backend == "nccl" and self.device.type != "cuda":
             raise ValueError("backend 'nccl' needs CUDA; use backend 'gloo' on CPU")
         if not 0 < rank_offset < world_size:
             raise ValueError(f"rank_offset must be in 1..world_size-1 (the trainer is rank 0), got {rank_offset}")
@@ -150,7 +164,7 @@ class WeightUpdater:
             raise ValueError(f"no weight update group {group_name!r}; call init_weights_update_group first")
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")
-        device = self.runner.device if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else torch.device("cpu")
+        device = self.device if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else torch.device("cpu")
         # Every buffer is made before the first broadcast: failing half-way would leave the
         # trainer's remaining broadcasts to be taken by the next update.
         buffers = [(name, torch.empty(parse_shape(name, shape), dtype=parse_dtype(dtype), device=device))
@@ -163,16 +177,14 @@ class WeightUpdater:
 
     def checksums(self, names: Optional[list[str]] = None) -> dict[str, str]:
         """SHA-256 per tensor, in the engine's dtype, of the target and draft (see tensor_checksum)."""
-        if self.weights_released:
-            raise ValueError("weights are released; call resume_memory_occupation before asking for checksums")
         if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
             raise ValueError(f"names must be a list of weight names, got {names!r}")
         every = {}
-        for name in weight_spec(self.runner.model):
+        for name in weight_spec(self.target):
             model, local = self._route(name)
             if model is not None:
                 every[name] = (model, local)
-        if self.draft is not None and self.draft.kind != "MTP":
+        if self.draft is not None and self.draft.external:
             for name, slot in weight_spec(self.draft.model).items():
                 if slot.param is not None:
                     every[DRAFT_PREFIX + name] = (self.draft.model, name)
@@ -199,19 +211,15 @@ class WeightUpdater:
         if self._backup is None:
             return
         for param, keep in self._backup:
-            param.data = keep.to(self.runner.device)
+            param.data = keep.to(self.device)
         self._backup = None
         for model in self._models():
             refresh_derived(model)
         if self.draft is not None:
             self.draft.refresh()
 
-    @property
-    def weights_released(self) -> bool:
-        return self._backup is not None
-
     def _models(self) -> list[nn.Module]:
-        models = [self.runner.model]
+        models = [self.target]
         if self.draft is not None:
             models.append(self.draft.model)
         return models

@@ -25,8 +25,9 @@ from trainer_bridge.convert.checkpoint import (hf_to_mcore, load_mcore_rank, mco
 from trainer_bridge.convert.llama import hf_to_mcore_state_dict as _hf_to_mcore
 from trainer_bridge.convert.llama import mcore_to_hf_items, name_map
 from trainer_bridge.convert.tp import gather_state_dicts, gather_tensor, is_sharded, shard_state_dict, shard_tensor
-from trainer_bridge.model_provider import (DEFAULT_VOCAB_DIVISOR, HFArch, HFConfigLike, check_tensor_parallel,
-                                           padded_vocab_size)
+from spec_engine.models.hf_config import ConfigSource, ModelConfig
+from trainer_bridge.model_provider import (DEFAULT_VOCAB_DIVISOR, check_tensor_parallel, padded_vocab_size,
+                                           read_model_config)
 
 __all__ = [
     "gather_state_dicts", "gather_tensor", "hf_to_mcore", "hf_to_mcore_state_dict", "load_hf_weights",
@@ -36,13 +37,10 @@ __all__ = [
 ]
 
 
-def _arch(hf_config: Union[HFArch, HFConfigLike]) -> HFArch:
-    return hf_config if isinstance(hf_config, HFArch) else HFArch.from_hf(hf_config)
 
-
-def hf_to_mcore_state_dict(hf_tensors: Mapping[str, Tensor], hf_config: Union[HFArch, HFConfigLike]) -> dict[str, Tensor]:
+def hf_to_mcore_state_dict(hf_tensors: Mapping[str, Tensor], hf_config: ConfigSource) -> dict[str, Tensor]:
     """The whole (TP=1) megatron state dict of Hugging Face tensors; vocab unpadded (sharding pads it)."""
-    return _hf_to_mcore(hf_tensors, _arch(hf_config))
+    return _hf_to_mcore(hf_tensors, read_model_config(hf_config))
 
 
 class _GatheredOverTP(Mapping[str, Tensor]):
@@ -71,7 +69,7 @@ class _GatheredOverTP(Mapping[str, Tensor]):
 
 
 def mcore_to_hf_tensors(model_or_state_dict: Union[nn.Module, Mapping[str, Any]],
-                        hf_config: Union[HFArch, HFConfigLike]) -> Iterator[tuple[str, Tensor]]:
+                        hf_config: ConfigSource) -> Iterator[tuple[str, Tensor]]:
     """Hugging Face (name, tensor) pairs of this rank's GPTModel or of a whole (TP=1) megatron state dict.
 
     Lazy: each megatron tensor is gathered (a model under tensor parallelism: every TP rank must
@@ -83,7 +81,7 @@ def mcore_to_hf_tensors(model_or_state_dict: Union[nn.Module, Mapping[str, Any]]
         state: Mapping[str, Any] = _GatheredOverTP(model_or_state_dict.state_dict())
     else:
         state = model_or_state_dict
-    return mcore_to_hf_items(state, _arch(hf_config))
+    return mcore_to_hf_items(state, read_model_config(hf_config))
 
 
 def load_mcore_state_dict(model: nn.Module, state: Mapping[str, Tensor]) -> None:
@@ -100,7 +98,7 @@ def load_hf_weights(model: nn.Module, hf_checkpoint: str,
     """Load a Hugging Face directory into this tensor-parallel rank's GPTModel (megatron parallel state set up)."""
     from megatron.core import parallel_state
 
-    arch = HFArch.from_hf(hf_checkpoint)
+    arch = read_model_config(hf_checkpoint)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     check_tensor_parallel(arch, tp)

@@ -26,7 +26,7 @@ from torch import Tensor
 from spec_engine.weights.loader import iterate_safetensors
 from trainer_bridge.convert.llama import hf_to_mcore_state_dict, mcore_to_hf_items
 from trainer_bridge.convert.tp import gather_state_dicts, shard_state_dict
-from trainer_bridge.model_provider import DEFAULT_VOCAB_DIVISOR, HFArch, padded_vocab_size
+from trainer_bridge.model_provider import DEFAULT_VOCAB_DIVISOR, padded_vocab_size, read_model_config
 
 FORMAT = "specrl-mcore-v1"
 META_FILE = "specrl_mcore.json"
@@ -55,7 +55,7 @@ def save_hf_checkpoint(named_tensors: Iterable[tuple[str, Tensor]], save: str, l
 def save_mcore_checkpoint(save: str, shards: list[dict[str, Tensor]], hf_config: Mapping[str, Any],
                           make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> None:
     """Write per-rank state dicts (rank order) and the metadata file."""
-    arch = HFArch.from_hf(hf_config)
+    arch = read_model_config(hf_config)
     tp = len(shards)
     for rank, state in enumerate(shards):
         path = os.path.join(save, RANK_FILE.format(rank=rank))
@@ -93,7 +93,7 @@ def load_mcore_rank(load: str, rank: int) -> dict[str, Tensor]:
 def hf_to_mcore(hf_checkpoint: str, save: str, tp: int = 1,
                 make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> None:
     """Convert a Hugging Face directory into a megatron checkpoint sharded for `tp` ranks."""
-    arch = HFArch.from_hf(hf_checkpoint)
+    arch = read_model_config(hf_checkpoint)
     whole = hf_to_mcore_state_dict(read_hf_weights(hf_checkpoint), arch)
     shards = shard_state_dict(whole, arch, tp, make_vocab_size_divisible_by)
     save_mcore_checkpoint(save, shards, arch.hf_config, make_vocab_size_divisible_by)
@@ -102,9 +102,9 @@ def hf_to_mcore(hf_checkpoint: str, save: str, tp: int = 1,
 def mcore_to_hf(load: str, hf_checkpoint: str, save: str) -> None:
     """Convert a megatron checkpoint back into a Hugging Face directory shaped like `hf_checkpoint`."""
     meta = read_mcore_meta(load)
-    arch = HFArch.from_hf(hf_checkpoint)
-    if HFArch.from_hf(meta["hf_config"]) != arch:
+    arch = read_model_config(hf_checkpoint)
+    if read_model_config(meta["hf_config"]) != arch:
         raise ValueError(f"{load!r} was converted from a different architecture than {hf_checkpoint!r}: "
-                         f"{HFArch.from_hf(meta['hf_config'])} vs {arch}; pass the checkpoint it came from")
+                         f"{read_model_config(meta['hf_config'])} vs {arch}; pass the checkpoint it came from")
     shards = [load_mcore_rank(load, r) for r in range(meta["tensor_model_parallel_size"])]
     save_hf_checkpoint(mcore_to_hf_items(gather_state_dicts(shards), arch), save, like=hf_checkpoint)

@@ -16,7 +16,7 @@ from typing import Iterator, Mapping
 import torch
 from torch import Tensor
 
-from trainer_bridge.model_provider import HFArch
+from spec_engine.models.hf_config import ModelConfig
 
 # megatron layer suffix -> Hugging Face layer suffix, for tensors that only change name.
 _LAYER_RENAMES = {
@@ -39,7 +39,7 @@ _FC1 = "mlp.linear_fc1.weight"
 _EH_PROJ = "eh_proj.weight"
 
 
-def _layer_names(arch: HFArch, mcore: str, hf: str) -> dict[str, tuple[str, ...]]:
+def _layer_names(arch: ModelConfig, mcore: str, hf: str) -> dict[str, tuple[str, ...]]:
     """megatron name -> its Hugging Face names, for one decoder layer under the given prefixes."""
     names = {mcore + m: (hf + h,) for m, h in _LAYER_RENAMES.items()}
     if arch.qk_norm:
@@ -51,10 +51,10 @@ def _layer_names(arch: HFArch, mcore: str, hf: str) -> dict[str, tuple[str, ...]
     return names
 
 
-def name_map(arch: HFArch) -> dict[str, tuple[str, ...]]:
+def name_map(arch: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Every megatron parameter name of `arch`, with the Hugging Face tensors it is made of, in HF order."""
     names: dict[str, tuple[str, ...]] = {"embedding.word_embeddings.weight": ("model.embed_tokens.weight",)}
-    for i in range(arch.num_layers):
+    for i in range(arch.num_hidden_layers):
         names.update(_layer_names(arch, f"decoder.layers.{i}.", f"model.layers.{i}."))
     names["decoder.final_layernorm.weight"] = ("model.norm.weight",)
     if not arch.tie_word_embeddings:
@@ -67,15 +67,15 @@ def name_map(arch: HFArch) -> dict[str, tuple[str, ...]]:
     return names
 
 
-def _fuse_qkv(arch: HFArch, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    groups, d = arch.num_kv_heads, arch.head_dim
+def _fuse_qkv(arch: ModelConfig, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    groups, d = arch.num_key_value_heads, arch.head_dim
     tail = q.shape[1:]
     q = q.reshape(groups, arch.heads_per_group * d, *tail)
     return torch.cat((q, k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)), dim=1).reshape(-1, *tail)
 
 
-def _split_qkv(arch: HFArch, qkv: Tensor) -> tuple[Tensor, ...]:
-    groups, d = arch.num_kv_heads, arch.head_dim
+def _split_qkv(arch: ModelConfig, qkv: Tensor) -> tuple[Tensor, ...]:
+    groups, d = arch.num_key_value_heads, arch.head_dim
     tail = qkv.shape[1:]
     q, k, v = qkv.reshape(groups, -1, *tail).split([arch.heads_per_group * d, d, d], dim=1)
     return tuple(t.reshape(-1, *tail) for t in (q, k, v))
@@ -91,7 +91,7 @@ def _is_qkv(name: str) -> bool:
     return _QKV in name
 
 
-def to_mcore(name: str, hf_tensors: tuple[Tensor, ...], arch: HFArch) -> Tensor:
+def to_mcore(name: str, hf_tensors: tuple[Tensor, ...], arch: ModelConfig) -> Tensor:
     """Build megatron tensor `name` from its Hugging Face tensors (in `name_map` order)."""
     if _is_qkv(name):
         return _fuse_qkv(arch, *hf_tensors)
@@ -103,7 +103,7 @@ def to_mcore(name: str, hf_tensors: tuple[Tensor, ...], arch: HFArch) -> Tensor:
     return tensor
 
 
-def to_hf(name: str, tensor: Tensor, arch: HFArch) -> tuple[Tensor, ...]:
+def to_hf(name: str, tensor: Tensor, arch: ModelConfig) -> tuple[Tensor, ...]:
     """The Hugging Face tensors (in `name_map` order) inside megatron tensor `name`; vocab padding removed."""
     if _is_qkv(name):
         return _split_qkv(arch, tensor)
@@ -116,7 +116,7 @@ def to_hf(name: str, tensor: Tensor, arch: HFArch) -> tuple[Tensor, ...]:
     return (tensor,)
 
 
-def hf_to_mcore_state_dict(hf_tensors: Mapping[str, Tensor], arch: HFArch) -> dict[str, Tensor]:
+def hf_to_mcore_state_dict(hf_tensors: Mapping[str, Tensor], arch: ModelConfig) -> dict[str, Tensor]:
     """The whole (TP=1, unpadded vocab) megatron state dict of a Hugging Face state dict."""
     names = name_map(arch)
     wanted = {h for hs in names.values() for h in hs}
@@ -128,7 +128,7 @@ def hf_to_mcore_state_dict(hf_tensors: Mapping[str, Tensor], arch: HFArch) -> di
     return {m: to_mcore(m, tuple(hf_tensors[h] for h in hs), arch) for m, hs in names.items()}
 
 
-def mcore_to_hf_items(state: Mapping[str, Tensor], arch: HFArch) -> Iterator[tuple[str, Tensor]]:
+def mcore_to_hf_items(state: Mapping[str, Tensor], arch: ModelConfig) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, tensor) pairs of a whole megatron state dict, one megatron tensor at a time."""
     mapping = name_map(arch)
     # model.state_dict() also holds `*._extra_state` entries (None without Transformer Engine).

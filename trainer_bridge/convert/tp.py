@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from trainer_bridge.model_provider import DEFAULT_VOCAB_DIVISOR, HFArch, check_tensor_parallel, padded_vocab_size
+from spec_engine.models.hf_config import ModelConfig
+from trainer_bridge.model_provider import DEFAULT_VOCAB_DIVISOR, check_tensor_parallel, padded_vocab_size
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "eh_proj.weight")
@@ -73,7 +74,7 @@ def gather_tensor(name: str, shards: Sequence[Tensor]) -> Tensor:
     return shards[0]
 
 
-def shard_state_dict(state: Mapping[str, Tensor], arch: HFArch, tp: int,
+def shard_state_dict(state: Mapping[str, Tensor], arch: ModelConfig, tp: int,
                      make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> list[dict[str, Tensor]]:
     """Per-rank state dicts (rank order) of a whole megatron state dict.
 
