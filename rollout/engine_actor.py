@@ -6,7 +6,8 @@ router-facing handle that awaits the actor's calls.
 
 EngineActor's methods are coroutines, so Ray runs it as an async actor: many generate calls run
 concurrently in its event loop, and blocking engine calls (weight updates, release/resume) run
-in a thread so they do not stall the outputs of requests in flight.
+in a thread so they do not stall the outputs of requests in flight. A run's engines, each in its
+placement bundle, are a `rollout.engine_group.EngineGroup`.
 """
 
 from __future__ import annotations

@@ -60,10 +60,10 @@ class RolloutManager:
         return run_sync(self.agenerate(rollout_id))
 
     async def agenerate(self, rollout_id: int) -> tuple[Groups, dict[str, float]]:
-        """Metrics: DESIGN.md's rollout/* and perf/* keys (see rollout.metrics.rollout_metrics), and
-        for the built-in rollout rollout/groups_{submitted,filtered,aborted,leftover}: groups sent,
-        dropped by the filter, dropped for an aborted or failed sample, and not needed (aborted
-        leftovers and groups that finished after the batch was full)."""
+        """Metrics: docs/design.md's rollout/* and perf/* keys (rollout.metrics.rollout_metrics),
+        and for the built-in rollout rollout/groups_{submitted,filtered,aborted,leftover}: groups
+        sent, dropped by the filter, dropped for an aborted or failed sample, and not needed
+        (aborted leftovers and groups that finished after the batch was full)."""
         start = time.perf_counter()
         if self.rollout_fn is not None:
             groups = await call_maybe_async(self.rollout_fn, self.args, rollout_id, self)

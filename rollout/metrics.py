@@ -1,4 +1,5 @@
-"""Rollout metrics (DESIGN.md's keys) and a logger: metrics.jsonl always, wandb / tensorboard optionally."""
+"""Rollout metrics (docs/design.md's keys) and a logger: metrics.jsonl always, wandb and
+tensorboard optionally."""
 
 from __future__ import annotations
 

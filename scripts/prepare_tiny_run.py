@@ -1,76 +1,28 @@
-"""Everything the tiny CPU run needs, built locally: a tokenizer, a random MiMo-style model
-(Qwen2 trunk + one MTP layer), the tiny task's prompts, and a short supervised warm-up.
+"""Build the tiny CPU run's assets (specrl.tiny_run): a tokenizer, a random MiMo-style model, the
+tiny task and a supervised warm-up; prints the warmed-up checkpoint's path.
 
     python -m scripts.prepare_tiny_run --out runs/tiny-cpu/assets
-
-Writes OUT/base (the random checkpoint), OUT/task.jsonl (rollout.tiny_task) and OUT/warm (the
-warmed-up checkpoint the RL run starts from). The warm-up teaches a format, not the task: the
-response is one random token repeated, so the policy still picks its first token at random (the
-reward, which only looks at that first token, stays at chance level for RL to raise), while the
-rest of a response is predictable and the MTP layer (trained alongside) learns to draft it.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
-import random
 
-from rollout.tiny_task import PROMPT_FORMAT, write_tiny_task
-from specrl.tiny_models import add_mimo_mtp, build_tiny_model
-
-logger = logging.getLogger("specrl.prepare_tiny_run")
-
-
-def warmup_batch(tokenizer, letters: list[str], size: int, response_len: int, rng: random.Random):
-    """Prompts of the task with responses `t t t ...` for a random non-special token t."""
-    from trainer_bridge.actor import TrainBatch
-
-    first_normal = len(tokenizer.all_special_ids)
-    prompts = [tokenizer(PROMPT_FORMAT.format(letter=letter))["input_ids"] for letter in letters]
-    tokens, lengths = [], []
-    for _ in range(size):
-        prompt = rng.choice(prompts)
-        token = rng.randrange(first_normal, len(tokenizer))
-        tokens.append(prompt + [token] * response_len)
-        lengths.append(response_len)
-    return TrainBatch(tokens, lengths, rewards=[0.0] * size)
-
-
-def prepare(out: str, steps: int = 60, batch_size: int = 32, response_len: int = 4, lr: float = 3e-3,
-            seed: int = 0) -> str:
-    """Build the assets under `out`; returns the warmed-up checkpoint's path."""
-    from transformers import AutoTokenizer
-
-    from trainer_bridge.actor import TrainActor, TrainerArgs
-    from trainer_bridge.megatron_compat import destroy_model_parallel
-
-    base, warm = os.path.join(out, "base"), os.path.join(out, "warm")
-    build_tiny_model(base, arch="qwen2", num_layers=2, seed=seed)
-    add_mimo_mtp(base, seed=seed + 1)
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    letters = write_tiny_task(os.path.join(out, "task.jsonl"), tokenizer, n=256, seed=seed)
-    actor = TrainActor(TrainerArgs(hf_checkpoint=base, lr=lr, micro_batch_size=batch_size, enable_mtp_training=True,
-                                   mtp_loss_scaling_factor=1.0, seed=seed))
-    rng = random.Random(seed)
-    for step in range(steps):
-        metrics = actor.train_sft(warmup_batch(tokenizer, letters, batch_size, response_len, rng))
-        if step % 10 == 0 or step == steps - 1:
-            logger.info("warm-up step %d: loss %.3f, mtp loss %.3f", step, metrics["train/loss"], metrics["train/mtp_loss"])
-    actor.save_hf(warm)
-    destroy_model_parallel()
-    return warm
+from specrl.console import quiet_known_noise, setup_logging
+from specrl.tiny_run import prepare
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="Directory for base/, task.jsonl and warm/.")
     parser.add_argument("--steps", type=int, default=60, help="Supervised warm-up steps.")
     parser.add_argument("--response-len", type=int, default=4, help="Tokens per warm-up response.")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    setup_logging()
+    quiet_known_noise()
     print(prepare(args.out, steps=args.steps, response_len=args.response_len, seed=args.seed))
 
 

@@ -3,7 +3,8 @@
 #   bash scripts/run-tiny-cpu.sh [extra scripts/train.py flags...]
 #   OUT=dir chooses the output directory; MTP_TRAINING=0 keeps the MTP draft layer frozen.
 # Builds a tokenizer, a random Qwen2+MTP (MiMo-style) model, the tiny task and a supervised warm-up
-# (scripts/prepare_tiny_run.py), then runs scripts/train.py; metrics land in $OUT/metrics.jsonl.
+# (scripts/prepare_tiny_run.py, once per $OUT), then runs scripts/train.py: a line per rollout and
+# a closing summary on stdout, metrics in $OUT/metrics.jsonl, plots in $OUT/plots/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/tiny-cpu}

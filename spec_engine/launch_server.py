@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Optional
 
 import uvicorn
 
+from spec_engine.args.dataclass_cli import HelpFormatter
 from spec_engine.args.engine_args import add_cli_args, from_cli_args
 from spec_engine.engine import Engine
 from spec_engine.server.http_server import create_app
@@ -17,17 +17,21 @@ logger = logging.getLogger("spec_engine.launch_server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m spec_engine.launch_server", allow_abbrev=False,
-                                     description="Serve a model over SGLang-native and OpenAI-compatible HTTP APIs.")
-    add_cli_args(parser)
+    parser = argparse.ArgumentParser(
+        prog="python -m spec_engine.launch_server",
+        usage="%(prog)s --model-path DIR [engine flags]",
+        allow_abbrev=False,
+        formatter_class=HelpFormatter,
+        description="Serve a model over SGLang-native and OpenAI-compatible HTTP APIs.",
+    )
+    # EngineArgs leaves model_path unset for in-process engines built from keyword arguments;
+    # a server has nothing to serve without it.
+    add_cli_args(parser, required=["model_path"])
     return parser
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = build_parser()
-    args = from_cli_args(parser.parse_args(argv))
-    if args.model_path is None:
-        parser.error("--model-path is required")
+def main(argv: list[str] | None = None) -> None:
+    args = from_cli_args(build_parser().parse_args(argv))
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     engine = Engine(args)
     if not engine.args.skip_server_warmup:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 from transformers import AutoTokenizer
 
 from rollout import RolloutArgs, RolloutManager, Status
 from rollout.engine_actor import EngineActor, RayEngineHandle
+from rollout.engine_group import EngineGroup
+from spec_engine.args.engine_args import EngineArgs
+from specrl.placement import reserve_bundles
 
 ray = pytest.importorskip("ray")
 
@@ -43,3 +47,30 @@ def test_manager_through_ray_actor(ray_session, llama_path, tmp_path):
     state = ray.get(actor.get_server_info.remote())["internal_states"][0]
     assert state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0
     ray.get(actor.shutdown.remote())
+
+
+@pytest.mark.slow
+def test_engine_group_serves_releases_and_survives_a_dead_engine(ray_session, llama_path, caplog):
+    """One engine in its own placement bundle: up when built, memory released and resumed for a
+    colocated trainer, and shutdown ends cleanly although the engine's actor died."""
+    engines = EngineGroup(
+        EngineArgs(model_path=llama_path, random_seed=0, max_running_requests=2),
+        reserve_bundles(1, 1, "--rollout-num-gpus"),
+    )
+    engines.wait_until_up()
+    assert len(engines.handles) == 1 and engines.handles[0].actor is engines.actors[0]
+    engines.release_memory()
+    engines.resume_memory()
+    out = ray.get(
+        engines.actors[0].async_generate.remote(
+            input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "temperature": 0.0}
+        )
+    )
+    assert len(out["output_ids"]) == 2
+    ray.kill(engines.actors[0])
+    with pytest.raises(ray.exceptions.RayActorError):  # ray.kill returns before the actor is gone
+        for _ in range(300):
+            ray.get(engines.actors[0].get_model_info.remote())
+            time.sleep(0.1)
+    engines.shutdown()
+    assert "engine shutdown failed" in caplog.text

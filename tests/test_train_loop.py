@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from specrl.tiny_models import add_mimo_mtp
-from scripts.train import parse_args
+from specrl.train_options import parse_args
 
 pytest.importorskip("ray")
 
@@ -52,7 +52,7 @@ def metrics(out):
 def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path):
     model, data = task
     out, saved = str(tmp_path / "run"), str(tmp_path / "rollouts" / "r{rollout_id}.pt")
-    run(base_args(model, data, out) + [
+    proc = run(base_args(model, data, out) + [
         "--lr", "1e-3", "--enable-mtp-training", "--check-weight-update-equal", "--save-debug-rollout-data", saved,
         "--colocate", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", "--ray-num-cpus", "4",
         "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "2",
@@ -66,6 +66,20 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
             assert r[key] is not None, key
         assert abs(r["train/tis"] - 1.0) < 1e-3  # trainer and engine log-probs agree
     assert os.path.exists(saved.format(rollout_id=1))
+    # The run explains itself: a closing summary read back from metrics.jsonl, and its plots.
+    summary = proc.stdout[proc.stdout.index("run summary (2 rollouts)"):]
+    reward = [r["rollout/raw_reward"] for r in rows]
+    accept = [r["rollout/spec_accept_length"] for r in rows]
+    assert f"reward:         {reward[0]:.3f} -> {reward[-1]:.3f} (first -> last" in summary
+    assert f"accept length:  {accept[0]:.2f} -> {accept[-1]:.2f} (first -> last" in summary
+    assert f"train {sum(r['perf/actor_train_time'] for r in rows):.1f} s" in summary
+    assert os.path.join(out, "metrics.jsonl") in summary
+    for plot in ("reward.svg", "accept_length.svg"):
+        path = os.path.join(out, "plots", plot)
+        assert path in summary and open(path).read().startswith("<svg")
+    # megatron's known warnings are filtered in the trainer's Ray workers too; no INFO on stderr.
+    assert "megatron" not in proc.stderr and "all_gather_into_tensor" not in proc.stderr
+    assert "rollout 1/2: reward" in proc.stdout and "rollout 1/2" not in proc.stderr
     replay = str(tmp_path / "replay")
     run(base_args(model, data, replay) + ["--load-debug-rollout-data", saved, "--lr", "1e-3",
                                           "--actor-num-gpus-per-node", "2",  # two data-parallel ranks

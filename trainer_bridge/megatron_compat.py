@@ -6,21 +6,46 @@ below says what fails without it. The patches only change behaviour that would o
 ("Torch not compiled with CUDA enabled"), so code that already runs on CPU is unaffected.
 `init_model_parallel()` / `destroy_model_parallel()` (or the `model_parallel()` context) set up
 torch.distributed (gloo) and megatron's parallel_state for one process or one spawned rank.
+`filter_known_warnings()` silences megatron-core's warnings that no run can act on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import types
-from typing import Any, Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 _applied = False
 CPU = torch.device("cpu")
+
+# Warnings from megatron-core that no run can act on, as (category, message start, issuing
+# module, only without CUDA). Transformer Engine and Apex cannot be installed without CUDA, nor
+# does CUDA_DEVICE_MAX_CONNECTIONS mean anything there, so those notices only matter on GPUs;
+# "full" is TransformerConfig's own default cuda_graph_scope; megatron's own layers call the
+# tp_group helper with tp_group=None and the collective torch deprecates (torch's wrapper issues
+# that one).
+MEGATRON = r"megatron\.core\."
+KNOWN_WARNINGS = (
+    (UserWarning, "Transformer Engine and Apex are not installed", MEGATRON, True),
+    (UserWarning, "Apex is not installed", MEGATRON, True),
+    (UserWarning, "When using async grad allreduce it is recommended", MEGATRON, True),
+    (UserWarning, "full scope is deprecated", MEGATRON, False),
+    (DeprecationWarning, "Warning: tp_group is None", MEGATRON, False),
+    (
+        FutureWarning,
+        "`torch.distributed.all_gather_into_tensor` is",
+        r"torch\.distributed\.",
+        False,
+    ),
+)
 
 
 def _on_cpu(device: Any) -> Any:
@@ -41,7 +66,7 @@ def _factory_on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch
 
 
 class _CpuTorch(types.ModuleType):
-    """`torch` as one megatron module sees it: tensor factories asked for device="cuda" build on CPU."""
+    """`torch` as one megatron module sees it: factories asked for device="cuda" build on CPU."""
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -83,7 +108,9 @@ class CpuRNGStatesTracker:
 
     def add(self, name: str, seed: int) -> None:
         if seed in self.seeds_:
-            raise ValueError(f"RNG seed {seed} is already tracked; every tracked state needs its own seed")
+            raise ValueError(
+                f"RNG seed {seed} is already tracked; every tracked state needs its own seed"
+            )
         if name in self.states_:
             raise ValueError(f"RNG state {name!r} is already tracked")
         self._is_initialized = True
@@ -91,9 +118,11 @@ class CpuRNGStatesTracker:
         self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
     @contextlib.contextmanager
-    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:  # megatron's default state name
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:  # megatron's default
         if name not in self.states_:
-            raise KeyError(f"RNG state {name!r} is not tracked; call model_parallel_cuda_manual_seed first")
+            raise KeyError(
+                f"RNG state {name!r} is not tracked; call model_parallel_cuda_manual_seed first"
+            )
         outside = torch.get_rng_state()
         torch.set_rng_state(self.states_[name])
         try:
@@ -111,9 +140,10 @@ def _set_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     torch.set_rng_state(state)
 
 
-def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: float,
-                                  use_decoupled_grad: bool = False) -> None:
-    """megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32 without its CUDA-only asserts."""
+def _clip_grad_by_total_norm_fp32(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """megatron's clip_grads.clip_grad_by_total_norm_fp32 without its CUDA-only asserts."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     attr = "decoupled_grad" if use_decoupled_grad else "grad"
@@ -123,15 +153,20 @@ def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: 
         torch._foreach_mul_(grads, clip_coeff)
 
 
-def _l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[torch.Tensor]],
-             per_tensor: bool, *args: Any) -> tuple[torch.Tensor, None]:
+def _l2_norm(
+    chunk_size: int,
+    noop_flag: torch.Tensor,
+    tensor_lists: list[list[torch.Tensor]],
+    per_tensor: bool,
+    *args: Any,
+) -> tuple[torch.Tensor, None]:
     """megatron.core.utils.local_multi_tensor_l2_norm, returning the norm on the grads' device."""
     norms = [torch.linalg.vector_norm(t.float()) for tensors in tensor_lists for t in tensors]
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
 def apply_cpu_shims() -> None:
-    """Patch megatron-core for CPU + gloo; idempotent; does nothing CUDA-specific when CUDA is present."""
+    """Patch megatron-core for CPU + gloo, once; nothing CUDA-specific when CUDA is present."""
     global _applied
     if _applied:
         return
@@ -139,7 +174,7 @@ def apply_cpu_shims() -> None:
 
     # Without Transformer Engine moe_utils never defines `te_general_gemm`, yet the MoE router's
     # gating linear tests `te_general_gemm is not None`: every MoE forward raises NameError.
-    # Defining it as None selects megatron's own torch.mm path. (A missing-name bug, not a CUDA one.)
+    # Defining it as None selects megatron's own torch.mm path (a missing-name bug, not a CUDA one).
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     if torch.cuda.is_available():
@@ -178,6 +213,15 @@ def apply_cpu_shims() -> None:
     _applied = True
 
 
+def filter_known_warnings() -> None:
+    """Ignore KNOWN_WARNINGS; call before megatron is imported, since most of them are issued at
+    import. Other warnings, megatron's included, still show."""
+    cuda = torch.cuda.is_available()
+    for category, message, module, cpu_only in KNOWN_WARNINGS:
+        if not (cpu_only and cuda):
+            warnings.filterwarnings("ignore", re.escape(message), category, module)
+
+
 def free_port() -> int:
     """A TCP port on localhost that was free a moment ago."""
     with socket.socket() as s:
@@ -185,27 +229,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, *, rank: int = 0, world_size: int = 1, seed: int = 1234,
-                        master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
-    """Start torch.distributed (gloo on CPU, nccl on CUDA) if needed, megatron's parallel groups and RNG seeds.
+def init_model_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 1234,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> None:
+    """Start torch.distributed (gloo on CPU, nccl on CUDA) if needed, megatron's parallel groups
+    and RNG seeds.
 
-    In a single process the defaults are enough; spawned ranks pass rank/world_size and one shared port.
+    In a single process the defaults are enough; spawned ranks pass rank/world_size and one
+    shared port.
     """
     apply_cpu_shims()
     if world_size % (tp * pp):
-        raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp}*{pp}; "
-                         "launch tp*pp*dp processes")
+        raise ValueError(
+            f"world_size={world_size} is not a multiple of tp*pp={tp}*{pp}; "
+            "launch tp*pp*dp processes"
+        )
     if not dist.is_initialized():
         os.environ["MASTER_ADDR"] = master_addr
         if master_port is not None:
             os.environ["MASTER_PORT"] = str(master_port)
         elif "MASTER_PORT" not in os.environ:
             if world_size > 1:
-                raise ValueError("several ranks need one shared master_port (or MASTER_PORT in the environment)")
+                raise ValueError(
+                    "several ranks need one shared master_port (or MASTER_PORT in the environment)"
+                )
             os.environ["MASTER_PORT"] = str(free_port())
         if torch.cuda.is_available():
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world_size
+        )
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

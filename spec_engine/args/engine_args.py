@@ -168,10 +168,12 @@ class EngineArgs:
 # ---------------------------------------------------------------- CLI generation
 
 
-def add_cli_args(parser: argparse.ArgumentParser, prefix: str = "", exclude: typing.Iterable[str] = ()) -> None:
-    """Add one flag per EngineArgs field: `--{prefix}{name-with-dashes}` (underscores also accepted)."""
+def add_cli_args(parser: argparse.ArgumentParser, prefix: str = "", exclude: typing.Iterable[str] = (),
+                 required: typing.Iterable[str] = ()) -> None:
+    """Add one flag per EngineArgs field: `--{prefix}{name-with-dashes}` (underscores also accepted);
+    `required`: fields the command line must give (a server's --model-path)."""
     add_dataclass_args(parser, EngineArgs, f"engine options ({'--' + prefix + '*' if prefix else 'EngineArgs'})",
-                       prefix, exclude)
+                       prefix, exclude, required)
 
 
 def from_cli_args(namespace: argparse.Namespace, prefix: str = "", **overrides: Any) -> EngineArgs:

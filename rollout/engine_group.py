@@ -1,0 +1,64 @@
+"""EngineGroup: the rollout engines of a run, one EngineActor Ray actor per placement bundle.
+
+    engines = EngineGroup(engine_args, reserve_bundles(2, 1, "--rollout-num-gpus"))
+    engines.wait_until_up()
+    manager = RolloutManager(rollout_args, engines.handles, tokenizer)
+    trainer.push_weights(engines.actors, ...)
+    engines.shutdown()
+
+The caller reserves the bundles (specrl.placement.reserve_bundles) and passes the Ray actor
+options that pin one engine to each.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from rollout.engine_actor import EngineActor, RayEngineHandle
+from spec_engine.args.engine_args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 60
+
+
+class EngineGroup:
+    """Starts one engine per bundle; `wait_until_up` returns once every one is up (calls made
+    before are queued by Ray until then), so other actors can start meanwhile."""
+
+    def __init__(self, engine_args: EngineArgs, placement: Sequence[dict[str, Any]]) -> None:
+        self.actors = [
+            ray.remote(EngineActor).options(**options).remote(**engine_args.to_dict())
+            for options in placement
+        ]
+
+    def wait_until_up(self) -> None:
+        """Blocks until every engine has loaded its model; raises the error of one that failed."""
+        ray.get([a.get_server_info.remote() for a in self.actors])
+
+    @property
+    def handles(self) -> list[RayEngineHandle]:
+        """The engines as the rollout router calls them (awaitable)."""
+        return [RayEngineHandle(a) for a in self.actors]
+
+    def release_memory(self) -> None:
+        """Weights and KV cache out of device memory, for a colocated trainer to use."""
+        ray.get([a.release_memory_occupation.remote() for a in self.actors])
+
+    def resume_memory(self) -> None:
+        """Weights and KV cache back, after the colocated trainer's step."""
+        ray.get([a.resume_memory_occupation.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        """Shut every engine down; one that is dead or does not answer is killed, and the others
+        are still shut down (a dead engine must not hide the run's own error)."""
+        for actor in self.actors:
+            try:
+                ray.get(actor.shutdown.remote(), timeout=SHUTDOWN_TIMEOUT_S)
+            except Exception as e:
+                logger.warning("engine shutdown failed (%s); killing its actor", e)
+                ray.kill(actor)

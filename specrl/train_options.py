@@ -1,0 +1,207 @@
+"""scripts/train.py's flags: the packages' options (trainer, rollout, engine as --sglang-*) plus
+the launcher's own, parsed and validated before anything starts.
+
+`parse_args(argv)` returns the argparse namespace with `.options`, each package's options class
+built (and so validated) once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from rollout import config as rollout_config
+from rollout.config import RolloutArgs
+from spec_engine.args import engine_args as engine_config
+from spec_engine.args.dataclass_cli import HelpFormatter, add_dataclass_args, dataclass_from_args
+from spec_engine.args.engine_args import EngineArgs
+from trainer_bridge.actor import TrainerArgs
+from trainer_bridge.loss import LossConfig
+from trainer_bridge.weight_sync import WeightSyncConfig
+
+ENGINE_PREFIX = "sglang-"
+NOT_A_SERVER = "the launcher (engines are Ray actors, not servers)"
+# Engine flags the launcher sets itself, and the launcher flag that controls each.
+LAUNCHER_OWNED = {
+    "model_path": "--hf-checkpoint",
+    "tokenizer_path": "--hf-checkpoint",
+    "random_seed": "--seed",
+    "host": NOT_A_SERVER,
+    "port": NOT_A_SERVER,
+    "api_key": NOT_A_SERVER,
+    "skip_server_warmup": "the launcher",
+    "weight_version": "the launcher (it counts weight updates)",
+    "skip_tokenizer_init": "the launcher (rewards need text)",
+}
+# SGLang flags specrl's engine does not have, and what does their job here.
+SGLANG_ONLY = {
+    "tp_size": "--rollout-num-gpus-per-engine",
+    "enable_memory_saver": "--colocate",
+    "dp_size": "--rollout-num-gpus (one engine per device)",
+}
+USAGE = (
+    "python -m scripts.train --hf-checkpoint DIR --rollout-batch-size N --num-rollout N "
+    "--output-dir DIR [flags]"
+)
+DESCRIPTION = """\
+The RL loop: rollout -> samples -> train -> weight update -> next rollout.
+
+Flags come from the packages: trainer (TrainerArgs, LossConfig, WeightSyncConfig), rollout
+(RolloutArgs), engine (spec_engine's EngineArgs as --sglang-<flag>), then the launcher's own.
+Every flag also accepts its underscore spelling (--rollout_batch_size)."""
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class LauncherArgs:
+    """The flags that belong to no package: run length, output, devices, debug modes, logging."""
+
+    num_rollout: int = field(metadata={"help": "Rollouts (RL steps) to run."})
+    output_dir: str = field(
+        metadata={"help": "Where metrics.jsonl, plots and logs go.", "metavar": "DIR"}
+    )
+    save: str | None = _opt(
+        None,
+        "Save a Hugging Face checkpoint here every --save-interval rollouts ({rollout_id} is "
+        "filled in).",
+        metavar="DIR",
+    )
+    save_interval: int | None = _opt(
+        None,
+        "Rollouts between checkpoints (the last rollout is always saved when --save is given).",
+    )
+    rollout_num_gpus: int = _opt(1, "Devices (CPU bundles without GPUs) for all engines together.")
+    rollout_num_gpus_per_engine: int = _opt(
+        1, "Devices per engine; engines = num-gpus / per-engine."
+    )
+    actor_num_nodes: int = _opt(1, "Nodes of trainer ranks.")
+    actor_num_gpus_per_node: int = _opt(
+        1,
+        "Trainer ranks per node (one GPU each; CPUs without GPUs); TP groups come from "
+        "--tensor-model-parallel-size, the rest is data parallel.",
+    )
+    colocate: bool = _opt(False, "Engines release weights and KV while the trainer runs.")
+    debug_rollout_only: bool = _opt(
+        False, "Rollouts only: no trainer, no training, no weight update."
+    )
+    debug_train_only: bool = _opt(False, "Training only, on --load-debug-rollout-data: no engines.")
+    use_wandb: bool = _opt(False, "Log to wandb (offline unless WANDB_MODE is set).")
+    wandb_project: str | None = _opt(None, "wandb project.")
+    use_tensorboard: bool = _opt(False, "Log to tensorboard under --output-dir.")
+    dry_run: bool = _opt(False, "Check the flags, print the resolved options and exit.")
+    ray_num_cpus: int | None = _opt(None, "CPUs of the local Ray (default: all).")
+
+
+class Options(NamedTuple):
+    """Each package's options, built (and validated) once from the flags."""
+
+    trainer: TrainerArgs
+    loss: LossConfig
+    sync: WeightSyncConfig
+    rollout: RolloutArgs
+    engine: EngineArgs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scripts/train.py", usage=USAGE, description=DESCRIPTION, formatter_class=HelpFormatter
+    )
+    add_dataclass_args(parser, TrainerArgs, "trainer (TrainerArgs)", required=["hf_checkpoint"])
+    add_dataclass_args(parser, LossConfig, "trainer: policy loss (LossConfig)")
+    add_dataclass_args(parser, WeightSyncConfig, "trainer: weight sync (WeightSyncConfig)")
+    rollout_config.add_cli_args(parser)
+    engine_config.add_cli_args(parser, prefix=ENGINE_PREFIX, exclude=LAUNCHER_OWNED)
+    add_dataclass_args(parser, LauncherArgs, "launcher")
+    return parser
+
+
+def check_engine_flags(argv: Sequence[str]) -> None:
+    """Refuse launcher-owned and unknown --sglang-* flags with a message naming the right one."""
+    known = set(engine_config.field_names()) - set(LAUNCHER_OWNED)
+    for arg in argv:
+        if not arg.startswith("--" + ENGINE_PREFIX) and not arg.startswith("--sglang_"):
+            continue
+        flag = arg.split("=", 1)[0]
+        name = flag[2 + len(ENGINE_PREFIX) :].replace("-", "_")
+        if name in LAUNCHER_OWNED:
+            raise SystemExit(
+                f"error: {flag} is set by the launcher; use {LAUNCHER_OWNED[name]} instead"
+            )
+        if name in SGLANG_ONLY:
+            raise SystemExit(
+                f"error: {flag} is not an engine flag in specrl; use {SGLANG_ONLY[name]}"
+            )
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.5)
+            hint = f"; did you mean --{ENGINE_PREFIX}{close[0].replace('_', '-')}?" if close else ""
+            raise SystemExit(f"error: unknown engine flag {flag}{hint}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The flags, checked together; `.options` holds each package's validated options."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_engine_flags(argv)
+    args = build_parser().parse_args(argv)
+    if args.load_debug_rollout_data is not None:
+        args.debug_train_only = True  # as in slime: saved rollouts need no engines
+    check_launcher_flags(args)
+    try:  # every options class validates itself now, before any engine or trainer starts
+        args.options = Options(
+            dataclass_from_args(TrainerArgs, args),
+            dataclass_from_args(LossConfig, args),
+            dataclass_from_args(WeightSyncConfig, args),
+            rollout_config.from_cli_args(args),
+            engine_config.from_cli_args(
+                args,
+                prefix=ENGINE_PREFIX,
+                model_path=args.hf_checkpoint,
+                random_seed=args.seed,
+                weight_version="0",
+            ),
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return args
+
+
+def check_launcher_flags(args: argparse.Namespace) -> None:
+    """Refuse launcher flags that contradict each other, naming the flags to change."""
+    if args.debug_rollout_only and args.debug_train_only:
+        raise SystemExit(
+            "error: --debug-rollout-only and --debug-train-only (or "
+            "--load-debug-rollout-data) exclude each other"
+        )
+    if args.rollout_num_gpus_per_engine != 1:
+        raise SystemExit(
+            f"error: --rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: "
+            "engines run on one device each for now; use 1 and raise --rollout-num-gpus "
+            "for more engines"
+        )
+    if args.save_interval is not None and args.save_interval <= 0:
+        raise SystemExit(f"error: --save-interval must be positive, got {args.save_interval}")
+    if args.debug_rollout_only and args.save:
+        raise SystemExit(
+            "error: --save writes the trained policy, and --debug-rollout-only trains nothing"
+        )
+    if args.bf16 and not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit(
+            "error: --bf16 needs CUDA (megatron's mixed-precision optimizer); train in "
+            "float32 on CPU"
+        )
+    if args.debug_train_only and args.load_debug_rollout_data is None:
+        raise SystemExit(
+            "error: --debug-train-only trains on saved rollouts: give --load-debug-rollout-data"
+        )
+    if (args.eval_interval is None) != (args.eval_prompt_data is None):
+        raise SystemExit(
+            "error: --eval-interval and --eval-prompt-data go together (how often, and on what)"
+        )
