@@ -11,5 +11,15 @@ from rollout.manager import RolloutManager
 from rollout.metrics import MetricsLogger, rollout_metrics
 from rollout.sample import Sample, Status
 
-__all__ = ["RolloutArgs", "add_cli_args", "from_cli_args", "RolloutManager", "Sample", "Status", "MetricsLogger",
-           "rollout_metrics", "save_debug_rollout_data", "load_debug_rollout_data"]
+__all__ = [
+    "RolloutArgs",
+    "add_cli_args",
+    "from_cli_args",
+    "RolloutManager",
+    "Sample",
+    "Status",
+    "MetricsLogger",
+    "rollout_metrics",
+    "save_debug_rollout_data",
+    "load_debug_rollout_data",
+]

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from rollout.rewards import REWARD_TYPES
 from spec_engine.args.dataclass_cli import add_dataclass_args, dataclass_from_args
@@ -30,42 +31,130 @@ class RolloutArgs:
     """Rollout options. Names and defaults follow slime's where slime has the option."""
 
     # Batch shape
-    rollout_batch_size: int = _opt(REQUIRED, "Prompts (groups) per rollout; each prompt is sampled --n-samples-per-prompt times.")
+    rollout_batch_size: int = _opt(
+        REQUIRED,
+        "Prompts (groups) per rollout; each prompt is sampled --n-samples-per-prompt times.",
+    )
     n_samples_per_prompt: int = _opt(1, "Responses sampled per prompt (the group size for GRPO).")
     # Data
     prompt_data: Optional[str] = _opt(None, "JSONL file of prompts, one JSON object per line.")
-    input_key: str = _opt("input", "Key of the prompt in each JSONL object: a string, or a list of chat messages with --apply-chat-template.")
-    label_key: Optional[str] = _opt(None, "Key of the label (reference answer) in each JSONL object; unset: samples carry no label.")
-    metadata_key: str = _opt("metadata", "Key of an optional per-prompt metadata object, copied into every sample's metadata.")
-    apply_chat_template: bool = _opt(False, "Wrap each prompt as a user message and apply the tokenizer's chat template (add_generation_prompt=True).")
-    rollout_shuffle: bool = _opt(False, "Shuffle the prompts, afresh every epoch (deterministic from --rollout-seed and the epoch).")
-    rollout_seed: int = _opt(42, "Seed for prompt shuffling and for each sample's sampling_seed (derived from the seed and the sample's index), so a rollout repeats exactly.")
+    input_key: str = _opt(
+        "input",
+        "Key of the prompt in each JSONL object: a string, or a list of chat messages with "
+        "--apply-chat-template.",
+    )
+    label_key: Optional[str] = _opt(
+        None,
+        "Key of the label (reference answer) in each JSONL object; unset: samples carry no label.",
+    )
+    metadata_key: str = _opt(
+        "metadata",
+        "Key of an optional per-prompt metadata object, copied into every sample's metadata.",
+    )
+    apply_chat_template: bool = _opt(
+        False,
+        "Wrap each prompt as a user message and apply the tokenizer's chat template "
+        "(add_generation_prompt=True).",
+    )
+    rollout_shuffle: bool = _opt(
+        False,
+        "Shuffle the prompts, afresh every epoch (deterministic from --rollout-seed and the "
+        "epoch).",
+    )
+    rollout_seed: int = _opt(
+        42,
+        "Seed for prompt shuffling and for each sample's sampling_seed (derived from the seed and "
+        "the sample's index), so a rollout repeats exactly.",
+    )
     # Sampling
-    rollout_max_response_len: int = _opt(1024, "Most tokens generated per response (max_new_tokens); longer responses end TRUNCATED.")
+    rollout_max_response_len: int = _opt(
+        1024, "Most tokens generated per response (max_new_tokens); longer responses end TRUNCATED."
+    )
     rollout_temperature: float = _opt(1.0, "Sampling temperature (0 is greedy).")
     rollout_top_p: float = _opt(1.0, "Top-p (nucleus) sampling; 1.0 is off.")
     rollout_top_k: int = _opt(-1, "Top-k sampling; -1 is off.")
-    rollout_stop: Optional[list[str]] = _opt(None, "Stop strings: a response ends (COMPLETED) at the first one.")
-    rollout_stop_token_ids: Optional[list[int]] = _opt(None, "Stop token ids, in addition to the model's EOS.")
-    rollout_skip_special_tokens: bool = _opt(False, "Drop special tokens from response text (the token ids keep them).")
+    rollout_stop: Optional[list[str]] = _opt(
+        None, "Stop strings: a response ends (COMPLETED) at the first one."
+    )
+    rollout_stop_token_ids: Optional[list[int]] = _opt(
+        None, "Stop token ids, in addition to the model's EOS."
+    )
+    rollout_skip_special_tokens: bool = _opt(
+        False, "Drop special tokens from response text (the token ids keep them)."
+    )
     # Over-sampling and dynamic sampling
-    over_sampling_batch_size: Optional[int] = _opt(None, "Prompts submitted at a time while fewer than --rollout-batch-size groups are kept or in flight (default: --rollout-batch-size). Groups still in flight when enough are kept are aborted.")
-    dynamic_sampling_filter_path: Optional[str] = _opt(None, "Import path of a group filter `def f(args, samples: list[Sample]) -> bool` (False drops the group), e.g. rollout.filters.check_reward_nonzero_std.")
-    dynamic_sampling_max_groups: Optional[int] = _opt(None, "Most groups one rollout may submit while groups are dropped (by the dynamic filter, or because a sample was aborted or failed); past it the rollout fails (default: 10 x --rollout-batch-size).")
+    over_sampling_batch_size: Optional[int] = _opt(
+        None,
+        "Prompts submitted at a time while fewer than --rollout-batch-size groups are kept or in "
+        "flight (default: --rollout-batch-size). Groups still in flight when enough are kept are "
+        "aborted.",
+    )
+    dynamic_sampling_filter_path: Optional[str] = _opt(
+        None,
+        "Import path of a group filter `def f(args, samples: list[Sample]) -> bool` (False drops "
+        "the group), e.g. rollout.filters.check_reward_nonzero_std.",
+    )
+    dynamic_sampling_max_groups: Optional[int] = _opt(
+        None,
+        "Most groups one rollout may submit while groups are dropped (by the dynamic filter, or "
+        "because a sample was aborted or failed); past it the rollout fails (default: 10 x "
+        "--rollout-batch-size).",
+    )
     # Extension points
-    rollout_function_path: Optional[str] = _opt(None, "Import path of a function replacing the whole rollout: `[async] def f(args, rollout_id, manager) -> list[list[Sample]]` (manager: the RolloutManager, with data_source, router, tokenizer, reward_fn). Default: the built-in over-sampling rollout.")
-    custom_generate_function_path: Optional[str] = _opt(None, "Import path of a per-sample generate function: `async def f(args, sample, sampling_params, engine) -> Sample`; engine has `await engine.async_generate(input_ids=..., sampling_params=..., return_logprob=True)` (routed and abortable) and the function fills tokens, response, response_length, loss_mask, rollout_log_probs and status.")
-    custom_rm_path: Optional[str] = _opt(None, "Import path of a reward function `[async] def rm(args, sample) -> float`, used instead of --rm-type.")
-    rm_type: Optional[str] = _opt(None, "Built-in reward: exact_match (response == label after trimming), boxed_math (last \\boxed{...} vs label, numbers compared by value), tiny (the tiny CPU task; see rollout.tiny_task).", choices=REWARD_TYPES)
+    rollout_function_path: Optional[str] = _opt(
+        None,
+        "Import path of a function replacing the whole rollout: `[async] def f(args, rollout_id, "
+        "manager) -> list[list[Sample]]` (manager: the RolloutManager, with data_source, router, "
+        "tokenizer, reward_fn). Default: the built-in over-sampling rollout.",
+    )
+    custom_generate_function_path: Optional[str] = _opt(
+        None,
+        "Import path of a per-sample generate function: `async def f(args, sample, "
+        "sampling_params, engine) -> Sample`; engine has `await "
+        "engine.async_generate(input_ids=..., sampling_params=..., return_logprob=True)` (routed "
+        "and abortable) and the function fills tokens, response, response_length, loss_mask, "
+        "rollout_log_probs and status.",
+    )
+    custom_rm_path: Optional[str] = _opt(
+        None,
+        "Import path of a reward function `[async] def rm(args, sample) -> float`, used instead of "
+        "--rm-type.",
+    )
+    rm_type: Optional[str] = _opt(
+        None,
+        "Built-in reward: exact_match (response == label after trimming), boxed_math (last "
+        "\\boxed{...} vs label, numbers compared by value), tiny (the tiny CPU task; see "
+        "rollout.tiny_task).",
+        choices=REWARD_TYPES,
+    )
     # Debug data
-    save_debug_rollout_data: Optional[str] = _opt(None, "Save every rollout to this path (must contain {rollout_id}) as torch.save({'rollout_id', 'samples': [Sample.to_dict()]}).")
-    load_debug_rollout_data: Optional[str] = _opt(None, "Load rollouts saved by --save-debug-rollout-data instead of generating ({rollout_id} is filled in when present).")
+    save_debug_rollout_data: Optional[str] = _opt(
+        None,
+        "Save every rollout to this path (must contain {rollout_id}) as torch.save({'rollout_id', "
+        "'samples': [Sample.to_dict()]}).",
+    )
+    load_debug_rollout_data: Optional[str] = _opt(
+        None,
+        "Load rollouts saved by --save-debug-rollout-data instead of generating ({rollout_id} is "
+        "filled in when present).",
+    )
     # Evaluation
-    eval_prompt_data: Optional[list[str]] = _opt(None, "Evaluation sets as name/path pairs: --eval-prompt-data aime /data/aime.jsonl gsm8k /data/gsm8k.jsonl.", metavar="NAME/PATH")
-    eval_interval: Optional[int] = _opt(None, "Evaluate every N rollouts (the launcher runs RolloutManager.eval).")
+    eval_prompt_data: Optional[list[str]] = _opt(
+        None,
+        "Evaluation sets as name/path pairs: --eval-prompt-data aime /data/aime.jsonl gsm8k "
+        "/data/gsm8k.jsonl.",
+        metavar="NAME/PATH",
+    )
+    eval_interval: Optional[int] = _opt(
+        None, "Evaluate every N rollouts (the launcher runs RolloutManager.eval)."
+    )
     n_samples_per_eval_prompt: int = _opt(1, "Responses sampled per evaluation prompt.")
-    eval_max_response_len: Optional[int] = _opt(None, "max_new_tokens for evaluation (default: --rollout-max-response-len).")
-    eval_temperature: Optional[float] = _opt(None, "Temperature for evaluation (default: --rollout-temperature).")
+    eval_max_response_len: Optional[int] = _opt(
+        None, "max_new_tokens for evaluation (default: --rollout-max-response-len)."
+    )
+    eval_temperature: Optional[float] = _opt(
+        None, "Temperature for evaluation (default: --rollout-temperature)."
+    )
     eval_top_p: Optional[float] = _opt(None, "Top-p for evaluation (default: --rollout-top-p).")
 
     def __post_init__(self) -> None:
@@ -74,7 +163,12 @@ class RolloutArgs:
         _at_least("rollout_max_response_len", self.rollout_max_response_len, 1)
         _at_least("rollout_seed", self.rollout_seed, 0)
         _at_least("n_samples_per_eval_prompt", self.n_samples_per_eval_prompt, 1)
-        for name in ("over_sampling_batch_size", "dynamic_sampling_max_groups", "eval_max_response_len", "eval_interval"):
+        for name in (
+            "over_sampling_batch_size",
+            "dynamic_sampling_max_groups",
+            "eval_max_response_len",
+            "eval_interval",
+        ):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
         for name in ("rollout_temperature", "eval_temperature"):
@@ -88,15 +182,30 @@ class RolloutArgs:
         if self.rollout_top_k == 0 or self.rollout_top_k < -1:
             raise ValueError(f"--rollout-top-k must be -1 (off) or >= 1, got {self.rollout_top_k}")
         if self.rm_type is not None and self.rm_type not in REWARD_TYPES:
-            raise ValueError(f"--rm-type must be one of {', '.join(REWARD_TYPES)}, got {self.rm_type!r}; "
-                             "for your own reward use --custom-rm-path")
+            raise ValueError(
+                f"--rm-type must be one of {', '.join(REWARD_TYPES)}, got {self.rm_type!r}; "
+                "for your own reward use --custom-rm-path"
+            )
         if self.rm_type is not None and self.custom_rm_path is not None:
-            raise ValueError(f"give one of --rm-type ({self.rm_type}) or --custom-rm-path ({self.custom_rm_path}), not both")
-        if self.save_debug_rollout_data is not None and "{rollout_id}" not in self.save_debug_rollout_data:
-            raise ValueError(f"--save-debug-rollout-data {self.save_debug_rollout_data!r} must contain {{rollout_id}} "
-                             "so rollouts do not overwrite each other, e.g. /tmp/rollout_{rollout_id}.pt")
-        if self.eval_prompt_data is not None and (not self.eval_prompt_data or len(self.eval_prompt_data) % 2):
-            raise ValueError(f"--eval-prompt-data takes name/path pairs, got {self.eval_prompt_data}")
+            raise ValueError(
+                f"give one of --rm-type ({self.rm_type}) or --custom-rm-path "
+                f"({self.custom_rm_path}), not both"
+            )
+        if (
+            self.save_debug_rollout_data is not None
+            and "{rollout_id}" not in self.save_debug_rollout_data
+        ):
+            raise ValueError(
+                f"--save-debug-rollout-data {self.save_debug_rollout_data!r} must contain "
+                "{rollout_id} "
+                "so rollouts do not overwrite each other, e.g. /tmp/rollout_{rollout_id}.pt"
+            )
+        if self.eval_prompt_data is not None and (
+            not self.eval_prompt_data or len(self.eval_prompt_data) % 2
+        ):
+            raise ValueError(
+                f"--eval-prompt-data takes name/path pairs, got {self.eval_prompt_data}"
+            )
 
     @property
     def over_sampling_size(self) -> int:

@@ -16,9 +16,17 @@ class DataSource:
     permutation seeded by (seed, epoch), so a resumed run sees the same order.
     """
 
-    def __init__(self, path: str, tokenizer: Any, input_key: str = "input", label_key: Optional[str] = None,
-                 metadata_key: str = "metadata", apply_chat_template: bool = False, shuffle: bool = False,
-                 seed: int = 42) -> None:
+    def __init__(
+        self,
+        path: str,
+        tokenizer: Any,
+        input_key: str = "input",
+        label_key: Optional[str] = None,
+        metadata_key: str = "metadata",
+        apply_chat_template: bool = False,
+        shuffle: bool = False,
+        seed: int = 42,
+    ) -> None:
         self.path = path
         self.tokenizer = tokenizer
         self.input_key = input_key
@@ -36,15 +44,26 @@ class DataSource:
         self._order = self._epoch_order(0)
 
     @classmethod
-    def from_args(cls, args: Any, tokenizer: Any, path: Optional[str] = None, shuffle: Optional[bool] = None) -> "DataSource":
+    def from_args(
+        cls, args: Any, tokenizer: Any, path: Optional[str] = None, shuffle: Optional[bool] = None
+    ) -> DataSource:
         """The prompt data of RolloutArgs (`path`/`shuffle` override it, e.g. for eval sets)."""
         path = path if path is not None else args.prompt_data
         if path is None:
-            raise ValueError("no prompt data: set --prompt-data to a JSONL file (or --rollout-function-path / "
-                             "--load-debug-rollout-data to roll out without one)")
-        return cls(path, tokenizer, input_key=args.input_key, label_key=args.label_key, metadata_key=args.metadata_key,
-                   apply_chat_template=args.apply_chat_template,
-                   shuffle=args.rollout_shuffle if shuffle is None else shuffle, seed=args.rollout_seed)
+            raise ValueError(
+                "no prompt data: set --prompt-data to a JSONL file (or --rollout-function-path / "
+                "--load-debug-rollout-data to roll out without one)"
+            )
+        return cls(
+            path,
+            tokenizer,
+            input_key=args.input_key,
+            label_key=args.label_key,
+            metadata_key=args.metadata_key,
+            apply_chat_template=args.apply_chat_template,
+            shuffle=args.rollout_shuffle if shuffle is None else shuffle,
+            seed=args.rollout_seed,
+        )
 
     def __len__(self) -> int:
         return len(self.records)
@@ -71,8 +90,10 @@ class DataSource:
     def load_state_dict(self, state: dict[str, int]) -> None:
         epoch, offset = state["epoch"], state["offset"]
         if not 0 <= offset <= len(self.records):
-            raise ValueError(f"data source state offset {offset} is outside [0, {len(self.records)}]; "
-                             f"was it saved for another prompt file than {self.path}?")
+            raise ValueError(
+                f"data source state offset {offset} is outside [0, {len(self.records)}]; "
+                f"was it saved for another prompt file than {self.path}?"
+            )
         self.epoch, self.offset = epoch, offset
         self._order = self._epoch_order(epoch)
 
@@ -87,26 +108,44 @@ class DataSource:
         if not isinstance(record, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
         if self.input_key not in record:
-            raise ValueError(f"{where} has no key {self.input_key!r} (keys: {', '.join(record)}); set --input-key")
+            raise ValueError(
+                f"{where} has no key {self.input_key!r} (keys: {', '.join(record)}); set "
+                "--input-key"
+            )
         if self.label_key is not None and self.label_key not in record:
-            raise ValueError(f"{where} has no key {self.label_key!r} (keys: {', '.join(record)}); set --label-key")
+            raise ValueError(
+                f"{where} has no key {self.label_key!r} (keys: {', '.join(record)}); set "
+                "--label-key"
+            )
         prompt = record[self.input_key]
         if isinstance(prompt, list):
             if not self.apply_chat_template:
-                raise ValueError(f"{where}: the prompt is a list of chat messages; pass --apply-chat-template")
+                raise ValueError(
+                    f"{where}: the prompt is a list of chat messages; pass --apply-chat-template"
+                )
             if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-                raise ValueError(f"{where}: chat messages must be objects with 'role' and 'content'")
+                raise ValueError(
+                    f"{where}: chat messages must be objects with 'role' and 'content'"
+                )
         elif not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"{where}: the prompt under {self.input_key!r} must be a non-empty string or a list of "
-                             f"chat messages, got {prompt!r}")
+            raise ValueError(
+                f"{where}: the prompt under {self.input_key!r} must be a non-empty string or a "
+                "list of "
+                f"chat messages, got {prompt!r}"
+            )
         if not isinstance(record.get(self.metadata_key) or {}, dict):
-            raise ValueError(f"{where}: {self.metadata_key!r} must be a JSON object, got {record[self.metadata_key]!r}")
+            raise ValueError(
+                f"{where}: {self.metadata_key!r} must be a JSON object, got "
+                f"{record[self.metadata_key]!r}"
+            )
 
     def _make_sample(self, record: dict[str, Any]) -> Sample:
         prompt = record[self.input_key]
         if self.apply_chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
             # The template already holds any BOS/role tokens it wants.
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
@@ -129,5 +168,7 @@ def _read_jsonl(path: str) -> list[tuple[int, Any]]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {line_no} is not valid JSON: {e}") from e
     if not records:
-        raise ValueError(f"{path} holds no prompts; give a JSONL file with one JSON object per line")
+        raise ValueError(
+            f"{path} holds no prompts; give a JSONL file with one JSON object per line"
+        )
     return records

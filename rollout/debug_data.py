@@ -22,7 +22,10 @@ def save_debug_rollout_data(path_template: str, rollout_id: int, groups: list[li
     """Write a rollout to `path_template` formatted with rollout_id; returns the path."""
     path = debug_data_path(path_template, rollout_id)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    torch.save({"rollout_id": rollout_id, "samples": [s.to_dict() for group in groups for s in group]}, path)
+    torch.save(
+        {"rollout_id": rollout_id, "samples": [s.to_dict() for group in groups for s in group]},
+        path,
+    )
     return path
 
 
@@ -30,14 +33,18 @@ def load_debug_rollout_data(path_template: str, rollout_id: int) -> list[list[Sa
     """Read a rollout written by save_debug_rollout_data, as groups in their saved order."""
     path = debug_data_path(path_template, rollout_id)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"--load-debug-rollout-data: no file {path} for rollout {rollout_id}; "
-                                "save one first with --save-debug-rollout-data")
+        raise FileNotFoundError(
+            f"--load-debug-rollout-data: no file {path} for rollout {rollout_id}; "
+            "save one first with --save-debug-rollout-data"
+        )
     # Plain Python containers only, so the safe loader suffices.
     data: dict[str, Any] = torch.load(path, weights_only=True)
     groups: dict[int, list[Sample]] = {}
     for d in data["samples"]:
         sample = Sample.from_dict(d)
         if sample.group_index is None:
-            raise ValueError(f"{path}: sample {sample.index} has no group_index, so it cannot be regrouped")
+            raise ValueError(
+                f"{path}: sample {sample.index} has no group_index, so it cannot be regrouped"
+            )
         groups.setdefault(sample.group_index, []).append(sample)
     return list(groups.values())

@@ -26,33 +26,77 @@ class EngineActor:
 
     async def async_generate(self, **kwargs: Any) -> Any:
         if kwargs.get("stream"):
-            raise ValueError("stream=True cannot cross a Ray actor call; generate without streaming")
+            raise ValueError(
+                "stream=True cannot cross a Ray actor call; generate without streaming"
+            )
         return await self.engine.async_generate(**kwargs)
 
     async def abort_request(self, rid: str) -> None:
         self.engine.abort_request(rid)
 
-    async def update_weights_from_tensor(self, named_tensors: Any, load_format: Optional[str] = None,
-                                         flush_cache: bool = True, weight_version: Optional[str] = None) -> dict:
-        return await asyncio.to_thread(self.engine.update_weights_from_tensor, named_tensors, load_format,
-                                       flush_cache, weight_version)
+    async def update_weights_from_tensor(
+        self,
+        named_tensors: Any,
+        load_format: Optional[str] = None,
+        flush_cache: bool = True,
+        weight_version: Optional[str] = None,
+    ) -> dict:
+        return await asyncio.to_thread(
+            self.engine.update_weights_from_tensor,
+            named_tensors,
+            load_format,
+            flush_cache,
+            weight_version,
+        )
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "gloo") -> dict:
-        return await asyncio.to_thread(self.engine.init_weights_update_group, master_address, master_port,
-                                       rank_offset, world_size, group_name, backend)
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> dict:
+        return await asyncio.to_thread(
+            self.engine.init_weights_update_group,
+            master_address,
+            master_port,
+            rank_offset,
+            world_size,
+            group_name,
+            backend,
+        )
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
-                                              group_name: str = "weight_update_group", flush_cache: bool = True,
-                                              weight_version: Optional[str] = None) -> dict:
-        return await asyncio.to_thread(self.engine.update_weights_from_distributed, names, dtypes, shapes,
-                                       group_name, flush_cache, weight_version)
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list,
+        shapes: list,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: Optional[str] = None,
+    ) -> dict:
+        return await asyncio.to_thread(
+            self.engine.update_weights_from_distributed,
+            names,
+            dtypes,
+            shapes,
+            group_name,
+            flush_cache,
+            weight_version,
+        )
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None,
-                                       component: str = "target", flush_cache: bool = True) -> dict:
-        return await asyncio.to_thread(self.engine.update_weights_from_disk, model_path, weight_version, component,
-                                       flush_cache)
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: Optional[str] = None,
+        component: str = "target",
+        flush_cache: bool = True,
+    ) -> dict:
+        return await asyncio.to_thread(
+            self.engine.update_weights_from_disk, model_path, weight_version, component, flush_cache
+        )
 
     async def get_weights_checksum(self, names: Optional[list[str]] = None) -> dict[str, str]:
         return await asyncio.to_thread(self.engine.get_weights_checksum, names)

@@ -6,7 +6,8 @@ Selected with --dynamic-sampling-filter-path; the rollout over-samples prompts
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from rollout.loader import load_function
 from rollout.sample import Sample
@@ -18,7 +19,10 @@ def check_reward_nonzero_std(args: Any, samples: list[Sample]) -> bool:
     """Keep a group only if its rewards differ: all-equal rewards give GRPO zero advantages."""
     rewards = [s.reward for s in samples]
     if any(r is None for r in rewards):
-        raise ValueError(f"group {samples[0].group_index} has samples without a reward; the filter runs on scored groups")
+        raise ValueError(
+            f"group {samples[0].group_index} has samples without a reward; the filter runs on "
+            "scored groups"
+        )
     return max(rewards) > min(rewards)
 
 

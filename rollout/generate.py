@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any, Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
+from typing import Any, Optional
 
 from rollout.rewards import RewardFn, score
 from rollout.router import RequestAborted, Router
@@ -23,8 +24,11 @@ def sampling_params_from_args(args: Any, evaluation: bool = False) -> dict[str, 
         "skip_special_tokens": args.rollout_skip_special_tokens,
     }
     if evaluation:
-        for key, value in (("max_new_tokens", args.eval_max_response_len), ("temperature", args.eval_temperature),
-                           ("top_p", args.eval_top_p)):
+        for key, value in (
+            ("max_new_tokens", args.eval_max_response_len),
+            ("temperature", args.eval_temperature),
+            ("top_p", args.eval_top_p),
+        ):
             if value is not None:
                 params[key] = value
     if args.rollout_stop:
@@ -40,17 +44,27 @@ def sample_seed(rollout_seed: int, index: int) -> int:
 
 
 def fill_from_output(sample: Sample, output: dict[str, Any]) -> Sample:
-    """Fill a sample whose `tokens` hold the prompt from one engine output dict (return_logprob=True)."""
+    """Fill a sample whose `tokens` hold the prompt from one engine output dict
+    (return_logprob=True)."""
     meta = output["meta_info"]
     response_ids = list(output["output_ids"])
     if output.get("text") is None:
-        raise ValueError(f"the engine returned no text for request {meta.get('id')}; rewards need it, so start the "
-                         "engine with a tokenizer (not skip_tokenizer_init)")
+        raise ValueError(
+            f"the engine returned no text for request {meta.get('id')}; rewards need it, so start "
+            "the "
+            "engine with a tokenizer (not skip_tokenizer_init)"
+        )
     if "output_token_logprobs" not in meta:
-        raise ValueError("the engine output has no output_token_logprobs; call async_generate with return_logprob=True")
+        raise ValueError(
+            "the engine output has no output_token_logprobs; call async_generate with "
+            "return_logprob=True"
+        )
     log_probs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
     if len(log_probs) != len(response_ids):
-        raise ValueError(f"request {meta.get('id')}: {len(log_probs)} log-probs for {len(response_ids)} output tokens")
+        raise ValueError(
+            f"request {meta.get('id')}: {len(log_probs)} log-probs for {len(response_ids)} output "
+            "tokens"
+        )
     sample.tokens = sample.tokens + response_ids
     sample.response = output["text"]
     sample.response_length = len(response_ids)
@@ -59,27 +73,45 @@ def fill_from_output(sample: Sample, output: dict[str, Any]) -> Sample:
     sample.status = Status.from_finish_reason(meta["finish_reason"])
     sample.weight_versions = sample.weight_versions + [meta["weight_version"]]
     if "spec_verify_ct" in meta:
-        sample.spec_info = {key: meta[key] for key in
-                            ("spec_verify_ct", "spec_accept_length", "spec_accept_token_num", "spec_draft_token_num")}
+        sample.spec_info = {
+            key: meta[key]
+            for key in (
+                "spec_verify_ct",
+                "spec_accept_length",
+                "spec_accept_token_num",
+                "spec_draft_token_num",
+            )
+        }
     return sample
 
 
-async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any], engine: Any) -> Sample:
+async def generate(
+    args: Any, sample: Sample, sampling_params: dict[str, Any], engine: Any
+) -> Sample:
     """The default generate function: one request for the sample's prompt tokens."""
-    output = await engine.async_generate(input_ids=list(sample.tokens), sampling_params=sampling_params,
-                                         return_logprob=True)
+    output = await engine.async_generate(
+        input_ids=list(sample.tokens), sampling_params=sampling_params, return_logprob=True
+    )
     return fill_from_output(sample, output)
 
 
-async def generate_group(args: Any, group: list[Sample], sampling_params: dict[str, Any], router: Router,
-                         generate_fn: GenerateFn, reward_fn: Optional[RewardFn],
-                         stopping: Callable[[], bool] = lambda: False, rid_prefix: str = "") -> list[Sample]:
+async def generate_group(
+    args: Any,
+    group: list[Sample],
+    sampling_params: dict[str, Any],
+    router: Router,
+    generate_fn: GenerateFn,
+    reward_fn: Optional[RewardFn],
+    stopping: Callable[[], bool] = lambda: False,
+    rid_prefix: str = "",
+) -> list[Sample]:
     """Generate every sample of a group concurrently, then score them (with a reward_fn, and
     only when none was aborted or failed).
 
     Samples that have not started when `stopping()` turns true end ABORTED without a request;
     request ids start with `rid_prefix` (see Router.abort_all).
     """
+
     async def one(sample: Sample) -> Sample:
         if stopping():
             sample.status = Status.ABORTED
@@ -92,15 +124,20 @@ async def generate_group(args: Any, group: list[Sample], sampling_params: dict[s
                 sample.status = Status.ABORTED
                 return sample
         if not isinstance(result, Sample) or result.status is Status.PENDING:
-            raise ValueError(f"the generate function {getattr(generate_fn, '__qualname__', generate_fn)} returned "
-                             f"{result!r:.200}; it must return the Sample with its status set from the finish reason")
+            raise ValueError(
+                f"the generate function {getattr(generate_fn, '__qualname__', generate_fn)} "
+                "returned "
+                f"{result!r:.200}; it must return the Sample with its status set from the finish "
+                "reason"
+            )
         return result
 
     tasks = [asyncio.ensure_future(one(s)) for s in group]
     try:
         samples = list(await asyncio.gather(*tasks))
     except BaseException:
-        # One sample failed: stop its siblings (their leases abort their requests) before reporting it.
+        # One sample failed: stop its siblings (their leases abort their requests) before reporting
+        # it.
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -115,4 +152,6 @@ async def generate_group(args: Any, group: list[Sample], sampling_params: dict[s
 
 def group_is_complete(group: list[Sample]) -> bool:
     """Every sample finished (COMPLETED or TRUNCATED) and was scored."""
-    return all(s.status in (Status.COMPLETED, Status.TRUNCATED) and s.reward is not None for s in group)
+    return all(
+        s.status in (Status.COMPLETED, Status.TRUNCATED) and s.reward is not None for s in group
+    )

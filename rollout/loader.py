@@ -5,24 +5,31 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def load_function(path: str, flag: str) -> Callable[..., Any]:
     """Import `module.path:function` or `module.path.function`; errors name `flag`."""
     if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"{flag} must be an import path like 'my_pkg.my_module:my_function', got {path!r}")
+        raise ValueError(
+            f"{flag} must be an import path like 'my_pkg.my_module:my_function', got {path!r}"
+        )
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"{flag} {path!r} is not an import path; write 'my_pkg.my_module:my_function' "
-                         "or 'my_pkg.my_module.my_function'")
+        raise ValueError(
+            f"{flag} {path!r} is not an import path; write 'my_pkg.my_module:my_function' "
+            "or 'my_pkg.my_module.my_function'"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ImportError(f"{flag} {path!r}: cannot import module {module_name!r} ({e}); check the path and that "
-                          "its package is on PYTHONPATH") from e
+        raise ImportError(
+            f"{flag} {path!r}: cannot import module {module_name!r} ({e}); check the path and that "
+            "its package is on PYTHONPATH"
+        ) from e
     fn = module
     for part in attr.split("."):
         if not hasattr(fn, part):
@@ -48,5 +55,7 @@ def run_sync(coro: Any) -> Any:
     except RuntimeError:
         return asyncio.run(coro)
     coro.close()
-    raise RuntimeError("called the sync API from inside a running event loop; await the async form "
-                       "(agenerate / aeval) instead")
+    raise RuntimeError(
+        "called the sync API from inside a running event loop; await the async form "
+        "(agenerate / aeval) instead"
+    )

@@ -7,7 +7,8 @@ import copy
 import logging
 import time
 import uuid
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 from rollout.config import RolloutArgs
 from rollout.data_source import DataSource
@@ -33,8 +34,13 @@ class RolloutManager:
     --rollout-batch-size are kept, then aborts the groups still in flight and waits for them.
     """
 
-    def __init__(self, args: RolloutArgs, engines: Sequence[Any], tokenizer: Any,
-                 data_source: Optional[DataSource] = None) -> None:
+    def __init__(
+        self,
+        args: RolloutArgs,
+        engines: Sequence[Any],
+        tokenizer: Any,
+        data_source: Optional[DataSource] = None,
+    ) -> None:
         self.args = args
         self.tokenizer = tokenizer
         self.router = Router(engines) if engines else None
@@ -43,10 +49,16 @@ class RolloutManager:
         self.data_source = data_source
         self.reward_fn = load_reward_fn(args) if args.rm_type or args.custom_rm_path else None
         self.filter_fn = load_filter(args)
-        self.generate_fn = (load_function(args.custom_generate_function_path, "--custom-generate-function-path")
-                            if args.custom_generate_function_path else generate)
-        self.rollout_fn = (load_function(args.rollout_function_path, "--rollout-function-path")
-                           if args.rollout_function_path else None)
+        self.generate_fn = (
+            load_function(args.custom_generate_function_path, "--custom-generate-function-path")
+            if args.custom_generate_function_path
+            else generate
+        )
+        self.rollout_fn = (
+            load_function(args.rollout_function_path, "--rollout-function-path")
+            if args.rollout_function_path
+            else None
+        )
         self.next_group_index = 0
         # Called with (groups kept, groups wanted) whenever a group is kept: a progress bar's hook.
         self.on_group_kept: Optional[Callable[[int, int], None]] = None
@@ -56,7 +68,8 @@ class RolloutManager:
     # ------------------------------------------------------------ rollouts
 
     def generate(self, rollout_id: int) -> tuple[Groups, dict[str, float]]:
-        """One rollout: (groups of n_samples_per_prompt samples, metrics). Sync form of agenerate."""
+        """One rollout: (groups of n_samples_per_prompt samples, metrics). Sync form of
+        agenerate."""
         return run_sync(self.agenerate(rollout_id))
 
     async def agenerate(self, rollout_id: int) -> tuple[Groups, dict[str, float]]:
@@ -80,27 +93,48 @@ class RolloutManager:
         if self.reward_fn is None:
             raise ValueError("no reward function: set --rm-type or --custom-rm-path")
         params = sampling_params_from_args(args)
-        rid_prefix = f"rollout-{uuid.uuid4().hex[:8]}-"  # aborting leftovers touches this rollout's requests only
+        # aborting leftovers touches this rollout's requests only
+        rid_prefix = f"rollout-{uuid.uuid4().hex[:8]}-"
         stopping = False
         kept: Groups = []
         pending: set[asyncio.Task] = set()
-        stats = {"groups_submitted": 0, "groups_filtered": 0, "groups_aborted": 0, "groups_leftover": 0,
-                 "response_tokens": 0}
+        stats = {
+            "groups_submitted": 0,
+            "groups_filtered": 0,
+            "groups_aborted": 0,
+            "groups_leftover": 0,
+            "response_tokens": 0,
+        }
         try:
             while len(kept) < args.rollout_batch_size:
                 # Keep enough groups in flight to fill the batch if every one of them is kept.
                 while len(kept) + len(pending) < args.rollout_batch_size:
                     if stats["groups_submitted"] >= args.max_groups:
                         raise RuntimeError(
-                            f"submitted {stats['groups_submitted']} groups but kept only {len(kept)} of "
+                            f"submitted {stats['groups_submitted']} groups but kept only "
+                            f"{len(kept)} of "
                             f"{args.rollout_batch_size} ({stats['groups_filtered']} filtered out, "
-                            f"{stats['groups_aborted']} aborted or failed); raise --dynamic-sampling-max-groups "
-                            "or loosen --dynamic-sampling-filter-path")
-                    for group in self._new_groups(data_source.get_prompts(args.over_sampling_size),
-                                                  args.n_samples_per_prompt):
-                        pending.add(asyncio.ensure_future(generate_group(
-                            args, group, params, router, self.generate_fn, self.reward_fn, lambda: stopping,
-                            rid_prefix)))
+                            f"{stats['groups_aborted']} aborted or failed); raise "
+                            "--dynamic-sampling-max-groups "
+                            "or loosen --dynamic-sampling-filter-path"
+                        )
+                    for group in self._new_groups(
+                        data_source.get_prompts(args.over_sampling_size), args.n_samples_per_prompt
+                    ):
+                        pending.add(
+                            asyncio.ensure_future(
+                                generate_group(
+                                    args,
+                                    group,
+                                    params,
+                                    router,
+                                    self.generate_fn,
+                                    self.reward_fn,
+                                    lambda: stopping,
+                                    rid_prefix,
+                                )
+                            )
+                        )
                         stats["groups_submitted"] += 1
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for group in sorted((t.result() for t in done), key=lambda g: g[0].group_index):
@@ -117,7 +151,9 @@ class RolloutManager:
                         stats["groups_leftover"] += 1
         except BaseException:
             stopping = True
-            await self._abort(pending, rid_prefix, raise_errors=False)  # the first error is the one to report
+            await self._abort(
+                pending, rid_prefix, raise_errors=False
+            )  # the first error is the one to report
             raise
         stopping = True
         leftovers = await self._abort(pending, rid_prefix, raise_errors=True)
@@ -125,11 +161,16 @@ class RolloutManager:
         stats["groups_leftover"] += len(leftovers)
         return kept, stats
 
-    async def _abort(self, pending: set[asyncio.Task], rid_prefix: str, raise_errors: bool) -> Groups:
-        """Abort the requests of unfinished groups and wait for them to end; returns their groups."""
+    async def _abort(
+        self, pending: set[asyncio.Task], rid_prefix: str, raise_errors: bool
+    ) -> Groups:
+        """Abort the requests of unfinished groups and wait for them to end; returns their
+        groups."""
         aborted = await self._require_engines().abort_all(rid_prefix)
         if pending or aborted:
-            logger.info("aborting %d leftover groups (%d requests in flight)", len(pending), aborted)
+            logger.info(
+                "aborting %d leftover groups (%d requests in flight)", len(pending), aborted
+            )
         results = await asyncio.gather(*pending, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         for error in errors:
@@ -143,9 +184,16 @@ class RolloutManager:
         for prompt in prompts:
             group = []
             for _ in range(n):
-                group.append(Sample(group_index=self.next_group_index, index=self.next_sample_index,
-                                    prompt=prompt.prompt, tokens=list(prompt.tokens), label=prompt.label,
-                                    metadata=copy.deepcopy(prompt.metadata)))
+                group.append(
+                    Sample(
+                        group_index=self.next_group_index,
+                        index=self.next_sample_index,
+                        prompt=prompt.prompt,
+                        tokens=list(prompt.tokens),
+                        label=prompt.label,
+                        metadata=copy.deepcopy(prompt.metadata),
+                    )
+                )
                 self.next_sample_index += 1
             groups.append(group)
             self.next_group_index += 1
@@ -170,18 +218,41 @@ class RolloutManager:
         metrics: dict[str, float] = {}
         for name, path in args.eval_datasets:
             if name not in self._eval_sources:
-                self._eval_sources[name] = DataSource.from_args(args, self.tokenizer, path=path, shuffle=False)
-            # Indices (and so sampling seeds) restart for every evaluation: each one draws the same randomness.
-            groups = [[Sample(group_index=g, index=g * args.n_samples_per_eval_prompt + i, prompt=p.prompt,
-                              tokens=list(p.tokens), label=p.label, metadata=copy.deepcopy(p.metadata))
-                       for i in range(args.n_samples_per_eval_prompt)]
-                      for g, p in enumerate(self._eval_sources[name].all_prompts())]
-            groups = list(await asyncio.gather(*(generate_group(args, group, params, router, self.generate_fn,
-                                                                self.reward_fn) for group in groups)))
+                self._eval_sources[name] = DataSource.from_args(
+                    args, self.tokenizer, path=path, shuffle=False
+                )
+            # Indices (and so sampling seeds) restart for every evaluation: each one draws the same
+            # randomness.
+            groups = [
+                [
+                    Sample(
+                        group_index=g,
+                        index=g * args.n_samples_per_eval_prompt + i,
+                        prompt=p.prompt,
+                        tokens=list(p.tokens),
+                        label=p.label,
+                        metadata=copy.deepcopy(p.metadata),
+                    )
+                    for i in range(args.n_samples_per_eval_prompt)
+                ]
+                for g, p in enumerate(self._eval_sources[name].all_prompts())
+            ]
+            groups = list(
+                await asyncio.gather(
+                    *(
+                        generate_group(
+                            args, group, params, router, self.generate_fn, self.reward_fn
+                        )
+                        for group in groups
+                    )
+                )
+            )
             results[name] = groups
             samples = [s for group in groups for s in group]
             stats = sample_metrics(samples, f"eval/{name}")
-            reward = stats.pop(f"eval/{name}/raw_reward", None)  # absent when every group was aborted
+            reward = stats.pop(
+                f"eval/{name}/raw_reward", None
+            )  # absent when every group was aborted
             if reward is not None:
                 metrics[f"eval/{name}"] = reward
             metrics.update(stats)
@@ -191,8 +262,11 @@ class RolloutManager:
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue the prompt order and sample numbering."""
-        return {"next_group_index": self.next_group_index, "next_sample_index": self.next_sample_index,
-                "data_source": self.data_source.state_dict() if self.data_source is not None else None}
+        return {
+            "next_group_index": self.next_group_index,
+            "next_sample_index": self.next_sample_index,
+            "data_source": self.data_source.state_dict() if self.data_source is not None else None,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.next_group_index = state["next_group_index"]
@@ -207,11 +281,17 @@ class RolloutManager:
 
     def _require_data(self) -> DataSource:
         if self.data_source is None:
-            raise ValueError("no prompt data: set --prompt-data (or --rollout-function-path to roll out without it)")
+            raise ValueError(
+                "no prompt data: set --prompt-data (or --rollout-function-path to roll out without "
+                "it)"
+            )
         return self.data_source
 
 
 def _check_groups(groups: Any, flag: str) -> None:
-    if not isinstance(groups, list) or not all(isinstance(g, list) and all(isinstance(s, Sample) for s in g)
-                                               for g in groups):
-        raise TypeError(f"the function of {flag} must return list[list[Sample]], got {type(groups).__name__}")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, list) and all(isinstance(s, Sample) for s in g) for g in groups
+    ):
+        raise TypeError(
+            f"the function of {flag} must return list[list[Sample]], got {type(groups).__name__}"
+        )

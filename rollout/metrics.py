@@ -13,8 +13,9 @@ from typing import Any, Optional
 from rollout.sample import Sample, Status
 
 
-def rollout_metrics(groups: list[list[Sample]], rollout_time: float,
-                    response_tokens: Optional[int] = None) -> dict[str, float]:
+def rollout_metrics(
+    groups: list[list[Sample]], rollout_time: float, response_tokens: Optional[int] = None
+) -> dict[str, float]:
     """rollout/* over the kept samples and perf/*; `response_tokens` is every response token the
     engines produced (dropped and aborted groups too), default: the kept samples' tokens.
 
@@ -32,7 +33,8 @@ def rollout_metrics(groups: list[list[Sample]], rollout_time: float,
 
 
 def sample_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
-    """{prefix}/raw_reward, {prefix}/response_len/{mean,median,max,min}, {prefix}/truncated_ratio."""
+    """{prefix}/raw_reward, {prefix}/response_len/{mean,median,max,min},
+    {prefix}/truncated_ratio."""
     if not samples:
         return {}
     lengths = [s.response_length for s in samples]
@@ -41,7 +43,8 @@ def sample_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
         f"{prefix}/response_len/median": float(statistics.median(lengths)),
         f"{prefix}/response_len/max": float(max(lengths)),
         f"{prefix}/response_len/min": float(min(lengths)),
-        f"{prefix}/truncated_ratio": sum(s.status is Status.TRUNCATED for s in samples) / len(samples),
+        f"{prefix}/truncated_ratio": sum(s.status is Status.TRUNCATED for s in samples)
+        / len(samples),
     }
     rewards = [s.reward for s in samples if s.reward is not None]
     if rewards:
@@ -66,9 +69,15 @@ class MetricsLogger:
     """`log(step, metrics)` to `output_dir/metrics.jsonl` (one JSON object per call, with "step"),
     and to wandb and/or tensorboard when asked. wandb runs offline unless WANDB_MODE is set."""
 
-    def __init__(self, output_dir: str, use_wandb: bool = False, wandb_project: Optional[str] = None,
-                 wandb_run_name: Optional[str] = None, config: Optional[dict[str, Any]] = None,
-                 use_tensorboard: bool = False) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        use_wandb: bool = False,
+        wandb_project: Optional[str] = None,
+        wandb_run_name: Optional[str] = None,
+        config: Optional[dict[str, Any]] = None,
+        use_tensorboard: bool = False,
+    ) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, "metrics.jsonl")
@@ -76,20 +85,31 @@ class MetricsLogger:
         self._wandb_run = None
         self._tb_writer = None
         if use_wandb:
-            os.environ.setdefault("WANDB_MODE", "offline")  # never reach the network unless the user asks
+            os.environ.setdefault(
+                "WANDB_MODE", "offline"
+            )  # never reach the network unless the user asks
             try:
                 import wandb
             except ImportError as e:
-                raise ImportError("use_wandb needs wandb: pip install wandb (or log without it: "
-                                  f"{self.path} is always written)") from e
-            self._wandb_run = wandb.init(project=wandb_project or "specrl", name=wandb_run_name, dir=output_dir,
-                                         config=config)
+                raise ImportError(
+                    "use_wandb needs wandb: pip install wandb (or log without it: "
+                    f"{self.path} is always written)"
+                ) from e
+            self._wandb_run = wandb.init(
+                project=wandb_project or "specrl",
+                name=wandb_run_name,
+                dir=output_dir,
+                config=config,
+            )
         if use_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
-                raise ImportError("use_tensorboard needs tensorboard: pip install tensorboard (or log without it: "
-                                  f"{self.path} is always written)") from e
+                raise ImportError(
+                    "use_tensorboard needs tensorboard: pip install tensorboard (or log without "
+                    "it: "
+                    f"{self.path} is always written)"
+                ) from e
             self._tb_writer = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -118,7 +138,7 @@ class MetricsLogger:
         if self._tb_writer is not None:
             self._tb_writer.close()
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: Any) -> None:

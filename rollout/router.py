@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from rollout.loader import call_maybe_async
 
@@ -33,8 +34,10 @@ class Lease:
         if self.aborted:
             raise RequestAborted(f"request {self.rid} was aborted before it was sent")
         if kwargs.setdefault("rid", self.rid) != self.rid:
-            raise ValueError(f"rid {kwargs['rid']!r} given to a routed engine whose lease is {self.rid!r}; "
-                             "leave rid out so the router can abort the request")
+            raise ValueError(
+                f"rid {kwargs['rid']!r} given to a routed engine whose lease is {self.rid!r}; "
+                "leave rid out so the router can abort the request"
+            )
         try:
             return await self.handle.async_generate(**kwargs)
         except asyncio.CancelledError:

@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Optional, Union
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     """Where a sample stands; the engine's finish_reason decides the final one."""
 
     PENDING = "PENDING"
-    COMPLETED = "COMPLETED"    # finish_reason stop (EOS, stop token or stop string)
-    TRUNCATED = "TRUNCATED"    # finish_reason length (hit max_new_tokens)
-    ABORTED = "ABORTED"        # finish_reason abort (e.g. a leftover of over-sampling)
-    FAILED = "FAILED"          # set by custom generate functions that could not produce a response
+    COMPLETED = "COMPLETED"  # finish_reason stop (EOS, stop token or stop string)
+    TRUNCATED = "TRUNCATED"  # finish_reason length (hit max_new_tokens)
+    ABORTED = "ABORTED"  # finish_reason abort (e.g. a leftover of over-sampling)
+    FAILED = "FAILED"  # set by custom generate functions that could not produce a response
 
     @classmethod
-    def from_finish_reason(cls, finish_reason: Optional[dict[str, Any]]) -> "Status":
+    def from_finish_reason(cls, finish_reason: Optional[dict[str, Any]]) -> Status:
         kind = finish_reason.get("type") if isinstance(finish_reason, dict) else None
         if kind not in _FINISH_TYPES:
-            raise ValueError(f"unknown finish_reason {finish_reason!r}; expected a dict with type stop, length or abort")
+            raise ValueError(
+                f"unknown finish_reason {finish_reason!r}; expected a dict with type stop, length "
+                "or abort"
+            )
         return _FINISH_TYPES[kind]
 
 
@@ -56,7 +59,7 @@ class Sample:
 
     @property
     def response_tokens(self) -> list[int]:
-        return self.tokens[self.prompt_length:]
+        return self.tokens[self.prompt_length :]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain Python values only (status as its name), for torch.save / JSON."""
@@ -65,7 +68,7 @@ class Sample:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Sample":
+    def from_dict(cls, d: dict[str, Any]) -> Sample:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

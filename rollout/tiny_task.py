@@ -49,12 +49,16 @@ def tiny_task_letters(tokenizer: Any, num_letters: int = 4) -> list[str]:
     shares = letter_shares(tokenizer)
     ranked = sorted(shares, key=lambda letter: (-shares[letter], letter))
     if shares[ranked[num_letters - 1]] == 0:
-        raise ValueError(f"the tokenizer's vocabulary has fewer than {num_letters} letters that start a token; "
-                         "lower num_letters")
+        raise ValueError(
+            f"the tokenizer's vocabulary has fewer than {num_letters} letters that start a token; "
+            "lower num_letters"
+        )
     return sorted(ranked[:num_letters])
 
 
-def write_tiny_task(path: str, tokenizer: Any, n: int = 256, num_letters: int = 4, seed: int = 0) -> list[str]:
+def write_tiny_task(
+    path: str, tokenizer: Any, n: int = 256, num_letters: int = 4, seed: int = 0
+) -> list[str]:
     """Write `n` prompts {"input": "copy: <letter>", "label": "<letter>"} as JSONL (labels
     cycle over the letters in a seeded random order); returns the letters used.
     Train with --input-key input --label-key label --rm-type tiny."""
@@ -66,5 +70,7 @@ def write_tiny_task(path: str, tokenizer: Any, n: int = 256, num_letters: int = 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         for letter in labels:
-            f.write(json.dumps({"input": PROMPT_FORMAT.format(letter=letter), "label": letter}) + "\n")
+            f.write(
+                json.dumps({"input": PROMPT_FORMAT.format(letter=letter), "label": letter}) + "\n"
+            )
     return letters

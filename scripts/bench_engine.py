@@ -16,7 +16,7 @@ import json
 import platform
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -28,8 +28,10 @@ def random_batches(batch: int, input_len: int, vocab: int, seed: int) -> list[li
 
 def engine_runner(engine) -> Callable[[list[list[int]], int], None]:
     def run(prompts: list[list[int]], new_tokens: int) -> None:
-        outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": new_tokens,
-                                                                   "ignore_eos": True})
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True},
+        )
         assert all(len(o["output_ids"]) == new_tokens for o in outs)
 
     return run
@@ -39,15 +41,25 @@ def hf_runner(model, device: torch.device) -> Callable[[list[list[int]], int], N
     @torch.inference_mode()
     def run(prompts: list[list[int]], new_tokens: int) -> None:
         ids = torch.tensor(prompts, device=device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
         assert out.shape[1] == ids.shape[1] + new_tokens
 
     return run
 
 
-def decode_tok_s(runners: dict[str, Callable[[list[list[int]], int], None]], batch: int, args: argparse.Namespace,
-                 vocab: int) -> dict[str, float]:
+def decode_tok_s(
+    runners: dict[str, Callable[[list[list[int]], int], None]],
+    batch: int,
+    args: argparse.Namespace,
+    vocab: int,
+) -> dict[str, float]:
     """Best-of-repeats decode tokens/s per runner; the runners alternate so drifts in machine
     speed hit both alike."""
     full: dict[str, list[float]] = {name: [] for name in runners}
@@ -61,12 +73,19 @@ def decode_tok_s(runners: dict[str, Callable[[list[list[int]], int], None]], bat
                 start = time.perf_counter()
                 run(prompts, new_tokens)
                 times.append(time.perf_counter() - start)
-    return {name: batch * (args.output_len - 1) / max(min(full[name]) - min(prefill[name]), 1e-9) for name in runners}
+    return {
+        name: batch * (args.output_len - 1) / max(min(full[name]) - min(prefill[name]), 1e-9)
+        for name in runners
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", help="checkpoint to use; default: build a random Llama (see --hidden-size)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model-path", help="checkpoint to use; default: build a random Llama (see --hidden-size)"
+    )
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=32000)
@@ -81,39 +100,68 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from specrl.tiny_models import build_checkpoint
     from spec_engine import Engine
+    from specrl.tiny_models import build_checkpoint
 
     path = args.model_path
     if path is None:
         path = tempfile.mkdtemp(prefix="bench-llama-")
-        build_checkpoint(path, arch="llama", vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                         intermediate_size=int(args.hidden_size * 2.75), num_layers=args.num_layers, num_heads=8,
-                         num_kv_heads=4, max_position_embeddings=2048, initializer_range=0.02)
+        build_checkpoint(
+            path,
+            arch="llama",
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            intermediate_size=int(args.hidden_size * 2.75),
+            num_layers=args.num_layers,
+            num_heads=8,
+            num_kv_heads=4,
+            max_position_embeddings=2048,
+            initializer_range=0.02,
+        )
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     params = sum(p.numel() for p in hf.parameters())
     vocab = hf.config.vocab_size
-    engine = Engine(model_path=path, device=args.device, dtype=args.dtype, skip_tokenizer_init=True, random_seed=0,
-                    max_running_requests=max(args.batch_sizes), disable_radix_cache=True)
+    engine = Engine(
+        model_path=path,
+        device=args.device,
+        dtype=args.dtype,
+        skip_tokenizer_init=True,
+        random_seed=0,
+        max_running_requests=max(args.batch_sizes),
+        disable_radix_cache=True,
+    )
     results = []
     try:
         for batch in args.batch_sizes:
-            speeds = decode_tok_s({"ours": engine_runner(engine), "hf": hf_runner(hf, device)}, batch, args, vocab)
+            speeds = decode_tok_s(
+                {"ours": engine_runner(engine), "hf": hf_runner(hf, device)}, batch, args, vocab
+            )
             ours, theirs = speeds["ours"], speeds["hf"]
-            results.append({"batch": batch, "spec_engine_tok_s": round(ours, 1), "transformers_tok_s": round(theirs, 1),
-                            "speedup": round(ours / theirs, 2)})
+            results.append(
+                {
+                    "batch": batch,
+                    "spec_engine_tok_s": round(ours, 1),
+                    "transformers_tok_s": round(theirs, 1),
+                    "speedup": round(ours / theirs, 2),
+                }
+            )
             print(json.dumps(results[-1]), flush=True)
     finally:
         engine.shutdown()
-    print(f"\nmodel: {params / 1e6:.1f}M parameters, {args.dtype}, device {args.device} "
-          f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
-          f"input {args.input_len}, output {args.output_len}, best of {args.repeats}")
+    print(
+        f"\nmodel: {params / 1e6:.1f}M parameters, {args.dtype}, device {args.device} "
+        f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
+        f"input {args.input_len}, output {args.output_len}, best of {args.repeats}"
+    )
     print("| batch | spec_engine decode tok/s | transformers decode tok/s | speedup |")
     print("|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['batch']} | {r['spec_engine_tok_s']} | {r['transformers_tok_s']} | {r['speedup']}x |")
+        print(
+            f"| {r['batch']} | {r['spec_engine_tok_s']} | {r['transformers_tok_s']} | "
+            f"{r['speedup']}x |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"params": params, "args": vars(args), "results": results}, f, indent=2)

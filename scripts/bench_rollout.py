@@ -1,7 +1,8 @@
 """Rollout throughput and acceptance of every speculative algorithm against plain decoding.
 
     python -m scripts.bench_rollout                           # random ~56M Llama on CPU
-    python -m scripts.bench_rollout --preset llama-3.1-8b --device cuda --dtype bfloat16 --batch-sizes 1 8 64
+    python -m scripts.bench_rollout --preset llama-3.1-8b --device cuda --dtype bfloat16
+    --batch-sizes 1 8 64
 
 For each configuration and batch size: output tokens/s over a whole greedy generation
 (prefill included), the mean accept length (tokens per verify, SGLang's count), and the time
@@ -28,25 +29,65 @@ from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
 ALGORITHMS = ("baseline", "eagle", "eagle3", "mtp", "standalone-self", "ngram")
 # Model shapes to benchmark at (random weights): Llama-3.1-8B's config.
-PRESETS = {"llama-3.1-8b": dict(hidden_size=4096, num_layers=32, intermediate_size=14336, num_heads=32,
-                                num_kv_heads=8, vocab_size=128256)}
+PRESETS = {
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        num_layers=32,
+        intermediate_size=14336,
+        num_heads=32,
+        num_kv_heads=8,
+        vocab_size=128256,
+    )
+}
 # Peak HBM bandwidth in GB/s by device name (SXM parts; the PCIe H100 has 2000).
 HBM_GBS = {"H100": 3350.0, "H200": 4800.0}
 
 
-def configs(models: dict[str, str], steps: int, topk: int, tokens: int) -> dict[str, tuple[str, dict]]:
+def configs(
+    models: dict[str, str], steps: int, topk: int, tokens: int
+) -> dict[str, tuple[str, dict]]:
     """Every algorithm's (target, engine kwargs); drafts that were not built are absent (None)."""
     models = {"eagle": None, "eagle3": None, "mimo": None, **models}
-    tree = dict(speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
+    tree = dict(
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=tokens,
+    )
     return {
         "baseline": (models["llama"], {}),
-        "eagle": (models["llama"], dict(speculative_algorithm="EAGLE", speculative_draft_model_path=models["eagle"], **tree)),
-        "eagle3": (models["llama"], dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=models["eagle3"], **tree)),
-        "mtp": (models["mimo"], dict(speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=1)),
-        "standalone-self": (models["llama"], dict(speculative_algorithm="STANDALONE",
-                                                  speculative_draft_model_path=models["llama"],
-                                                  speculative_num_steps=steps, speculative_eagle_topk=1)),
-        "ngram": (models["llama"], dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=tokens)),
+        "eagle": (
+            models["llama"],
+            dict(
+                speculative_algorithm="EAGLE", speculative_draft_model_path=models["eagle"], **tree
+            ),
+        ),
+        "eagle3": (
+            models["llama"],
+            dict(
+                speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=models["eagle3"],
+                **tree,
+            ),
+        ),
+        "mtp": (
+            models["mimo"],
+            dict(
+                speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=1
+            ),
+        ),
+        "standalone-self": (
+            models["llama"],
+            dict(
+                speculative_algorithm="STANDALONE",
+                speculative_draft_model_path=models["llama"],
+                speculative_num_steps=steps,
+                speculative_eagle_topk=1,
+            ),
+        ),
+        "ngram": (
+            models["llama"],
+            dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=tokens),
+        ),
     }
 
 
@@ -61,16 +102,29 @@ def prompts(batch: int, length: int, vocab: int, repetitive: bool, seed: int) ->
     return out
 
 
-def run(path: str, kwargs: dict, batch: int, args: argparse.Namespace, vocab: int, repetitive: bool) -> dict:
+def run(
+    path: str, kwargs: dict, batch: int, args: argparse.Namespace, vocab: int, repetitive: bool
+) -> dict:
     from spec_engine import Engine
 
-    with Engine(model_path=path, device=args.device, dtype=args.dtype, skip_tokenizer_init=True, random_seed=0,
-                disable_radix_cache=True, disable_cuda_graph=args.disable_cuda_graph,
-                attention_backend=args.attention_backend, context_length=args.context_length,
-                max_running_requests=max(args.batch_sizes), **kwargs) as engine:
+    with Engine(
+        model_path=path,
+        device=args.device,
+        dtype=args.dtype,
+        skip_tokenizer_init=True,
+        random_seed=0,
+        disable_radix_cache=True,
+        disable_cuda_graph=args.disable_cuda_graph,
+        attention_backend=args.attention_backend,
+        context_length=args.context_length,
+        max_running_requests=max(args.batch_sizes),
+        **kwargs,
+    ) as engine:
         weight_bytes = engine.runner.weight_bytes()
         params = {"temperature": 0.0, "max_new_tokens": args.output_len, "ignore_eos": True}
-        engine.generate(input_ids=prompts(batch, args.input_len, vocab, repetitive, 0), sampling_params=params)
+        engine.generate(
+            input_ids=prompts(batch, args.input_len, vocab, repetitive, 0), sampling_params=params
+        )
         best, state = None, None
         for r in range(args.repeats):
             worker = engine.scheduler.worker
@@ -79,21 +133,34 @@ def run(path: str, kwargs: dict, batch: int, args: argparse.Namespace, vocab: in
             verify_before = engine.scheduler.spec_verify_ct
             emitted_before = engine.scheduler.spec_emitted
             start = time.perf_counter()
-            outs = engine.generate(input_ids=prompts(batch, args.input_len, vocab, repetitive, r + 1), sampling_params=params)
+            outs = engine.generate(
+                input_ids=prompts(batch, args.input_len, vocab, repetitive, r + 1),
+                sampling_params=params,
+            )
             elapsed = time.perf_counter() - start
             if best is None or elapsed < best:
                 best = elapsed
                 verifies = engine.scheduler.spec_verify_ct - verify_before
                 emitted = engine.scheduler.spec_emitted - emitted_before
                 steps = getattr(worker, "verify_steps", 0) - steps_before
-                spent = {k: v - before.get(k, 0.0) for k, v in getattr(worker, "timings", {}).items()}
+                spent = {
+                    k: v - before.get(k, 0.0) for k, v in getattr(worker, "timings", {}).items()
+                }
                 state = {
                     "accept_length": round(emitted / verifies, 3) if verifies else None,
-                    "ms_per_step": {k.removesuffix("_s"): round(1000 * v / steps, 2) for k, v in spent.items()}
-                    if steps else None,
+                    "ms_per_step": {
+                        k.removesuffix("_s"): round(1000 * v / steps, 2) for k, v in spent.items()
+                    }
+                    if steps
+                    else None,
                 }
         tokens = sum(len(o["output_ids"]) for o in outs)
-    return {"batch": batch, "tokens_per_s": round(tokens / best, 1), "weight_bytes": weight_bytes, **state}
+    return {
+        "batch": batch,
+        "tokens_per_s": round(tokens / best, 1),
+        "weight_bytes": weight_bytes,
+        **state,
+    }
 
 
 def roofline_steps(weight_bytes: int, hbm_gbs: float) -> float:
@@ -109,8 +176,12 @@ def device_hbm_gbs(device: str) -> float | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="a real model's shape (overrides the shape flags)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), help="a real model's shape (overrides the shape flags)"
+    )
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--intermediate-size", type=int, help="default: 2.75 x hidden size")
@@ -118,9 +189,16 @@ def main() -> None:
     parser.add_argument("--num-kv-heads", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--context-length", type=int, default=4096)
-    parser.add_argument("--attention-backend", choices=["torch_native", "flashinfer"],
-                        help="default: the engine's (flashinfer on CUDA when installed)")
-    parser.add_argument("--hbm-gbs", type=float, help="HBM bandwidth for the roofline (default: known for H100/H200)")
+    parser.add_argument(
+        "--attention-backend",
+        choices=["torch_native", "flashinfer"],
+        help="default: the engine's (flashinfer on CUDA when installed)",
+    )
+    parser.add_argument(
+        "--hbm-gbs",
+        type=float,
+        help="HBM bandwidth for the roofline (default: known for H100/H200)",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     parser.add_argument("--input-len", type=int, default=128)
@@ -131,65 +209,111 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--disable-cuda-graph", action="store_true",
-                        help="no graph batch sizes / padding (to measure what padding costs where graphs are not replayed)")
+    parser.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="no graph batch sizes / padding (to measure what padding costs where graphs are not "
+        "replayed)",
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
     for key, value in PRESETS.get(args.preset, {}).items():
         setattr(args, key, value)
 
     root = tempfile.mkdtemp(prefix="bench-rollout-")
-    shape = dict(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                 intermediate_size=args.intermediate_size or int(args.hidden_size * 2.75), num_layers=args.num_layers,
-                 num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, max_position_embeddings=args.context_length,
-                 initializer_range=0.02)
-    # Checkpoints in the benchmark dtype (an 8B model in float32 would need 32 GB of disk), only those needed.
+    shape = dict(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size or int(args.hidden_size * 2.75),
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        max_position_embeddings=args.context_length,
+        initializer_range=0.02,
+    )
+    # Checkpoints in the benchmark dtype (an 8B model in float32 would need 32 GB of disk), only
+    # those needed.
     save = "float32" if args.dtype == "float32" else args.dtype
     wanted = set(args.algorithms)
-    models = {"llama": build_checkpoint(os.path.join(root, "llama"), arch="llama", dtype=save, **shape)
-              if wanted - {"mtp"} else ""}
+    models = {
+        "llama": build_checkpoint(os.path.join(root, "llama"), arch="llama", dtype=save, **shape)
+        if wanted - {"mtp"}
+        else ""
+    }
     if "eagle" in wanted:
-        models["eagle"] = build_eagle_draft(os.path.join(root, "eagle"), models["llama"], version=2, std=0.02)
+        models["eagle"] = build_eagle_draft(
+            os.path.join(root, "eagle"), models["llama"], version=2, std=0.02
+        )
     if "eagle3" in wanted:
-        models["eagle3"] = build_eagle_draft(os.path.join(root, "eagle3"), models["llama"], version=3, std=0.02,
-                                             draft_vocab_size=min(8192, args.vocab_size))
+        models["eagle3"] = build_eagle_draft(
+            os.path.join(root, "eagle3"),
+            models["llama"],
+            version=3,
+            std=0.02,
+            draft_vocab_size=min(8192, args.vocab_size),
+        )
     if "mtp" in wanted:
-        models["mimo"] = add_mimo_mtp(build_checkpoint(os.path.join(root, "mimo"), arch="qwen2", dtype=save, **shape),
-                                      std=0.02)
+        models["mimo"] = add_mimo_mtp(
+            build_checkpoint(os.path.join(root, "mimo"), arch="qwen2", dtype=save, **shape),
+            std=0.02,
+        )
     table = configs(models, args.steps, args.topk, args.draft_tokens)
     results = []
     for name in args.algorithms:
         path, kwargs = table[name]
         for batch in args.batch_sizes:
-            row = {"algorithm": name, **run(path, kwargs, batch, args, args.vocab_size, repetitive=name == "ngram")}
+            row = {
+                "algorithm": name,
+                **run(path, kwargs, batch, args, args.vocab_size, repetitive=name == "ngram"),
+            }
             results.append(row)
             print(json.dumps(row), flush=True)
     base = {r["batch"]: r["tokens_per_s"] for r in results if r["algorithm"] == "baseline"}
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\n{device} {args.dtype}, hidden {args.hidden_size} x {args.num_layers} layers, vocab {args.vocab_size}, "
-          f"input {args.input_len}, output {args.output_len}; steps {args.steps}, topk {args.topk}, "
-          f"draft tokens {args.draft_tokens}; best of {args.repeats}")
-    print("| algorithm | batch | tokens/s | vs baseline | accept length | draft / verify / bookkeeping ms per step |")
+    print(
+        f"\n{device} {args.dtype}, hidden {args.hidden_size} x {args.num_layers} layers, vocab "
+        f"{args.vocab_size}, "
+        f"input {args.input_len}, output {args.output_len}; steps {args.steps}, topk {args.topk}, "
+        f"draft tokens {args.draft_tokens}; best of {args.repeats}"
+    )
+    print(
+        "| algorithm | batch | tokens/s | vs baseline | accept length | draft / verify / "
+        "bookkeeping ms per step |"
+    )
     print("|---|---:|---:|---:|---:|---|")
     for r in results:
         speed = f"{r['tokens_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
         ms = r["ms_per_step"]
         split = f"{ms['draft']} / {ms['verify']} / {ms['bookkeeping']}" if ms else "-"
-        print(f"| {r['algorithm']} | {r['batch']} | {r['tokens_per_s']} | {speed} | {r['accept_length'] or '-'} | {split} |")
+        print(
+            f"| {r['algorithm']} | {r['batch']} | {r['tokens_per_s']} | {speed} | "
+            f"{r['accept_length'] or '-'} | {split} |"
+        )
     hbm = args.hbm_gbs or device_hbm_gbs(args.device)
     one = next((r for r in results if r["algorithm"] == "baseline" and r["batch"] == 1), None)
     roofline = None
     if hbm and one:
-        roofline = {"hbm_gbs": hbm, "weight_bytes": one["weight_bytes"],
-                    "roofline_steps_per_s": round(roofline_steps(one["weight_bytes"], hbm), 1),
-                    "batch1_tokens_per_s": one["tokens_per_s"]}
+        roofline = {
+            "hbm_gbs": hbm,
+            "weight_bytes": one["weight_bytes"],
+            "roofline_steps_per_s": round(roofline_steps(one["weight_bytes"], hbm), 1),
+            "batch1_tokens_per_s": one["tokens_per_s"],
+        }
         roofline["fraction"] = round(one["tokens_per_s"] / roofline["roofline_steps_per_s"], 3)
-        print(f"\nbatch-1 plain decode: {one['tokens_per_s']} tok/s = {100 * roofline['fraction']:.1f}% of the roofline "
-              f"{roofline['roofline_steps_per_s']} steps/s ({one['weight_bytes'] / 1e9:.2f} GB of weights at {hbm:g} GB/s; "
-              "prefill included in the timing)")
+        print(
+            f"\nbatch-1 plain decode: {one['tokens_per_s']} tok/s = "
+            f"{100 * roofline['fraction']:.1f}% of the roofline "
+            f"{roofline['roofline_steps_per_s']} steps/s ({one['weight_bytes'] / 1e9:.2f} GB of "
+            f"weights at {hbm:g} GB/s; "
+            "prefill included in the timing)"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": device, "results": results, "roofline": roofline}, f, indent=2)
+            json.dump(
+                {"args": vars(args), "device": device, "results": results, "roofline": roofline},
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

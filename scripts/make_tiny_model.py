@@ -13,15 +13,23 @@ from specrl.tiny_models import build_tiny_model
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=512)
     args = parser.parse_args()
-    build_tiny_model(args.out, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                     vocab_size=args.vocab_size, intermediate_size=2 * args.hidden_size)
+    build_tiny_model(
+        args.out,
+        arch=args.arch,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        vocab_size=args.vocab_size,
+        intermediate_size=2 * args.hidden_size,
+    )
     print(f"wrote {args.arch} checkpoint and tokenizer to {args.out}")
 
 

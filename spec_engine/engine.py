@@ -14,12 +14,14 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Optional, Union
 
 import torch
 
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.args.resolve import resolve_engine_config
+from spec_engine.core.channel import Channel
 from spec_engine.core.inputs import InputIds, Params, Prompt, RequestBuilder
 from spec_engine.core.memory import MemoryController
 from spec_engine.core.outputs import Delivery, RequestOutput
@@ -36,94 +38,86 @@ from spec_engine.weights.updater import WeightUpdater
 logger = logging.getLogger(__name__)
 
 _STOP = object()
-_POLL_S = 1.0  # how often a waiting caller checks that the scheduler thread is alive
-
-
-class _Channel:
-    """Deliveries for one call's requests, put by the scheduler thread."""
-
-    def __init__(self, alive: Callable[[], bool], loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
-        self._alive = alive
-        self._loop = loop
-        self._sync: queue.SimpleQueue = queue.SimpleQueue()
-        self._async: Optional[asyncio.Queue] = asyncio.Queue() if loop is not None else None
-
-    def put(self, item: Delivery) -> bool:
-        """False when the caller's event loop is gone (nobody will read this)."""
-        if self._loop is None:
-            self._sync.put(item)
-            return True
-        try:
-            self._loop.call_soon_threadsafe(self._async.put_nowait, item)
-        except RuntimeError:  # the loop is closed
-            return False
-        return True
-
-    def get(self) -> Delivery:
-        while True:
-            try:
-                return self._sync.get(timeout=_POLL_S)
-            except queue.Empty:
-                self._check_alive()
-
-    async def aget(self) -> Delivery:
-        while True:
-            try:
-                return await asyncio.wait_for(self._async.get(), _POLL_S)
-            except asyncio.TimeoutError:
-                self._check_alive()
-
-    def _check_alive(self) -> None:
-        if not self._alive():
-            raise RuntimeError("the engine's scheduler thread has stopped")
 
 
 class Engine:
     """Generation engine: `Engine(model_path=..., **engine_args)`; see EngineArgs for options."""
 
     def __init__(self, engine_args: Optional[EngineArgs] = None, **kwargs: Any) -> None:
-        args = dataclasses.replace(engine_args, **kwargs) if engine_args is not None else EngineArgs(**kwargs)
+        args = (
+            dataclasses.replace(engine_args, **kwargs)
+            if engine_args is not None
+            else EngineArgs(**kwargs)
+        )
         logging.getLogger("spec_engine").setLevel(args.log_level.upper())
         self.config = resolve_engine_config(args, cuda_available=torch.cuda.is_available())
         self.args = args = self.config.args
         self.model_config = self.config.target
         self.context_len = self.config.context_len
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path, args.chat_template)
+        self.tokenizer = (
+            None
+            if args.skip_tokenizer_init
+            else load_tokenizer(args.tokenizer_path, args.chat_template)
+        )
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        decode_tail = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
+        decode_tail = (
+            (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
+        )
         self.runner = ModelRunner(self.config)
-        tree_cache = RadixCache(self.runner.allocator, self.runner.req_to_token_pool, args.page_size,
-                                disable=args.disable_radix_cache)
+        tree_cache = RadixCache(
+            self.runner.allocator,
+            self.runner.req_to_token_pool,
+            args.page_size,
+            disable=args.disable_radix_cache,
+        )
         worker = create_worker(self.config, self.runner, tree_cache.alloc_slots, frozenset(eos))
         self.scheduler = Scheduler(args, worker, tree_cache, frozenset(eos), decode_tail)
-        self.inputs = RequestBuilder(self.tokenizer, self.model_config.vocab_size, self.context_len,
-                                     self.runner.max_total_tokens, worker.decode_headroom(), args.page_size,
-                                     args.random_seed)
+        self.inputs = RequestBuilder(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.context_len,
+            self.runner.max_total_tokens,
+            worker.decode_headroom(),
+            args.page_size,
+            args.random_seed,
+        )
         draft = getattr(worker, "draft", None)
         self.updater = WeightUpdater(self.runner.model, self.runner.device, draft)
-        self.memory = MemoryController(self.scheduler, [self.runner] + ([draft] if draft is not None else []),
-                                       self.updater)
+        self.memory = MemoryController(
+            self.scheduler, [self.runner] + ([draft] if draft is not None else []), self.updater
+        )
         self.weight_version = args.weight_version
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="spec-engine-scheduler", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name="spec-engine-scheduler", daemon=True
+        )
         self._thread.start()
 
     # ------------------------------------------------------------ generation
 
-    def generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: InputIds = None,
-                 return_logprob: bool = False, top_logprobs_num: int = 0, stream: bool = False,
-                 rid: Union[str, list[str], None] = None) -> Union[dict, list[dict], Iterator[dict]]:
-        """Generate for one prompt (returns a dict) or a batch (a list, n samples per prompt in a row).
+    def generate(
+        self,
+        prompt: Prompt = None,
+        sampling_params: Params = None,
+        input_ids: InputIds = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        rid: Union[str, list[str], None] = None,
+    ) -> Union[dict, list[dict], Iterator[dict]]:
+        """Generate for one prompt (returns a dict) or a batch (a list, n samples per prompt in a
+        row).
 
         With stream=True returns an iterator of cumulative output dicts (batch items carry "index").
         """
-        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                           rid, stream)
-        channel = _Channel(self._thread.is_alive)
+        reqs, single = self._make_requests(
+            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream
+        )
+        channel = Channel(self._thread.is_alive)
         outputs = self._submit(reqs, channel)
         if stream:
             return self._stream(outputs, single, channel)
@@ -135,7 +129,9 @@ class Engine:
         results = [o.to_dict() for o in outputs]
         return results[0] if single else results
 
-    def _stream(self, outputs: list[RequestOutput], single: bool, channel: _Channel) -> Iterator[dict]:
+    def _stream(
+        self, outputs: list[RequestOutput], single: bool, channel: Channel
+    ) -> Iterator[dict]:
         pending = len(outputs)
         try:
             while pending:
@@ -148,13 +144,21 @@ class Engine:
             if pending:  # the caller stopped reading: stop the work
                 self._abort_unfinished(outputs)
 
-    async def async_generate(self, prompt: Prompt = None, sampling_params: Params = None, input_ids: InputIds = None,
-                             return_logprob: bool = False, top_logprobs_num: int = 0, stream: bool = False,
-                             rid: Union[str, list[str], None] = None) -> Union[dict, list[dict], AsyncIterator[dict]]:
+    async def async_generate(
+        self,
+        prompt: Prompt = None,
+        sampling_params: Params = None,
+        input_ids: InputIds = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        rid: Union[str, list[str], None] = None,
+    ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """Async form of `generate`; with stream=True returns an async iterator."""
-        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                                           rid, stream)
-        channel = _Channel(self._thread.is_alive, asyncio.get_running_loop())
+        reqs, single = self._make_requests(
+            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream
+        )
+        channel = Channel(self._thread.is_alive, asyncio.get_running_loop())
         outputs = self._submit(reqs, channel)
         if stream:
             return self._astream(outputs, single, channel)
@@ -170,7 +174,9 @@ class Engine:
         results = [o.to_dict() for o in outputs]
         return results[0] if single else results
 
-    async def _astream(self, outputs: list[RequestOutput], single: bool, channel: _Channel) -> AsyncIterator[dict]:
+    async def _astream(
+        self, outputs: list[RequestOutput], single: bool, channel: Channel
+    ) -> AsyncIterator[dict]:
         pending = len(outputs)
         try:
             while pending:
@@ -191,14 +197,20 @@ class Engine:
     # ------------------------------------------------------------ control
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
-        """Abort a request (or all n samples of one) by rid; it finishes with finish_reason abort."""
+        """Abort a request (or all n samples of one) by rid; it finishes with finish_reason
+        abort."""
         if not self._closed:  # after shutdown every request has been aborted already
             self._post(lambda: self.scheduler.abort(rid, message))
 
     # ------------------------------------------------------------ weights and memory
 
-    def update_weights_from_tensor(self, named_tensors: Any, load_format: Optional[str] = None, flush_cache: bool = True,
-                                   weight_version: Optional[str] = None) -> dict[str, Any]:
+    def update_weights_from_tensor(
+        self,
+        named_tensors: Any,
+        load_format: Optional[str] = None,
+        flush_cache: bool = True,
+        weight_version: Optional[str] = None,
+    ) -> dict[str, Any]:
         """Load Hugging Face-named tensors (target, MTP layers, or `draft.`-prefixed external
         draft tensors). named_tensors: a list of (name, tensor) pairs, a dict, or with
         load_format="flattened_bucket" FlattenedBucket objects / their dicts (one per dtype).
@@ -208,39 +220,80 @@ class Engine:
         if load_format == "flattened_bucket":
             buckets = named_tensors if isinstance(named_tensors, list) else [named_tensors]
             if not all(isinstance(b, (FlattenedBucket, dict)) for b in buckets):
-                raise ValueError("load_format='flattened_bucket' takes FlattenedBucket objects or their to_dict() dicts")
-            items = [pair for b in buckets for pair in
-                     (b if isinstance(b, FlattenedBucket) else FlattenedBucket.from_dict(b)).unpack()]
+                raise ValueError(
+                    "load_format='flattened_bucket' takes FlattenedBucket objects or their "
+                    "to_dict() dicts"
+                )
+            items = [
+                pair
+                for b in buckets
+                for pair in (
+                    b if isinstance(b, FlattenedBucket) else FlattenedBucket.from_dict(b)
+                ).unpack()
+            ]
         elif isinstance(named_tensors, dict):
             items = list(named_tensors.items())
-        elif isinstance(named_tensors, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2
-                                                              for p in named_tensors):
+        elif isinstance(named_tensors, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 for p in named_tensors
+        ):
             items = list(named_tensors)
         else:
             raise ValueError("named_tensors must be a dict or a list of (name, tensor) pairs")
         return self._update_weights(lambda: self.updater.apply(items), flush_cache, weight_version)
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "gloo") -> dict[str, Any]:
-        """Join the trainer's process group (the trainer is rank 0) for update_weights_from_distributed."""
-        self._call(lambda: self.updater.init_group(master_address, master_port, rank_offset, world_size,
-                                                   group_name, backend))
-        return {"success": True, "message": f"joined {group_name!r} as rank {rank_offset} of {world_size}"}
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> dict[str, Any]:
+        """Join the trainer's process group (the trainer is rank 0) for
+        update_weights_from_distributed."""
+        self._call(
+            lambda: self.updater.init_group(
+                master_address, master_port, rank_offset, world_size, group_name, backend
+            )
+        )
+        return {
+            "success": True,
+            "message": f"joined {group_name!r} as rank {rank_offset} of {world_size}",
+        }
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
-                                        group_name: str = "weight_update_group", flush_cache: bool = True,
-                                        weight_version: Optional[str] = None) -> dict[str, Any]:
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list,
+        shapes: list,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: Optional[str] = None,
+    ) -> dict[str, Any]:
         """Receive one broadcast per named tensor from the group's rank 0, then load them."""
-        return self._update_weights(lambda: self.updater.from_distributed(names, dtypes, shapes, group_name),
-                                    flush_cache, weight_version)
+        return self._update_weights(
+            lambda: self.updater.from_distributed(names, dtypes, shapes, group_name),
+            flush_cache,
+            weight_version,
+        )
 
-    def update_weights_from_disk(self, model_path: str, weight_version: Optional[str] = None, component: str = "target",
-                                 flush_cache: bool = True) -> dict[str, Any]:
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: Optional[str] = None,
+        component: str = "target",
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
         """Load a Hugging Face checkpoint: into the target (and its MTP layers), or with
         component="draft" into the external draft."""
-        return self._update_weights(lambda: self.updater.from_disk(model_path, component), flush_cache, weight_version)
+        return self._update_weights(
+            lambda: self.updater.from_disk(model_path, component), flush_cache, weight_version
+        )
 
-    def _update_weights(self, load: Callable[[], int], flush_cache: bool, weight_version: Optional[str]) -> dict[str, Any]:
+    def _update_weights(
+        self, load: Callable[[], int], flush_cache: bool, weight_version: Optional[str]
+    ) -> dict[str, Any]:
         def run() -> dict[str, Any]:
             self.memory.require_weights()
             start = time.perf_counter()
@@ -248,13 +301,19 @@ class Engine:
             self.scheduler.weights_changed(flush=flush_cache)
             if weight_version is not None:
                 self.weight_version = weight_version
-            return {"success": True, "bytes": received, "seconds": time.perf_counter() - start,
-                    "weight_version": self.weight_version}
+            return {
+                "success": True,
+                "bytes": received,
+                "seconds": time.perf_counter() - start,
+                "weight_version": self.weight_version,
+            }
 
         return self._call(run)
 
     def get_weights_checksum(self, names: Optional[list[str]] = None) -> dict[str, str]:
-        """SHA-256 of each named tensor as the engine holds it (see weights.loader.tensor_checksum)."""
+        """SHA-256 of each named tensor as the engine holds it (see
+        weights.loader.tensor_checksum)."""
+
         def checksums() -> dict[str, str]:
             self.memory.require_weights()
             return self.updater.checksums(names)
@@ -262,7 +321,8 @@ class Engine:
         return self._call(checksums)
 
     def pause_generation(self, mode: str = "abort") -> None:
-        """Stop generating: abort (end requests), retract (re-queue them) or in_place (keep them)."""
+        """Stop generating: abort (end requests), retract (re-queue them) or in_place (keep
+        them)."""
         self._call(lambda: self.memory.pause(mode))
 
     def continue_generation(self) -> None:
@@ -277,7 +337,8 @@ class Engine:
         self._call(lambda: self.memory.resume(tags))
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache. Refused (False) while requests are queued or running, unless paused."""
+        """Drop the prefix cache. Refused (False) while requests are queued or running, unless
+        paused."""
         return self._call(self.memory.flush_cache)
 
     def get_server_info(self) -> dict[str, Any]:
@@ -302,7 +363,9 @@ class Engine:
             "last_gen_throughput": s.last_gen_throughput,
         }
         if self.args.speculative_algorithm is not None:
-            state["avg_spec_accept_length"] = s.spec_emitted / s.spec_verify_ct if s.spec_verify_ct else None
+            state["avg_spec_accept_length"] = (
+                s.spec_emitted / s.spec_verify_ct if s.spec_verify_ct else None
+            )
             state["spec_verify_ct"] = s.spec_verify_ct
             state["spec_time_breakdown"] = dict(s.worker.timings)
         return state
@@ -325,7 +388,7 @@ class Engine:
             self._inbox.put(_STOP)
         self._thread.join(timeout=30)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -338,7 +401,7 @@ class Engine:
             raise RuntimeError("engine is shut down")
         return self.inputs.build(*args)
 
-    def _submit(self, reqs: list[Req], channel: _Channel) -> list[RequestOutput]:
+    def _submit(self, reqs: list[Req], channel: Channel) -> list[RequestOutput]:
         for index, req in enumerate(reqs):
             req.on_output = self._make_callback(index, channel)
 
@@ -349,10 +412,17 @@ class Engine:
         self._post(add)
         return [RequestOutput(req, self.tokenizer) for req in reqs]
 
-    def _make_callback(self, index: int, channel: _Channel) -> Callable[[Req, bool], None]:
+    def _make_callback(self, index: int, channel: Channel) -> Callable[[Req, bool], None]:
         def on_output(req: Req, finished: bool) -> None:
-            delivered = channel.put(Delivery.of(index, req, finished, self.weight_version,
-                                                self.args.speculative_algorithm is not None))
+            delivered = channel.put(
+                Delivery.of(
+                    index,
+                    req,
+                    finished,
+                    self.weight_version,
+                    self.args.speculative_algorithm is not None,
+                )
+            )
             if not delivered and not finished and not self._closed:
                 self._post(lambda: self.scheduler.abort(req.input.rid, "the caller went away"))
 

@@ -18,8 +18,8 @@ from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
 
 
 class ForwardMode(enum.Enum):
-    EXTEND = "extend"              # prefill of new tokens (possibly after a cached prefix)
-    DECODE = "decode"              # one new token per request
+    EXTEND = "extend"  # prefill of new tokens (possibly after a cached prefix)
+    DECODE = "decode"  # one new token per request
     TARGET_VERIFY = "target_verify"  # draft tokens per request under a tree mask
     DRAFT_EXTEND = "draft_extend"  # draft model over accepted tokens
 
@@ -30,11 +30,11 @@ class ForwardMode(enum.Enum):
 @dataclass
 class ForwardBatch:
     mode: ForwardMode
-    input_ids: torch.Tensor         # [T]
-    positions: torch.Tensor         # [T]
-    out_cache_loc: torch.Tensor     # [T] KV slot each token writes
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] KV slot each token writes
     req_pool_indices: torch.Tensor  # [B]
-    seq_lens: torch.Tensor          # [B] KV length after this forward
+    seq_lens: torch.Tensor  # [B] KV length after this forward
     seq_lens_cpu: list[int]
     # EXTEND: tokens computed per request and the cached prefix before them.
     extend_seq_lens_cpu: Optional[list[int]] = None
@@ -46,7 +46,7 @@ class ForwardBatch:
     # DECODE rows that do not read a request's table row (draft tree branches): the KV slots
     # each row attends to, padded, and which of them are real.
     kv_indices: Optional[torch.Tensor] = None  # [B, L] int64
-    kv_mask: Optional[torch.Tensor] = None     # [B, L] bool
+    kv_mask: Optional[torch.Tensor] = None  # [B, L] bool
     # Return hidden states for every token (speculative drafts read them), not only logits rows.
     capture_hidden: bool = False
     # Set by the runner: the memory this forward reads and writes, and the attention backend

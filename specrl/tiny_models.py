@@ -45,38 +45,77 @@ def build_tokenizer(out_dir: str, vocab_size: int = 512) -> Any:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
     fast.chat_template = CHAT_TEMPLATE
     os.makedirs(out_dir, exist_ok=True)
     fast.save_pretrained(out_dir)
     return fast
 
 
-def build_checkpoint(out_dir: str, arch: str = "llama", vocab_size: int = 512, hidden_size: int = 64,
-                     intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                     head_dim: int | None = None, max_position_embeddings: int = 512, tie_word_embeddings: bool = False,
-                     rope_scaling: dict | None = None, initializer_range: float = 0.1, seed: int = 0,
-                     max_shard_size: str | None = None, bos_token_id: int = 1, eos_token_id: int = 2,
-                     dtype: str = "float32") -> str:
+def build_checkpoint(
+    out_dir: str,
+    arch: str = "llama",
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    rope_scaling: dict | None = None,
+    initializer_range: float = 0.1,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+    dtype: str = "float32",
+) -> str:
     """Save a random model of the given family with `save_pretrained` (safetensors), in `dtype`."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    families = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+    families = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
     if arch not in families:
         raise ValueError(f"--arch must be one of {', '.join(families)}, got {arch!r}")
     config_cls, model_cls = families[arch]
     kwargs: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-        initializer_range=initializer_range, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
         pad_token_id=0,
     )
     if head_dim is not None:
@@ -91,17 +130,40 @@ def build_checkpoint(out_dir: str, arch: str = "llama", vocab_size: int = 512, h
     return out_dir
 
 
-def _draft_config(target_dir: str, architecture: str, num_layers: int, **extra: Any) -> dict[str, Any]:
+def _draft_config(
+    target_dir: str, architecture: str, num_layers: int, **extra: Any
+) -> dict[str, Any]:
     import json
 
     with open(os.path.join(target_dir, "config.json")) as f:
         target = json.load(f)
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
-            "bos_token_id", "eos_token_id", "pad_token_id")
+    keep = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "rope_parameters",
+        "rope_scaling",
+        "rope_theta",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    )
     config = {k: target[k] for k in keep if k in target}
-    config.update(architectures=[architecture], model_type="llama", num_hidden_layers=num_layers,
-                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False, hidden_act="silu", **extra)
+    config.update(
+        architectures=[architecture],
+        model_type="llama",
+        num_hidden_layers=num_layers,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        **extra,
+    )
     return config
 
 
@@ -111,8 +173,15 @@ def _random(shape: tuple[int, ...], std: float, generator: Any) -> Any:
     return torch.randn(shape, generator=generator) * std
 
 
-def _llama_layer(prefix: str, config: dict[str, Any], generator: Any, attn_in: int | None = None,
-                 input_norm: bool = True, qkv_bias: bool = False, std: float = 0.1) -> dict[str, Any]:
+def _llama_layer(
+    prefix: str,
+    config: dict[str, Any],
+    generator: Any,
+    attn_in: int | None = None,
+    input_norm: bool = True,
+    qkv_bias: bool = False,
+    std: float = 0.1,
+) -> dict[str, Any]:
     import torch
 
     h, inter = config["hidden_size"], config["intermediate_size"]
@@ -137,9 +206,16 @@ def _llama_layer(prefix: str, config: dict[str, Any], generator: Any, attn_in: i
     return t
 
 
-def build_eagle_draft(out_dir: str, target_dir: str, version: int = 2, num_layers: int = 1,
-                      draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None,
-                      seed: int = 1, std: float = 0.1) -> str:
+def build_eagle_draft(
+    out_dir: str,
+    target_dir: str,
+    version: int = 2,
+    num_layers: int = 1,
+    draft_vocab_size: int | None = None,
+    aux_layer_ids: list[int] | None = None,
+    seed: int = 1,
+    std: float = 0.1,
+) -> str:
     """A random EAGLE-2 (`LlamaForCausalLMEagle`) or EAGLE-3 (`LlamaForCausalLMEagle3`) draft for
     the target, in the checkpoint layout SGLang loads (no `model.` prefix)."""
     import json
@@ -151,8 +227,11 @@ def build_eagle_draft(out_dir: str, target_dir: str, version: int = 2, num_layer
     if version == 2:
         config = _draft_config(target_dir, "LlamaForCausalLMEagle", num_layers)
         h = config["hidden_size"]
-        tensors = {"fc.weight": _random((h, 2 * h), std, g), "fc.bias": _random((h,), std, g),
-                   "embed_tokens.weight": _random((config["vocab_size"], h), std, g)}
+        tensors = {
+            "fc.weight": _random((h, 2 * h), std, g),
+            "fc.bias": _random((h,), std, g),
+            "embed_tokens.weight": _random((config["vocab_size"], h), std, g),
+        }
         for i in range(num_layers):
             tensors.update(_llama_layer(f"layers.{i}.", config, g, input_norm=i > 0, std=std))
     elif version == 3:
@@ -163,8 +242,11 @@ def build_eagle_draft(out_dir: str, target_dir: str, version: int = 2, num_layer
             extra["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids}
         config = _draft_config(target_dir, "LlamaForCausalLMEagle3", 1, **extra)
         h, vocab = config["hidden_size"], config["vocab_size"]
-        tensors = {"fc.weight": _random((h, 3 * h), std, g), "norm.weight": torch.ones(h),
-                   "midlayer.hidden_norm.weight": torch.ones(h)}
+        tensors = {
+            "fc.weight": _random((h, 3 * h), std, g),
+            "norm.weight": torch.ones(h),
+            "midlayer.hidden_norm.weight": torch.ones(h),
+        }
         tensors.update(_llama_layer("midlayer.", config, g, attn_in=2 * h, std=std))
         if draft_vocab_size is not None:
             hot = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab_size]).values
@@ -180,7 +262,9 @@ def build_eagle_draft(out_dir: str, target_dir: str, version: int = 2, num_layer
     return out_dir
 
 
-def add_mimo_mtp(checkpoint_dir: str, num_mtp_layers: int = 1, seed: int = 2, std: float = 0.1) -> str:
+def add_mimo_mtp(
+    checkpoint_dir: str, num_mtp_layers: int = 1, seed: int = 2, std: float = 0.1
+) -> str:
     """Turn a Qwen2 checkpoint into a MiMo one: `model.mtp_layers.*` tensors and a MiMo config."""
     import json
 
@@ -190,7 +274,11 @@ def add_mimo_mtp(checkpoint_dir: str, num_mtp_layers: int = 1, seed: int = 2, st
     path = os.path.join(checkpoint_dir, "config.json")
     with open(path) as f:
         config = json.load(f)
-    config.update(architectures=["MiMoForCausalLM"], model_type="mimo", num_nextn_predict_layers=num_mtp_layers)
+    config.update(
+        architectures=["MiMoForCausalLM"],
+        model_type="mimo",
+        num_nextn_predict_layers=num_mtp_layers,
+    )
     weights_path = os.path.join(checkpoint_dir, "model.safetensors")
     tensors = load_file(weights_path)
     g = torch.Generator().manual_seed(seed)

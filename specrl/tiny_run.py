@@ -18,7 +18,7 @@ from typing import Any
 
 from rollout.tiny_task import PROMPT_FORMAT, write_tiny_task
 from specrl.tiny_models import add_mimo_mtp, build_tiny_model
-from trainer_bridge.actor import TrainBatch
+from trainer_bridge.batch import TrainBatch
 
 logger = logging.getLogger("specrl.tiny_run")
 
@@ -52,8 +52,9 @@ def prepare(
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from trainer_bridge.actor import TrainActor, TrainerArgs
+    from trainer_bridge.actor import TrainActor
     from trainer_bridge.megatron_compat import destroy_model_parallel
+    from trainer_bridge.options import TrainerArgs
 
     hf_logging.disable_progress_bar()  # a bar per one-file checkpoint written is only noise
     base, warm = os.path.join(out, "base"), os.path.join(out, "warm")

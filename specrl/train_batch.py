@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rollout.sample import Sample
-from trainer_bridge.actor import TrainBatch
+from trainer_bridge.batch import TrainBatch
 
 
 def to_train_batch(groups: list[list[Sample]]) -> TrainBatch:

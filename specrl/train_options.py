@@ -21,8 +21,8 @@ from rollout.config import RolloutArgs
 from spec_engine.args import engine_args as engine_config
 from spec_engine.args.dataclass_cli import HelpFormatter, add_dataclass_args, dataclass_from_args
 from spec_engine.args.engine_args import EngineArgs
-from trainer_bridge.actor import TrainerArgs
 from trainer_bridge.loss import LossConfig
+from trainer_bridge.options import TrainerArgs
 from trainer_bridge.weight_sync import WeightSyncConfig
 
 ENGINE_PREFIX = "sglang-"

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints (saved by transformers) with a locally trained tokenizer,
+"""Shared fixtures: tiny random checkpoints (saved by transformers) with a locally trained
+tokenizer,
 and a transformers reference to compare against."""
 
 from __future__ import annotations
@@ -18,8 +19,16 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # Feature coverage per family: llama has llama3 rope scaling, GQA and an untied head; qwen2 has
 # q/k/v biases and tied embeddings; qwen3 has q/k norms and head_dim != hidden / heads.
 FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": dict(arch="llama", rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
-                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama": dict(
+        arch="llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "qwen2": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3", head_dim=32),
 }
@@ -74,17 +83,28 @@ class HFReference:
         from transformers import AutoModelForCausalLM
 
         if path not in self._models:
-            self._models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            self._models[path] = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32
+            ).eval()
         return self._models[path]
 
     @torch.no_grad()
-    def greedy(self, path: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    def greedy(
+        self, path: str, prompt: list[int], max_new_tokens: int
+    ) -> tuple[list[int], list[float]]:
         """Tokens of generate(do_sample=False) and the log-softmax of each chosen token."""
-        out = self.model(path).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                        max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
-                                        return_dict_in_generate=True)
-        tokens = out.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
+        out = self.model(path).generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        logprobs = [
+            torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)
+        ]
         return tokens, logprobs
 
     @torch.no_grad()
@@ -97,7 +117,9 @@ def hf() -> HFReference:
     return HFReference()
 
 
-def random_prompts(count: int, min_len: int, max_len: int, vocab: int = 512, seed: int = 0) -> list[list[int]]:
+def random_prompts(
+    count: int, min_len: int, max_len: int, vocab: int = 512, seed: int = 0
+) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (count,), generator=g).tolist()
     # Ids from 5 up: 0-4 are the special tokens (pad, bos, eos, chat markers).

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from specrl.tiny_models import add_mimo_mtp
 from spec_engine import Engine
+from specrl.tiny_models import add_mimo_mtp
 from tests.conftest import random_prompts
 from trainer_bridge.loss import LossConfig
 
@@ -24,11 +24,15 @@ def mimo(make_model):
 
 @pytest.fixture(scope="module")
 def actor(mimo):
-    from trainer_bridge.actor import TrainActor, TrainerArgs
+    from trainer_bridge.actor import TrainActor
     from trainer_bridge.megatron_compat import destroy_model_parallel
+    from trainer_bridge.options import TrainerArgs
 
-    a = TrainActor(TrainerArgs(hf_checkpoint=mimo, lr=2e-3, micro_batch_size=3, enable_mtp_training=True),
-                   LossConfig(), temperature=1.0)
+    a = TrainActor(
+        TrainerArgs(hf_checkpoint=mimo, lr=2e-3, micro_batch_size=3, enable_mtp_training=True),
+        LossConfig(),
+        temperature=1.0,
+    )
     yield a
     destroy_model_parallel()
 
@@ -38,7 +42,7 @@ def rollout(engine_path, n=4, **engine_kwargs):
     params = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "n": n}
     with Engine(model_path=engine_path, random_seed=3, **engine_kwargs) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-    groups = [outs[i * n:(i + 1) * n] for i in range(len(prompts))]
+    groups = [outs[i * n : (i + 1) * n] for i in range(len(prompts))]
     tokens, lengths, logps = [], [], []
     for prompt, group in zip(prompts, groups):
         for o in group:
@@ -49,7 +53,8 @@ def rollout(engine_path, n=4, **engine_kwargs):
 
 
 def test_bf16_without_cuda_is_refused(mimo):
-    from trainer_bridge.actor import TrainActor, TrainerArgs
+    from trainer_bridge.actor import TrainActor
+    from trainer_bridge.options import TrainerArgs
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: bf16 is allowed")
@@ -58,10 +63,11 @@ def test_bf16_without_cuda_is_refused(mimo):
 
 
 def test_trainer_log_probs_equal_the_engines(actor, mimo):
-    from trainer_bridge.actor import TrainBatch
+    from trainer_bridge.batch import TrainBatch
 
-    tokens, lengths, engine_logps = rollout(mimo, speculative_algorithm="EAGLE", speculative_num_steps=2,
-                                            speculative_eagle_topk=1)
+    tokens, lengths, engine_logps = rollout(
+        mimo, speculative_algorithm="EAGLE", speculative_num_steps=2, speculative_eagle_topk=1
+    )
     got = actor.compute_log_probs(TrainBatch(tokens, lengths, [0.0] * len(tokens)))
     diff = max(abs(a - b) for x, y in zip(got, engine_logps) for a, b in zip(x, y))
     assert diff < 1e-4, diff
@@ -75,17 +81,23 @@ def test_mtp_loss_reaches_only_mtp_parameters(actor):
     actor.model.train()
     _, hidden = actor._forward(tokens)
     actor._mtp_loss(tokens, hidden, mask).backward()
-    grads = {n: p.main_grad.abs().sum().item() for n, p in actor.gpt.named_parameters() if p.requires_grad}
+    grads = {
+        n: p.main_grad.abs().sum().item()
+        for n, p in actor.gpt.named_parameters()
+        if p.requires_grad
+    }
     trunk = {n: g for n, g in grads.items() if not n.startswith("mtp.")}
     mtp = {n: g for n, g in grads.items() if n.startswith("mtp.")}
     assert trunk and mtp
     assert all(g == 0 for g in trunk.values()), [n for n, g in trunk.items() if g][:3]
-    assert sum(g > 0 for g in mtp.values()) >= len(mtp) - 2  # every MTP weight but maybe a norm learns
+    assert (
+        sum(g > 0 for g in mtp.values()) >= len(mtp) - 2
+    )  # every MTP weight but maybe a norm learns
     actor.model.zero_grad_buffer()
 
 
 def test_grpo_steps_raise_rewarded_responses(actor, mimo):
-    from trainer_bridge.actor import TrainBatch
+    from trainer_bridge.batch import TrainBatch
 
     tokens, lengths, logps = rollout(mimo)
     # Reward: the response's first token is even. Groups then mix rewards (checked).
@@ -120,26 +132,37 @@ def test_exported_weights_land_in_an_engine(actor, mimo, tmp_path):
     prompts = random_prompts(2, 4, 10, seed=35)
     greedy = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
     with Engine(model_path=path, random_seed=0, **spec) as fresh:
-        expected = [o["output_ids"] for o in fresh.generate(input_ids=prompts, sampling_params=greedy)]
+        expected = [
+            o["output_ids"] for o in fresh.generate(input_ids=prompts, sampling_params=greedy)
+        ]
     with Engine(model_path=mimo, random_seed=0, **spec) as engine:
         pusher = WeightPusher([engine], WeightSyncConfig(check_weight_update_equal=True))
         pusher.push(actor.hf_named_tensors(), version="step-3")
         pusher.close()
-        assert engine.get_weights_checksum(list(sent)) == {n: tensor_checksum(t) for n, t in sent.items()}
-        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)] == expected
+        assert engine.get_weights_checksum(list(sent)) == {
+            n: tensor_checksum(t) for n, t in sent.items()
+        }
+        assert [
+            o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=greedy)
+        ] == expected
     # The oracle nobody here wrote: transformers on the exported checkpoint (its Qwen2 trunk).
     from transformers import Qwen2ForCausalLM
 
     hf = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for prompt, want in zip(prompts, expected):
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=8, do_sample=False, min_new_tokens=8)
-        assert out[0, len(prompt):].tolist() == want
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+            min_new_tokens=8,
+        )
+        assert out[0, len(prompt) :].tolist() == want
 
 
 def test_token_mean_losses_do_not_depend_on_micro_batch_size(actor):
     """SFT (a token mean) gives the same trunk gradient in micro batches of 1 and of 4."""
-    from trainer_bridge.actor import TrainBatch
+    from trainer_bridge.batch import TrainBatch
 
     g = torch.Generator().manual_seed(7)
     lengths = [1, 2, 5, 7]  # unequal, so a per-micro-batch mean would weight tokens differently
@@ -152,8 +175,15 @@ def test_token_mean_losses_do_not_depend_on_micro_batch_size(actor):
         for size in (1, 4):
             actor.args.micro_batch_size = size
             actor.train_sft(batch)
-            grads.append(torch.cat([p.main_grad.flatten().clone() for n, p in actor.gpt.named_parameters()
-                                    if p.requires_grad and not n.startswith("mtp.")]))
+            grads.append(
+                torch.cat(
+                    [
+                        p.main_grad.flatten().clone()
+                        for n, p in actor.gpt.named_parameters()
+                        if p.requires_grad and not n.startswith("mtp.")
+                    ]
+                )
+            )
     finally:
         actor.optimizer.step, actor.args.micro_batch_size = step, mbs
         actor.model.zero_grad_buffer()

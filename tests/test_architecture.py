@@ -39,9 +39,13 @@ def _imports(name: str, path: pathlib.Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + [base]
+                ).strip(".")
             # `from pkg import mod` imports a module when pkg.mod is one, else a name from pkg
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names
+            ]
         else:
             continue
         found.update(t for t in targets if t in MODULES and t != name)
@@ -61,7 +65,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         state[node] = 2
@@ -89,7 +93,8 @@ def test_no_cycles_between_engine_subpackages():
     for name, deps in GRAPH.items():
         if name.startswith("spec_engine."):
             packages.setdefault(part(name), set()).update(
-                part(d) for d in deps if d.startswith("spec_engine.") and part(d) != part(name))
+                part(d) for d in deps if d.startswith("spec_engine.") and part(d) != part(name)
+            )
     assert _cycle(packages) == []
 
 
@@ -99,8 +104,11 @@ def test_the_cycle_finder_finds_cycles():
 
 
 def test_engine_does_not_import_the_rl_side():
-    offenders = {n: sorted(d for d in deps if not d.startswith("spec_engine"))
-                 for n, deps in GRAPH.items() if n.startswith("spec_engine")}
+    offenders = {
+        n: sorted(d for d in deps if not d.startswith("spec_engine"))
+        for n, deps in GRAPH.items()
+        if n.startswith("spec_engine")
+    }
     assert {n: d for n, d in offenders.items() if d} == {}
 
 
@@ -113,5 +121,7 @@ def test_code_cites_only_documents_in_the_repo():
     cited = set()
     for path in list(MODULES.values()) + list((ROOT / "scripts").rglob("*.py")):
         cited.update(re.findall(r"[\w./-]+\.md\b", path.read_text()))
-    missing = sorted(c for c in cited if not (ROOT / c).exists() and not (ROOT / "docs" / c).exists())
+    missing = sorted(
+        c for c in cited if not (ROOT / c).exists() and not (ROOT / "docs" / c).exists()
+    )
     assert missing == []

@@ -10,9 +10,32 @@ import sys
 def test_bench_engine_script_runs(tmp_path):
     out_json = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_engine", "--hidden-size", "64", "--num-layers", "2", "--vocab-size", "512",
-         "--batch-sizes", "1", "3", "--input-len", "8", "--output-len", "5", "--repeats", "1", "--json", str(out_json)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench_engine",
+            "--hidden-size",
+            "64",
+            "--num-layers",
+            "2",
+            "--vocab-size",
+            "512",
+            "--batch-sizes",
+            "1",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "5",
+            "--repeats",
+            "1",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| 3 |" in proc.stdout
     results = json.loads(out_json.read_text())["results"]
@@ -23,21 +46,79 @@ def test_bench_engine_script_runs(tmp_path):
 def test_bench_rollout_script_runs(tmp_path):
     out_json = tmp_path / "rollout.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_rollout", "--hidden-size", "64", "--num-layers", "2", "--vocab-size", "512",
-         "--batch-sizes", "2", "--input-len", "16", "--output-len", "8", "--repeats", "1", "--json", str(out_json)],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench_rollout",
+            "--hidden-size",
+            "64",
+            "--num-layers",
+            "2",
+            "--vocab-size",
+            "512",
+            "--batch-sizes",
+            "2",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--repeats",
+            "1",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out_json.read_text())["results"]
-    assert {r["algorithm"] for r in results} == {"baseline", "eagle", "eagle3", "mtp", "standalone-self", "ngram"}
+    assert {r["algorithm"] for r in results} == {
+        "baseline",
+        "eagle",
+        "eagle3",
+        "mtp",
+        "standalone-self",
+        "ngram",
+    }
     self_draft = next(r for r in results if r["algorithm"] == "standalone-self")
-    assert self_draft["accept_length"] > 3.0 and set(self_draft["ms_per_step"]) == {"draft", "verify", "bookkeeping"}
+    assert self_draft["accept_length"] > 3.0 and set(self_draft["ms_per_step"]) == {
+        "draft",
+        "verify",
+        "bookkeeping",
+    }
 
 
 def test_bench_weight_sync_script_runs(tmp_path):
     out_json = tmp_path / "ws.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_weight_sync", "--hidden-size", "64", "--num-layers", "2", "--vocab-size",
-         "512", "--repeats", "1", "--json", str(out_json)], capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench_weight_sync",
+            "--hidden-size",
+            "64",
+            "--num-layers",
+            "2",
+            "--vocab-size",
+            "512",
+            "--repeats",
+            "1",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     paths = {r["path"] for r in json.loads(out_json.read_text())["results"]}
-    assert paths == {"memcpy", "tensor", "flattened_bucket", "ipc_handles", "distributed_gloo", "disk", "cpu_repack_only"}
+    assert paths == {
+        "memcpy",
+        "tensor",
+        "flattened_bucket",
+        "ipc_handles",
+        "distributed_gloo",
+        "disk",
+        "cpu_repack_only",
+    }

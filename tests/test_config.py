@@ -28,15 +28,32 @@ def test_every_field_has_a_flag_with_help():
 
 
 def test_flags_round_trip_with_sglang_names():
-    args = parse(["--model-path", "/m", "--max-running-requests", "8", "--disable-radix-cache", "--page-size", "4",
-                  "--chunked-prefill-size", "-1", "--dtype", "bf16", "--random_seed", "3"])
+    args = parse(
+        [
+            "--model-path",
+            "/m",
+            "--max-running-requests",
+            "8",
+            "--disable-radix-cache",
+            "--page-size",
+            "4",
+            "--chunked-prefill-size",
+            "-1",
+            "--dtype",
+            "bf16",
+            "--random_seed",
+            "3",
+        ]
+    )
     assert args.model_path == "/m" and args.max_running_requests == 8 and args.disable_radix_cache
     assert args.page_size == 4 and args.chunked_prefill_size == -1 and args.dtype == "bfloat16"
     assert args.random_seed == 3
 
 
 def test_prefixed_flags_for_launchers():
-    args = parse(["--sglang-model-path", "/m", "--sglang-max-total-tokens", "100"], prefix="sglang-")
+    args = parse(
+        ["--sglang-model-path", "/m", "--sglang-max-total-tokens", "100"], prefix="sglang-"
+    )
     assert args.model_path == "/m" and args.max_total_tokens == 100
     with pytest.raises(SystemExit):
         parse(["--model-path", "/m"], prefix="sglang-")
@@ -47,32 +64,52 @@ def test_abbreviations_are_not_accepted():
         build_parser().parse_args(["--model-path", "/m", "--max-running", "4"])
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(page_size=0), "--page-size"),
-    (dict(max_running_requests=-1), "--max-running-requests"),
-    (dict(chunked_prefill_size=0), "--chunked-prefill-size"),
-    (dict(mem_fraction_static=1.5), "--mem-fraction-static"),
-    (dict(dtype="int8"), "--dtype"),
-    (dict(attention_backend="fa3"), "--attention-backend"),
-    (dict(device="tpu"), "--device"),
-    (dict(port=0), "--port"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(page_size=0), "--page-size"),
+        (dict(max_running_requests=-1), "--max-running-requests"),
+        (dict(chunked_prefill_size=0), "--chunked-prefill-size"),
+        (dict(mem_fraction_static=1.5), "--mem-fraction-static"),
+        (dict(dtype="int8"), "--dtype"),
+        (dict(attention_backend="fa3"), "--attention-backend"),
+        (dict(device="tpu"), "--device"),
+        (dict(port=0), "--port"),
+    ],
+)
 def test_invalid_values_name_the_flag(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         EngineArgs(model_path="/m", **kwargs)
 
 
 def test_resolve_auto_on_cpu():
-    args = resolve_auto(EngineArgs(model_path="/m"), cuda_available=False, checkpoint_dtype="bfloat16")
-    assert args.device == "cpu" and args.dtype == "float32" and args.attention_backend == "torch_native"
-    assert args.chunked_prefill_size == 2048 and args.tokenizer_path == "/m" and isinstance(args.random_seed, int)
-    cuda = resolve_auto(EngineArgs(model_path="/m"), cuda_available=True, checkpoint_dtype="float32")
+    args = resolve_auto(
+        EngineArgs(model_path="/m"), cuda_available=False, checkpoint_dtype="bfloat16"
+    )
+    assert (
+        args.device == "cpu"
+        and args.dtype == "float32"
+        and args.attention_backend == "torch_native"
+    )
+    assert (
+        args.chunked_prefill_size == 2048
+        and args.tokenizer_path == "/m"
+        and isinstance(args.random_seed, int)
+    )
+    cuda = resolve_auto(
+        EngineArgs(model_path="/m"), cuda_available=True, checkpoint_dtype="float32"
+    )
     assert cuda.device == "cuda" and cuda.dtype == "bfloat16" and cuda.chunked_prefill_size == 8192
     with pytest.raises(ValueError, match="CUDA is not available"):
-        resolve_auto(EngineArgs(model_path="/m", device="cuda"), cuda_available=False, checkpoint_dtype=None)
+        resolve_auto(
+            EngineArgs(model_path="/m", device="cuda"), cuda_available=False, checkpoint_dtype=None
+        )
     with pytest.raises(ValueError, match="multiple of --page-size"):
-        resolve_auto(EngineArgs(model_path="/m", page_size=16, chunked_prefill_size=100), cuda_available=False,
-                     checkpoint_dtype=None)
+        resolve_auto(
+            EngineArgs(model_path="/m", page_size=16, chunked_prefill_size=100),
+            cuda_available=False,
+            checkpoint_dtype=None,
+        )
 
 
 def test_attention_backend_choice(monkeypatch):
@@ -82,19 +119,39 @@ def test_attention_backend_choice(monkeypatch):
 
     def resolve(installed, **kw):
         monkeypatch.setattr(config, "flashinfer_installed", lambda: installed)
-        return resolve_auto(EngineArgs(model_path="/m", **kw.pop("args", {})), checkpoint_dtype=None, **kw)
+        return resolve_auto(
+            EngineArgs(model_path="/m", **kw.pop("args", {})), checkpoint_dtype=None, **kw
+        )
 
     assert resolve(True, cuda_available=True, head_dim=128).attention_backend == "flashinfer"
-    assert resolve(True, cuda_available=True, head_dim=128, args=dict(dtype="float32")).attention_backend == "torch_native"
+    assert (
+        resolve(
+            True, cuda_available=True, head_dim=128, args=dict(dtype="float32")
+        ).attention_backend
+        == "torch_native"
+    )
     assert resolve(True, cuda_available=True, head_dim=16).attention_backend == "torch_native"
     assert resolve(False, cuda_available=True, head_dim=128).attention_backend == "torch_native"
     assert resolve(True, cuda_available=False, head_dim=128).attention_backend == "torch_native"
-    for installed, cuda, head_dim, needle in ((True, False, 128, "needs CUDA"), (False, True, 128, r"specrl\[gpu\]"),
-                                              (True, True, 16, "no kernels for head_dim 16")):
+    for installed, cuda, head_dim, needle in (
+        (True, False, 128, "needs CUDA"),
+        (False, True, 128, r"specrl\[gpu\]"),
+        (True, True, 16, "no kernels for head_dim 16"),
+    ):
         with pytest.raises(ValueError, match=needle):
-            resolve(installed, cuda_available=cuda, head_dim=head_dim, args=dict(attention_backend="flashinfer"))
+            resolve(
+                installed,
+                cuda_available=cuda,
+                head_dim=head_dim,
+                args=dict(attention_backend="flashinfer"),
+            )
     with pytest.raises(ValueError, match="no float32 kernels"):
-        resolve(True, cuda_available=True, head_dim=128, args=dict(attention_backend="flashinfer", dtype="float32"))
+        resolve(
+            True,
+            cuda_available=True,
+            head_dim=128,
+            args=dict(attention_backend="flashinfer", dtype="float32"),
+        )
 
 
 def test_closest_field_suggestion():
@@ -103,14 +160,40 @@ def test_closest_field_suggestion():
 
 
 def test_model_config_reads_both_rope_layouts():
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 2}
-    old = ModelConfig.from_dict({**base, "rope_theta": 500000.0,
-                                 "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
-    new = ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                             "original_max_position_embeddings": 8192}})
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    old = ModelConfig.from_dict(
+        {
+            **base,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
+    new = ModelConfig.from_dict(
+        {
+            **base,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
     assert old.rope_theta == new.rope_theta == 500000.0 and old.rope_scaling == new.rope_scaling
     assert old.num_key_value_heads == 2 and old.head_dim == 4
     with pytest.raises(ValueError, match="yarn"):
@@ -118,12 +201,18 @@ def test_model_config_reads_both_rope_layouts():
     with pytest.raises(ValueError, match="unsupported architecture"):
         ModelConfig.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="sliding-window"):
-        ModelConfig.from_dict({**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True})
+        ModelConfig.from_dict(
+            {**base, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}
+        )
 
 
 def test_readme_documents_every_engine_flag():
     import pathlib
 
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    missing = [f.name for f in dataclasses.fields(EngineArgs) if f"`--{f.name.replace('_', '-')}`" not in readme]
+    missing = [
+        f.name
+        for f in dataclasses.fields(EngineArgs)
+        if f"`--{f.name.replace('_', '-')}`" not in readme
+    ]
     assert not missing, f"README's engine flag table lacks {missing}"

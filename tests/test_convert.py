@@ -12,20 +12,31 @@ import shutil
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import FAMILIES
 from torch.nn import functional as F
 
-from conftest import FAMILIES
 from specrl.tiny_models import add_mimo_mtp
-from trainer_bridge.convert import (hf_to_mcore, hf_to_mcore_state_dict, load_hf_weights, load_mcore_rank,
-                                    load_mcore_state_dict, mcore_to_hf, mcore_to_hf_tensors, read_hf_weights,
-                                    read_mcore_meta)
+from trainer_bridge.convert import (
+    hf_to_mcore,
+    hf_to_mcore_state_dict,
+    load_hf_weights,
+    load_mcore_rank,
+    load_mcore_state_dict,
+    mcore_to_hf,
+    mcore_to_hf_tensors,
+    read_hf_weights,
+    read_mcore_meta,
+)
 from trainer_bridge.convert.__main__ import main as convert_cli
 from trainer_bridge.model_provider import padded_vocab_size, read_model_config
 
 # megatron's notices about absent Transformer Engine/apex and its own deprecations: not ours to fix.
-pytestmark = [pytest.mark.filterwarnings("ignore:::megatron"),
-              pytest.mark.filterwarnings("ignore:.*torch.jit.script_method:DeprecationWarning")]
-# The megatron models here run on CPU with the shims (on a CUDA machine they would build on the GPU).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:::megatron"),
+    pytest.mark.filterwarnings("ignore:.*torch.jit.script_method:DeprecationWarning"),
+]
+# The megatron models here run on CPU with the shims (on a CUDA machine they would build on the
+# GPU).
 cpu_megatron = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU megatron tests")
 NAMES = ("llama", "qwen2", "qwen3")
 VOCAB = 300  # not a multiple of 128: megatron pads it to 384 (TP=1) or 512 (TP=2)
@@ -35,7 +46,8 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def checkpoints(make_model, tmp_path_factory) -> dict[str, str]:
-    """Tiny llama (llama3 rope), qwen2 (tied), qwen3 (qk-norm, head_dim 32) and MiMo (untied qwen2 + 1 MTP layer)."""
+    """Tiny llama (llama3 rope), qwen2 (tied), qwen3 (qk-norm, head_dim 32) and MiMo (untied qwen2
+    + 1 MTP layer)."""
     paths = {name: make_model(**FAMILIES[name], vocab_size=VOCAB) for name in NAMES}
     mimo = str(tmp_path_factory.mktemp("mimo"))
     shutil.copytree(make_model(arch="qwen2", vocab_size=VOCAB), mimo, dirs_exist_ok=True)
@@ -60,9 +72,11 @@ def hf_logits(path: str) -> torch.Tensor:
 
 @torch.no_grad()
 def mimo_mtp_reference(path: str) -> torch.Tensor:
-    """MiMo's MTP layer 0 output `[b, s, h]` as spec_engine/models/mimo.py computes it, from transformers'
+    """MiMo's MTP layer 0 output `[b, s, h]` as spec_engine/models/mimo.py computes it, from
+    transformers'
     Qwen2 modules: input_proj([hidden_layernorm(final hidden), token_layernorm(embedding of the next
-    token)]), one Qwen2 decoder layer, final_layernorm. Inputs are aligned as megatron's MTP training
+    token)]), one Qwen2 decoder layer, final_layernorm. Inputs are aligned as megatron's MTP
+    training
     aligns them (position i reads token i+1; the last reads token 0); the engine's extra zeroing of
     the position-0 embedding is an inference-time rule this does not model."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
@@ -72,20 +86,39 @@ def mimo_mtp_reference(path: str) -> torch.Tensor:
     for key in ("architectures", "model_type", "num_nextn_predict_layers", "layer_types"):
         cfg.pop(key)
     weights = read_hf_weights(path)
-    mtp = {k[len("model.mtp_layers.0."):]: v for k, v in weights.items() if k.startswith("model.mtp_layers.0.")}
+    mtp = {
+        k[len("model.mtp_layers.0.") :]: v
+        for k, v in weights.items()
+        if k.startswith("model.mtp_layers.0.")
+    }
     trunk = Qwen2ForCausalLM(Qwen2Config(**cfg)).eval()
     trunk.load_state_dict({k: v for k, v in weights.items() if "mtp_layers" not in k})
     layer = Qwen2Model(Qwen2Config(**{**cfg, "num_hidden_layers": 1})).eval()
-    layer.load_state_dict({"embed_tokens.weight": weights["model.embed_tokens.weight"],
-                           "norm.weight": mtp["final_layernorm.weight"],
-                           **{f"layers.0.{k}": v for k, v in mtp.items() if k.startswith(("self_attn", "mlp", "input_l", "post_"))}})
+    layer.load_state_dict(
+        {
+            "embed_tokens.weight": weights["model.embed_tokens.weight"],
+            "norm.weight": mtp["final_layernorm.weight"],
+            **{
+                f"layers.0.{k}": v
+                for k, v in mtp.items()
+                if k.startswith(("self_attn", "mlp", "input_l", "post_"))
+            },
+        }
+    )
     ids = _ids()
     hidden = trunk.model(ids).last_hidden_state
     next_ids = torch.roll(ids, -1, dims=1)
     next_ids[:, -1] = 0
     h, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
-    x = torch.cat((F.rms_norm(hidden, (h,), mtp["hidden_layernorm.weight"], eps),
-                   F.rms_norm(trunk.model.embed_tokens(next_ids), (h,), mtp["token_layernorm.weight"], eps)), dim=-1)
+    x = torch.cat(
+        (
+            F.rms_norm(hidden, (h,), mtp["hidden_layernorm.weight"], eps),
+            F.rms_norm(
+                trunk.model.embed_tokens(next_ids), (h,), mtp["token_layernorm.weight"], eps
+            ),
+        ),
+        dim=-1,
+    )
     return layer(inputs_embeds=x @ mtp["input_proj.weight"].T).last_hidden_state
 
 
@@ -99,7 +132,9 @@ def megatron_logits(model) -> torch.Tensor:
 def megatron_mtp_output(model) -> torch.Tensor:
     """The MTP block's layer-0 output `[b, s, h]` (the block only runs when labels are given)."""
     captured = []
-    hook = model.mtp.layers[0].register_forward_hook(lambda module, args, out: captured.append(out[0]))
+    hook = model.mtp.layers[0].register_forward_hook(
+        lambda module, args, out: captured.append(out[0])
+    )
     model(_ids(), _positions(), None, labels=_ids())
     hook.remove()
     return captured[0].transpose(0, 1)
@@ -185,10 +220,24 @@ def test_tp2_logits_mtp_and_export_match(checkpoints, tmp_path):
 @pytest.mark.parametrize("name", [*NAMES, "mimo"])
 def test_roundtrip_is_bit_exact(name, tp, checkpoints, tmp_path):
     src = checkpoints[name]
-    convert_cli(["hf-to-mcore", "--hf-checkpoint", src, "--save", str(tmp_path / "mcore"), "--tp", str(tp)])
-    convert_cli(["mcore-to-hf", "--load", str(tmp_path / "mcore"), "--hf-checkpoint", src, "--save", str(tmp_path / "hf")])
+    convert_cli(
+        ["hf-to-mcore", "--hf-checkpoint", src, "--save", str(tmp_path / "mcore"), "--tp", str(tp)]
+    )
+    convert_cli(
+        [
+            "mcore-to-hf",
+            "--load",
+            str(tmp_path / "mcore"),
+            "--hf-checkpoint",
+            src,
+            "--save",
+            str(tmp_path / "hf"),
+        ]
+    )
     meta = read_mcore_meta(str(tmp_path / "mcore"))
-    assert meta["tensor_model_parallel_size"] == tp and meta["padded_vocab_size"] == padded_vocab_size(VOCAB, tp)
+    assert meta["tensor_model_parallel_size"] == tp and meta[
+        "padded_vocab_size"
+    ] == padded_vocab_size(VOCAB, tp)
     shard = load_mcore_rank(str(tmp_path / "mcore"), tp - 1)
     assert shard["embedding.word_embeddings.weight"].shape[0] == padded_vocab_size(VOCAB, tp) // tp
     original, restored = read_hf_weights(src), read_hf_weights(str(tmp_path / "hf"))
@@ -205,7 +254,10 @@ def test_mtp_eh_proj_reads_embedding_then_hidden(checkpoints):
     state = hf_to_mcore_state_dict(weights, checkpoints["mimo"])
     input_proj = weights["model.mtp_layers.0.input_proj.weight"]
     h = input_proj.shape[0]
-    assert torch.equal(state["mtp.layers.0.eh_proj.weight"], torch.cat((input_proj[:, h:], input_proj[:, :h]), dim=1))
+    assert torch.equal(
+        state["mtp.layers.0.eh_proj.weight"],
+        torch.cat((input_proj[:, h:], input_proj[:, :h]), dim=1),
+    )
 
 
 def test_errors_name_the_bad_value(checkpoints, tmp_path, capsys):
@@ -214,19 +266,32 @@ def test_errors_name_the_bad_value(checkpoints, tmp_path, capsys):
     with open(os.path.join(checkpoints["qwen2"], "config.json")) as f:
         cfg = json.load(f)
     with pytest.raises(ValueError, match="'yarn'"):
-        read_model_config({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}})
+        read_model_config(
+            {**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}
+        )
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         hf_to_mcore(checkpoints["qwen2"], str(tmp_path / "tp4"), tp=4)
     weights = read_hf_weights(checkpoints["qwen3"])
     weights.pop("model.layers.1.self_attn.q_norm.weight")
-    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.1.self_attn.q_norm.weight'\]"):
+    with pytest.raises(
+        ValueError, match=r"missing tensors \['model.layers.1.self_attn.q_norm.weight'\]"
+    ):
         hf_to_mcore_state_dict(weights, checkpoints["qwen3"])
     hf_to_mcore(checkpoints["qwen2"], str(tmp_path / "qwen2"))
     with pytest.raises(ValueError, match="different architecture"):
         mcore_to_hf(str(tmp_path / "qwen2"), checkpoints["qwen3"], str(tmp_path / "out"))
     with pytest.raises(SystemExit):
-        convert_cli(["mcore-to-hf", "--load", str(tmp_path / "nothing"), "--hf-checkpoint", checkpoints["qwen2"],
-                     "--save", str(tmp_path / "out")])
+        convert_cli(
+            [
+                "mcore-to-hf",
+                "--load",
+                str(tmp_path / "nothing"),
+                "--hf-checkpoint",
+                checkpoints["qwen2"],
+                "--save",
+                str(tmp_path / "out"),
+            ]
+        )
     assert "nothing' is not a specrl megatron checkpoint" in capsys.readouterr().err
 
 

@@ -14,18 +14,25 @@ import torch
 
 from spec_engine import Engine
 from spec_engine.args.engine_args import EngineArgs
-from spec_engine.forward_batch import ForwardMode
 from spec_engine.runner.graph_runner import GraphRunner, capture_sizes, default_capture_sizes
 from spec_engine.runner.self_check import SelfCheckBatches
 from tests.conftest import random_prompts
 from tests.test_speculative import models, spec_args  # noqa: F401  (module fixture)
 
-ALGOS = {"plain": None, "eagle-tree": "eagle-tree", "eagle3": "eagle3-draft-vocab", "mtp": "mtp",
-         "standalone": "standalone", "ngram": "ngram"}
+ALGOS = {
+    "plain": None,
+    "eagle-tree": "eagle-tree",
+    "eagle3": "eagle3-draft-vocab",
+    "mtp": "mtp",
+    "standalone": "standalone",
+    "ngram": "ngram",
+}
 GRAPH_SETTINGS = {
     "bs-1-3-8": dict(cuda_graph_bs=[8, 3, 1, 3], cuda_graph_self_check=True),
     "bs-1-2-4": dict(cuda_graph_bs=[1, 2, 4], cuda_graph_self_check=True),
-    "no-padding": dict(cuda_graph_bs=[1, 3, 8], disable_cuda_graph_padding=True, cuda_graph_self_check=True),
+    "no-padding": dict(
+        cuda_graph_bs=[1, 3, 8], disable_cuda_graph_padding=True, cuda_graph_self_check=True
+    ),
 }
 # Ten requests whose lengths differ by more than a step can emit, so the batch shrinks 10 -> 1.
 LENGTHS = [2 + 8 * i for i in range(10)]
@@ -54,8 +61,13 @@ def _record_sizes(monkeypatch) -> list[tuple[str, int, int | None]]:
         out = original(self, batch, features, size)
         if size is not None:  # the startup self-check
             return out
-        seen.append((self.label, self.num_requests(batch), None if out is None else out.batch.batch_size // (
-            1 if self.extend else self.width)))
+        seen.append(
+            (
+                self.label,
+                self.num_requests(batch),
+                None if out is None else out.batch.batch_size // (1 if self.extend else self.width),
+            )
+        )
         return out
 
     monkeypatch.setattr(GraphRunner, "pad", pad)
@@ -87,8 +99,13 @@ def test_shrinking_batch_equals_eager(models, algo, setting, monkeypatch):  # no
     seen = _record_sizes(monkeypatch)
     outs = _run(path, dict(kwargs, **GRAPH_SETTINGS[setting]), params)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in _EAGER[algo]]
-    diffs = [abs(a[0] - b[0]) for o, r in zip(outs, _EAGER[algo])
-             for a, b in zip(o["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"])]
+    diffs = [
+        abs(a[0] - b[0])
+        for o, r in zip(outs, _EAGER[algo])
+        for a, b in zip(
+            o["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"]
+        )
+    ]
     assert max(diffs) < 1e-4
     main = "target decode" if algo == "plain" else "target target_verify"
     runs = [(num, size) for label, num, size in seen if label == main]
@@ -105,7 +122,9 @@ def test_shrinking_batch_equals_eager(models, algo, setting, monkeypatch):  # no
 
 def test_sampled_outputs_equal_eager(models):  # noqa: F811
     path, kwargs = spec_args(models, "eagle-tree")
-    params = [{"temperature": 0.8, "top_p": 0.9, "max_new_tokens": n, "ignore_eos": True} for n in LENGTHS]
+    params = [
+        {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": n, "ignore_eos": True} for n in LENGTHS
+    ]
     eager = _run(path, dict(kwargs, disable_cuda_graph=True), params)
     padded = _run(path, dict(kwargs, cuda_graph_bs=[2, 5]), params)
     assert [o["output_ids"] for o in padded] == [o["output_ids"] for o in eager]
@@ -114,13 +133,21 @@ def test_sampled_outputs_equal_eager(models):  # noqa: F811
 def test_padded_rows_are_inert(llama_path):
     """Padded rows write only the dummy slot, sit at position 0 with the fill length and the
     dummy table row, and extend-mode masks give real rows no padded key."""
-    with Engine(model_path=llama_path, random_seed=0, max_running_requests=8, cuda_graph_bs=[4],
-                speculative_algorithm="NGRAM", speculative_num_draft_tokens=4) as engine:
+    with Engine(
+        model_path=llama_path,
+        random_seed=0,
+        max_running_requests=8,
+        cuda_graph_bs=[4],
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=4,
+    ) as engine:
         runner = engine.runner
         dummy = runner.req_to_token_pool.dummy_row
         assert runner.req_to_token_pool.req_to_token[dummy].abs().sum() == 0
         decode, verify = runner.graphs  # target decode, target verify
-        batches = SelfCheckBatches(runner.req_to_token_pool, runner.allocator, [runner.kv_pool], 100, runner.device)
+        batches = SelfCheckBatches(
+            runner.req_to_token_pool, runner.allocator, [runner.kv_pool], 100, runner.device
+        )
         try:
             for _ in range(2):  # a second pad must not leave values from the first in padded rows
                 batch, _ = batches.make(decode, 3, None)
@@ -134,9 +161,16 @@ def test_padded_rows_are_inert(llama_path):
             p = verify.pad(batch)
             assert p.token_rows.tolist() == [0, 1, 2, 4, 5, 6]
             assert p.batch.out_cache_loc[[3, 7, 8, 9, 10, 11]].tolist() == [0] * 6
-            assert p.batch.extend_seq_lens_cpu == [4] * 4 and p.batch.req_pool_indices[2:].tolist() == [dummy] * 2
+            assert (
+                p.batch.extend_seq_lens_cpu == [4] * 4
+                and p.batch.req_pool_indices[2:].tolist() == [dummy] * 2
+            )
             mask = p.batch.custom_masks[0]  # prefix 2 + width 4 keys
-            assert mask.shape == (4, 6) and not mask[:3, 5].any() and mask[3].tolist() == [True] + [False] * 5
+            assert (
+                mask.shape == (4, 6)
+                and not mask[:3, 5].any()
+                and mask[3].tolist() == [True] + [False] * 5
+            )
             assert mask[:3, :5].equal(batch.custom_masks[0])
             assert p.batch.custom_masks[3].all()
         finally:
@@ -144,21 +178,35 @@ def test_padded_rows_are_inert(llama_path):
 
 
 def test_property_padded_equals_eager(models):  # noqa: F811
-    """Random capture lists, batch sizes and algorithms: the replayed forward equals the eager one."""
+    """Random capture lists, batch sizes and algorithms: the replayed forward equals the eager
+    one."""
     rng = random.Random(0)
     for algo in ("eagle-tree", "eagle3", "mtp", "standalone"):
         path, kwargs = _engine_kwargs(models, algo)
         with Engine(model_path=path, random_seed=0, max_running_requests=12, **kwargs) as engine:
             target, draft = engine.runner, engine.scheduler.worker.draft
-            owners = [(g, target, functools.partial(_target_forward, target), target.kv_pool,
-                       target.model_config.vocab_size) for g in target.graphs]
-            owners += [(g, draft, draft._forward, draft.kv_pool, draft.model_config.vocab_size) for g in draft.graphs]
+            owners = [
+                (
+                    g,
+                    target,
+                    functools.partial(_target_forward, target),
+                    target.kv_pool,
+                    target.model_config.vocab_size,
+                )
+                for g in target.graphs
+            ]
+            owners += [
+                (g, draft, draft._forward, draft.kv_pool, draft.model_config.vocab_size)
+                for g in draft.graphs
+            ]
             for _ in range(6):
                 g0, owner, forward, pool, vocab = rng.choice(owners)
                 sizes = sorted(rng.sample(range(1, 13), rng.randint(1, 4)))
                 g = GraphRunner(g0.spec, sizes, True, g0.dummy_row, g0.device, g0.dtype)
                 num = rng.randint(1, sizes[-1])
-                batches = SelfCheckBatches(target.req_to_token_pool, target.allocator, [pool], vocab, target.device)
+                batches = SelfCheckBatches(
+                    target.req_to_token_pool, target.allocator, [pool], vocab, target.device
+                )
                 try:
                     with torch.inference_mode():
                         owner.capture(g)
@@ -184,8 +232,13 @@ def test_self_check_refuses_a_padding_bug(llama_path, monkeypatch):
 
     monkeypatch.setattr(graph_runner, "DUMMY_SLOT", 1)  # the first slot handed out
     with pytest.raises(RuntimeError, match="target decode at batch size 2"):
-        Engine(model_path=llama_path, random_seed=0, max_running_requests=4, cuda_graph_bs=[1, 2],
-               cuda_graph_self_check=True)
+        Engine(
+            model_path=llama_path,
+            random_seed=0,
+            max_running_requests=4,
+            cuda_graph_bs=[1, 2],
+            cuda_graph_self_check=True,
+        )
 
 
 def test_capture_refuses_a_host_sync_in_the_forward(llama_path, monkeypatch):
@@ -204,8 +257,13 @@ def test_capture_refuses_a_host_sync_in_the_forward(llama_path, monkeypatch):
 
     monkeypatch.setattr(torch_native.TorchNativeBackend, "_forward_padded", syncing)
     with pytest.raises(CaptureError, match=r"target decode at batch size 1: aten\.item"):
-        Engine(model_path=llama_path, random_seed=0, max_running_requests=4, cuda_graph_bs=[1, 2],
-               cuda_graph_self_check=True)
+        Engine(
+            model_path=llama_path,
+            random_seed=0,
+            max_running_requests=4,
+            cuda_graph_bs=[1, 2],
+            cuda_graph_self_check=True,
+        )
 
 
 def test_forward_reading_python_batch_state_fails_the_self_check(llama_path, monkeypatch):
@@ -223,8 +281,13 @@ def test_forward_reading_python_batch_state_fails_the_self_check(llama_path, mon
 
     monkeypatch.setattr(torch_native.TorchNativeBackend, "forward", rebuilding)
     with pytest.raises(RuntimeError, match="self-check failed: target decode at batch size"):
-        Engine(model_path=llama_path, random_seed=0, max_running_requests=4, cuda_graph_bs=[1, 2],
-               cuda_graph_self_check=True)
+        Engine(
+            model_path=llama_path,
+            random_seed=0,
+            max_running_requests=4,
+            cuda_graph_bs=[1, 2],
+            cuda_graph_self_check=True,
+        )
 
 
 def test_replaced_tensors_are_caught_and_resume_recaptures(models):  # noqa: F811
@@ -236,12 +299,20 @@ def test_replaced_tensors_are_caught_and_resume_recaptures(models):  # noqa: F81
     prompts = random_prompts(4, 6, 14, seed=5)
     params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
     head = "lm_head.weight"
-    with Engine(model_path=path, random_seed=0, skip_tokenizer_init=True, disable_cuda_graph=True, **kwargs) as eager:
+    with Engine(
+        model_path=path, random_seed=0, skip_tokenizer_init=True, disable_cuda_graph=True, **kwargs
+    ) as eager:
         new_head = eager.runner.model.lm_head.weight.detach() * 1.5
         eager.update_weights_from_tensor([(head, new_head)])
         want = [o["output_ids"] for o in eager.generate(input_ids=prompts, sampling_params=params)]
-    with Engine(model_path=path, random_seed=0, skip_tokenizer_init=True, cuda_graph_bs=[1, 2, 4],
-                cuda_graph_self_check=True, **kwargs) as engine:
+    with Engine(
+        model_path=path,
+        random_seed=0,
+        skip_tokenizer_init=True,
+        cuda_graph_bs=[1, 2, 4],
+        cuda_graph_self_check=True,
+        **kwargs,
+    ) as engine:
         draft = engine.scheduler.worker.draft
         hot_head = draft.head.weight.data_ptr()
         engine.update_weights_from_tensor([(head, new_head)])
@@ -250,8 +321,13 @@ def test_replaced_tensors_are_caught_and_resume_recaptures(models):  # noqa: F81
         for tags in (["kv_cache"], ["weights"], None):
             engine.release_memory_occupation(tags)
             engine.resume_memory_occupation(tags)
-        assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == want
+        assert [
+            o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)
+        ] == want
         engine.runner.kv_pool.allocate()  # new buffers without recapturing
-        with pytest.raises(RuntimeError, match=r"CaptureError.*target target_verify at batch size \d: the captured "
-                                               "forward now reads"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"CaptureError.*target target_verify at batch size \d: the captured "
+            "forward now reads",
+        ):
             engine.generate(input_ids=prompts, sampling_params=params)

@@ -25,8 +25,11 @@ def assert_matches_hf(hf, path, prompts, outs, max_new_tokens):
 def test_batch_of_mixed_lengths_matches_transformers(family_path, hf):
     prompts = random_prompts(10, 1, 60, seed=1)
     with Engine(model_path=family_path, random_seed=0) as engine:
-        outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 24},
-                               return_logprob=True)
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0.0, "max_new_tokens": 24},
+            return_logprob=True,
+        )
         report = engine.scheduler.memory_report()
     assert len(outs) == len(prompts)
     assert_matches_hf(hf, family_path, prompts, outs, 24)
@@ -43,14 +46,20 @@ def test_requests_arriving_while_others_run_match_transformers(llama_path, hf):
         decode_sizes = []
         decode = engine.scheduler.worker.decode
         engine.scheduler.worker.decode = lambda reqs: decode_sizes.append(len(reqs)) or decode(reqs)
-        worker = threading.Thread(target=lambda: results.setdefault("first", engine.generate(
-            input_ids=first, sampling_params=params, return_logprob=True)))
+        worker = threading.Thread(
+            target=lambda: results.setdefault(
+                "first",
+                engine.generate(input_ids=first, sampling_params=params, return_logprob=True),
+            )
+        )
         worker.start()
         deadline = time.time() + 30
         while not engine.scheduler.running and time.time() < deadline:
             time.sleep(0.001)
         assert engine.scheduler.running, "the first batch never started"
-        results["later"] = engine.generate(input_ids=later, sampling_params=params, return_logprob=True)
+        results["later"] = engine.generate(
+            input_ids=later, sampling_params=params, return_logprob=True
+        )
         worker.join()
     # The later requests joined the running batch: some decode steps ran all eight together.
     assert max(decode_sizes) == 8
@@ -60,7 +69,10 @@ def test_requests_arriving_while_others_run_match_transformers(llama_path, hf):
 
 def test_text_prompt_and_single_output_shape(llama_path, hf):
     with Engine(model_path=llama_path, random_seed=0) as engine:
-        out = engine.generate(prompt="The cat runs to the house", sampling_params={"temperature": 0, "max_new_tokens": 8})
+        out = engine.generate(
+            prompt="The cat runs to the house",
+            sampling_params={"temperature": 0, "max_new_tokens": 8},
+        )
         ids = engine.tokenizer("The cat runs to the house")["input_ids"]
     ref, _ = hf.greedy(llama_path, ids, 8)
     assert out["output_ids"] == ref
@@ -83,6 +95,9 @@ def test_checkpoint_variants_match_transformers(make_model, hf, variant):
         path = make_model("qwen2", rope_scaling={"rope_type": "linear", "factor": 2.0})
     prompts = random_prompts(3, 4, 40, seed=4)
     with Engine(model_path=path, random_seed=0) as engine:
-        outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 12},
-                               return_logprob=True)
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": 12},
+            return_logprob=True,
+        )
     assert_matches_hf(hf, path, prompts, outs, 12)

@@ -1,4 +1,5 @@
-"""CUDA checks (marked gpu; skipped without CUDA): torch_native on a GPU, real CUDA graphs, FlashInfer."""
+"""CUDA checks (marked gpu; skipped without CUDA): torch_native on a GPU, real CUDA graphs,
+FlashInfer."""
 
 from __future__ import annotations
 
@@ -13,12 +14,21 @@ from tests.test_speculative import models  # noqa: F401  (module fixture)
 def test_cuda_float32_greedy_matches_transformers(family_path, hf):
     prompts = random_prompts(6, 3, 50, seed=30)
     with Engine(model_path=family_path, device="cuda", dtype="float32", random_seed=0) as engine:
-        outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 16},
-                               return_logprob=True)
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": 16},
+            return_logprob=True,
+        )
     for prompt, out in zip(prompts, outs):
         ref, ref_lp = hf.greedy(family_path, prompt, 16)
         assert out["output_ids"] == ref
-        assert max(abs(a - b) for (a, _, _), b in zip(out["meta_info"]["output_token_logprobs"], ref_lp)) < 1e-3
+        assert (
+            max(
+                abs(a - b)
+                for (a, _, _), b in zip(out["meta_info"]["output_token_logprobs"], ref_lp)
+            )
+            < 1e-3
+        )
 
 
 @pytest.mark.gpu
@@ -26,16 +36,28 @@ def test_cuda_bfloat16_runs_and_agrees_mostly(llama_path, hf):
     prompts = random_prompts(8, 3, 30, seed=31)
     with Engine(model_path=llama_path, device="cuda", random_seed=0) as engine:
         assert engine.args.dtype == "bfloat16"
-        outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 8})
-    agree = sum(o["output_ids"][0] == hf.greedy(llama_path, p, 1)[0][0] for p, o in zip(prompts, outs))
+        outs = engine.generate(
+            input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 8}
+        )
+    agree = sum(
+        o["output_ids"][0] == hf.greedy(llama_path, p, 1)[0][0] for p, o in zip(prompts, outs)
+    )
     assert agree >= 6
 
 
-# --- CUDA graphs and FlashInfer (issue [cuda-graphs]); run with a GPU: pytest -m gpu tests/test_gpu.py
+# --- CUDA graphs and FlashInfer (issue [cuda-graphs]); run with a GPU: pytest -m gpu
+# tests/test_gpu.py
+
 
 def _generate(path, kwargs, params, prompts):
-    with Engine(model_path=path, device="cuda", random_seed=0, max_running_requests=10, skip_tokenizer_init=True,
-                **kwargs) as engine:
+    with Engine(
+        model_path=path,
+        device="cuda",
+        random_seed=0,
+        max_running_requests=10,
+        skip_tokenizer_init=True,
+        **kwargs,
+    ) as engine:
         return engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
 
 
@@ -51,12 +73,20 @@ def test_real_cuda_graphs_equal_eager(models, algo):  # noqa: F811
     params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in LENGTHS]
     prompts = random_prompts(10, 6, 14, seed=3)
     eager = _generate(path, dict(kwargs, disable_cuda_graph=True), params, prompts)
-    for graphs in (dict(cuda_graph_bs=[1, 3, 8]), dict(cuda_graph_bs=[1, 2, 4]),
-                   dict(cuda_graph_bs=[1, 3, 8], disable_cuda_graph_padding=True)):
+    for graphs in (
+        dict(cuda_graph_bs=[1, 3, 8]),
+        dict(cuda_graph_bs=[1, 2, 4]),
+        dict(cuda_graph_bs=[1, 3, 8], disable_cuda_graph_padding=True),
+    ):
         outs = _generate(path, dict(kwargs, cuda_graph_self_check=True, **graphs), params, prompts)
         assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in eager], graphs
-        diffs = [abs(a[0] - b[0]) for o, r in zip(outs, eager)
-                 for a, b in zip(o["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"])]
+        diffs = [
+            abs(a[0] - b[0])
+            for o, r in zip(outs, eager)
+            for a, b in zip(
+                o["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"]
+            )
+        ]
         assert max(diffs) < 1e-3, graphs
 
 
@@ -65,8 +95,12 @@ def wide_models(make_model, tmp_path_factory):
     """head_dim 64 (FlashInfer has kernels for it): a Llama target and an EAGLE-2 draft."""
     from specrl.tiny_models import build_eagle_draft
 
-    target = make_model("llama", num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2)
-    return target, build_eagle_draft(str(tmp_path_factory.mktemp("wide") / "eagle"), target, version=2)
+    target = make_model(
+        "llama", num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2
+    )
+    return target, build_eagle_draft(
+        str(tmp_path_factory.mktemp("wide") / "eagle"), target, version=2
+    )
 
 
 def _agreement(a, b) -> float:
@@ -81,11 +115,26 @@ def test_flashinfer_agrees_with_torch_native(wide_models):
     target, eagle = wide_models
     params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
     prompts = random_prompts(8, 5, 40, seed=7)
-    spec = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=eagle, speculative_num_steps=3,
-                speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+    spec = dict(
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=eagle,
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=5,
+    )
     for kwargs in ({}, spec):
-        native = _generate(target, dict(kwargs, attention_backend="torch_native", disable_cuda_graph=True), params, prompts)
-        fi = _generate(target, dict(kwargs, attention_backend="flashinfer", disable_cuda_graph=True), params, prompts)
+        native = _generate(
+            target,
+            dict(kwargs, attention_backend="torch_native", disable_cuda_graph=True),
+            params,
+            prompts,
+        )
+        fi = _generate(
+            target,
+            dict(kwargs, attention_backend="flashinfer", disable_cuda_graph=True),
+            params,
+            prompts,
+        )
         assert [o["output_ids"][0] for o in fi] == [o["output_ids"][0] for o in native]
         assert _agreement(fi, native) >= 0.9
 
@@ -99,10 +148,20 @@ def test_flashinfer_cuda_graphs_equal_eager(wide_models):
 
     params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in LENGTHS]
     prompts = random_prompts(10, 6, 14, seed=3)
-    spec = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=eagle, speculative_num_steps=3,
-                speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+    spec = dict(
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=eagle,
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=5,
+    )
     for kwargs in ({}, spec):
         kwargs = dict(kwargs, attention_backend="flashinfer")
         eager = _generate(target, dict(kwargs, disable_cuda_graph=True), params, prompts)
-        graphs = _generate(target, dict(kwargs, cuda_graph_bs=[1, 3, 8], cuda_graph_self_check=True), params, prompts)
+        graphs = _generate(
+            target,
+            dict(kwargs, cuda_graph_bs=[1, 3, 8], cuda_graph_self_check=True),
+            params,
+            prompts,
+        )
         assert _agreement(graphs, eager) >= 0.98

@@ -26,9 +26,25 @@ def free_port() -> int:
 def server(make_model):
     path = make_model("llama", max_position_embeddings=CONTEXT)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "spec_engine.launch_server", "--model-path", path, "--port", str(port),
-                             "--random-seed", "0", "--max-total-tokens", "2048", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spec_engine.launch_server",
+            "--model-path",
+            path,
+            "--port",
+            str(port),
+            "--random-seed",
+            "0",
+            "--max-total-tokens",
+            "2048",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -55,27 +71,41 @@ def client(server):
 def test_generate_plain_http_matches_transformers(server, hf):
     url, path = server
     prompt = [5, 60, 7, 300, 42]
-    r = httpx.post(url + "/generate", json={"input_ids": prompt, "return_logprob": True,
-                                            "sampling_params": {"temperature": 0, "max_new_tokens": 12}})
+    r = httpx.post(
+        url + "/generate",
+        json={
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 12},
+        },
+    )
     assert r.status_code == 200
     out = r.json()
     ref, ref_lp = hf.greedy(path, prompt, 12)
     assert out["output_ids"] == ref
-    assert max(abs(e[0] - b) for e, b in zip(out["meta_info"]["output_token_logprobs"], ref_lp)) < 1e-4
+    assert (
+        max(abs(e[0] - b) for e, b in zip(out["meta_info"]["output_token_logprobs"], ref_lp)) < 1e-4
+    )
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_generate_batch_and_stream(server):
     url, _ = server
     params = {"temperature": 0, "max_new_tokens": 10}
-    batch = httpx.post(url + "/generate", json={"text": ["The cat", "A dog runs"], "sampling_params": params}).json()
+    batch = httpx.post(
+        url + "/generate", json={"text": ["The cat", "A dog runs"], "sampling_params": params}
+    ).json()
     assert isinstance(batch, list) and len(batch) == 2
     chunks = []
-    with httpx.stream("POST", url + "/generate", json={"text": "The cat", "sampling_params": params, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/generate",
+        json={"text": "The cat", "sampling_params": params, "stream": True},
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
-                chunks.append(line[len("data: "):])
+                chunks.append(line[len("data: ") :])
     assert chunks[-1] == "[DONE]"
     events = [json.loads(c) for c in chunks[:-1]]
     assert len(events) >= 2
@@ -86,28 +116,44 @@ def test_generate_batch_and_stream(server):
 
 def test_openai_completions(client, server):
     url, _ = server
-    r = client.completions.create(model="any", prompt="The cat runs", max_tokens=8, temperature=0, logprobs=3)
-    native = httpx.post(url + "/generate", json={"text": "The cat runs",
-                                                 "sampling_params": {"temperature": 0, "max_new_tokens": 8}}).json()
+    r = client.completions.create(
+        model="any", prompt="The cat runs", max_tokens=8, temperature=0, logprobs=3
+    )
+    native = httpx.post(
+        url + "/generate",
+        json={"text": "The cat runs", "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
+    ).json()
     assert r.choices[0].text == native["text"]
     assert r.usage.completion_tokens == 8
     assert len(r.choices[0].logprobs.token_logprobs) == 8
     assert all(len(top) <= 3 for top in r.choices[0].logprobs.top_logprobs)
     assert r.choices[0].finish_reason == "length"
-    many = client.completions.create(model="any", prompt="The cat", max_tokens=4, temperature=1.0, n=3, seed=1)
+    many = client.completions.create(
+        model="any", prompt="The cat", max_tokens=4, temperature=1.0, n=3, seed=1
+    )
     assert len(many.choices) == 3
 
 
 def test_openai_chat_completions_stream_equals_non_stream(client):
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is two plus two?"}]
-    full = client.chat.completions.create(model="any", messages=messages, max_tokens=12, temperature=0, logprobs=True,
-                                          top_logprobs=2)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is two plus two?"},
+    ]
+    full = client.chat.completions.create(
+        model="any", messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2
+    )
     assert full.choices[0].message.role == "assistant"
     assert len(full.choices[0].logprobs.content) == full.usage.completion_tokens
     pieces = []
     usage = None
-    for chunk in client.chat.completions.create(model="any", messages=messages, max_tokens=12, temperature=0, stream=True,
-                                                stream_options={"include_usage": True}):
+    for chunk in client.chat.completions.create(
+        model="any",
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
@@ -146,8 +192,12 @@ def test_openai_bad_input_is_a_bad_request_error(client, server):
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model="any", prompt="hi", max_tokens=4, top_p=1.5)
     with pytest.raises(openai.BadRequestError, match="max_new_tokens"):
-        client.chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
-    r = httpx.post(server[0] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "nonsense": True})
+        client.chat.completions.create(
+            model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=0
+        )
+    r = httpx.post(
+        server[0] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "nonsense": True}
+    )
     assert r.status_code == 400 and "nonsense" in r.json()["message"]
     assert httpx.get(server[0] + "/health_generate", timeout=60).status_code == 200
 
@@ -157,8 +207,14 @@ def test_bad_requests_do_not_disturb_running_ones(server):
     result = {}
 
     def long_request() -> None:
-        result["r"] = httpx.post(url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
-            "max_new_tokens": 120, "ignore_eos": True, "temperature": 0}}, timeout=120)
+        result["r"] = httpx.post(
+            url + "/generate",
+            json={
+                "input_ids": [5, 6, 7],
+                "sampling_params": {"max_new_tokens": 120, "ignore_eos": True, "temperature": 0},
+            },
+            timeout=120,
+        )
 
     t = threading.Thread(target=long_request)
     t.start()
@@ -178,9 +234,20 @@ def test_info_flush_and_abort_endpoints(server):
     assert server_info["internal_states"][0]["num_running_reqs"] == 0
     assert httpx.post(url + "/flush_cache").status_code == 200
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(url + "/generate", json={
-        "input_ids": [5, 6], "rid": "to-abort", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}},
-        timeout=60)))
+    t = threading.Thread(
+        target=lambda: result.setdefault(
+            "r",
+            httpx.post(
+                url + "/generate",
+                json={
+                    "input_ids": [5, 6],
+                    "rid": "to-abort",
+                    "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+                },
+                timeout=60,
+            ),
+        )
+    )
     t.start()
     deadline = time.time() + 30
     while httpx.get(url + "/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
@@ -195,13 +262,29 @@ def test_info_flush_and_abort_endpoints(server):
 
 def test_openai_refusals_are_clear(server):
     url = server[0]
-    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                                      "chat_template_kwargs": {"tokenize": True}})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "chat_template_kwargs": {"tokenize": True},
+        },
+    )
     assert r.status_code == 400 and "chat template" in r.json()["message"]
-    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                                      "stream": True, "logprobs": True})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "stream": True,
+            "logprobs": True,
+        },
+    )
     assert r.status_code == 400 and "logprobs" in r.json()["message"]
-    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True, "logprobs": 1})
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2, "stream": True, "logprobs": 1},
+    )
     assert r.status_code == 400
 
 
@@ -216,8 +299,11 @@ def test_api_key_guards_everything_but_health(make_model):
         assert client.get("/health").status_code == 200
         assert client.get("/health_generate").status_code == 200
         assert client.post("/generate", json={"input_ids": [5, 6]}).status_code == 401
-        ok = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
-                         headers={"Authorization": "Bearer sekret"})
+        ok = client.post(
+            "/generate",
+            json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
+            headers={"Authorization": "Bearer sekret"},
+        )
         assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
         info = client.get("/get_server_info", headers={"Authorization": "Bearer sekret"}).json()
         assert "api_key" not in info

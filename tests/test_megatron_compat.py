@@ -12,9 +12,12 @@ from trainer_bridge.megatron_compat import apply_cpu_shims, model_parallel
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="the shims are for CPU-only runs"),
-    # megatron's notices about absent Transformer Engine/apex and its own deprecations: not ours to fix.
+    # megatron's notices about absent Transformer Engine/apex and its own deprecations: not ours to
+    # fix.
     pytest.mark.filterwarnings("ignore:::megatron"),
-    pytest.mark.filterwarnings("ignore:.*torch.jit.script_method:DeprecationWarning"),  # megatron's decorators
+    pytest.mark.filterwarnings(
+        "ignore:.*torch.jit.script_method:DeprecationWarning"
+    ),  # megatron's decorators
 ]
 
 H, V, T = 32, 128, 6
@@ -31,13 +34,25 @@ def _gpt(**overrides):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    kwargs = dict(num_layers=2, hidden_size=H, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-                  normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                  add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0)
+    kwargs = dict(
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     kwargs.update(overrides)
     config = TransformerConfig(**kwargs)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, normalization="RMSNorm")
-    return GPTModel(config, spec, vocab_size=V, max_sequence_length=64, position_embedding_type="rope")
+    return GPTModel(
+        config, spec, vocab_size=V, max_sequence_length=64, position_embedding_type="rope"
+    )
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +111,9 @@ def test_rng_tracker_forks_reproducible_cpu_streams(mp):
     assert all(torch.equal(a, b) for a, b in zip((tp_stream, dp_stream, outside), again))
     assert not torch.equal(tp_stream, dp_stream)
     torch.manual_seed(0)
-    assert torch.equal(outside, torch.rand(4)), "a fork must leave the default generator where it was"
+    assert torch.equal(outside, torch.rand(4)), (
+        "a fork must leave the default generator where it was"
+    )
 
 
 def test_activation_recompute_replays_dropout(mp):
@@ -104,7 +121,9 @@ def test_activation_recompute_replays_dropout(mp):
 
     dropout = dict(hidden_dropout=0.3, attention_dropout=0.3)
     plain = _gpt(**dropout)
-    recomputed = _gpt(**dropout, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    recomputed = _gpt(
+        **dropout, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
     recomputed.load_state_dict(plain.state_dict())
     ids, pos = _batch()
     grads = []
@@ -127,15 +146,20 @@ def test_moe_router_runs_without_transformer_engine(mp):
     out.sum().backward()
     torch.testing.assert_close(x.grad, w.sum(0).expand(5, H))
     # A MoE layer trains too (router gating backward, load-balancing loss).
-    model = _gpt(num_moe_experts=2, moe_router_topk=2, moe_router_load_balancing_type="aux_loss",
-                 moe_aux_loss_coeff=0.01)
+    model = _gpt(
+        num_moe_experts=2,
+        moe_router_topk=2,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.01,
+    )
     model(*_batch(), None).mean().backward()
     router = model.decoder.layers[0].mlp.router.weight
     assert router.grad is not None and torch.isfinite(router.grad).all()
 
 
 def _train_step(clip_grad: float):
-    """One megatron training step (DDP, forward_backward_no_pipelining, fp32 SGD optimizer with clipping)."""
+    """One megatron training step (DDP, forward_backward_no_pipelining, fp32 SGD optimizer with
+    clipping)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -143,8 +167,16 @@ def _train_step(clip_grad: float):
     model = _gpt()
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, bf16=False, clip_grad=clip_grad),
-        [ddp])
+        OptimizerConfig(
+            optimizer="sgd",
+            lr=1.0,
+            sgd_momentum=0.0,
+            weight_decay=0.0,
+            bf16=False,
+            clip_grad=clip_grad,
+        ),
+        [ddp],
+    )
     ids, pos = _batch()
 
     def forward_step(data_iterator, model):
@@ -156,8 +188,15 @@ def _train_step(clip_grad: float):
         expected_loss = model(ids, pos, None).square().mean()
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=[ddp],
-                                         num_microbatches=1, seq_length=T, micro_batch_size=2, forward_only=False)
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([None]),
+        model=[ddp],
+        num_microbatches=1,
+        seq_length=T,
+        micro_batch_size=2,
+        forward_only=False,
+    )
     grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
     ok, grad_norm, _ = optimizer.step()
     delta = {n: p.detach() - before[n] for n, p in model.named_parameters()}
@@ -167,12 +206,16 @@ def _train_step(clip_grad: float):
 def test_forward_backward_no_pipelining_and_clipped_step(mp):
     expected_loss, losses, grads, ok, grad_norm, delta = _train_step(clip_grad=1e-3)
     torch.testing.assert_close(losses[0]["loss"], expected_loss)
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+    norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])
+    ).item()
     assert ok
     assert grad_norm == pytest.approx(norm, rel=1e-5)
     assert norm > 1e-2, "the step must need clipping for this test to mean anything"
     # SGD with lr 1: the update is -grad * clip / norm, so its global norm is the clip value.
-    step = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(d) for d in delta.values()])).item()
+    step = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(d) for d in delta.values()])
+    ).item()
     assert step == pytest.approx(1e-3, rel=1e-3)
     for name, d in delta.items():
         torch.testing.assert_close(d, -grads[name] * 1e-3 / (norm + 1e-6), msg=name)

@@ -52,7 +52,7 @@ def test_radix_cache_keys_are_whole_pages():
     cache = RadixCache(alloc, ReqToTokenPool(4, 64, CPU), page_size=4)
     slots = alloc.alloc([0], [8], [0])
     cache.insert(list(range(8)), slots)
-    assert len(cache.match_prefix(list(range(7)))[0]) == 4   # only the first whole page matches
+    assert len(cache.match_prefix(list(range(7)))[0]) == 4  # only the first whole page matches
     assert len(cache.match_prefix(list(range(8)) + [99])[0]) == 8
     assert len(cache.match_prefix([0, 1, 2, 99, 4, 5, 6, 7])[0]) == 0
 

@@ -22,8 +22,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}},
+    )
     yield
     ray.shutdown()
 
@@ -32,11 +36,23 @@ def ray_session():
 def test_manager_through_ray_actor(ray_session, llama_path, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(llama_path)
     data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"input": f"copy: {c}", "label": c}) + "\n" for c in "abcdefgh"))
-    args = RolloutArgs(rollout_batch_size=2, n_samples_per_prompt=2, prompt_data=str(data), label_key="label",
-                       rm_type="tiny", rollout_max_response_len=32, over_sampling_batch_size=6)
-    actor = ray.remote(EngineActor).options(num_cpus=1).remote(model_path=llama_path, random_seed=0,
-                                                               max_running_requests=2)
+    data.write_text(
+        "".join(json.dumps({"input": f"copy: {c}", "label": c}) + "\n" for c in "abcdefgh")
+    )
+    args = RolloutArgs(
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        prompt_data=str(data),
+        label_key="label",
+        rm_type="tiny",
+        rollout_max_response_len=32,
+        over_sampling_batch_size=6,
+    )
+    actor = (
+        ray.remote(EngineActor)
+        .options(num_cpus=1)
+        .remote(model_path=llama_path, random_seed=0, max_running_requests=2)
+    )
     handle = RayEngineHandle(actor)
     groups, metrics = RolloutManager(args, [handle], tokenizer).generate(0)
     assert [len(g) for g in groups] == [2, 2]

@@ -27,9 +27,20 @@ from rollout.tiny_task import letter_shares, write_tiny_task
 
 
 def make_sample(**kwargs) -> Sample:
-    defaults = dict(group_index=0, index=0, prompt="p", tokens=[5, 6, 7, 8], response="ab", response_length=2,
-                    label="a", reward=1.0, loss_mask=[1, 1], rollout_log_probs=[-0.5, -1.5], status=Status.COMPLETED,
-                    weight_versions=["default"])
+    defaults = dict(
+        group_index=0,
+        index=0,
+        prompt="p",
+        tokens=[5, 6, 7, 8],
+        response="ab",
+        response_length=2,
+        label="a",
+        reward=1.0,
+        loss_mask=[1, 1],
+        rollout_log_probs=[-0.5, -1.5],
+        status=Status.COMPLETED,
+        weight_versions=["default"],
+    )
     defaults.update(kwargs)
     return Sample(**defaults)
 
@@ -42,9 +53,17 @@ def args_for(**kwargs) -> RolloutArgs:
 
 
 def test_sample_round_trip():
-    s = make_sample(prompt=[{"role": "user", "content": "hi"}], status=Status.TRUNCATED, metadata={"k": [1, 2]},
-                    spec_info={"spec_verify_ct": 3, "spec_accept_length": 2.0, "spec_accept_token_num": 3,
-                               "spec_draft_token_num": 9})
+    s = make_sample(
+        prompt=[{"role": "user", "content": "hi"}],
+        status=Status.TRUNCATED,
+        metadata={"k": [1, 2]},
+        spec_info={
+            "spec_verify_ct": 3,
+            "spec_accept_length": 2.0,
+            "spec_accept_token_num": 3,
+            "spec_draft_token_num": 9,
+        },
+    )
     d = s.to_dict()
     assert d["status"] == "TRUNCATED" and json.loads(json.dumps(d)) == d  # plain values only
     back = Sample.from_dict(d)
@@ -68,15 +87,40 @@ def test_status_from_finish_reason():
 def test_cli_round_trip_and_defaults():
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
-    ns = parser.parse_args(["--rollout-batch-size", "3", "--n-samples-per-prompt", "4", "--rollout-stop", "a", "b",
-                            "--rollout-stop-token-ids", "7", "--apply-chat-template", "--rm-type", "boxed_math",
-                            "--eval-prompt-data", "gsm", "/d/gsm.jsonl"])
+    ns = parser.parse_args(
+        [
+            "--rollout-batch-size",
+            "3",
+            "--n-samples-per-prompt",
+            "4",
+            "--rollout-stop",
+            "a",
+            "b",
+            "--rollout-stop-token-ids",
+            "7",
+            "--apply-chat-template",
+            "--rm-type",
+            "boxed_math",
+            "--eval-prompt-data",
+            "gsm",
+            "/d/gsm.jsonl",
+        ]
+    )
     args = from_cli_args(ns)
     assert (args.rollout_batch_size, args.n_samples_per_prompt) == (3, 4)
-    assert args.rollout_stop == ["a", "b"] and args.rollout_stop_token_ids == [7] and args.apply_chat_template
+    assert (
+        args.rollout_stop == ["a", "b"]
+        and args.rollout_stop_token_ids == [7]
+        and args.apply_chat_template
+    )
     assert args.eval_datasets == [("gsm", "/d/gsm.jsonl")]
     # slime's defaults
-    assert (args.rollout_temperature, args.rollout_top_p, args.rollout_top_k, args.input_key) == (1.0, 1.0, -1, "input")
+    assert (args.rollout_temperature, args.rollout_top_p, args.rollout_top_k, args.input_key) == (
+        1.0,
+        1.0,
+        -1,
+        "input",
+    )
     assert args.over_sampling_size == 3 and args.max_groups == 30
     assert from_cli_args(ns, rollout_batch_size=5).rollout_batch_size == 5
     with pytest.raises(SystemExit):  # --rollout-batch-size is required
@@ -84,18 +128,21 @@ def test_cli_round_trip_and_defaults():
     assert "--rollout-temperature" in parser.format_help()
 
 
-@pytest.mark.parametrize("kwargs,flag", [
-    (dict(rollout_batch_size=0), "--rollout-batch-size"),
-    (dict(n_samples_per_prompt=0), "--n-samples-per-prompt"),
-    (dict(rollout_top_p=0.0), "--rollout-top-p"),
-    (dict(rollout_top_k=0), "--rollout-top-k"),
-    (dict(rollout_temperature=-1.0), "--rollout-temperature"),
-    (dict(over_sampling_batch_size=0), "--over-sampling-batch-size"),
-    (dict(rm_type="nope"), "--rm-type"),
-    (dict(rm_type="tiny", custom_rm_path="a:b"), "--custom-rm-path"),
-    (dict(save_debug_rollout_data="/tmp/x.pt"), "{rollout_id}"),
-    (dict(eval_prompt_data=["only-a-name"]), "--eval-prompt-data"),
-])
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        (dict(rollout_batch_size=0), "--rollout-batch-size"),
+        (dict(n_samples_per_prompt=0), "--n-samples-per-prompt"),
+        (dict(rollout_top_p=0.0), "--rollout-top-p"),
+        (dict(rollout_top_k=0), "--rollout-top-k"),
+        (dict(rollout_temperature=-1.0), "--rollout-temperature"),
+        (dict(over_sampling_batch_size=0), "--over-sampling-batch-size"),
+        (dict(rm_type="nope"), "--rm-type"),
+        (dict(rm_type="tiny", custom_rm_path="a:b"), "--custom-rm-path"),
+        (dict(save_debug_rollout_data="/tmp/x.pt"), "{rollout_id}"),
+        (dict(eval_prompt_data=["only-a-name"]), "--eval-prompt-data"),
+    ],
+)
 def test_validation_names_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag.replace("{", r"\{").replace("}", r"\}")):
         args_for(**kwargs)
@@ -115,10 +162,20 @@ def write_jsonl(path, records) -> str:
 
 
 def test_data_source_epochs_and_deterministic_shuffle(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"input": f"q{i}", "label": str(i), "metadata": {"i": i}}
-                                              for i in range(5)])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"input": f"q{i}", "label": str(i), "metadata": {"i": i}} for i in range(5)],
+    )
     plain = DataSource(path, tokenizer, label_key="label")
-    assert [s.label for s in plain.get_prompts(7)] == ["0", "1", "2", "3", "4", "0", "1"]  # wraps into epoch 1
+    assert [s.label for s in plain.get_prompts(7)] == [
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "0",
+        "1",
+    ]  # wraps into epoch 1
     assert plain.state_dict() == {"epoch": 1, "offset": 2}
 
     def labels(source, n):
@@ -127,7 +184,9 @@ def test_data_source_epochs_and_deterministic_shuffle(tmp_path, tokenizer):
     a, b = (DataSource(path, tokenizer, label_key="label", shuffle=True, seed=3) for _ in range(2))
     epochs_a = [labels(a, 5) for _ in range(3)]
     assert epochs_a == [labels(b, 5) for _ in range(3)]  # same seed, same order
-    assert all(sorted(e) == ["0", "1", "2", "3", "4"] for e in epochs_a)  # each epoch is a permutation
+    assert all(
+        sorted(e) == ["0", "1", "2", "3", "4"] for e in epochs_a
+    )  # each epoch is a permutation
     assert len({tuple(e) for e in epochs_a}) > 1  # reshuffled per epoch
     c = DataSource(path, tokenizer, label_key="label", shuffle=True, seed=3)
     labels(c, 7)
@@ -141,9 +200,18 @@ def test_data_source_epochs_and_deterministic_shuffle(tmp_path, tokenizer):
 
 
 def test_data_source_chat_template(tmp_path, tokenizer):
-    path = write_jsonl(tmp_path / "c.jsonl", [{"input": "hello"},
-                                              {"input": [{"role": "system", "content": "be brief"},
-                                                         {"role": "user", "content": "hi"}]}])
+    path = write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {"input": "hello"},
+            {
+                "input": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "hi"},
+                ]
+            },
+        ],
+    )
     source = DataSource(path, tokenizer, apply_chat_template=True)
     user, chat = source.get_prompts(2)
     assert user.prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
@@ -176,19 +244,33 @@ def test_extract_boxed_nested_and_last():
     assert extract_boxed("no box") is None
 
 
-@pytest.mark.parametrize("answer,label,match", [
-    ("1/2", "0.5", True), (r"\frac{1}{2}", "0.5", True), (r"\dfrac12", "0.5", False),
-    ("1,000", "1000", True), ("x = 5", "5", True), (r"5^\circ", "5", True), (r"50\%", "50", True),
-    (r"\text{ Paris }", "Paris", True), ("0.333", "1/3", False), ("3.", "3", True), ("-2/4", "-0.5", True),
-    (r"\{1,2\}", r"\{1, 2\}", True), ("a+b", "b+a", False),
-])
+@pytest.mark.parametrize(
+    "answer,label,match",
+    [
+        ("1/2", "0.5", True),
+        (r"\frac{1}{2}", "0.5", True),
+        (r"\dfrac12", "0.5", False),
+        ("1,000", "1000", True),
+        ("x = 5", "5", True),
+        (r"5^\circ", "5", True),
+        (r"50\%", "50", True),
+        (r"\text{ Paris }", "Paris", True),
+        ("0.333", "1/3", False),
+        ("3.", "3", True),
+        ("-2/4", "-0.5", True),
+        (r"\{1,2\}", r"\{1, 2\}", True),
+        ("a+b", "b+a", False),
+    ],
+)
 def test_answers_match(answer, label, match):
     assert answers_match(answer, label) is match
 
 
 def test_builtin_rewards():
     args = args_for()
-    assert boxed_math_rm(args, make_sample(response=r"thus \boxed{\frac{1}{2}}.", label="0.5")) == 1.0
+    assert (
+        boxed_math_rm(args, make_sample(response=r"thus \boxed{\frac{1}{2}}.", label="0.5")) == 1.0
+    )
     assert boxed_math_rm(args, make_sample(response=r"\boxed{3}", label=r"\boxed{3}")) == 1.0
     assert boxed_math_rm(args, make_sample(response="3", label="3")) == 0.0  # no box, no credit
     assert exact_match_rm(args, make_sample(response="  Paris\n", label="Paris")) == 1.0
@@ -214,20 +296,35 @@ def bad_rm(args, sample):
 
 def test_load_reward_fn():
     assert load_reward_fn(args_for(rm_type="tiny")) is tiny_rm
-    assert load_reward_fn(args_for(custom_rm_path="tests.test_rollout_units:sync_rm")).__name__ == "sync_rm"
+    assert (
+        load_reward_fn(args_for(custom_rm_path="tests.test_rollout_units:sync_rm")).__name__
+        == "sync_rm"
+    )
     with pytest.raises(ValueError, match="--rm-type"):
         load_reward_fn(args_for())
     sample = make_sample(response="abc")
-    assert asyncio.run(score(load_reward_fn(args_for(custom_rm_path="tests.test_rollout_units.async_rm")),
-                             args_for(), sample)) == 0.25
+    assert (
+        asyncio.run(
+            score(
+                load_reward_fn(args_for(custom_rm_path="tests.test_rollout_units.async_rm")),
+                args_for(),
+                sample,
+            )
+        )
+        == 0.25
+    )
     assert asyncio.run(score(sync_rm, args_for(), sample)) == 3.0
     with pytest.raises(TypeError, match="must return a float"):
         asyncio.run(score(bad_rm, args_for(), sample))
 
 
 def test_load_function_errors_name_the_flag():
-    assert load_function("rollout.filters:check_reward_nonzero_std", "--x") is check_reward_nonzero_std
-    assert load_function("rollout.filters.check_reward_nonzero_std", "--x") is check_reward_nonzero_std
+    assert (
+        load_function("rollout.filters:check_reward_nonzero_std", "--x") is check_reward_nonzero_std
+    )
+    assert (
+        load_function("rollout.filters.check_reward_nonzero_std", "--x") is check_reward_nonzero_std
+    )
     with pytest.raises(ImportError, match="--custom-rm-path 'no_such_module:f'"):
         load_function("no_such_module:f", "--custom-rm-path")
     with pytest.raises(ImportError, match="has no attribute 'nope'"):
@@ -264,8 +361,10 @@ class FakeEngine:
 
     def abort_request(self, rid):
         if self.async_abort:
+
             async def later():
                 self.aborted.append(rid)
+
             return later()
         self.aborted.append(rid)
 
@@ -327,15 +426,30 @@ def test_router_abort_all_by_prefix():
 
 
 def test_rollout_metrics_values():
-    spec = {"spec_verify_ct": 4, "spec_accept_length": 2.0, "spec_accept_token_num": 4, "spec_draft_token_num": 16}
-    groups = [[make_sample(reward=1.0, response_length=2, spec_info=spec),
-               make_sample(reward=0.0, response_length=6, status=Status.TRUNCATED,
-                           spec_info={**spec, "spec_verify_ct": 2, "spec_accept_token_num": 0})]]
+    spec = {
+        "spec_verify_ct": 4,
+        "spec_accept_length": 2.0,
+        "spec_accept_token_num": 4,
+        "spec_draft_token_num": 16,
+    }
+    groups = [
+        [
+            make_sample(reward=1.0, response_length=2, spec_info=spec),
+            make_sample(
+                reward=0.0,
+                response_length=6,
+                status=Status.TRUNCATED,
+                spec_info={**spec, "spec_verify_ct": 2, "spec_accept_token_num": 0},
+            ),
+        ]
+    ]
     m = rollout_metrics(groups, rollout_time=2.0, response_tokens=20)
     assert m["rollout/raw_reward"] == 0.5 and m["rollout/truncated_ratio"] == 0.5
     assert (m["rollout/response_len/mean"], m["rollout/response_len/median"]) == (4.0, 4.0)
     assert (m["rollout/response_len/max"], m["rollout/response_len/min"]) == (6.0, 2.0)
-    assert m["rollout/spec_accept_length"] == (4 + 6) / 6  # (accepted + bonus tokens) / verify passes
+    assert (
+        m["rollout/spec_accept_length"] == (4 + 6) / 6
+    )  # (accepted + bonus tokens) / verify passes
     assert m["rollout/spec_accept_rate"] == 4 / 32
     assert m["perf/rollout_time"] == 2.0 and m["perf/tokens_per_s"] == 10.0
     plain = rollout_metrics([[make_sample()]], rollout_time=1.0)
@@ -358,14 +472,17 @@ def test_metrics_logger_jsonl_and_wandb(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     with MetricsLogger(str(tmp_path), use_wandb=True, wandb_project="p") as logger:
         import os
+
         assert os.environ["WANDB_MODE"] == "offline"
         logger.log(1, {"rollout/raw_reward": 0.5, "perf/rollout_time": float("nan")})
         logger.log(2, {"rollout/raw_reward": 0.75})
         with pytest.raises(TypeError, match="metrics must be numbers"):
             logger.log(3, {"bad": "x"})
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert lines == [{"step": 1, "rollout/raw_reward": 0.5, "perf/rollout_time": None},
-                     {"step": 2, "rollout/raw_reward": 0.75}]
+    assert lines == [
+        {"step": 1, "rollout/raw_reward": 0.5, "perf/rollout_time": None},
+        {"step": 2, "rollout/raw_reward": 0.75},
+    ]
     assert calls[0][0] == "init" and calls[0][1]["dir"] == str(tmp_path)
     assert ("log", {"rollout/raw_reward": 0.75}, 2) in calls and calls[-1] == ("finish",)
 
@@ -386,7 +503,10 @@ def test_metrics_logger_tensorboard(tmp_path):
 
 
 def test_debug_data_round_trip(tmp_path):
-    groups = [[make_sample(group_index=g, index=2 * g + i, reward=float(i)) for i in range(2)] for g in (4, 7)]
+    groups = [
+        [make_sample(group_index=g, index=2 * g + i, reward=float(i)) for i in range(2)]
+        for g in (4, 7)
+    ]
     path = save_debug_rollout_data(str(tmp_path / "r_{rollout_id}.pt"), 3, groups)
     assert path.endswith("r_3.pt")
     assert load_debug_rollout_data(str(tmp_path / "r_{rollout_id}.pt"), 3) == groups
@@ -400,5 +520,7 @@ def test_tiny_task_file(tmp_path, tokenizer):
     assert len(records) == 10 and len(letters) == 3
     assert all(r["input"] == f"copy: {r['label']}" and r["label"] in letters for r in records)
     shares = letter_shares(tokenizer)
-    assert min(shares[letter] for letter in letters) >= max(s for k, s in shares.items() if k not in letters)
+    assert min(shares[letter] for letter in letters) >= max(
+        s for k, s in shares.items() if k not in letters
+    )
     assert all(shares[letter] > 0.02 for letter in letters)  # a random policy succeeds now and then

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from spec_engine import Engine
 from spec_engine.core.request import Req, ReqInput
+from spec_engine.core.sampling_params import SamplingParams
 from spec_engine.core.worker import sampling_batch
 from spec_engine.layers.sampler import Sampler, request_uniform
-from spec_engine.core.sampling_params import SamplingParams
 
 VOCAB = 16
 CONFIGS = [
@@ -24,8 +29,13 @@ CONFIGS = [
 ]
 
 
-def expected_probs(logits: torch.Tensor, temperature: float, top_k: int = -1, top_p: float = 1.0,
-                   min_p: float = 0.0) -> torch.Tensor:
+def expected_probs(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> torch.Tensor:
     """The target distribution as transformers' generate() builds it (same warper order)."""
     warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
     if top_k > 0:
@@ -47,16 +57,32 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs[support] * n
     stat = ((counts[support] - expected) ** 2 / expected).sum()
     df = int(support.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2)
+    )
 
 
 def draw(logits: torch.Tensor, params: dict, n: int) -> tuple[torch.Tensor, list[float], list[int]]:
     sp = SamplingParams(**params)
-    reqs = [Req(ReqInput(rid=str(i), origin_input_ids=(0,), sampling_params=sp, seed=1000 + i, return_logprob=True))
-            for i in range(n)]
+    reqs = [
+        Req(
+            ReqInput(
+                rid=str(i),
+                origin_input_ids=(0,),
+                sampling_params=sp,
+                seed=1000 + i,
+                return_logprob=True,
+            )
+        )
+        for i in range(n)
+    ]
     batch = sampling_batch(reqs, VOCAB, torch.device("cpu"))
     out = Sampler()(logits[None].expand(n, -1).contiguous(), batch)
-    return torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB).double(), out.logprobs, out.token_ids
+    return (
+        torch.bincount(torch.tensor(out.token_ids), minlength=VOCAB).double(),
+        out.logprobs,
+        out.token_ids,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +102,15 @@ def test_sampler_matches_exact_distribution(logits, params):
 def binding_filters(logits: torch.Tensor, params: dict) -> list[str]:
     """Filters whose removal changes the target distribution (a non-binding one changes nothing)."""
     target = expected_probs(logits, **params)
-    return [k for k in params if k != "temperature"
-            and (expected_probs(logits, **{a: b for a, b in params.items() if a != k}) - target).abs().max() > 0.01]
+    return [
+        k
+        for k in params
+        if k != "temperature"
+        and (expected_probs(logits, **{a: b for a, b in params.items() if a != k}) - target)
+        .abs()
+        .max()
+        > 0.01
+    ]
 
 
 def test_every_filter_is_binding_somewhere(logits):
@@ -93,7 +126,9 @@ def test_dropping_a_binding_filter_would_be_detected(logits, params):
     assert dropped_filters
     for dropped in dropped_filters:
         without = {k: v for k, v in params.items() if k != dropped}
-        assert chi2_pvalue(counts, expected_probs(logits, **without)) < 1e-6, f"dropping {dropped} went unnoticed"
+        assert chi2_pvalue(counts, expected_probs(logits, **without)) < 1e-6, (
+            f"dropping {dropped} went unnoticed"
+        )
 
 
 def test_greedy_rows_and_uniforms(logits):
@@ -110,7 +145,9 @@ def test_engine_first_token_follows_target_distribution(llama_path, hf):
     params = {"temperature": 0.8, "top_k": 12, "top_p": 0.9}
     expected = expected_probs(hf.next_token_logits(llama_path, prompt), **params)
     with Engine(model_path=llama_path, random_seed=3) as engine:
-        outs = engine.generate(input_ids=prompt, sampling_params={**params, "max_new_tokens": 1, "n": 3000})
+        outs = engine.generate(
+            input_ids=prompt, sampling_params={**params, "max_new_tokens": 1, "n": 3000}
+        )
     tokens = torch.tensor([o["output_ids"][0] for o in outs])
     counts = torch.bincount(tokens, minlength=expected.numel()).double()
     assert chi2_pvalue(counts, expected) > 1e-4

@@ -86,19 +86,35 @@ def test_chunked_prefill_matches_unchunked(llama_path, hf):
     with Engine(model_path=llama_path, random_seed=0, chunked_prefill_size=16) as engine:
         chunk_sizes = []
         prefill = engine.scheduler.worker.prefill
-        engine.scheduler.worker.prefill = lambda reqs: chunk_sizes.append(sum(r.extend_len for r in reqs)) or prefill(reqs)
-        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 12}, return_logprob=True)
+        engine.scheduler.worker.prefill = lambda reqs: (
+            chunk_sizes.append(sum(r.extend_len for r in reqs)) or prefill(reqs)
+        )
+        outs = engine.generate(
+            input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 12}, return_logprob=True
+        )
         assert_memory_clean(engine)
     assert max(chunk_sizes) <= 16
     for prompt, out in zip(prompts, outs):
         ref, ref_lp = hf.greedy(llama_path, prompt, 12)
         assert out["output_ids"] == ref
-        assert max(abs(a - b) for (a, _, _), b in zip(out["meta_info"]["output_token_logprobs"], ref_lp)) < 1e-4
+        assert (
+            max(
+                abs(a - b)
+                for (a, _, _), b in zip(out["meta_info"]["output_token_logprobs"], ref_lp)
+            )
+            < 1e-4
+        )
 
 
 def test_n_samples_share_the_prompt_kv(llama_path):
     prompt = random_prompts(1, 64, 64, seed=14)[0]
-    params = {"temperature": 1.0, "max_new_tokens": 6, "n": 8, "ignore_eos": True, "sampling_seed": 3}
+    params = {
+        "temperature": 1.0,
+        "max_new_tokens": 6,
+        "n": 8,
+        "ignore_eos": True,
+        "sampling_seed": 3,
+    }
     with Engine(model_path=llama_path, random_seed=0, max_total_tokens=4096) as engine:
         peak = []
         decode = engine.scheduler.worker.decode
@@ -126,8 +142,16 @@ def test_n_samples_share_the_prompt_kv(llama_path):
 def test_abort_by_rid_ends_request_and_frees_memory(llama_path):
     with Engine(model_path=llama_path, random_seed=0) as engine:
         results = {}
-        t = threading.Thread(target=lambda: results.setdefault("out", engine.generate(
-            input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 400, "ignore_eos": True}, rid="victim")))
+        t = threading.Thread(
+            target=lambda: results.setdefault(
+                "out",
+                engine.generate(
+                    input_ids=[5, 6, 7],
+                    sampling_params={"max_new_tokens": 400, "ignore_eos": True},
+                    rid="victim",
+                ),
+            )
+        )
         t.start()
         deadline = time.time() + 30
         while not engine.scheduler.running and time.time() < deadline:
@@ -140,7 +164,14 @@ def test_abort_by_rid_ends_request_and_frees_memory(llama_path):
         assert out["meta_info"]["id"] == "victim"
         assert_memory_clean(engine)
         # The engine keeps serving.
-        assert len(engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 3})["output_ids"]) <= 3
+        assert (
+            len(
+                engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 3})[
+                    "output_ids"
+                ]
+            )
+            <= 3
+        )
 
 
 def test_max_running_requests_is_respected(llama_path):
@@ -153,8 +184,10 @@ def test_max_running_requests_is_respected(llama_path):
     assert all(len(o["output_ids"]) == 32 for o in outs)
 
 
-@pytest.mark.parametrize("options", [{"page_size": 4}, {"page_size": 4, "chunked_prefill_size": 8},
-                                     {"disable_radix_cache": True}])
+@pytest.mark.parametrize(
+    "options",
+    [{"page_size": 4}, {"page_size": 4, "chunked_prefill_size": 8}, {"disable_radix_cache": True}],
+)
 def test_memory_options_keep_greedy_outputs(llama_path, hf, options):
     prompts = random_prompts(6, 3, 40, seed=16)
     prompts.append(prompts[0] + [9, 10, 11])  # shares a prefix with the first prompt
@@ -181,36 +214,61 @@ def test_stop_conditions(llama_path, hf):
         assert eos in engine.scheduler.eos_token_ids
         free = engine.generate(input_ids=prompt, sampling_params={**plain, "ignore_eos": True})
         ids, text = free["output_ids"], free["text"]
-        # stop_token_ids: the first occurrence ends the output (the token is kept, its text dropped).
+        # stop_token_ids: the first occurrence ends the output (the token is kept, its text
+        # dropped).
         stop_id = ids[4]
-        out = engine.generate(input_ids=prompt, sampling_params={**plain, "stop_token_ids": [stop_id]})
+        out = engine.generate(
+            input_ids=prompt, sampling_params={**plain, "stop_token_ids": [stop_id]}
+        )
         cut = ids[: ids.index(stop_id) + 1]
         assert out["output_ids"] == cut
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
         assert out["text"] == engine.tokenizer.decode(cut[:-1], skip_special_tokens=True)
         # As in SGLang, ignore_eos ignores stop_token_ids too.
-        out = engine.generate(input_ids=prompt, sampling_params={**plain, "stop_token_ids": [stop_id], "ignore_eos": True})
+        out = engine.generate(
+            input_ids=prompt,
+            sampling_params={**plain, "stop_token_ids": [stop_id], "ignore_eos": True},
+        )
         assert out["output_ids"] == ids
-        # Before min_new_tokens, stop tokens (and EOS) are never drawn; the log-probs stay the model's.
+        # Before min_new_tokens, stop tokens (and EOS) are never drawn; the log-probs stay the
+        # model's.
         first = ids[0]
-        out = engine.generate(input_ids=prompt, return_logprob=True,
-                              sampling_params={**plain, "stop_token_ids": [first], "min_new_tokens": 3})
+        out = engine.generate(
+            input_ids=prompt,
+            return_logprob=True,
+            sampling_params={**plain, "stop_token_ids": [first], "min_new_tokens": 3},
+        )
         assert first not in out["output_ids"][:3] and eos not in out["output_ids"][:3]
         assert out["output_ids"][0] != first
         model_logprobs = torch.log_softmax(hf.next_token_logits(llama_path, prompt), -1)
-        assert abs(out["meta_info"]["output_token_logprobs"][0][0] - model_logprobs[out["output_ids"][0]].item()) < 1e-4
+        assert (
+            abs(
+                out["meta_info"]["output_token_logprobs"][0][0]
+                - model_logprobs[out["output_ids"][0]].item()
+            )
+            < 1e-4
+        )
         # A stop string cuts the text before it; no_stop_trim keeps it.
-        stop_str = text[len(text) // 2: len(text) // 2 + 2]
+        stop_str = text[len(text) // 2 : len(text) // 2 + 2]
         assert stop_str.strip()
-        out = engine.generate(input_ids=prompt, sampling_params={**plain, "stop": stop_str, "ignore_eos": True})
+        out = engine.generate(
+            input_ids=prompt, sampling_params={**plain, "stop": stop_str, "ignore_eos": True}
+        )
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_str}
         assert out["text"] == text[: text.find(stop_str)]
-        kept = engine.generate(input_ids=prompt, sampling_params={**plain, "stop": [stop_str], "no_stop_trim": True,
-                                                                  "ignore_eos": True})
+        kept = engine.generate(
+            input_ids=prompt,
+            sampling_params={**plain, "stop": [stop_str], "no_stop_trim": True, "ignore_eos": True},
+        )
         assert stop_str in kept["text"]
         # Streaming never shows text that the final output trims.
-        chunks = list(engine.generate(input_ids=prompt, stream=True,
-                                      sampling_params={**plain, "stop": stop_str, "ignore_eos": True}))
+        chunks = list(
+            engine.generate(
+                input_ids=prompt,
+                stream=True,
+                sampling_params={**plain, "stop": stop_str, "ignore_eos": True},
+            )
+        )
         assert all(out["text"].startswith(c["text"]) for c in chunks)
         assert chunks[-1]["text"] == out["text"]
 
@@ -222,8 +280,13 @@ def test_sampling_is_reproducible_and_batch_invariant(llama_path):
         together = engine.generate(input_ids=prompts, sampling_params=params)
     with Engine(model_path=llama_path, random_seed=7) as engine:
         again = engine.generate(input_ids=prompts, sampling_params=params)
-        alone = [engine.generate(input_ids=p, sampling_params={**params, "sampling_seed": 11}) for p in prompts[:2]]
-        batched = engine.generate(input_ids=prompts[:2], sampling_params={**params, "sampling_seed": 11})
+        alone = [
+            engine.generate(input_ids=p, sampling_params={**params, "sampling_seed": 11})
+            for p in prompts[:2]
+        ]
+        batched = engine.generate(
+            input_ids=prompts[:2], sampling_params={**params, "sampling_seed": 11}
+        )
     with Engine(model_path=llama_path, random_seed=8) as engine:
         other_seed = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in together]
@@ -234,10 +297,14 @@ def test_sampling_is_reproducible_and_batch_invariant(llama_path):
 def test_chunked_prefill_under_a_tight_pool_never_overcommits(llama_path, hf):
     """The rest of a chunked prompt is reserved, so later admissions cannot take its KV."""
     prompts = [list(range(5, 45)), list(range(100, 130)), list(range(200, 236))]
-    params = [{"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
-              {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},
-              {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}]
-    with Engine(model_path=llama_path, random_seed=0, max_total_tokens=64, chunked_prefill_size=16) as engine:
+    params = [
+        {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True},
+        {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    ]
+    with Engine(
+        model_path=llama_path, random_seed=0, max_total_tokens=64, chunked_prefill_size=16
+    ) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         assert_memory_clean(engine)
     for prompt, p, out in zip(prompts, params, outs):

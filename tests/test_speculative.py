@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 from spec_engine import Engine
+from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 from tests.conftest import random_prompts
 from tests.test_sampling import chi2_pvalue, expected_probs
 
@@ -28,7 +28,9 @@ def models(make_model, tmp_path_factory):
         "target": target,
         "eagle": build_eagle_draft(str(root / "eagle"), target, version=2),
         "eagle3": build_eagle_draft(str(root / "eagle3"), target, version=3, draft_vocab_size=128),
-        "eagle3_full": build_eagle_draft(str(root / "eagle3_full"), target, version=3, aux_layer_ids=[0, 1, 2]),
+        "eagle3_full": build_eagle_draft(
+            str(root / "eagle3_full"), target, version=3, aux_layer_ids=[0, 1, 2]
+        ),
         "small": build_checkpoint(str(root / "small"), arch="llama", num_layers=1, seed=5),
         "mimo": add_mimo_mtp(make_model("qwen2", num_layers=2, seed=7)),
         "token_map": token_map,
@@ -36,35 +38,100 @@ def models(make_model, tmp_path_factory):
 
 
 CONFIGS = {
-    "eagle-chain": ("target", dict(speculative_algorithm="EAGLE", speculative_draft_model_path="eagle",
-                                   speculative_num_steps=3, speculative_eagle_topk=1)),
-    "eagle-tree": ("target", dict(speculative_algorithm="EAGLE", speculative_draft_model_path="eagle",
-                                  speculative_num_steps=3, speculative_eagle_topk=3, speculative_num_draft_tokens=6)),
-    "eagle-frspec": ("target", dict(speculative_algorithm="EAGLE", speculative_draft_model_path="eagle",
-                                    speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4,
-                                    speculative_token_map="token_map")),
-    "eagle3-draft-vocab": ("target", dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="eagle3",
-                                          speculative_num_steps=3, speculative_eagle_topk=2,
-                                          speculative_num_draft_tokens=5)),
-    "eagle3-aux-ids": ("target", dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="eagle3_full",
-                                      speculative_num_steps=2, speculative_eagle_topk=1)),
-    "mtp": ("mimo", dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1)),
-    "standalone": ("target", dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="small",
-                                  speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)),
-    "standalone-self-tree": ("target", dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="target",
-                                            speculative_num_steps=3, speculative_eagle_topk=3,
-                                            speculative_num_draft_tokens=7)),
+    "eagle-chain": (
+        "target",
+        dict(
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path="eagle",
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+        ),
+    ),
+    "eagle-tree": (
+        "target",
+        dict(
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path="eagle",
+            speculative_num_steps=3,
+            speculative_eagle_topk=3,
+            speculative_num_draft_tokens=6,
+        ),
+    ),
+    "eagle-frspec": (
+        "target",
+        dict(
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path="eagle",
+            speculative_num_steps=2,
+            speculative_eagle_topk=2,
+            speculative_num_draft_tokens=4,
+            speculative_token_map="token_map",
+        ),
+    ),
+    "eagle3-draft-vocab": (
+        "target",
+        dict(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path="eagle3",
+            speculative_num_steps=3,
+            speculative_eagle_topk=2,
+            speculative_num_draft_tokens=5,
+        ),
+    ),
+    "eagle3-aux-ids": (
+        "target",
+        dict(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path="eagle3_full",
+            speculative_num_steps=2,
+            speculative_eagle_topk=1,
+        ),
+    ),
+    "mtp": (
+        "mimo",
+        dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1),
+    ),
+    "standalone": (
+        "target",
+        dict(
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path="small",
+            speculative_num_steps=3,
+            speculative_eagle_topk=2,
+            speculative_num_draft_tokens=5,
+        ),
+    ),
+    "standalone-self-tree": (
+        "target",
+        dict(
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path="target",
+            speculative_num_steps=3,
+            speculative_eagle_topk=3,
+            speculative_num_draft_tokens=7,
+        ),
+    ),
     "ngram": ("target", dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)),
-    "eagle-tree-paged": ("target", dict(speculative_algorithm="EAGLE", speculative_draft_model_path="eagle",
-                                        speculative_num_steps=3, speculative_eagle_topk=2,
-                                        speculative_num_draft_tokens=5, page_size=4)),
+    "eagle-tree-paged": (
+        "target",
+        dict(
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path="eagle",
+            speculative_num_steps=3,
+            speculative_eagle_topk=2,
+            speculative_num_draft_tokens=5,
+            page_size=4,
+        ),
+    ),
 }
 
 
 def spec_args(models, name):
     target_key, kwargs = CONFIGS[name]
-    resolved = {k: (models[v] if k in ("speculative_draft_model_path", "speculative_token_map") else v)
-                for k, v in kwargs.items()}
+    resolved = {
+        k: (models[v] if k in ("speculative_draft_model_path", "speculative_token_map") else v)
+        for k, v in kwargs.items()
+    }
     return models[target_key], resolved
 
 
@@ -75,7 +142,9 @@ def baseline(path, prompts, params):
     key = (path, str(prompts), str(params))
     if key not in _BASELINES:
         with Engine(model_path=path, random_seed=0) as engine:
-            _BASELINES[key] = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+            _BASELINES[key] = engine.generate(
+                input_ids=prompts, sampling_params=params, return_logprob=True
+            )
     return _BASELINES[key]
 
 
@@ -88,8 +157,13 @@ def assert_clean(engine):
 
 def assert_same(outs, ref):
     assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
-    diffs = [abs(a[0] - b[0]) for o, r in zip(outs, ref)
-             for a, b in zip(o["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"])]
+    diffs = [
+        abs(a[0] - b[0])
+        for o, r in zip(outs, ref)
+        for a, b in zip(
+            o["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"]
+        )
+    ]
     assert max(diffs) < 1e-4
 
 
@@ -102,9 +176,13 @@ def test_greedy_outputs_and_logprobs_equal_plain_decoding(models, name):
     params = [GREEDY] * 8 + [{**GREEDY, **stops}] * 2
     with Engine(model_path=path, random_seed=0, **kwargs) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
-        a, b = sorted(range(8), key=lambda i: -len(prompts[i]))[:2]  # long enough to span cached pages
+        a, b = sorted(range(8), key=lambda i: -len(prompts[i]))[
+            :2
+        ]  # long enough to span cached pages
         more = [prompts[a] + [7, 8, 9], prompts[b] + outs[b]["output_ids"][:10]]
-        later = engine.generate(input_ids=prompts + more, sampling_params=params, return_logprob=True)
+        later = engine.generate(
+            input_ids=prompts + more, sampling_params=params, return_logprob=True
+        )
         info = engine.get_server_info()["internal_states"][0]
         assert_clean(engine)
     assert_same(outs, baseline(path, prompts, GREEDY))
@@ -113,9 +191,12 @@ def test_greedy_outputs_and_logprobs_equal_plain_decoding(models, name):
     for out in outs:
         meta = out["meta_info"]
         # The first token comes from prefill, every other one from a verify pass.
-        assert meta["spec_accept_length"] == pytest.approx((meta["completion_tokens"] - 1) / meta["spec_verify_ct"])
+        assert meta["spec_accept_length"] == pytest.approx(
+            (meta["completion_tokens"] - 1) / meta["spec_verify_ct"]
+        )
     assert info["avg_spec_accept_length"] == pytest.approx(
-        sum(o["meta_info"]["completion_tokens"] - 1 for o in outs + later) / info["spec_verify_ct"])
+        sum(o["meta_info"]["completion_tokens"] - 1 for o in outs + later) / info["spec_verify_ct"]
+    )
     assert set(info["spec_time_breakdown"]) == {"draft_s", "verify_s", "bookkeeping_s"}
 
 
@@ -126,15 +207,23 @@ def test_joining_mid_run_and_n_samples_are_lossless(models, name):
     params = {**GREEDY, "max_new_tokens": 40}
     results = {}
     with Engine(model_path=path, random_seed=0, **kwargs) as engine:
-        t = threading.Thread(target=lambda: results.setdefault("first", engine.generate(
-            input_ids=first, sampling_params=params, return_logprob=True)))
+        t = threading.Thread(
+            target=lambda: results.setdefault(
+                "first",
+                engine.generate(input_ids=first, sampling_params=params, return_logprob=True),
+            )
+        )
         t.start()
         deadline = time.time() + 60
         while not engine.scheduler.running and time.time() < deadline:
             time.sleep(0.001)
-        results["later"] = engine.generate(input_ids=later, sampling_params=params, return_logprob=True)
+        results["later"] = engine.generate(
+            input_ids=later, sampling_params=params, return_logprob=True
+        )
         t.join()
-        many = engine.generate(input_ids=random_prompts(1, 40, 40, seed=25)[0], sampling_params={**params, "n": 4})
+        many = engine.generate(
+            input_ids=random_prompts(1, 40, 40, seed=25)[0], sampling_params={**params, "n": 4}
+        )
         assert_clean(engine)
     assert_same(results["first"], baseline(path, first, params))
     assert_same(results["later"], baseline(path, later, params))
@@ -147,8 +236,14 @@ def test_target_as_its_own_draft_accepts_every_token(models):
     path = models["target"]
     steps = 3
     params = {**GREEDY, "max_new_tokens": 1 + 5 * (steps + 1)}
-    with Engine(model_path=path, random_seed=0, speculative_algorithm="STANDALONE", speculative_draft_model_path=path,
-                speculative_num_steps=steps, speculative_eagle_topk=1) as engine:
+    with Engine(
+        model_path=path,
+        random_seed=0,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=path,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=1,
+    ) as engine:
         outs = engine.generate(input_ids=random_prompts(4, 3, 20, seed=23), sampling_params=params)
         info = engine.get_server_info()["internal_states"][0]
     for out in outs:
@@ -161,8 +256,12 @@ def test_target_as_its_own_draft_accepts_every_token(models):
 
 def test_ngram_accepts_several_tokens_on_repetitive_text(models):
     prompt = [11, 12, 13, 14, 15, 16, 17, 18] * 6
-    with Engine(model_path=models["target"], random_seed=0, speculative_algorithm="NGRAM",
-                speculative_num_draft_tokens=8) as engine:
+    with Engine(
+        model_path=models["target"],
+        random_seed=0,
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=8,
+    ) as engine:
         out = engine.generate(input_ids=prompt, sampling_params=GREEDY)
     assert out["meta_info"]["spec_accept_length"] > 1.0
 
@@ -171,7 +270,9 @@ def test_retraction_chunked_prefill_and_speculation(models):
     path, kwargs = spec_args(models, "eagle-tree")
     prompts = random_prompts(10, 20, 60, seed=24)
     params = {**GREEDY, "max_new_tokens": 30}
-    with Engine(model_path=path, random_seed=0, max_total_tokens=400, chunked_prefill_size=32, **kwargs) as engine:
+    with Engine(
+        model_path=path, random_seed=0, max_total_tokens=400, chunked_prefill_size=32, **kwargs
+    ) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         assert engine.scheduler.num_retractions > 0
         assert_clean(engine)
@@ -183,11 +284,17 @@ def test_a_lone_request_at_the_kv_limit_completes(models):
     with Engine(model_path=path, random_seed=0, max_total_tokens=96, **kwargs) as engine:
         headroom = engine.scheduler.worker.decode_headroom()
         budget = 96 - headroom
-        out = engine.generate(input_ids=[5] * 20, sampling_params={**GREEDY, "max_new_tokens": budget - 20})
+        out = engine.generate(
+            input_ids=[5] * 20, sampling_params={**GREEDY, "max_new_tokens": budget - 20}
+        )
         assert out["meta_info"]["completion_tokens"] == budget - 20
         with pytest.raises(ValueError, match="speculative drafts"):
-            engine.generate(input_ids=[5] * 20, sampling_params={**GREEDY, "max_new_tokens": budget - 19})
-        unset = engine.generate(input_ids=[5] * 20, sampling_params={**GREEDY, "max_new_tokens": None})
+            engine.generate(
+                input_ids=[5] * 20, sampling_params={**GREEDY, "max_new_tokens": budget - 19}
+            )
+        unset = engine.generate(
+            input_ids=[5] * 20, sampling_params={**GREEDY, "max_new_tokens": None}
+        )
         assert unset["meta_info"]["completion_tokens"] == budget - 20
         assert_clean(engine)
 
@@ -198,18 +305,31 @@ def test_a_lone_request_at_the_kv_limit_completes(models):
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     root = tmp_path_factory.mktemp("vocab8")
-    target = build_checkpoint(str(root / "target"), arch="llama", vocab_size=8, hidden_size=32, intermediate_size=64,
-                              num_layers=2, initializer_range=0.5, bos_token_id=1, eos_token_id=2)
+    target = build_checkpoint(
+        str(root / "target"),
+        arch="llama",
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        initializer_range=0.5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     draft = build_eagle_draft(str(root / "eagle"), target, version=2, std=0.3)
     return target, draft
 
 
-FILTERS = {"top-p": {"temperature": 0.9, "top_p": 0.95}, "top-k-min-p": {"temperature": 1.0, "top_k": 5, "min_p": 0.05}}
+FILTERS = {
+    "top-p": {"temperature": 0.9, "top_p": 0.95},
+    "top-k-min-p": {"temperature": 1.0, "top_k": 5, "min_p": 0.05},
+}
 PROMPT = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
 
 
 def joint_of_tokens_2_and_3(hf, path, params) -> torch.Tensor:
-    """Exact P(t2, t3) (summed over t1) of the target under `params`, as transformers computes it."""
+    """Exact P(t2, t3) (summed over t1) of the target under `params`, as transformers computes
+    it."""
     p1 = expected_probs(hf.next_token_logits(path, PROMPT), **params)
     joint = torch.zeros(8, 8, dtype=torch.float64)
     for t1 in range(8):
@@ -223,8 +343,10 @@ def joint_of_tokens_2_and_3(hf, path, params) -> torch.Tensor:
 
 def sample_counts(path, params, samples=4000, **kwargs) -> tuple[torch.Tensor, float]:
     with Engine(model_path=path, random_seed=0, skip_tokenizer_init=True, **kwargs) as engine:
-        outs = engine.generate(input_ids=PROMPT, sampling_params={**params, "max_new_tokens": 3, "ignore_eos": True,
-                                                                  "n": samples})
+        outs = engine.generate(
+            input_ids=PROMPT,
+            sampling_params={**params, "max_new_tokens": 3, "ignore_eos": True, "n": samples},
+        )
         accept = engine.get_server_info()["internal_states"][0]["avg_spec_accept_length"]
     counts = torch.zeros(8, 8, dtype=torch.float64)
     for o in outs:
@@ -233,7 +355,8 @@ def sample_counts(path, params, samples=4000, **kwargs) -> tuple[torch.Tensor, f
 
 
 def pvalues(counts: torch.Tensor, joint: torch.Tensor) -> tuple[float, float]:
-    """(one-token test on t2, two-token test on (t2, t3)), rare cells merged so each expects >= 5."""
+    """(one-token test on t2, two-token test on (t2, t3)), rare cells merged so each expects >=
+    5."""
     one = chi2_pvalue(counts.sum(1), joint.sum(1))
     flat_c, flat_p = counts.flatten(), joint.flatten()
     rare = flat_p * counts.sum() < 5
@@ -242,12 +365,21 @@ def pvalues(counts: torch.Tensor, joint: torch.Tensor) -> tuple[float, float]:
     return one, chi2_pvalue(merged_c, merged_p)
 
 
-@pytest.mark.parametrize("algo,filters", [("EAGLE", "top-p"), ("EAGLE", "top-k-min-p"), ("NGRAM", "top-p")])
-def test_sampling_follows_the_target_distribution_and_lossy_acceptance_is_caught(small_vocab, hf, algo, filters):
+@pytest.mark.parametrize(
+    "algo,filters", [("EAGLE", "top-p"), ("EAGLE", "top-k-min-p"), ("NGRAM", "top-p")]
+)
+def test_sampling_follows_the_target_distribution_and_lossy_acceptance_is_caught(
+    small_vocab, hf, algo, filters
+):
     target, draft = small_vocab
     if algo == "EAGLE":
-        kwargs = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=draft, speculative_num_steps=2,
-                      speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+        kwargs = dict(
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=draft,
+            speculative_num_steps=2,
+            speculative_eagle_topk=2,
+            speculative_num_draft_tokens=4,
+        )
     else:
         kwargs = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
     params = FILTERS[filters]
@@ -264,25 +396,59 @@ def test_sampling_follows_the_target_distribution_and_lossy_acceptance_is_caught
 # ---------------------------------------------------------------- configuration
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="eagle", speculative_num_steps=2,
-          speculative_eagle_topk=2, speculative_num_draft_tokens=9), "--speculative-num-draft-tokens"),
-    (dict(speculative_algorithm="EAGLE"), "--speculative-draft-model-path"),
-    (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="eagle"), "LlamaForCausalLMEagle3"),
-    (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="eagle"), "plain LM"),
-    (dict(speculative_algorithm="NGRAM", speculative_draft_model_path="eagle"), "NGRAM"),
-    (dict(speculative_algorithm="NGRAM", speculative_num_steps=3), "NGRAM"),
-    (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="eagle3", speculative_token_map="token_map"),
-     "FR-Spec"),
-    (dict(speculative_num_steps=3), "--speculative-algorithm"),
-    (dict(speculative_algorithm="MEDUSA"), "--speculative-algorithm"),
-    (dict(speculative_algorithm="NGRAM", speculative_ngram_max_match_window_size=20), "branch-length"),
-    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="eagle", speculative_accept_threshold_acc=0.0),
-     "threshold"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (
+            dict(
+                speculative_algorithm="EAGLE",
+                speculative_draft_model_path="eagle",
+                speculative_num_steps=2,
+                speculative_eagle_topk=2,
+                speculative_num_draft_tokens=9,
+            ),
+            "--speculative-num-draft-tokens",
+        ),
+        (dict(speculative_algorithm="EAGLE"), "--speculative-draft-model-path"),
+        (
+            dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="eagle"),
+            "LlamaForCausalLMEagle3",
+        ),
+        (
+            dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="eagle"),
+            "plain LM",
+        ),
+        (dict(speculative_algorithm="NGRAM", speculative_draft_model_path="eagle"), "NGRAM"),
+        (dict(speculative_algorithm="NGRAM", speculative_num_steps=3), "NGRAM"),
+        (
+            dict(
+                speculative_algorithm="EAGLE3",
+                speculative_draft_model_path="eagle3",
+                speculative_token_map="token_map",
+            ),
+            "FR-Spec",
+        ),
+        (dict(speculative_num_steps=3), "--speculative-algorithm"),
+        (dict(speculative_algorithm="MEDUSA"), "--speculative-algorithm"),
+        (
+            dict(speculative_algorithm="NGRAM", speculative_ngram_max_match_window_size=20),
+            "branch-length",
+        ),
+        (
+            dict(
+                speculative_algorithm="EAGLE",
+                speculative_draft_model_path="eagle",
+                speculative_accept_threshold_acc=0.0,
+            ),
+            "threshold",
+        ),
+    ],
+)
 def test_invalid_speculative_settings_are_refused(models, kwargs, needle):
-    resolved = {k: (models[v] if k in ("speculative_draft_model_path", "speculative_token_map") else v)
-                for k, v in kwargs.items()}
+    resolved = {
+        k: (models[v] if k in ("speculative_draft_model_path", "speculative_token_map") else v)
+        for k, v in kwargs.items()
+    }
     with pytest.raises(ValueError, match=needle):
         Engine(model_path=models["target"], **resolved)
 
@@ -290,25 +456,52 @@ def test_invalid_speculative_settings_are_refused(models, kwargs, needle):
 def test_draft_that_does_not_fit_the_target_is_refused(models, make_model, tmp_path):
     other = make_model("llama", hidden_size=32, intermediate_size=64)
     with pytest.raises(ValueError, match="hidden size"):
-        Engine(model_path=other, speculative_algorithm="EAGLE", speculative_draft_model_path=models["eagle"])
-    short = build_checkpoint(str(tmp_path / "short"), arch="llama", num_layers=1, max_position_embeddings=64)
+        Engine(
+            model_path=other,
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=models["eagle"],
+        )
+    short = build_checkpoint(
+        str(tmp_path / "short"), arch="llama", num_layers=1, max_position_embeddings=64
+    )
     with pytest.raises(ValueError, match="--context-length"):
-        Engine(model_path=models["target"], speculative_algorithm="STANDALONE", speculative_draft_model_path=short)
-    small_vocab = build_checkpoint(str(tmp_path / "vocab"), arch="llama", num_layers=1, vocab_size=256)
+        Engine(
+            model_path=models["target"],
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=short,
+        )
+    small_vocab = build_checkpoint(
+        str(tmp_path / "vocab"), arch="llama", num_layers=1, vocab_size=256
+    )
     with pytest.raises(ValueError, match="vocabulary"):
-        Engine(model_path=models["target"], speculative_algorithm="STANDALONE", speculative_draft_model_path=small_vocab)
+        Engine(
+            model_path=models["target"],
+            speculative_algorithm="STANDALONE",
+            speculative_draft_model_path=small_vocab,
+        )
     with pytest.raises(ValueError, match="draft"):
         Engine(model_path=models["eagle"])
     assert os.path.isdir(models["eagle"])
 
 
 def test_default_tree_shapes_follow_sglang(models):
-    with Engine(model_path=models["target"], speculative_algorithm="EAGLE",
-                speculative_draft_model_path=models["eagle"]) as engine:
+    with Engine(
+        model_path=models["target"],
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=models["eagle"],
+    ) as engine:
         a = engine.args
-        assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (5, 4, 8)
+        assert (
+            a.speculative_num_steps,
+            a.speculative_eagle_topk,
+            a.speculative_num_draft_tokens,
+        ) == (5, 4, 8)
     with Engine(model_path=models["mimo"], speculative_algorithm="EAGLE") as engine:
         a = engine.args
-        assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (3, 1, 4)
+        assert (
+            a.speculative_num_steps,
+            a.speculative_eagle_topk,
+            a.speculative_num_draft_tokens,
+        ) == (3, 1, 4)
     with Engine(model_path=models["target"], speculative_algorithm="NGRAM") as engine:
         assert engine.args.speculative_num_draft_tokens == 12

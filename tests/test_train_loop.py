@@ -30,16 +30,47 @@ def task(make_model, tmp_path_factory):
 
 
 def base_args(model, data, out):
-    return ["--hf-checkpoint", model, "--prompt-data", data, "--input-key", "input", "--label-key", "label",
-            "--rm-type", "tiny", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-            "--rollout-max-response-len", "4", "--num-rollout", "2", "--output-dir", out, "--ray-num-cpus", "2",
-            "--sglang-max-total-tokens", "2048", "--sglang-max-running-requests", "16"]
+    return [
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        data,
+        "--input-key",
+        "input",
+        "--label-key",
+        "label",
+        "--rm-type",
+        "tiny",
+        "--rollout-batch-size",
+        "2",
+        "--n-samples-per-prompt",
+        "4",
+        "--rollout-max-response-len",
+        "4",
+        "--num-rollout",
+        "2",
+        "--output-dir",
+        out,
+        "--ray-num-cpus",
+        "2",
+        "--sglang-max-total-tokens",
+        "2048",
+        "--sglang-max-running-requests",
+        "16",
+    ]
 
 
 def run(argv, code="from scripts.train import main; main(sys.argv[1:])"):
-    proc = subprocess.run([sys.executable, "-c", "import sys; " + code, *argv], capture_output=True, text=True,
-                          timeout=300, env={**{k: v for k, v in os.environ.items() if not k.startswith("MASTER_")},
-                                            "PYTHONPATH": os.getcwd()})
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; " + code, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("MASTER_")},
+            "PYTHONPATH": os.getcwd(),
+        },
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -52,22 +83,59 @@ def metrics(out):
 def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path):
     model, data = task
     out, saved = str(tmp_path / "run"), str(tmp_path / "rollouts" / "r{rollout_id}.pt")
-    proc = run(base_args(model, data, out) + [
-        "--lr", "1e-3", "--enable-mtp-training", "--check-weight-update-equal", "--save-debug-rollout-data", saved,
-        "--colocate", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2", "--ray-num-cpus", "4",
-        "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "2",
-        "--sglang-speculative-eagle-topk", "1", "--sglang-cuda-graph-bs", "1", "2", "4", "8"])
+    proc = run(
+        base_args(model, data, out)
+        + [
+            "--lr",
+            "1e-3",
+            "--enable-mtp-training",
+            "--check-weight-update-equal",
+            "--save-debug-rollout-data",
+            saved,
+            "--colocate",
+            "--tensor-model-parallel-size",
+            "2",
+            "--actor-num-gpus-per-node",
+            "2",
+            "--ray-num-cpus",
+            "4",
+            "--sglang-speculative-algorithm",
+            "EAGLE",
+            "--sglang-speculative-num-steps",
+            "2",
+            "--sglang-speculative-eagle-topk",
+            "1",
+            "--sglang-cuda-graph-bs",
+            "1",
+            "2",
+            "4",
+            "8",
+        ]
+    )
     rows = metrics(out)
-    assert [r["rollout/weight_version"] for r in rows] == [0, 1]  # the weights each rollout was generated with
+    assert [r["rollout/weight_version"] for r in rows] == [
+        0,
+        1,
+    ]  # the weights each rollout was generated with
     for r in rows:
-        for key in ("rollout/raw_reward", "rollout/response_len/mean", "rollout/spec_accept_length", "train/loss",
-                    "train/pg_loss", "train/grad_norm", "train/mtp_loss", "perf/rollout_time",
-                    "perf/actor_train_time", "perf/update_weights_time", "perf/tokens_per_s"):
+        for key in (
+            "rollout/raw_reward",
+            "rollout/response_len/mean",
+            "rollout/spec_accept_length",
+            "train/loss",
+            "train/pg_loss",
+            "train/grad_norm",
+            "train/mtp_loss",
+            "perf/rollout_time",
+            "perf/actor_train_time",
+            "perf/update_weights_time",
+            "perf/tokens_per_s",
+        ):
             assert r[key] is not None, key
         assert abs(r["train/tis"] - 1.0) < 1e-3  # trainer and engine log-probs agree
     assert os.path.exists(saved.format(rollout_id=1))
     # The run explains itself: a closing summary read back from metrics.jsonl, and its plots.
-    summary = proc.stdout[proc.stdout.index("run summary (2 rollouts)"):]
+    summary = proc.stdout[proc.stdout.index("run summary (2 rollouts)") :]
     reward = [r["rollout/raw_reward"] for r in rows]
     accept = [r["rollout/spec_accept_length"] for r in rows]
     assert f"reward:         {reward[0]:.3f} -> {reward[-1]:.3f} (first -> last" in summary
@@ -81,58 +149,124 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
     assert "megatron" not in proc.stderr and "all_gather_into_tensor" not in proc.stderr
     assert "rollout 1/2: reward" in proc.stdout and "rollout 1/2" not in proc.stderr
     replay = str(tmp_path / "replay")
-    run(base_args(model, data, replay) + ["--load-debug-rollout-data", saved, "--lr", "1e-3",
-                                          "--actor-num-gpus-per-node", "2",  # two data-parallel ranks
-                                          "--use-kl-loss", "--kl-loss-coef", "0.01",  # a frozen reference model
-                                          "--advantage-estimator", "reinforce_plus_plus_baseline", "--kl-coef", "0.01"],
+    run(
+        base_args(model, data, replay)
+        + [
+            "--load-debug-rollout-data",
+            saved,
+            "--lr",
+            "1e-3",
+            "--actor-num-gpus-per-node",
+            "2",  # two data-parallel ranks
+            "--use-kl-loss",
+            "--kl-loss-coef",
+            "0.01",  # a frozen reference model
+            "--advantage-estimator",
+            "reinforce_plus_plus_baseline",
+            "--kl-coef",
+            "0.01",
+        ],
     )
     rows = metrics(replay)
-    assert len(rows) == 2 and all(r["train/grad_norm"] > 0 and r["rollout/raw_reward"] is not None for r in rows)
+    assert len(rows) == 2 and all(
+        r["train/grad_norm"] > 0 and r["rollout/raw_reward"] is not None for r in rows
+    )
     assert all(r["train/kl"] is not None and r["train/entropy"] > 0 for r in rows)
-    assert all(r["rollout/weight_version"] == 0 for r in rows)  # no engine was started, nothing pushed
+    assert all(
+        r["rollout/weight_version"] == 0 for r in rows
+    )  # no engine was started, nothing pushed
 
 
 def test_debug_rollout_only_never_imports_megatron(task, tmp_path):
     model, data = task
     out = str(tmp_path / "rollout_only")
-    run(base_args(model, data, out) + ["--debug-rollout-only"],
+    run(
+        base_args(model, data, out) + ["--debug-rollout-only"],
         code="from scripts.train import main; main(sys.argv[1:]); "
-             "assert not [m for m in sys.modules if m.startswith('megatron')], 'megatron was imported'")
+        "assert not [m for m in sys.modules if m.startswith('megatron')], 'megatron was imported'",
+    )
     rows = metrics(out)
     assert len(rows) == 2
-    assert all("rollout/raw_reward" in r and not any(k.startswith("train/") for k in r) for r in rows)
+    assert all(
+        "rollout/raw_reward" in r and not any(k.startswith("train/") for k in r) for r in rows
+    )
 
 
-@pytest.mark.parametrize("flag,needle", [
-    (["--sglang-no-such-flag", "1"], "unknown engine flag --sglang-no-such-flag"),
-    (["--sglang-model-path", "X"], "--sglang-model-path is set by the launcher; use --hf-checkpoint"),
-    (["--sglang-random-seed", "3"], "use --seed"),
-    (["--sglang-speculative-num-step", "3"], "did you mean --sglang-speculative-num-steps"),
-])
+@pytest.mark.parametrize(
+    "flag,needle",
+    [
+        (["--sglang-no-such-flag", "1"], "unknown engine flag --sglang-no-such-flag"),
+        (
+            ["--sglang-model-path", "X"],
+            "--sglang-model-path is set by the launcher; use --hf-checkpoint",
+        ),
+        (["--sglang-random-seed", "3"], "use --seed"),
+        (["--sglang-speculative-num-step", "3"], "did you mean --sglang-speculative-num-steps"),
+    ],
+)
 def test_engine_flags_refused_with_the_right_name(flag, needle, capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args(["--hf-checkpoint", "m", "--rollout-batch-size", "1", "--num-rollout", "1", "--output-dir", "o", *flag])
+        parse_args(
+            [
+                "--hf-checkpoint",
+                "m",
+                "--rollout-batch-size",
+                "1",
+                "--num-rollout",
+                "1",
+                "--output-dir",
+                "o",
+                *flag,
+            ]
+        )
     assert needle in str(e.value)
 
 
 def test_seed_example_engine_flags_are_accepted():
     """Every --sglang-* flag in the slime/SGLang documents this project started from."""
-    args = parse_args(["--hf-checkpoint", "m", "--rollout-batch-size", "1", "--num-rollout", "1", "--output-dir", "o",
-                       "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "3",
-                       "--sglang-speculative-eagle-topk", "1", "--sglang-speculative-num-draft-tokens", "4",
-                       "--sglang-max-running-requests", "32", "--sglang-disable-cuda-graph-padding",
-                       "--sglang-attention-backend", "torch_native",
-                       "--sglang-cuda-graph-bs", *map(str, [*range(1, 33), *range(40, 65, 8), *range(80, 161, 16)])])
+    args = parse_args(
+        [
+            "--hf-checkpoint",
+            "m",
+            "--rollout-batch-size",
+            "1",
+            "--num-rollout",
+            "1",
+            "--output-dir",
+            "o",
+            "--sglang-speculative-algorithm",
+            "EAGLE",
+            "--sglang-speculative-num-steps",
+            "3",
+            "--sglang-speculative-eagle-topk",
+            "1",
+            "--sglang-speculative-num-draft-tokens",
+            "4",
+            "--sglang-max-running-requests",
+            "32",
+            "--sglang-disable-cuda-graph-padding",
+            "--sglang-attention-backend",
+            "torch_native",
+            "--sglang-cuda-graph-bs",
+            *map(str, [*range(1, 33), *range(40, 65, 8), *range(80, 161, 16)]),
+        ]
+    )
     assert args.sglang_speculative_num_steps == 3 and args.sglang_cuda_graph_bs[-1] == 160
     assert args.sglang_disable_cuda_graph_padding and args.sglang_max_running_requests == 32
 
 
-@pytest.mark.parametrize("script,needle", [
-    ("scripts/run-qwen3-8B-eagle3.sh", "speculative_algorithm='EAGLE3'"),
-    ("scripts/run-mimo-7B-rl-mtp.sh", "enable_mtp_training=True"),
-])
+@pytest.mark.parametrize(
+    "script,needle",
+    [
+        ("scripts/run-qwen3-8B-eagle3.sh", "speculative_algorithm='EAGLE3'"),
+        ("scripts/run-mimo-7B-rl-mtp.sh", "enable_mtp_training=True"),
+    ],
+)
 def test_gpu_launchers_pass_flag_checks(script, needle):
-    """The real-model launchers' flags all exist and validate (--dry-run builds every options class)."""
-    proc = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, timeout=120)
+    """The real-model launchers' flags all exist and validate (--dry-run builds every options
+    class)."""
+    proc = subprocess.run(
+        ["bash", script, "--dry-run"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert needle in proc.stdout and "tensor_model_parallel_size=2" in proc.stdout

@@ -53,7 +53,14 @@ def test_request_larger_than_the_kv_pool_is_refused_not_left_hanging(make_model)
     with Engine(model_path=path, random_seed=0, max_total_tokens=64) as small:
         with pytest.raises(ValueError, match="KV cache holds 64"):
             small.generate(input_ids=[5] * 40, sampling_params={"max_new_tokens": 40})
-        assert len(small.generate(input_ids=[5] * 40, sampling_params={"max_new_tokens": 20})["output_ids"]) == 20
+        assert (
+            len(
+                small.generate(input_ids=[5] * 40, sampling_params={"max_new_tokens": 20})[
+                    "output_ids"
+                ]
+            )
+            == 20
+        )
 
 
 def test_stop_strings_need_a_tokenizer(make_model):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specrl.tiny_models import add_mimo_mtp
 from spec_engine import Engine
+from specrl.tiny_models import add_mimo_mtp
 from tests.conftest import random_prompts
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig, buckets
 
@@ -29,8 +29,10 @@ def outputs(engine):
 
 @pytest.fixture(scope="module")
 def mimo_pair(make_model):
-    return (add_mimo_mtp(make_model("qwen2", num_layers=2, seed=21), seed=22),
-            add_mimo_mtp(make_model("qwen2", num_layers=2, seed=23), seed=24))
+    return (
+        add_mimo_mtp(make_model("qwen2", num_layers=2, seed=21), seed=22),
+        add_mimo_mtp(make_model("qwen2", num_layers=2, seed=23), seed=24),
+    )
 
 
 def test_buckets_respect_the_size_and_keep_order():
@@ -50,7 +52,9 @@ def test_push_lands_in_every_engine_with_mtp_layers(mimo_pair, mode, tmp_path):
     engines = [Engine(model_path=old, random_seed=0, **spec) for _ in range(2)]
     try:
         assert outputs(engines[0]) != expected
-        cfg = WeightSyncConfig(update_weight_buffer_size=200_000, weight_sync_mode=mode, check_weight_update_equal=True)
+        cfg = WeightSyncConfig(
+            update_weight_buffer_size=200_000, weight_sync_mode=mode, check_weight_update_equal=True
+        )
         pusher = WeightPusher(engines, cfg, output_dir=str(tmp_path))
         stats = pusher.push(tensors.items(), version="step-1")
         assert stats["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
@@ -79,7 +83,12 @@ class DropsOne:
     def update_weights_from_tensor(self, named_tensors, **kwargs):
         from spec_engine.weights.transport import FlattenedBucket
 
-        pairs = [p for b in named_tensors for p in FlattenedBucket.from_dict(b).unpack() if p[0] != self.name]
+        pairs = [
+            p
+            for b in named_tensors
+            for p in FlattenedBucket.from_dict(b).unpack()
+            if p[0] != self.name
+        ]
         kwargs.pop("load_format")
         return self.engine.update_weights_from_tensor(pairs, **kwargs)
 
@@ -87,14 +96,25 @@ class DropsOne:
 def test_check_weight_update_equal_fails_loudly(mimo_pair):
     old, new = mimo_pair
     name = "model.mtp_layers.0.input_proj.weight"
-    with Engine(model_path=old, random_seed=0, speculative_algorithm="EAGLE", speculative_num_steps=2,
-                speculative_eagle_topk=1) as engine:
-        pusher = WeightPusher([DropsOne(engine, name)], WeightSyncConfig(check_weight_update_equal=True))
-        with pytest.raises(RuntimeError, match="engine 0 holds different values for 1 of .*mtp_layers.0.input_proj"):
+    with Engine(
+        model_path=old,
+        random_seed=0,
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=2,
+        speculative_eagle_topk=1,
+    ) as engine:
+        pusher = WeightPusher(
+            [DropsOne(engine, name)], WeightSyncConfig(check_weight_update_equal=True)
+        )
+        with pytest.raises(
+            RuntimeError, match="engine 0 holds different values for 1 of .*mtp_layers.0.input_proj"
+        ):
             pusher.push(tensors_of(new).items(), version="v1")
         pusher.close()
 
 
 def test_bad_config_is_refused():
-    with pytest.raises(ValueError, match="--weight-sync-mode must be one of tensor, distributed, disk"):
+    with pytest.raises(
+        ValueError, match="--weight-sync-mode must be one of tensor, distributed, disk"
+    ):
         WeightSyncConfig(weight_sync_mode="nccl")

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from specrl.tiny_models import add_mimo_mtp
 from spec_engine import Engine
 from spec_engine.weights.loader import tensor_checksum
 from spec_engine.weights.transport import FlattenedBucket
+from specrl.tiny_models import add_mimo_mtp
 from tests.conftest import random_prompts
 from trainer_bridge.megatron_compat import free_port
 
@@ -36,8 +36,9 @@ def pair(make_model):
 
 @pytest.fixture(scope="module")
 def mimo_pair(make_model):
-    return add_mimo_mtp(make_model("qwen2", num_layers=2, seed=3), seed=4), \
-        add_mimo_mtp(make_model("qwen2", num_layers=2, seed=5), seed=6)
+    return add_mimo_mtp(make_model("qwen2", num_layers=2, seed=3), seed=4), add_mimo_mtp(
+        make_model("qwen2", num_layers=2, seed=5), seed=6
+    )
 
 
 def outputs(engine: Engine, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
@@ -49,10 +50,14 @@ def fresh_outputs(path: str, **kwargs) -> list[list[int]]:
         return outputs(engine)
 
 
-def broadcast_from_trainer(port: int, tensors: dict[str, torch.Tensor], ready: threading.Event) -> None:
+def broadcast_from_trainer(
+    port: int, tensors: dict[str, torch.Tensor], ready: threading.Event
+) -> None:
     """The trainer side: rank 0 of a two-rank gloo group, broadcasting each tensor in order."""
-    store = dist.PrefixStore("weights", dist.TCPStore("127.0.0.1", port, 2, is_master=True,
-                                                       timeout=timedelta(seconds=60)))
+    store = dist.PrefixStore(
+        "weights",
+        dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=60)),
+    )
     group = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=60))
     ready.wait(60)
     for tensor in tensors.values():
@@ -77,27 +82,40 @@ def test_each_update_path_gives_the_new_models_outputs(pair, path_kind):
             result = engine.update_weights_from_tensor(list(tensors.items()), weight_version="v2")
         elif path_kind == "bucket":
             buckets = FlattenedBucket.pack(tensors.items())
-            result = engine.update_weights_from_tensor([b.to_dict() for b in buckets], load_format="flattened_bucket",
-                                                       weight_version="v2")
+            result = engine.update_weights_from_tensor(
+                [b.to_dict() for b in buckets], load_format="flattened_bucket", weight_version="v2"
+            )
         elif path_kind == "ipc":
             result = engine.update_weights_from_tensor(ipc_handles(tensors), weight_version="v2")
         elif path_kind == "distributed":
             port, ready = free_port(), threading.Event()
             trainer = threading.Thread(target=broadcast_from_trainer, args=(port, tensors, ready))
             trainer.start()
-            engine.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="weights", backend="gloo")
+            engine.init_weights_update_group(
+                "127.0.0.1", port, 1, 2, group_name="weights", backend="gloo"
+            )
             # Refused before any broadcast is taken, so the trainer's next ones stay in step.
             with pytest.raises(ValueError, match="unknown dtype 'bogus'"):
-                engine.update_weights_from_distributed(["model.norm.weight", "lm_head.weight"], ["float32", "bogus"],
-                                                       [[64], [512, 64]], group_name="weights")
+                engine.update_weights_from_distributed(
+                    ["model.norm.weight", "lm_head.weight"],
+                    ["float32", "bogus"],
+                    [[64], [512, 64]],
+                    group_name="weights",
+                )
             ready.set()
-            result = engine.update_weights_from_distributed(list(tensors), [str(t.dtype) for t in tensors.values()],
-                                                            [list(t.shape) for t in tensors.values()],
-                                                            group_name="weights", weight_version="v2")
+            result = engine.update_weights_from_distributed(
+                list(tensors),
+                [str(t.dtype) for t in tensors.values()],
+                [list(t.shape) for t in tensors.values()],
+                group_name="weights",
+                weight_version="v2",
+            )
             trainer.join()
         else:
             result = engine.update_weights_from_disk(new, weight_version="v2")
-        assert result["success"] and result["bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
+        assert result["success"] and result["bytes"] == sum(
+            t.numel() * t.element_size() for t in tensors.values()
+        )
         out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o["output_ids"] for o in out] == expected
         assert all(o["meta_info"]["weight_version"] == "v2" for o in out)
@@ -128,16 +146,23 @@ def test_external_draft_is_updated_by_prefix_and_from_disk(pair, tmp_path):
     old, new = pair
     d_old = build_eagle_draft(str(tmp_path / "d_old"), old, version=2, seed=1)
     d_new = build_eagle_draft(str(tmp_path / "d_new"), old, version=2, seed=2)
-    spec = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=d_old, speculative_num_steps=2,
-                speculative_eagle_topk=1)
-    new_draft = {k: v for k, v in checkpoint_tensors(d_new).items() if k.startswith(("fc.", "layers."))}
+    spec = dict(
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=d_old,
+        speculative_num_steps=2,
+        speculative_eagle_topk=1,
+    )
+    new_draft = {
+        k: v for k, v in checkpoint_tensors(d_new).items() if k.startswith(("fc.", "layers."))
+    }
     with Engine(model_path=old, random_seed=0, **spec) as engine:
         engine.update_weights_from_tensor([("draft." + n, t) for n, t in new_draft.items()])
         sums = engine.get_weights_checksum(["draft." + n for n in new_draft])
         assert sums == {"draft." + n: tensor_checksum(t) for n, t in new_draft.items()}
         engine.update_weights_from_disk(d_old, component="draft")
-        assert engine.get_weights_checksum(["draft.fc.weight"])["draft.fc.weight"] == tensor_checksum(
-            checkpoint_tensors(d_old)["fc.weight"])
+        assert engine.get_weights_checksum(["draft.fc.weight"])[
+            "draft.fc.weight"
+        ] == tensor_checksum(checkpoint_tensors(d_old)["fc.weight"])
         with pytest.raises(ValueError, match="unknown weight 'fc.weight'"):
             engine.update_weights_from_tensor([("fc.weight", new_draft["fc.weight"])])
 
@@ -146,8 +171,14 @@ def test_self_draft_survives_ten_release_resume_cycles(pair):
     path = pair[0]
     steps = 3
     params = {**GREEDY, "max_new_tokens": 1 + 3 * (steps + 1)}
-    with Engine(model_path=path, random_seed=0, speculative_algorithm="STANDALONE", speculative_draft_model_path=path,
-                speculative_num_steps=steps, speculative_eagle_topk=1) as engine:
+    with Engine(
+        model_path=path,
+        random_seed=0,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=path,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=1,
+    ) as engine:
         first = engine.generate(input_ids=PROMPTS, sampling_params=params)
         sums = engine.get_weights_checksum()
         for _ in range(10):
@@ -179,7 +210,11 @@ def test_requests_wait_while_memory_is_released(pair):
 
 def run_in_background(engine, params):
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("out", engine.generate(input_ids=PROMPTS, sampling_params=params)))
+    t = threading.Thread(
+        target=lambda: result.setdefault(
+            "out", engine.generate(input_ids=PROMPTS, sampling_params=params)
+        )
+    )
     t.start()
     deadline = time.time() + 30
     while len(engine.scheduler.running) < len(PROMPTS) and time.time() < deadline:
@@ -193,7 +228,9 @@ def test_pause_retract_update_continue_finishes_on_new_weights(pair):
     with Engine(model_path=old, random_seed=0) as engine:
         t, result = run_in_background(engine, params)
         engine.pause_generation(mode="retract")
-        partial = engine._call(lambda: {r.input.rid: list(r.output_ids) for r in engine.scheduler.waiting})
+        partial = engine._call(
+            lambda: {r.input.rid: list(r.output_ids) for r in engine.scheduler.waiting}
+        )
         assert len(partial) == len(PROMPTS) and engine.scheduler.running == []
         engine.update_weights_from_disk(new)
         engine.continue_generation()
@@ -203,9 +240,12 @@ def test_pause_retract_update_continue_finishes_on_new_weights(pair):
     with Engine(model_path=new, random_seed=0) as fresh:
         for prompt, o in zip(PROMPTS, out):
             done = partial[o["meta_info"]["id"]]
-            assert o["output_ids"][:len(done)] == done
-            rest = fresh.generate(input_ids=prompt + done, sampling_params={**GREEDY, "max_new_tokens": 150 - len(done)})
-            assert o["output_ids"][len(done):] == rest["output_ids"]
+            assert o["output_ids"][: len(done)] == done
+            rest = fresh.generate(
+                input_ids=prompt + done,
+                sampling_params={**GREEDY, "max_new_tokens": 150 - len(done)},
+            )
+            assert o["output_ids"][len(done) :] == rest["output_ids"]
 
 
 def test_pause_abort_and_in_place(pair):
@@ -244,13 +284,16 @@ def test_flush_cache_is_refused_while_requests_run(pair):
         assert engine.flush_cache() is True
 
 
-@pytest.mark.parametrize("bad,needle", [
-    ("unknown", "unknown weight 'model.layers.9.mlp.up_proj.weight'"),
-    ("shape", "has shape"),
-    ("dtype", "floating-point"),
-    ("truncated", "truncated bucket"),
-    ("meta", "meta tensor"),
-])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ("unknown", "unknown weight 'model.layers.9.mlp.up_proj.weight'"),
+        ("shape", "has shape"),
+        ("dtype", "floating-point"),
+        ("truncated", "truncated bucket"),
+        ("meta", "meta tensor"),
+    ],
+)
 def test_bad_updates_are_refused_and_change_nothing(pair, bad, needle):
     old, new = pair
     tensors = checkpoint_tensors(new)
@@ -258,7 +301,9 @@ def test_bad_updates_are_refused_and_change_nothing(pair, bad, needle):
         before, sums = outputs(engine), engine.get_weights_checksum()
         items = list(tensors.items())
         if bad == "unknown":
-            items.append(("model.layers.9.mlp.up_proj.weight", tensors["model.layers.0.mlp.up_proj.weight"]))
+            items.append(
+                ("model.layers.9.mlp.up_proj.weight", tensors["model.layers.0.mlp.up_proj.weight"])
+            )
         elif bad == "shape":
             items.append(("model.layers.1.mlp.up_proj.weight", torch.zeros(3, 3)))
         elif bad == "dtype":
@@ -287,36 +332,90 @@ def test_http_weight_and_memory_endpoints(pair):
     expected = fresh_outputs(new)
     with Engine(model_path=old, random_seed=0) as engine:
         client = TestClient(create_app(engine))
-        bad = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": serialize_tensors(
-            [("model.norm.weight", torch.zeros(5))])})
+        bad = client.post(
+            "/update_weights_from_tensor",
+            json={
+                "serialized_named_tensors": serialize_tensors(
+                    [("model.norm.weight", torch.zeros(5))]
+                )
+            },
+        )
         assert bad.status_code == 400 and "model.norm.weight" in bad.json()["error"]["message"]
-        assert client.post("/update_weights_from_tensor", json={"serialized_named_tensors": "%%%"}).status_code == 400
+        assert (
+            client.post(
+                "/update_weights_from_tensor", json={"serialized_named_tensors": "%%%"}
+            ).status_code
+            == 400
+        )
         assert client.post("/update_weights_from_disk", json={}).status_code == 400
         assert client.post("/pause_generation", json={"mode": "sideways"}).status_code == 400
-        for path, body in (("/update_weights_from_disk", {"model_path": "/nonexistent"}),
-                           ("/update_weights_from_disk", {"model_path": 123}),
-                           ("/update_weights_from_tensor", {"serialized_named_tensors": serialize_tensors(5)}),
-                           ("/update_weights_from_tensor", {"serialized_named_tensors": serialize_tensors([torch.ones(2)])}),
-                           ("/update_weights_from_tensor", {"load_format": "flattened_bucket", "serialized_named_tensors":
-                                                            serialize_tensors([{"flattened_tensor": torch.ones(4), "metadata": [
-                                                                {"name": "model.norm.weight", "shape": [-8, -8],
-                                                                 "start_idx": 0, "end_idx": 64}]}])}),
-                           ("/get_weights_checksum", {"names": [["x"]]}), ("/get_weights_checksum", {"names": 5}),
-                           ("/release_memory_occupation", {"tags": 5}),
-                           ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x",
-                                                           "rank_offset": 1, "world_size": 2})):
+        for path, body in (
+            ("/update_weights_from_disk", {"model_path": "/nonexistent"}),
+            ("/update_weights_from_disk", {"model_path": 123}),
+            ("/update_weights_from_tensor", {"serialized_named_tensors": serialize_tensors(5)}),
+            (
+                "/update_weights_from_tensor",
+                {"serialized_named_tensors": serialize_tensors([torch.ones(2)])},
+            ),
+            (
+                "/update_weights_from_tensor",
+                {
+                    "load_format": "flattened_bucket",
+                    "serialized_named_tensors": serialize_tensors(
+                        [
+                            {
+                                "flattened_tensor": torch.ones(4),
+                                "metadata": [
+                                    {
+                                        "name": "model.norm.weight",
+                                        "shape": [-8, -8],
+                                        "start_idx": 0,
+                                        "end_idx": 64,
+                                    }
+                                ],
+                            }
+                        ]
+                    ),
+                },
+            ),
+            ("/get_weights_checksum", {"names": [["x"]]}),
+            ("/get_weights_checksum", {"names": 5}),
+            ("/release_memory_occupation", {"tags": 5}),
+            (
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": "x",
+                    "rank_offset": 1,
+                    "world_size": 2,
+                },
+            ),
+        ):
             r = client.post(path, json=body)
             assert r.status_code == 400, (path, body, r.status_code, r.text)
-        ok = client.post("/update_weights_from_tensor", json={
-            "serialized_named_tensors": serialize_tensors(list(tensors.items())), "weight_version": "v7"})
+        ok = client.post(
+            "/update_weights_from_tensor",
+            json={
+                "serialized_named_tensors": serialize_tensors(list(tensors.items())),
+                "weight_version": "v7",
+            },
+        )
         assert ok.status_code == 200 and ok.json()["weight_version"] == "v7"
         assert outputs(engine) == expected
         sums = client.post("/get_weights_checksum", json={"names": ["model.norm.weight"]}).json()
         assert sums == {"model.norm.weight": tensor_checksum(tensors["model.norm.weight"])}
-        assert client.post("/update_weights_from_disk", json={"model_path": old, "weight_version": "v8"}).status_code == 200
-        for path, body in (("/pause_generation", {"mode": "retract"}), ("/continue_generation", None),
-                           ("/release_memory_occupation", {"tags": ["weights"]}),
-                           ("/resume_memory_occupation", {"tags": ["weights"]})):
+        assert (
+            client.post(
+                "/update_weights_from_disk", json={"model_path": old, "weight_version": "v8"}
+            ).status_code
+            == 200
+        )
+        for path, body in (
+            ("/pause_generation", {"mode": "retract"}),
+            ("/continue_generation", None),
+            ("/release_memory_occupation", {"tags": ["weights"]}),
+            ("/resume_memory_occupation", {"tags": ["weights"]}),
+        ):
             r = client.post(path, json=body) if body is not None else client.post(path)
             assert r.status_code == 200, (path, r.text)
         assert outputs(engine) == fresh_outputs(old)
@@ -339,9 +438,13 @@ def test_checkpoint_buffers_are_accepted_and_tied_conflicts_refused(pair, make_m
         embed = checkpoint_tensors(tied)["model.embed_tokens.weight"]
         sums = engine.get_weights_checksum()
         with pytest.raises(ValueError, match="tied"):
-            engine.update_weights_from_tensor([("model.embed_tokens.weight", embed), ("lm_head.weight", embed + 1)])
+            engine.update_weights_from_tensor(
+                [("model.embed_tokens.weight", embed), ("lm_head.weight", embed + 1)]
+            )
         assert engine.get_weights_checksum() == sums
-        assert engine.update_weights_from_tensor([("model.embed_tokens.weight", embed), ("lm_head.weight", embed)])["success"]
+        assert engine.update_weights_from_tensor(
+            [("model.embed_tokens.weight", embed), ("lm_head.weight", embed)]
+        )["success"]
 
 
 def test_bad_eagle3_id_map_is_refused_before_anything_changes(make_model, tmp_path):
@@ -349,8 +452,12 @@ def test_bad_eagle3_id_map_is_refused_before_anything_changes(make_model, tmp_pa
 
     target = make_model("llama", num_layers=4)
     draft = build_eagle_draft(str(tmp_path / "eagle3"), target, version=3, draft_vocab_size=128)
-    kwargs = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_num_steps=2,
-                  speculative_eagle_topk=1)
+    kwargs = dict(
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=2,
+        speculative_eagle_topk=1,
+    )
     with Engine(model_path=target, random_seed=0, **kwargs) as engine:
         before, sums = outputs(engine), engine.get_weights_checksum()
         d2t = load_file(os.path.join(draft, "model.safetensors"))["d2t"]
@@ -358,8 +465,11 @@ def test_bad_eagle3_id_map_is_refused_before_anything_changes(make_model, tmp_pa
         repeated, outside = d2t.clone(), d2t.clone()
         repeated[1] = repeated[0] - 1  # draft id 1 -> the target token of draft id 0
         outside[-1] = 10_000
-        for bad, needle in ((repeated, "two draft ids"), (outside, "outside the target vocabulary"),
-                            (d2t.bool(), "integer tensor")):
+        for bad, needle in (
+            (repeated, "two draft ids"),
+            (outside, "outside the target vocabulary"),
+            (d2t.bool(), "integer tensor"),
+        ):
             with pytest.raises(ValueError, match=needle):
                 engine.update_weights_from_tensor([("model.norm.weight", norm), ("draft.d2t", bad)])
             assert engine.get_weights_checksum() == sums

@@ -1,4 +1,5 @@
-"""Weight loading: the Hugging Face name map, refusal of bad tensors, derived copies kept in step."""
+"""Weight loading: the Hugging Face name map, refusal of bad tensors, derived copies kept in
+step."""
 
 from __future__ import annotations
 
@@ -42,13 +43,19 @@ def test_derived_copies_follow_weight_changes_including_a_tied_head(make_model):
     copy_weights(model, [("model.layers.1.mlp.up_proj.weight", new_up)])
     mlp = model.model.layers[1].mlp
     with torch.no_grad():
-        fused = mlp.gate_up_proj(x)[:, model.config.intermediate_size:]
+        fused = mlp.gate_up_proj(x)[:, model.config.intermediate_size :]
     assert torch.allclose(fused, x @ new_up.t(), atol=1e-4)
 
 
-@pytest.mark.parametrize("mutation,needle", [
-    ("drop", "missing weights"), ("rename", "unknown weight"), ("reshape", "has shape"), ("int", "floating-point"),
-])
+@pytest.mark.parametrize(
+    "mutation,needle",
+    [
+        ("drop", "missing weights"),
+        ("rename", "unknown weight"),
+        ("reshape", "has shape"),
+        ("int", "floating-point"),
+    ],
+)
 def test_bad_checkpoints_are_refused_by_name(make_model, tmp_path, mutation, needle):
     src = make_model("llama")
     tensors = load_file(os.path.join(src, "model.safetensors"))

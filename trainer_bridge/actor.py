@@ -12,66 +12,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from trainer_bridge import loss as losses
+from trainer_bridge.batch import TrainBatch
 from trainer_bridge.loss import LossConfig
+from trainer_bridge.options import TrainerArgs
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainerArgs:
-    """Trainer options; names follow slime / Megatron-LM."""
-
-    hf_checkpoint: Optional[str] = field(default=None, metadata={"help": "Hugging Face checkpoint the policy starts from (and the engines load)."})
-    lr: float = field(default=1e-6, metadata={"help": "Adam learning rate (constant)."})
-    weight_decay: float = field(default=0.0, metadata={"help": "Adam weight decay."})
-    adam_beta1: float = field(default=0.9, metadata={"help": "Adam beta1."})
-    adam_beta2: float = field(default=0.98, metadata={"help": "Adam beta2."})
-    clip_grad: float = field(default=1.0, metadata={"help": "Gradient clipping by global norm (0 disables)."})
-    micro_batch_size: int = field(default=4, metadata={"help": "Sequences per forward/backward."})
-    global_batch_size: Optional[int] = field(default=None, metadata={"help": "Sequences per optimizer step (default: a whole rollout in one step)."})
-    tensor_model_parallel_size: int = field(default=1, metadata={"help": "Megatron tensor parallel size."})
-    seed: int = field(default=1234, metadata={"help": "Seed of the trainer (megatron's RNG) and, in scripts/train.py, of the engines' sampling."})
-    bf16: bool = field(default=False, metadata={"help": "bfloat16 parameters and activations with float32 master weights in the optimizer (Megatron's mixed precision)."})
-    enable_mtp_training: bool = field(default=False, metadata={"help": "Train the MTP layers online with the policy (their own loss; the trunk gets no gradient from it)."})
-    mtp_loss_scaling_factor: float = field(default=0.2, metadata={"help": "Weight of the MTP loss."})
-
-    def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "tensor_model_parallel_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.global_batch_size is not None and self.global_batch_size <= 0:
-            raise ValueError(f"--global-batch-size must be positive, got {self.global_batch_size}")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-
-
-@dataclass
-class TrainBatch:
-    """Sequences of one rollout, in group order (n samples per prompt next to each other)."""
-
-    tokens: list[list[int]]              # prompt + response
-    response_lengths: list[int]
-    rewards: list[float]
-    loss_masks: Optional[list[list[int]]] = None         # per response token (default all 1)
-    rollout_log_probs: Optional[list[list[float]]] = None  # per response token, from the engine
-    n_samples_per_prompt: int = 1
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def select(self, rows: Sequence[int]) -> "TrainBatch":
-        pick = lambda xs: None if xs is None else [xs[i] for i in rows]  # noqa: E731
-        return TrainBatch([self.tokens[i] for i in rows], [self.response_lengths[i] for i in rows],
-                          [self.rewards[i] for i in rows], pick(self.loss_masks), pick(self.rollout_log_probs),
-                          self.n_samples_per_prompt)
 
 
 class TrainActor:
@@ -79,9 +32,16 @@ class TrainActor:
     (trainer_bridge.actor_group.TrainGroup) every rank gets the same batch: tensor-parallel ranks
     split the model, data-parallel ranks take their share of the sequences."""
 
-    def __init__(self, args: TrainerArgs, loss_cfg: Optional[LossConfig] = None, temperature: float = 1.0,
-                 rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
-                 master_port: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        args: TrainerArgs,
+        loss_cfg: Optional[LossConfig] = None,
+        temperature: float = 1.0,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: Optional[int] = None,
+    ) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -90,46 +50,81 @@ class TrainActor:
         from trainer_bridge.model_provider import build_gpt_model, read_model_config
 
         if args.hf_checkpoint is None:
-            raise ValueError("--hf-checkpoint is required: the Hugging Face checkpoint the policy starts from")
+            raise ValueError(
+                "--hf-checkpoint is required: the Hugging Face checkpoint the policy starts from"
+            )
         if args.bf16 and not torch.cuda.is_available():
-            raise ValueError("--bf16 needs CUDA (megatron's mixed-precision optimizer only wraps CUDA tensors); "
-                             "train in float32 on CPU")
+            raise ValueError(
+                "--bf16 needs CUDA (megatron's mixed-precision optimizer only wraps CUDA tensors); "
+                "train in float32 on CPU"
+            )
         self.args, self.loss_cfg, self.temperature = args, loss_cfg or LossConfig(), temperature
         self.arch = read_model_config(args.hf_checkpoint)
         if args.enable_mtp_training and not self.arch.num_mtp_layers:
-            raise ValueError(f"--enable-mtp-training needs a model with MTP layers; {args.hf_checkpoint} "
-                             f"({self.arch.architecture}) has none")
+            raise ValueError(
+                f"--enable-mtp-training needs a model with MTP layers; {args.hf_checkpoint} "
+                f"({self.arch.architecture}) has none"
+            )
         if world_size % args.tensor_model_parallel_size:
-            raise ValueError(f"{world_size} trainer ranks are not a multiple of --tensor-model-parallel-size "
-                             f"{args.tensor_model_parallel_size}")
+            raise ValueError(
+                f"{world_size} trainer ranks are not a multiple of --tensor-model-parallel-size "
+                f"{args.tensor_model_parallel_size}"
+            )
         # Alone: a fresh port, since an inherited MASTER_PORT may belong to a group that is gone.
-        init_model_parallel(args.tensor_model_parallel_size, rank=rank, world_size=world_size, seed=args.seed,
-                            master_addr=master_addr, master_port=master_port or free_port())
+        init_model_parallel(
+            args.tensor_model_parallel_size,
+            rank=rank,
+            world_size=world_size,
+            seed=args.seed,
+            master_addr=master_addr,
+            master_port=master_port or free_port(),
+        )
         self.rank, self.world_size = rank, world_size
         self.dp_size = world_size // args.tensor_model_parallel_size
         if args.global_batch_size is not None and args.global_batch_size % self.dp_size:
-            raise ValueError(f"--global-batch-size {args.global_batch_size} does not split over {self.dp_size} "
-                             "data-parallel trainer ranks; make it a multiple")
-        self.dp_rank = rank // args.tensor_model_parallel_size  # megatron's default order: TP ranks adjacent
+            raise ValueError(
+                f"--global-batch-size {args.global_batch_size} does not split over {self.dp_size} "
+                "data-parallel trainer ranks; make it a multiple"
+            )
+        self.dp_rank = (
+            rank // args.tensor_model_parallel_size
+        )  # megatron's default order: TP ranks adjacent
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         model = build_gpt_model(args.hf_checkpoint, params_dtype=dtype)
         load_hf_weights(model, args.hf_checkpoint)
         if self.arch.num_mtp_layers and not args.enable_mtp_training:
             model.mtp.requires_grad_(False)  # a frozen draft: pushed unchanged every step
         elif self.arch.num_mtp_layers > 1:
-            # Only the first MTP layer drafts (and gets a loss); the others must not decay under weight decay.
+            # Only the first MTP layer drafts (and gets a loss); the others must not decay under
+            # weight decay.
             for layer in model.mtp.layers[1:]:
                 layer.requires_grad_(False)
-        self.model = DistributedDataParallel(config=model.config, module=model,
-                                             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=args.lr, min_lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2, clip_grad=args.clip_grad, bf16=args.bf16, params_dtype=dtype), [self.model])
+        self.model = DistributedDataParallel(
+            config=model.config,
+            module=model,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=args.lr,
+                min_lr=args.lr,
+                weight_decay=args.weight_decay,
+                adam_beta1=args.adam_beta1,
+                adam_beta2=args.adam_beta2,
+                clip_grad=args.clip_grad,
+                bf16=args.bf16,
+                params_dtype=dtype,
+            ),
+            [self.model],
+        )
         self.gpt = model
         self.ref = None
         if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
             # The reference policy for the KL term: the starting checkpoint, frozen.
-            self.ref = build_gpt_model(args.hf_checkpoint, params_dtype=dtype).eval().requires_grad_(False)
+            self.ref = (
+                build_gpt_model(args.hf_checkpoint, params_dtype=dtype).eval().requires_grad_(False)
+            )
             load_mcore_state_dict(self.ref, model.state_dict())
         self.step = 0
         self._pusher: Optional[WeightPusher] = None
@@ -144,7 +139,8 @@ class TrainActor:
     @contextlib.contextmanager
     def _without_mtp(self, model: Any) -> Iterator[None]:
         """Megatron's GPTModel runs its MTP block (and needs labels) inside forward; the policy's
-        logits do not depend on it, and the MTP loss is computed separately (with a detached trunk)."""
+        logits do not depend on it, and the MTP loss is computed separately (with a detached
+        trunk)."""
         saved = (model.mtp_process, model.config.mtp_num_layers)
         model.mtp_process, model.config.mtp_num_layers = False, None
         try:
@@ -164,26 +160,39 @@ class TrainActor:
                 logits = run(tokens, positions, None, runtime_gather_output=True)
         finally:
             hook.remove()
-        return logits[..., :self.arch.vocab_size], captured[0]
+        return logits[..., : self.arch.vocab_size], captured[0]
 
     def _mtp_loss(self, tokens: Tensor, hidden: Tensor, mask: Tensor) -> Tensor:
         """Cross-entropy of MTP layer 1 predicting token t + 2 at position t, on a detached trunk:
         the embedding it reads, the hidden states it extends and the output head are constants."""
         gpt = self.gpt
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        embed = lambda input_ids, position_ids: gpt.embedding(input_ids=input_ids, position_ids=position_ids).detach()  # noqa: E731
+
+        def embed(input_ids: Tensor, position_ids: Tensor) -> Tensor:
+            return gpt.embedding(input_ids=input_ids, position_ids=position_ids).detach()
+
         rotary = gpt.rotary_pos_emb(tokens.shape[1])
-        out = gpt.mtp(input_ids=tokens, position_ids=positions, hidden_states=hidden.detach(), attention_mask=None,
-                      rotary_pos_emb=rotary, embedding=embed)
+        out = gpt.mtp(
+            input_ids=tokens,
+            position_ids=positions,
+            hidden_states=hidden.detach(),
+            attention_mask=None,
+            rotary_pos_emb=rotary,
+            embedding=embed,
+        )
         mtp_hidden = torch.chunk(out, 1 + gpt.config.mtp_num_layers, dim=0)[1]
-        weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
-                  else gpt.output_layer.weight).detach()
+        weight = (
+            gpt.shared_embedding_or_output_weight()
+            if gpt.share_embeddings_and_output_weights
+            else gpt.output_layer.weight
+        ).detach()
         logits, _ = gpt.output_layer(mtp_hidden, weight=weight, runtime_gather_output=True)
-        logits = logits.transpose(0, 1)[:, :-2, :self.arch.vocab_size].float()
+        logits = logits.transpose(0, 1)[:, :-2, : self.arch.vocab_size].float()
         target = tokens[:, 2:]
         m = mask[:, 1:].float()  # position t + 1 predicted at t: a response token
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                               reduction="none").view_as(target)
+        ce = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+        ).view_as(target)
         return (ce * m).sum() / m.sum().clamp(min=1)
 
     def _pad(self, batch: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
@@ -194,11 +203,13 @@ class TrainActor:
         mask = torch.zeros(len(batch), width - 1)
         rollout = torch.zeros(len(batch), width - 1)
         for i, (seq, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
-            tokens[i, :len(seq)] = torch.tensor(seq)
+            tokens[i, : len(seq)] = torch.tensor(seq)
             start = len(seq) - n - 1
-            mask[i, start:start + n] = torch.tensor(batch.loss_masks[i], dtype=torch.float) if batch.loss_masks else 1.0
+            mask[i, start : start + n] = (
+                torch.tensor(batch.loss_masks[i], dtype=torch.float) if batch.loss_masks else 1.0
+            )
             if batch.rollout_log_probs is not None:
-                rollout[i, start:start + n] = torch.tensor(batch.rollout_log_probs[i])
+                rollout[i, start : start + n] = torch.tensor(batch.rollout_log_probs[i])
         return tokens, mask, rollout
 
     @torch.no_grad()
@@ -213,7 +224,7 @@ class TrainActor:
             logits, _ = self._forward(tokens, reference)
             logp = losses.token_log_probs(logits[:, :-1], tokens[:, 1:], self.temperature)
             for i, (seq, n) in enumerate(zip(part.tokens, part.response_lengths)):
-                out.append(logp[i, len(seq) - n - 1:len(seq) - 1].tolist())
+                out.append(logp[i, len(seq) - n - 1 : len(seq) - 1].tolist())
         return out
 
     # ---------------------------------------------------------------- train
@@ -224,31 +235,55 @@ class TrainActor:
         start = time.perf_counter()
         tokens, mask, rollout = self._pad(batch)
         share, rows = self._dp_share(batch)
-        # The KL-shaped advantages of --kl-coef need every sequence's log-probs, not this rank's share.
+        # The KL-shaped advantages of --kl-coef need every sequence's log-probs, not this rank's
+        # share.
         scored = batch if self.loss_cfg.kl_coef else share
         old_logp = self._logp_matrix(scored, mask.shape[1])
-        ref_logp = self._logp_matrix(scored, mask.shape[1], reference=True) if self.ref is not None else None
+        ref_logp = (
+            self._logp_matrix(scored, mask.shape[1], reference=True)
+            if self.ref is not None
+            else None
+        )
         kl = None
         if self.loss_cfg.kl_coef:
             kl = losses.kl_penalty(old_logp, ref_logp, self.loss_cfg.kl_loss_type)
             old_logp, ref_logp = old_logp[rows], ref_logp[rows]
         # Advantages need whole groups: computed on the full batch, then this rank takes its rows.
-        advantages = losses.compute_advantages(torch.tensor(batch.rewards), mask, self.loss_cfg,
-                                               batch.n_samples_per_prompt, kl=kl)
+        advantages = losses.compute_advantages(
+            torch.tensor(batch.rewards), mask, self.loss_cfg, batch.n_samples_per_prompt, kl=kl
+        )
         batch = share
-        tokens, mask, rollout, advantages = tokens[rows], mask[rows], rollout[rows], advantages[rows]
+        tokens, mask, rollout, advantages = (
+            tokens[rows],
+            mask[rows],
+            rollout[rows],
+            advantages[rows],
+        )
         has_rollout = batch.rollout_log_probs is not None
 
-        def rl_loss(sl: slice, logits: Tensor, normalizer: Optional[Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-            logp, entropy = losses.log_probs_and_entropy(logits[:, :-1], tokens[sl, 1:], self.temperature)
+        def rl_loss(
+            sl: slice, logits: Tensor, normalizer: Optional[Tensor]
+        ) -> tuple[Tensor, dict[str, Tensor]]:
+            logp, entropy = losses.log_probs_and_entropy(
+                logits[:, :-1], tokens[sl, 1:], self.temperature
+            )
             if not self.loss_cfg.entropy_coef:
                 entropy = entropy.detach()  # logged as train/entropy only
-            return losses.policy_loss(logp, old_logp[sl], advantages[sl], mask[sl], self.loss_cfg,
-                                      ref_logp=None if ref_logp is None else ref_logp[sl],
-                                      rollout_logp=rollout[sl] if has_rollout else None, entropy=entropy,
-                                      normalizer=normalizer)
+            return losses.policy_loss(
+                logp,
+                old_logp[sl],
+                advantages[sl],
+                mask[sl],
+                self.loss_cfg,
+                ref_logp=None if ref_logp is None else ref_logp[sl],
+                rollout_logp=rollout[sl] if has_rollout else None,
+                entropy=entropy,
+                normalizer=normalizer,
+            )
 
-        return self._train_steps(tokens, mask, rl_loss, start, per_token=self.loss_cfg.loss_agg_mode == "token-mean")
+        return self._train_steps(
+            tokens, mask, rl_loss, start, per_token=self.loss_cfg.loss_agg_mode == "token-mean"
+        )
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
         """Supervised steps: mean cross-entropy of the response tokens (plus the MTP loss when
@@ -257,7 +292,9 @@ class TrainActor:
         batch, _ = self._dp_share(batch)
         tokens, mask, _ = self._pad(batch)
 
-        def sft_loss(sl: slice, logits: Tensor, normalizer: Optional[Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        def sft_loss(
+            sl: slice, logits: Tensor, normalizer: Optional[Tensor]
+        ) -> tuple[Tensor, dict[str, Tensor]]:
             logp = losses.token_log_probs(logits[:, :-1], tokens[sl, 1:])
             loss = -(logp * mask[sl]).sum() / normalizer
             return loss, {"loss": loss.detach()}
@@ -265,11 +302,13 @@ class TrainActor:
         return self._train_steps(tokens, mask, sft_loss, start, per_token=True)
 
     def _logp_matrix(self, batch: TrainBatch, width: int, reference: bool = False) -> Tensor:
-        """compute_log_probs laid out like _pad's mask ([len(batch), width]; position t scores token t + 1)."""
+        """compute_log_probs laid out like _pad's mask ([len(batch), width]; position t scores
+        token t + 1)."""
         out = torch.zeros(len(batch), width)
-        for i, (seq, n, lp) in enumerate(zip(batch.tokens, batch.response_lengths,
-                                             self.compute_log_probs(batch, reference))):
-            out[i, len(seq) - n - 1:len(seq) - 1] = torch.tensor(lp)
+        for i, (seq, n, lp) in enumerate(
+            zip(batch.tokens, batch.response_lengths, self.compute_log_probs(batch, reference))
+        ):
+            out[i, len(seq) - n - 1 : len(seq) - 1] = torch.tensor(lp)
         return out
 
     def _dp_share(self, batch: TrainBatch) -> tuple[TrainBatch, list[int]]:
@@ -277,20 +316,29 @@ class TrainActor:
         if self.dp_size == 1:
             return batch, list(range(len(batch)))
         if len(batch) % self.dp_size:
-            raise ValueError(f"a batch of {len(batch)} sequences does not split over {self.dp_size} data-parallel "
-                             "trainer ranks; make rollout-batch-size x n-samples-per-prompt a multiple of it")
+            raise ValueError(
+                f"a batch of {len(batch)} sequences does not split over {self.dp_size} "
+                "data-parallel "
+                "trainer ranks; make rollout-batch-size x n-samples-per-prompt a multiple of it"
+            )
         per = len(batch) // self.dp_size
         rows = list(range(self.dp_rank * per, (self.dp_rank + 1) * per))
         return batch.select(rows), rows
 
-    def _train_steps(self, tokens: Tensor, mask: Tensor, loss_fn, start: float, per_token: bool) -> dict[str, float]:
+    def _train_steps(
+        self, tokens: Tensor, mask: Tensor, loss_fn, start: float, per_token: bool
+    ) -> dict[str, float]:
         """Optimizer steps over global batches; returns slime's train/ metrics (means over steps).
 
         `loss_fn(rows, logits, normalizer)`: with `per_token` the loss is a sum over tokens divided
         by `normalizer` (the step's token count over all data-parallel ranks / dp size, so DDP's
         averaging gives the global token mean); otherwise a mean over the micro batch's sequences
         (normalizer None), weighted here by the micro batch's share of the step."""
-        step_size = self.args.global_batch_size // self.dp_size if self.args.global_batch_size else tokens.shape[0]
+        step_size = (
+            self.args.global_batch_size // self.dp_size
+            if self.args.global_batch_size
+            else tokens.shape[0]
+        )
         totals: dict[str, list[float]] = {}
         self.model.train()
         for first in range(0, tokens.shape[0], step_size):
@@ -298,12 +346,16 @@ class TrainActor:
             for k, v in self._optimizer_step(tokens, mask, rows, loss_fn, per_token).items():
                 totals.setdefault(k, []).append(v)
         result = {f"train/{k}": sum(v) / len(v) for k, v in totals.items()}
-        if "train/entropy_loss" in result:  # the documented metric key (docs/design.md); slime names it entropy_loss
+        if (
+            "train/entropy_loss" in result
+        ):  # the documented metric key (docs/design.md); slime names it entropy_loss
             result["train/entropy"] = result["train/entropy_loss"]
         result["perf/actor_train_time"] = time.perf_counter() - start
         return result
 
-    def _optimizer_step(self, tokens: Tensor, mask: Tensor, rows: slice, loss_fn, per_token: bool) -> dict[str, float]:
+    def _optimizer_step(
+        self, tokens: Tensor, mask: Tensor, rows: slice, loss_fn, per_token: bool
+    ) -> dict[str, float]:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         n, mbs = rows.stop - rows.start, self.args.micro_batch_size
@@ -331,7 +383,10 @@ class TrainActor:
         sums = self._dp_mean(sums)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
-            raise RuntimeError(f"optimizer step {self.step} failed (grad norm {grad_norm}); lower --lr or check the batch")
+            raise RuntimeError(
+                f"optimizer step {self.step} failed (grad norm {grad_norm}); lower --lr or check "
+                "the batch"
+            )
         self.step += 1
         sums["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return sums
@@ -353,9 +408,15 @@ class TrainActor:
 
     # ---------------------------------------------------------------- export
 
-    def push_weights(self, engines: Sequence[Any], cfg: WeightSyncConfig, version: str,
-                     output_dir: Optional[str] = None) -> dict[str, float]:
-        """Push the policy (and MTP layers) into the engines as weight `version` (see weight_sync)."""
+    def push_weights(
+        self,
+        engines: Sequence[Any],
+        cfg: WeightSyncConfig,
+        version: str,
+        output_dir: Optional[str] = None,
+    ) -> dict[str, float]:
+        """Push the policy (and MTP layers) into the engines as weight `version` (see
+        weight_sync)."""
         if self.rank != 0:
             self._join_gathers()
             return {}
@@ -368,7 +429,9 @@ class TrainActor:
         try:
             return self._pusher.push(tensors, version)
         finally:
-            for _ in tensors:  # after a failure, the other TP ranks are still gathering: finish with them
+            for _ in (
+                tensors
+            ):  # after a failure, the other TP ranks are still gathering: finish with them
                 pass
 
     def _join_gathers(self) -> None:
@@ -385,7 +448,8 @@ class TrainActor:
         return mcore_to_hf_tensors(self.gpt, self.arch)
 
     def save_hf(self, path: str) -> None:
-        """A normal Hugging Face directory (config and tokenizer files copied from --hf-checkpoint)."""
+        """A normal Hugging Face directory (config and tokenizer files copied from
+        --hf-checkpoint)."""
         from trainer_bridge.convert import save_hf_checkpoint
 
         if self.rank != 0:

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from trainer_bridge.actor import TrainActor, TrainBatch, TrainerArgs
+from trainer_bridge.actor import TrainActor
+from trainer_bridge.batch import TrainBatch
 from trainer_bridge.loss import LossConfig
+from trainer_bridge.options import TrainerArgs
 from trainer_bridge.weight_sync import WeightSyncConfig
 
 

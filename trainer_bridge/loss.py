@@ -35,7 +35,8 @@ def _upcast(x: Tensor) -> Tensor:
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
-    """A dataclass field carrying its CLI help (and optional `choices`, or `flag` for a --disable-x)."""
+    """A dataclass field carrying its CLI help (and optional `choices`, or `flag` for a
+    --disable-x)."""
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -43,23 +44,56 @@ def _opt(default: Any, help: str, **meta: Any) -> Any:
 class LossConfig:
     """Policy-loss options; names and defaults are slime's."""
 
-    advantage_estimator: str = _opt("grpo", "How advantages are computed (gspo also switches the loss to sequence-level ratios).", choices=ADVANTAGE_ESTIMATORS)
-    rewards_normalization: bool = _opt(True, "Turn off subtracting the group mean from rewards (on by default for grpo, gspo, reinforce_plus_plus_baseline).", flag="--disable-rewards-normalization")
-    grpo_std_normalization: bool = _opt(True, "Turn off dividing group-centred rewards by the group std (grpo/gspo), as Dr.GRPO does.", flag="--disable-grpo-std-normalization")
-    normalize_advantages: bool = _opt(False, "Whiten token advantages over the batch (masked mean 0, std 1).")
+    advantage_estimator: str = _opt(
+        "grpo",
+        "How advantages are computed (gspo also switches the loss to sequence-level ratios).",
+        choices=ADVANTAGE_ESTIMATORS,
+    )
+    rewards_normalization: bool = _opt(
+        True,
+        "Turn off subtracting the group mean from rewards (on by default for grpo, gspo, "
+        "reinforce_plus_plus_baseline).",
+        flag="--disable-rewards-normalization",
+    )
+    grpo_std_normalization: bool = _opt(
+        True,
+        "Turn off dividing group-centred rewards by the group std (grpo/gspo), as Dr.GRPO does.",
+        flag="--disable-grpo-std-normalization",
+    )
+    normalize_advantages: bool = _opt(
+        False, "Whiten token advantages over the batch (masked mean 0, std 1)."
+    )
     eps_clip: float = _opt(0.2, "PPO clip range: ratios below 1 - eps_clip are clipped.")
-    eps_clip_high: float | None = _opt(None, "PPO upper clip range (ratios above 1 + eps_clip_high are clipped); default eps_clip.")
-    eps_clip_c: float | None = _opt(None, "Dual-clip PPO bound (> 1): caps the loss of negative-advantage tokens at -c * A.")
-    kl_coef: float = _opt(0.0, "KL penalty folded into token advantages (reinforce_plus_plus_baseline only).")
+    eps_clip_high: float | None = _opt(
+        None, "PPO upper clip range (ratios above 1 + eps_clip_high are clipped); default eps_clip."
+    )
+    eps_clip_c: float | None = _opt(
+        None, "Dual-clip PPO bound (> 1): caps the loss of negative-advantage tokens at -c * A."
+    )
+    kl_coef: float = _opt(
+        0.0, "KL penalty folded into token advantages (reinforce_plus_plus_baseline only)."
+    )
     use_kl_loss: bool = _opt(False, "Add kl_loss_coef * KL(policy || reference) to the loss.")
     kl_loss_coef: float = _opt(0.0, "Weight of the KL loss term.")
-    kl_loss_type: str = _opt("k1", "KL estimator over r = logp - ref_logp: k1 r, k2 r^2/2, k3 exp(-r) + r - 1, low_var_kl k3 clamped to [-10, 10].", choices=KL_LOSS_TYPES)
+    kl_loss_type: str = _opt(
+        "k1",
+        "KL estimator over r = logp - ref_logp: k1 r, k2 r^2/2, k3 exp(-r) + r - 1, low_var_kl k3 "
+        "clamped to [-10, 10].",
+        choices=KL_LOSS_TYPES,
+    )
     entropy_coef: float = _opt(0.0, "Entropy bonus weight: loss -= entropy_coef * entropy.")
-    use_tis: bool = _opt(False, "Multiply the policy loss by truncated importance weights exp(old_logp - rollout_logp).")
+    use_tis: bool = _opt(
+        False,
+        "Multiply the policy loss by truncated importance weights exp(old_logp - rollout_logp).",
+    )
     tis_clip: float = _opt(2.0, "Upper cap C of the TIS weights.")
     tis_clip_low: float = _opt(0.0, "Lower cap of the TIS weights.")
-    calculate_per_token_loss: bool = _opt(False, "Average the loss over all tokens of the batch (same as --loss-agg-mode token-mean).")
-    loss_agg_mode: str = _opt("seq-mean-token-mean", "How per-token losses become one number.", choices=LOSS_AGG_MODES)
+    calculate_per_token_loss: bool = _opt(
+        False, "Average the loss over all tokens of the batch (same as --loss-agg-mode token-mean)."
+    )
+    loss_agg_mode: str = _opt(
+        "seq-mean-token-mean", "How per-token losses become one number.", choices=LOSS_AGG_MODES
+    )
 
     def __post_init__(self) -> None:
         _check_choice("advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
@@ -67,18 +101,27 @@ class LossConfig:
         _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         if self.calculate_per_token_loss:
             if self.loss_agg_mode not in ("token-mean", "seq-mean-token-mean"):
-                raise ValueError(f"--calculate-per-token-loss means --loss-agg-mode token-mean; got --loss-agg-mode {self.loss_agg_mode}")
+                raise ValueError(
+                    "--calculate-per-token-loss means --loss-agg-mode token-mean; got "
+                    f"--loss-agg-mode {self.loss_agg_mode}"
+                )
             self.loss_agg_mode = "token-mean"
         for name in ("eps_clip", "eps_clip_high", "tis_clip_low"):
             if (getattr(self, name) or 0.0) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}"
+                )
         if self.eps_clip_c is not None and self.eps_clip_c <= 1.0:
             raise ValueError(f"--eps-clip-c must be > 1 for dual-clip PPO, got {self.eps_clip_c}")
         if self.tis_clip < self.tis_clip_low:
-            raise ValueError(f"--tis-clip ({self.tis_clip}) must be >= --tis-clip-low ({self.tis_clip_low})")
+            raise ValueError(
+                f"--tis-clip ({self.tis_clip}) must be >= --tis-clip-low ({self.tis_clip_low})"
+            )
         if self.kl_coef != 0.0 and self.advantage_estimator != "reinforce_plus_plus_baseline":
-            raise ValueError(f"--kl-coef {self.kl_coef} only shapes reinforce_plus_plus_baseline advantages; "
-                             f"for {self.advantage_estimator} use --use-kl-loss --kl-loss-coef")
+            raise ValueError(
+                f"--kl-coef {self.kl_coef} only shapes reinforce_plus_plus_baseline advantages; "
+                f"for {self.advantage_estimator} use --use-kl-loss --kl-loss-coef"
+            )
 
     @property
     def clip_high(self) -> float:
@@ -91,7 +134,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(namespace: argparse.Namespace) -> LossConfig:
-    """Build a LossConfig from flags added by `add_cli_args` (fields absent from the namespace keep defaults)."""
+    """Build a LossConfig from flags added by `add_cli_args` (fields absent from the namespace keep
+    defaults)."""
     return dataclass_from_args(LossConfig, namespace)
 
 
@@ -99,7 +143,8 @@ def from_args(namespace: argparse.Namespace) -> LossConfig:
 
 
 def token_log_probs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """log_softmax(logits / temperature) at `tokens`, in at least float32; logits `[..., V]`, tokens `[...]`."""
+    """log_softmax(logits / temperature) at `tokens`, in at least float32; logits `[..., V]`,
+    tokens `[...]`."""
     logits = _upcast(logits) / temperature
     picked = logits.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
@@ -110,7 +155,9 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return _entropy(torch.log_softmax(_upcast(logits) / temperature, dim=-1))
 
 
-def log_probs_and_entropy(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+def log_probs_and_entropy(
+    logits: Tensor, tokens: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """token_log_probs and entropy_from_logits from one log_softmax over the vocabulary."""
     logp = torch.log_softmax(_upcast(logits) / temperature, dim=-1)
     return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1), _entropy(logp)
@@ -125,10 +172,16 @@ def _entropy(logp: Tensor) -> Tensor:
 # ---------------------------------------------------------------- advantages
 
 
-def group_advantages(rewards: Tensor, n_samples_per_prompt: int, std_normalization: bool = True, eps: float = 1e-6) -> Tensor:
-    """(r - group mean) / (group std + eps) for rewards laid out group after group; std is unbiased."""
+def group_advantages(
+    rewards: Tensor, n_samples_per_prompt: int, std_normalization: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """(r - group mean) / (group std + eps) for rewards laid out group after group; std is
+    unbiased."""
     if n_samples_per_prompt < 1 or rewards.numel() % n_samples_per_prompt:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of n_samples_per_prompt={n_samples_per_prompt}")
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of "
+            f"n_samples_per_prompt={n_samples_per_prompt}"
+        )
     groups = rewards.float().reshape(-1, n_samples_per_prompt)
     centred = groups - groups.mean(-1, keepdim=True)
     # A single-sample group has no spread (its unbiased std is NaN); its advantage is already 0.
@@ -146,7 +199,13 @@ def masked_whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return torch.where(mask, (values - mean) * torch.rsqrt(var + eps), 0.0)
 
 
-def compute_advantages(rewards: Tensor, loss_mask: Tensor, cfg: LossConfig, n_samples_per_prompt: int, kl: Tensor | None = None) -> Tensor:
+def compute_advantages(
+    rewards: Tensor,
+    loss_mask: Tensor,
+    cfg: LossConfig,
+    n_samples_per_prompt: int,
+    kl: Tensor | None = None,
+) -> Tensor:
     """Per-token advantages `[batch, T]` from per-sample rewards `[batch]` (zero on masked tokens).
 
     `kl` (per token, e.g. `kl_penalty(old_logp, ref_logp, cfg.kl_loss_type)`) is needed when
@@ -170,7 +229,8 @@ def compute_advantages(rewards: Tensor, loss_mask: Tensor, cfg: LossConfig, n_sa
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kl_type: str) -> Tensor:
-    """Per-token estimate of KL(policy || reference) from sampled-token log-probs (Schulman's k1/k2/k3)."""
+    """Per-token estimate of KL(policy || reference) from sampled-token log-probs (Schulman's
+    k1/k2/k3)."""
     log_ratio = _upcast(logp) - _upcast(ref_logp)
     if kl_type == "k1":
         return log_ratio
@@ -182,9 +242,15 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kl_type: str) -> Tensor:
     raise ValueError(f"unknown kl_loss_type {kl_type!r}; valid: {', '.join(KL_LOSS_TYPES)}")
 
 
-def ppo_clip_loss(log_ratio: Tensor, advantages: Tensor, eps_clip: float, eps_clip_high: float | None = None,
-                  eps_clip_c: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token clipped surrogate loss, where the clip was active, and where the dual clip was active."""
+def ppo_clip_loss(
+    log_ratio: Tensor,
+    advantages: Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token clipped surrogate loss, where the clip was active, and where the dual clip was
+    active."""
     high = eps_clip if eps_clip_high is None else eps_clip_high
     ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     loss1 = -advantages * ratio
@@ -198,7 +264,9 @@ def ppo_clip_loss(log_ratio: Tensor, advantages: Tensor, eps_clip: float, eps_cl
     return torch.where(dual, loss3, losses), clipped, dual.to(losses.dtype)
 
 
-def aggregate(values: Tensor, loss_mask: Tensor, mode: str, normalizer: float | Tensor | None = None) -> Tensor:
+def aggregate(
+    values: Tensor, loss_mask: Tensor, mode: str, normalizer: float | Tensor | None = None
+) -> Tensor:
     """Reduce per-token `values` `[batch, T]` to a scalar.
 
     token-mean: sum over unmasked tokens / their count; seq-mean-token-mean: mean over each
@@ -220,15 +288,25 @@ def aggregate(values: Tensor, loss_mask: Tensor, mode: str, normalizer: float | 
 
 
 def gspo_log_ratio(logp: Tensor, old_logp: Tensor, loss_mask: Tensor) -> Tensor:
-    """Token-level log of the GSPO sequence ratio (value: sequence mean; gradient: each token's logp)."""
+    """Token-level log of the GSPO sequence ratio (value: sequence mean; gradient: each token's
+    logp)."""
     mask = loss_mask.bool()
     seq = torch.where(mask, logp - old_logp, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
     return seq.detach().unsqueeze(-1) + logp - logp.detach()
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor, cfg: LossConfig, *,
-                ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None, entropy: Tensor | None = None,
-                normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cfg: LossConfig,
+    *,
+    ref_logp: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar loss and detached metrics for one batch of `[batch, T]` per-token tensors.
 
     KL metrics need `ref_logp` (added to the loss only with `use_kl_loss`); TIS metrics need
@@ -240,7 +318,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
         log_ratio = gspo_log_ratio(logp, old_logp, loss_mask)
     else:
         log_ratio = logp - old_logp
-    pg, clipped, dual = ppo_clip_loss(log_ratio, advantages, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c)
+    pg, clipped, dual = ppo_clip_loss(
+        log_ratio, advantages, cfg.eps_clip, cfg.clip_high, cfg.eps_clip_c
+    )
 
     def reduce(values: Tensor) -> Tensor:
         return aggregate(values, loss_mask, mode, normalizer)
@@ -249,7 +329,11 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
     if rollout_logp is not None:
         raw = torch.exp((old_logp - rollout_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
         weights = raw.clamp(cfg.tis_clip_low, cfg.tis_clip)
-        metrics.update(tis=reduce(raw), tis_weight=reduce(weights), tis_clipfrac=reduce((weights != raw).to(raw.dtype)))
+        metrics.update(
+            tis=reduce(raw),
+            tis_weight=reduce(weights),
+            tis_clipfrac=reduce((weights != raw).to(raw.dtype)),
+        )
         if cfg.use_tis:
             pg = pg * weights
     elif cfg.use_tis:
@@ -277,4 +361,6 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}; got {value!r}")
+        raise ValueError(
+            f"--{name.replace('_', '-')} must be one of {', '.join(choices)}; got {value!r}"
+        )

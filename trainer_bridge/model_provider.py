@@ -21,7 +21,12 @@ if TYPE_CHECKING:  # megatron is imported when a model is built, so conversion a
     from megatron.core.transformer import TransformerConfig
 
 # The targets megatron can train here (not the draft-only formats the engine also reads).
-TRAINABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM")
+TRAINABLE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MiMoForCausalLM",
+)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Megatron-LM's --make-vocab-size-divisible-by default.
 DEFAULT_VOCAB_DIVISOR = 128
@@ -33,22 +38,31 @@ def read_model_config(source: ConfigSource) -> ModelConfig:
     config = source if isinstance(source, ModelConfig) else ModelConfig.load(source)
     arch = config.architecture
     if arch not in TRAINABLE_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r} for training; supported: "
-                         f"{', '.join(TRAINABLE_ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported architecture {arch!r} for training; supported: "
+            f"{', '.join(TRAINABLE_ARCHITECTURES)}"
+        )
     if config.o_bias:
-        raise ValueError(f"{arch} with attention_bias=true (an o_proj bias) is not supported; "
-                         "megatron only adds it together with MLP biases")
+        raise ValueError(
+            f"{arch} with attention_bias=true (an o_proj bias) is not supported; "
+            "megatron only adds it together with MLP biases"
+        )
     if config.mlp_bias:
         raise ValueError(f"{arch} with mlp_bias=true is not supported")
     rope_type = "default" if config.rope_scaling is None else config.rope_scaling["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported by the megatron model provider; "
-                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported by the megatron model provider; "
+            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     return config
 
 
-def padded_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
-    """The vocabulary Megatron allocates: `vocab_size` rounded up to a multiple of divisible_by * tp."""
+def padded_vocab_size(
+    vocab_size: int, tp: int = 1, divisible_by: int = DEFAULT_VOCAB_DIVISOR
+) -> int:
+    """The vocabulary Megatron allocates: `vocab_size` rounded up to a multiple of divisible_by *
+    tp."""
     multiple = divisible_by * tp
     return -(-vocab_size // multiple) * multiple
 
@@ -58,37 +72,69 @@ def check_tensor_parallel(arch: ModelConfig, tp: int) -> None:
     if tp < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
     # Each rank holds whole query groups (its q heads with their k/v head): no k/v replication.
-    for key, value in (("num_key_value_heads", arch.num_key_value_heads), ("intermediate_size", arch.intermediate_size),
-                       ("hidden_size", arch.hidden_size)):
+    for key, value in (
+        ("num_key_value_heads", arch.num_key_value_heads),
+        ("intermediate_size", arch.intermediate_size),
+        ("hidden_size", arch.hidden_size),
+    ):
         if value % tp:
-            raise ValueError(f"tensor parallel size {tp} does not divide {key}={value} of {arch.architecture}; "
-                             f"pick a tp that divides it")
+            raise ValueError(
+                f"tensor parallel size {tp} does not divide {key}={value} of {arch.architecture}; "
+                f"pick a tp that divides it"
+            )
 
 
-def transformer_config(arch: ModelConfig, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32,
-                       **overrides: Any) -> TransformerConfig:
-    """The TransformerConfig for `arch`; `overrides` set any other TransformerConfig field (dropout, recompute, ...)."""
+def transformer_config(
+    arch: ModelConfig,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> TransformerConfig:
+    """The TransformerConfig for `arch`; `overrides` set any other TransformerConfig field
+    (dropout, recompute, ...)."""
     from megatron.core.transformer import TransformerConfig
 
     check_tensor_parallel(arch, tp)
     kwargs: dict[str, Any] = dict(
-        num_layers=arch.num_hidden_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.intermediate_size,
-        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_key_value_heads, kv_channels=arch.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=arch.num_hidden_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         mtp_num_layers=arch.num_mtp_layers or None,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
         pipeline_dtype=params_dtype,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def build_gpt_model(hf_config: ConfigSource, *, params_dtype: torch.dtype = torch.float32,
-                    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR, pre_process: bool = True,
-                    post_process: bool = True, parallel_output: bool = True, **config_overrides: Any) -> GPTModel:
+def build_gpt_model(
+    hf_config: ConfigSource,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+    pre_process: bool = True,
+    post_process: bool = True,
+    parallel_output: bool = True,
+    **config_overrides: Any,
+) -> GPTModel:
     """A randomly initialised GPTModel for this rank of the current megatron parallel state.
 
     Needs `megatron_compat.init_model_parallel()` (or an equivalent set-up) first; TP/PP sizes
@@ -96,7 +142,10 @@ def build_gpt_model(hf_config: ConfigSource, *, params_dtype: torch.dtype = torc
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
+    )
 
     arch = read_model_config(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -107,11 +156,17 @@ def build_gpt_model(hf_config: ConfigSource, *, params_dtype: torch.dtype = torc
     if arch.num_mtp_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec,
+        config=config,
+        transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by),
-        max_sequence_length=arch.max_position_embeddings, pre_process=pre_process, post_process=post_process,
-        parallel_output=parallel_output, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope", rotary_base=arch.rope_theta, mtp_block_spec=mtp_spec,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        mtp_block_spec=mtp_spec,
     )
     if arch.rope_scaling is not None:
         _apply_llama3_scaling(model, arch.rope_scaling)
@@ -123,6 +178,9 @@ def _apply_llama3_scaling(model: Any, scaling: dict[str, Any]) -> None:
     context of 8192; rescale its inverse frequencies with the checkpoint's own values instead."""
     rotary = model.rotary_pos_emb
     rotary.inv_freq = rotary._apply_scaling(
-        rotary.inv_freq, factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+        rotary.inv_freq,
+        factor=scaling["factor"],
+        low_freq_factor=scaling["low_freq_factor"],
         high_freq_factor=scaling["high_freq_factor"],
-        original_max_position_embeddings=scaling["original_max_position_embeddings"])
+        original_max_position_embeddings=scaling["original_max_position_embeddings"],
+    )

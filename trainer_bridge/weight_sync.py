@@ -14,12 +14,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import time
 import shutil
+import time
 import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,24 +40,53 @@ BROADCAST_TIMEOUT = datetime.timedelta(minutes=30)
 
 @dataclass
 class WeightSyncConfig:
-    update_weight_buffer_size: int = field(default=512 * 2**20, metadata={
-        "help": "Bytes of weights per bucket pushed into the engines (slime's default: 512 MiB)."})
-    weight_sync_mode: str = field(default="tensor", metadata={
-        "help": "tensor (colocated: flattened buckets through the engine call), distributed (a broadcast group with "
-                "the engines) or disk (save a Hugging Face checkpoint the engines load).", "choices": SYNC_MODES})
-    check_weight_update_equal: bool = field(default=False, metadata={
-        "help": "After every push, compare each engine's per-tensor checksums with what was sent; fail on a difference."})
-    weight_sync_dir: Optional[str] = field(default=None, metadata={
-        "help": "Directory for --weight-sync-mode disk checkpoints (default: <output-dir>/weight_sync)."})
+    update_weight_buffer_size: int = field(
+        default=512 * 2**20,
+        metadata={
+            "help": "Bytes of weights per bucket pushed into the engines (slime's default: 512 "
+            "MiB)."
+        },
+    )
+    weight_sync_mode: str = field(
+        default="tensor",
+        metadata={
+            "help": "tensor (colocated: flattened buckets through the engine call), distributed (a "
+            "broadcast group with "
+            "the engines) or disk (save a Hugging Face checkpoint the engines load).",
+            "choices": SYNC_MODES,
+        },
+    )
+    check_weight_update_equal: bool = field(
+        default=False,
+        metadata={
+            "help": "After every push, compare each engine's per-tensor checksums with what was "
+            "sent; fail on a difference."
+        },
+    )
+    weight_sync_dir: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Directory for --weight-sync-mode disk checkpoints (default: "
+            "<output-dir>/weight_sync)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.weight_sync_mode not in SYNC_MODES:
-            raise ValueError(f"--weight-sync-mode must be one of {', '.join(SYNC_MODES)}; got {self.weight_sync_mode!r}")
+            raise ValueError(
+                f"--weight-sync-mode must be one of {', '.join(SYNC_MODES)}; got "
+                f"{self.weight_sync_mode!r}"
+            )
         if self.update_weight_buffer_size <= 0:
-            raise ValueError(f"--update-weight-buffer-size must be positive, got {self.update_weight_buffer_size}")
+            raise ValueError(
+                "--update-weight-buffer-size must be positive, got "
+                f"{self.update_weight_buffer_size}"
+            )
 
 
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of at most `max_bytes` (a larger tensor travels alone)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
@@ -74,7 +104,9 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -
 class WeightPusher:
     """Sends one weight version to every engine; keeps the broadcast group between pushes."""
 
-    def __init__(self, engines: Sequence[Any], cfg: WeightSyncConfig, output_dir: Optional[str] = None) -> None:
+    def __init__(
+        self, engines: Sequence[Any], cfg: WeightSyncConfig, output_dir: Optional[str] = None
+    ) -> None:
         self.engines = [RayEngine(e) if _is_ray_actor(e) else e for e in engines]
         self.cfg = cfg
         self.disk_dir = cfg.weight_sync_dir or os.path.join(output_dir or ".", "weight_sync")
@@ -84,7 +116,9 @@ class WeightPusher:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)) + 1)
         self._last_disk_version: Optional[str] = None
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
+    def push(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str
+    ) -> dict[str, float]:
         """Push every tensor, then (optionally) verify; returns bytes, seconds and bucket count."""
         start = time.perf_counter()
         sent: dict[str, torch.Tensor] = {}
@@ -97,7 +131,9 @@ class WeightPusher:
             self._push_disk(tensors, version)
         else:
             pending: Optional[list[tuple[str, torch.Tensor]]] = None
-            for bucket in buckets(((n, t.detach()) for n, t in named_tensors), self.cfg.update_weight_buffer_size):
+            for bucket in buckets(
+                ((n, t.detach()) for n, t in named_tensors), self.cfg.update_weight_buffer_size
+            ):
                 # Each bucket goes out once the next is known, so the last one carries the version.
                 if pending is not None:
                     self._push_bucket(pending, None)
@@ -124,26 +160,48 @@ class WeightPusher:
             got = engine.get_weights_checksum()
             used = [n for n in sent if n in got]
             if not used:
-                raise RuntimeError(f"--check-weight-update-equal: engine {i} uses none of the {len(sent)} tensors sent")
+                raise RuntimeError(
+                    f"--check-weight-update-equal: engine {i} uses none of the {len(sent)} tensors "
+                    "sent"
+                )
             bad = [n for n in used if got[n] != tensor_checksum(sent[n].to(dtype))]
             if bad:
-                raise RuntimeError(f"--check-weight-update-equal: engine {i} holds different values for {len(bad)} of "
-                                   f"{len(used)} tensors after the update (first: {bad[:3]}); the update did not land")
+                raise RuntimeError(
+                    f"--check-weight-update-equal: engine {i} holds different values for "
+                    f"{len(bad)} of "
+                    f"{len(used)} tensors after the update (first: {bad[:3]}); the update did not "
+                    "land"
+                )
 
     def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: Optional[str]) -> None:
         last = version is not None
         if self.cfg.weight_sync_mode == "tensor":
             payload = [b.to_dict() for b in FlattenedBucket.pack(bucket)]
-            self._on_all("update_weights_from_tensor", named_tensors=payload, load_format="flattened_bucket",
-                         flush_cache=last, weight_version=version)
+            self._on_all(
+                "update_weights_from_tensor",
+                named_tensors=payload,
+                load_format="flattened_bucket",
+                flush_cache=last,
+                weight_version=version,
+            )
             return
         group = self._broadcast_group()
         names = [n for n, _ in bucket]
         dtypes = [str(t.dtype).replace("torch.", "") for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         # The engines wait for the broadcasts, so their calls start first and finish after them.
-        calls = [self._pool.submit(e.update_weights_from_distributed, names, dtypes, shapes, self.group_name,
-                                   flush_cache=last, weight_version=version) for e in self.engines]
+        calls = [
+            self._pool.submit(
+                e.update_weights_from_distributed,
+                names,
+                dtypes,
+                shapes,
+                self.group_name,
+                flush_cache=last,
+                weight_version=version,
+            )
+            for e in self.engines
+        ]
         for _, tensor in bucket:
             group.broadcast(tensor.contiguous(), 0).wait()
         for call in calls:
@@ -166,17 +224,38 @@ class WeightPusher:
             world = len(self.engines) + 1
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             name = self.group_name
-            store = dist.PrefixStore(name, dist.TCPStore(address, port, world, is_master=True,
-                                                          timeout=BROADCAST_TIMEOUT, wait_for_workers=False))
-            joins = [self._pool.submit(e.init_weights_update_group, address, port, i + 1, world, name, backend)
-                     for i, e in enumerate(self.engines)]
-            make = self._pool.submit(lambda: dist.ProcessGroupNCCL(store, 0, world) if backend == "nccl"
-                                     else dist.ProcessGroupGloo(store, 0, world, BROADCAST_TIMEOUT))
-            # An engine that fails to join would leave the rendezvous waiting for it: report its error at once.
+            store = dist.PrefixStore(
+                name,
+                dist.TCPStore(
+                    address,
+                    port,
+                    world,
+                    is_master=True,
+                    timeout=BROADCAST_TIMEOUT,
+                    wait_for_workers=False,
+                ),
+            )
+            joins = [
+                self._pool.submit(
+                    e.init_weights_update_group, address, port, i + 1, world, name, backend
+                )
+                for i, e in enumerate(self.engines)
+            ]
+            make = self._pool.submit(
+                lambda: (
+                    dist.ProcessGroupNCCL(store, 0, world)
+                    if backend == "nccl"
+                    else dist.ProcessGroupGloo(store, 0, world, BROADCAST_TIMEOUT)
+                )
+            )
+            # An engine that fails to join would leave the rendezvous waiting for it: report its
+            # error at once.
             done, _ = wait(joins + [make], return_when=FIRST_EXCEPTION)
             for future in done:
                 if future.exception() is not None:
-                    raise RuntimeError(f"an engine could not join the weight-sync group {name!r}") from future.exception()
+                    raise RuntimeError(
+                        f"an engine could not join the weight-sync group {name!r}"
+                    ) from future.exception()
             self._group = make.result()
             for join in joins:
                 join.result()

@@ -7,7 +7,8 @@ A reward function is `[async] def rm(args, sample) -> float`, called once per fi
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rollout.loader import call_maybe_async, load_function
 
@@ -21,16 +22,21 @@ def load_reward_fn(args: Any) -> RewardFn:
     if args.custom_rm_path is not None:
         return load_function(args.custom_rm_path, "--custom-rm-path")
     if args.rm_type is None:
-        raise ValueError("no reward function: set --rm-type (one of "
-                         f"{', '.join(REWARD_TYPES)}) or --custom-rm-path my_pkg.my_module:my_rm")
+        raise ValueError(
+            "no reward function: set --rm-type (one of "
+            f"{', '.join(REWARD_TYPES)}) or --custom-rm-path my_pkg.my_module:my_rm"
+        )
     if args.rm_type == "exact_match":
         from rollout.rewards.exact_match import exact_match_rm
+
         return exact_match_rm
     if args.rm_type == "boxed_math":
         from rollout.rewards.boxed_math import boxed_math_rm
+
         return boxed_math_rm
     if args.rm_type == "tiny":
         from rollout.rewards.tiny import tiny_rm
+
         return tiny_rm
     raise ValueError(f"--rm-type must be one of {', '.join(REWARD_TYPES)}, got {args.rm_type!r}")
 
@@ -40,5 +46,8 @@ async def score(reward_fn: RewardFn, args: Any, sample: Any) -> float:
     reward = await call_maybe_async(reward_fn, args, sample)
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
         name = getattr(reward_fn, "__qualname__", repr(reward_fn))
-        raise TypeError(f"reward function {name} returned {reward!r} for sample {sample.index}; it must return a float")
+        raise TypeError(
+            f"reward function {name} returned {reward!r} for sample {sample.index}; it must return "
+            "a float"
+        )
     return float(reward)

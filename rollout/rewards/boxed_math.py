@@ -16,7 +16,20 @@ from typing import Any, Optional
 from rollout.rewards.label import require_label
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-_DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\displaystyle", "$", "^{\\circ}", "^\\circ", "\\%", "%")
+_DROP = (
+    "\\left",
+    "\\right",
+    "\\!",
+    "\\,",
+    "\\;",
+    "\\:",
+    "\\displaystyle",
+    "$",
+    "^{\\circ}",
+    "^\\circ",
+    "\\%",
+    "%",
+)
 _WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
 _FRAC = re.compile(r"^(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}$")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
@@ -49,7 +62,7 @@ def extract_boxed(text: str) -> Optional[str]:
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1:j]
+                return text[i + 1 : j]
     return None  # unbalanced: the response was cut off inside the box
 
 

@@ -1,7 +1,8 @@
 """EngineArgs: every engine option under SGLang's ServerArgs name, its CLI, and its validation.
 
 One dataclass is the single source of truth. `add_cli_args` generates argparse flags from it
-(`--model-path` for the server, `--sglang-speculative-algorithm` when given a prefix inside a launcher);
+(`--model-path` for the server, `--sglang-speculative-algorithm` when given a prefix inside a
+launcher);
 help text comes from field metadata. `EngineArgs.__post_init__` checks everything that can be
 checked without the model; `spec_engine.args.resolve` fills the auto values once, from the
 device and the checkpoints' configs.
@@ -48,57 +49,173 @@ class EngineArgs:
     """Engine options. Names and defaults follow SGLang's ServerArgs where SGLang has them."""
 
     # Model and tokenizer
-    model_path: Optional[str] = _opt(None, "Hugging Face checkpoint directory of the target model (config.json + *.safetensors).")
+    model_path: Optional[str] = _opt(
+        None, "Hugging Face checkpoint directory of the target model (config.json + *.safetensors)."
+    )
     tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory; defaults to --model-path.")
-    skip_tokenizer_init: bool = _opt(False, "Do not load a tokenizer: requests must give input_ids and outputs carry no text.")
-    dtype: str = _opt("auto", "Weight and activation dtype. auto: float32 on CPU, the checkpoint's 16-bit dtype (else bfloat16) on CUDA.", choices=DTYPE_CHOICES)
-    device: str = _opt("auto", "Device to run on. auto: CUDA when available, else CPU.", choices=DEVICE_CHOICES)
-    context_length: Optional[int] = _opt(None, "Maximum tokens per request (prompt + output); defaults to the model's max_position_embeddings. Larger values are refused.")
-    served_model_name: Optional[str] = _opt(None, "Model name reported by the OpenAI-compatible API; defaults to --model-path.")
-    chat_template: Optional[str] = _opt(None, "Path to a Jinja chat template; defaults to the tokenizer's own template.")
+    skip_tokenizer_init: bool = _opt(
+        False, "Do not load a tokenizer: requests must give input_ids and outputs carry no text."
+    )
+    dtype: str = _opt(
+        "auto",
+        "Weight and activation dtype. auto: float32 on CPU, the checkpoint's 16-bit dtype (else "
+        "bfloat16) on CUDA.",
+        choices=DTYPE_CHOICES,
+    )
+    device: str = _opt(
+        "auto", "Device to run on. auto: CUDA when available, else CPU.", choices=DEVICE_CHOICES
+    )
+    context_length: Optional[int] = _opt(
+        None,
+        "Maximum tokens per request (prompt + output); defaults to the model's "
+        "max_position_embeddings. Larger values are refused.",
+    )
+    served_model_name: Optional[str] = _opt(
+        None, "Model name reported by the OpenAI-compatible API; defaults to --model-path."
+    )
+    chat_template: Optional[str] = _opt(
+        None, "Path to a Jinja chat template; defaults to the tokenizer's own template."
+    )
     # Server
     host: str = _opt("127.0.0.1", "HTTP server host.")
     port: int = _opt(30000, "HTTP server port.")
-    api_key: Optional[str] = _opt(None, "If set, the HTTP server requires 'Authorization: Bearer <key>'.")
-    skip_server_warmup: bool = _opt(False, "Do not run a one-token warmup request when the server starts.")
+    api_key: Optional[str] = _opt(
+        None, "If set, the HTTP server requires 'Authorization: Bearer <key>'."
+    )
+    skip_server_warmup: bool = _opt(
+        False, "Do not run a one-token warmup request when the server starts."
+    )
     # Memory and scheduling
-    mem_fraction_static: Optional[float] = _opt(None, f"Fraction of device memory for weights + KV cache (auto: {MEM_FRACTION_CUDA} on CUDA, {MEM_FRACTION_CPU} of RAM on CPU). Ignored when --max-total-tokens is set.")
-    max_total_tokens: Optional[int] = _opt(None, "Size of the KV cache pool in tokens; overrides --mem-fraction-static.")
-    max_running_requests: Optional[int] = _opt(None, f"Maximum requests decoded together (auto: {MAX_RUNNING_REQUESTS_DEFAULT}).")
-    chunked_prefill_size: Optional[int] = _opt(None, f"Maximum prompt tokens prefilled in one forward; longer prompts are split into chunks. -1 disables chunking (auto: {CHUNKED_PREFILL_CUDA} on CUDA, {CHUNKED_PREFILL_CPU} on CPU).")
+    mem_fraction_static: Optional[float] = _opt(
+        None,
+        f"Fraction of device memory for weights + KV cache (auto: {MEM_FRACTION_CUDA} on CUDA, "
+        f"{MEM_FRACTION_CPU} of RAM on CPU). Ignored when --max-total-tokens is set.",
+    )
+    max_total_tokens: Optional[int] = _opt(
+        None, "Size of the KV cache pool in tokens; overrides --mem-fraction-static."
+    )
+    max_running_requests: Optional[int] = _opt(
+        None, f"Maximum requests decoded together (auto: {MAX_RUNNING_REQUESTS_DEFAULT})."
+    )
+    chunked_prefill_size: Optional[int] = _opt(
+        None,
+        "Maximum prompt tokens prefilled in one forward; longer prompts are split into chunks. -1 "
+        f"disables chunking (auto: {CHUNKED_PREFILL_CUDA} on CUDA, {CHUNKED_PREFILL_CPU} on CPU).",
+    )
     max_prefill_tokens: int = _opt(16384, "Maximum prompt tokens in one prefill batch.")
-    schedule_policy: str = _opt("fcfs", "Order in which waiting requests are admitted.", choices=SCHEDULE_POLICIES)
-    schedule_conservativeness: float = _opt(1.0, "Larger values reserve more KV for running requests' future tokens (fewer retractions, less concurrency).")
+    schedule_policy: str = _opt(
+        "fcfs", "Order in which waiting requests are admitted.", choices=SCHEDULE_POLICIES
+    )
+    schedule_conservativeness: float = _opt(
+        1.0,
+        "Larger values reserve more KV for running requests' future tokens (fewer retractions, "
+        "less concurrency).",
+    )
     page_size: int = _opt(1, "Tokens per KV cache page; the prefix cache shares whole pages.")
-    disable_radix_cache: bool = _opt(False, "Disable the prefix (radix) cache: no KV sharing between requests.")
-    random_seed: Optional[int] = _opt(None, "Seed for sampling; with the same seed and requests, sampled outputs repeat exactly (auto: random).")
+    disable_radix_cache: bool = _opt(
+        False, "Disable the prefix (radix) cache: no KV sharing between requests."
+    )
+    random_seed: Optional[int] = _opt(
+        None,
+        "Seed for sampling; with the same seed and requests, sampled outputs repeat exactly (auto: "
+        "random).",
+    )
     stream_interval: int = _opt(1, "Stream an update every N generated tokens.")
     # Speculative decoding
-    speculative_algorithm: Optional[str] = _opt(None, "EAGLE (EAGLE-2, or MTP when the target has MTP layers and no draft is given), EAGLE3, STANDALONE (a small LM as draft) or NGRAM (no draft model).", choices=SPECULATIVE_ALGORITHMS + ("NEXTN",))
-    speculative_draft_model_path: Optional[str] = _opt(None, "Draft checkpoint: an EAGLE/EAGLE-3 draft, or a small LM for STANDALONE.")
-    speculative_num_steps: Optional[int] = _opt(None, "Draft depth (auto: 5 for Llama targets, 3 otherwise and for STANDALONE).")
-    speculative_eagle_topk: Optional[int] = _opt(None, "Branching factor of the draft tree per step (auto: 4 for Llama targets, 1 otherwise).")
-    speculative_num_draft_tokens: Optional[int] = _opt(None, f"Tokens verified per step, the root included (auto: 8 for Llama targets, 4 otherwise, {NGRAM_DEFAULT_DRAFT_TOKENS} for NGRAM; steps + 1 when topk is 1).")
-    speculative_accept_threshold_single: float = _opt(1.0, "Accept a draft token whose target probability reaches this (1.0 = lossless).")
-    speculative_accept_threshold_acc: float = _opt(1.0, "Scale the acceptance test by 1/this (1.0 = lossless; lower accepts more, lossy).")
-    speculative_token_map: Optional[str] = _opt(None, "FR-Spec: a .pt tensor of hot token ids restricting the EAGLE draft head (verification stays full-vocabulary).")
-    speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: shortest context suffix matched against the n-gram cache.")
-    speculative_ngram_max_match_window_size: int = _opt(12, "NGRAM: longest context suffix matched.")
-    speculative_ngram_min_bfs_breadth: int = _opt(1, "NGRAM: branching of the draft tree for the longest matches.")
-    speculative_ngram_max_bfs_breadth: int = _opt(10, "NGRAM: branching of the draft tree for the shortest matches.")
-    speculative_ngram_branch_length: int = _opt(18, "NGRAM: tokens stored per cached branch (must exceed the max match window).")
-    speculative_ngram_capacity: int = _opt(10_000_000, "NGRAM: maximum nodes in the n-gram cache (it is cleared when full).")
+    speculative_algorithm: Optional[str] = _opt(
+        None,
+        "EAGLE (EAGLE-2, or MTP when the target has MTP layers and no draft is given), EAGLE3, "
+        "STANDALONE (a small LM as draft) or NGRAM (no draft model).",
+        choices=SPECULATIVE_ALGORITHMS + ("NEXTN",),
+    )
+    speculative_draft_model_path: Optional[str] = _opt(
+        None, "Draft checkpoint: an EAGLE/EAGLE-3 draft, or a small LM for STANDALONE."
+    )
+    speculative_num_steps: Optional[int] = _opt(
+        None, "Draft depth (auto: 5 for Llama targets, 3 otherwise and for STANDALONE)."
+    )
+    speculative_eagle_topk: Optional[int] = _opt(
+        None,
+        "Branching factor of the draft tree per step (auto: 4 for Llama targets, 1 otherwise).",
+    )
+    speculative_num_draft_tokens: Optional[int] = _opt(
+        None,
+        "Tokens verified per step, the root included (auto: 8 for Llama targets, 4 otherwise, "
+        f"{NGRAM_DEFAULT_DRAFT_TOKENS} for NGRAM; steps + 1 when topk is 1).",
+    )
+    speculative_accept_threshold_single: float = _opt(
+        1.0, "Accept a draft token whose target probability reaches this (1.0 = lossless)."
+    )
+    speculative_accept_threshold_acc: float = _opt(
+        1.0, "Scale the acceptance test by 1/this (1.0 = lossless; lower accepts more, lossy)."
+    )
+    speculative_token_map: Optional[str] = _opt(
+        None,
+        "FR-Spec: a .pt tensor of hot token ids restricting the EAGLE draft head (verification "
+        "stays full-vocabulary).",
+    )
+    speculative_ngram_min_match_window_size: int = _opt(
+        1, "NGRAM: shortest context suffix matched against the n-gram cache."
+    )
+    speculative_ngram_max_match_window_size: int = _opt(
+        12, "NGRAM: longest context suffix matched."
+    )
+    speculative_ngram_min_bfs_breadth: int = _opt(
+        1, "NGRAM: branching of the draft tree for the longest matches."
+    )
+    speculative_ngram_max_bfs_breadth: int = _opt(
+        10, "NGRAM: branching of the draft tree for the shortest matches."
+    )
+    speculative_ngram_branch_length: int = _opt(
+        18, "NGRAM: tokens stored per cached branch (must exceed the max match window)."
+    )
+    speculative_ngram_capacity: int = _opt(
+        10_000_000, "NGRAM: maximum nodes in the n-gram cache (it is cleared when full)."
+    )
     # Kernels
-    attention_backend: Optional[str] = _opt(None, "Attention kernels (auto: flashinfer on CUDA when installed, for bfloat16/float16 and head_dim 64/128/256; else torch_native). torch_native runs everywhere; its CUDA graphs are captured per power-of-two key width on first use, so prefer flashinfer for long contexts on GPUs.", choices=ATTENTION_BACKENDS)
+    attention_backend: Optional[str] = _opt(
+        None,
+        "Attention kernels (auto: flashinfer on CUDA when installed, for bfloat16/float16 and "
+        "head_dim 64/128/256; else torch_native). torch_native runs everywhere; its CUDA graphs "
+        "are captured per power-of-two key width on first use, so prefer flashinfer for long "
+        "contexts on GPUs.",
+        choices=ATTENTION_BACKENDS,
+    )
     # CUDA graphs and padding (without CUDA the same sizes and padding run eagerly)
-    cuda_graph_bs: Optional[list[int]] = _opt(None, "Batch sizes to capture, any list (deduplicated and sorted; sizes above --max-running-requests are dropped). A batch runs as the smallest size >= its own, padded. Default: 1..8, then steps of 2 to 32, 4 to 64, 8 to 256, 16 beyond, up to --cuda-graph-max-bs.")
-    cuda_graph_max_bs: Optional[int] = _opt(None, "Largest size of the default capture list (auto: min(--max-running-requests, 256)); larger batches run eagerly.")
-    disable_cuda_graph: bool = _opt(False, "No CUDA graphs and no padding: every batch runs eagerly at its own size.")
-    disable_cuda_graph_padding: bool = _opt(False, "Replay only batches whose size is in the capture list (speculative modes included); others run eagerly.")
-    disable_draft_cuda_graph: bool = _opt(False, "Run the speculative draft stage (draft steps and draft extend) eagerly; the target still uses graphs.")
-    cuda_graph_self_check: bool = _opt(False, "At startup, run every captured size with a padded batch and compare with eager; refuse to start on a mismatch, naming the size and mode.")
+    cuda_graph_bs: Optional[list[int]] = _opt(
+        None,
+        "Batch sizes to capture, any list (deduplicated and sorted; sizes above "
+        "--max-running-requests are dropped). A batch runs as the smallest size >= its own, "
+        "padded. Default: 1..8, then steps of 2 to 32, 4 to 64, 8 to 256, 16 beyond, up to "
+        "--cuda-graph-max-bs.",
+    )
+    cuda_graph_max_bs: Optional[int] = _opt(
+        None,
+        "Largest size of the default capture list (auto: min(--max-running-requests, 256)); larger "
+        "batches run eagerly.",
+    )
+    disable_cuda_graph: bool = _opt(
+        False, "No CUDA graphs and no padding: every batch runs eagerly at its own size."
+    )
+    disable_cuda_graph_padding: bool = _opt(
+        False,
+        "Replay only batches whose size is in the capture list (speculative modes included); "
+        "others run eagerly.",
+    )
+    disable_draft_cuda_graph: bool = _opt(
+        False,
+        "Run the speculative draft stage (draft steps and draft extend) eagerly; the target still "
+        "uses graphs.",
+    )
+    cuda_graph_self_check: bool = _opt(
+        False,
+        "At startup, run every captured size with a padded batch and compare with eager; refuse to "
+        "start on a mismatch, naming the size and mode.",
+    )
     # Weights
-    weight_version: str = _opt("default", "Version label of the loaded weights, reported in every response's meta_info.")
+    weight_version: str = _opt(
+        "default", "Version label of the loaded weights, reported in every response's meta_info."
+    )
     # Logging
     log_level: str = _opt("info", "Logging level.", choices=LOG_LEVELS)
 
@@ -106,7 +223,9 @@ class EngineArgs:
         self.dtype = _normalize_dtype(self.dtype)
         _check_choice("dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
         _check_choice("device", self.device, DEVICE_CHOICES)
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS, allow_none=True)
+        _check_choice(
+            "attention_backend", self.attention_backend, ATTENTION_BACKENDS, allow_none=True
+        )
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         _check_choice("log_level", self.log_level, LOG_LEVELS)
         _check_positive("context_length", self.context_length, allow_none=True)
@@ -118,12 +237,24 @@ class EngineArgs:
         _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=True)
         for size in self.cuda_graph_bs or ():
             _check_positive("cuda_graph_bs", size)
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size <= 0:
-            raise ValueError(f"--chunked-prefill-size must be positive or -1 (disabled), got {self.chunked_prefill_size}")
+        if (
+            self.chunked_prefill_size is not None
+            and self.chunked_prefill_size != -1
+            and self.chunked_prefill_size <= 0
+        ):
+            raise ValueError(
+                "--chunked-prefill-size must be positive or -1 (disabled), got "
+                f"{self.chunked_prefill_size}"
+            )
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+            raise ValueError(
+                f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
+            )
         if self.schedule_conservativeness <= 0:
-            raise ValueError(f"--schedule-conservativeness must be positive, got {self.schedule_conservativeness}")
+            raise ValueError(
+                "--schedule-conservativeness must be positive, got "
+                f"{self.schedule_conservativeness}"
+            )
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         self._validate_speculative()
@@ -133,33 +264,68 @@ class EngineArgs:
             self.speculative_algorithm = self.speculative_algorithm.upper()
             if self.speculative_algorithm == "NEXTN":  # SGLang's alias
                 self.speculative_algorithm = "EAGLE"
-        _check_choice("speculative_algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS, allow_none=True)
-        spec_flags = ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
-                      "speculative_num_draft_tokens", "speculative_token_map")
+        _check_choice(
+            "speculative_algorithm",
+            self.speculative_algorithm,
+            SPECULATIVE_ALGORITHMS,
+            allow_none=True,
+        )
+        spec_flags = (
+            "speculative_draft_model_path",
+            "speculative_num_steps",
+            "speculative_eagle_topk",
+            "speculative_num_draft_tokens",
+            "speculative_token_map",
+        )
         if self.speculative_algorithm is None:
             given = [f for f in spec_flags if getattr(self, f) is not None]
             if given:
                 raise ValueError(f"--{given[0].replace('_', '-')} needs --speculative-algorithm")
             return
-        for name in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+        for name in (
+            "speculative_num_steps",
+            "speculative_eagle_topk",
+            "speculative_num_draft_tokens",
+        ):
             _check_positive(name, getattr(self, name), allow_none=True)
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
-                raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1] (1.0 is lossless), got {value}")
-        for name in ("speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
-                     "speculative_ngram_min_bfs_breadth", "speculative_ngram_max_bfs_breadth",
-                     "speculative_ngram_branch_length", "speculative_ngram_capacity"):
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be in (0, 1] (1.0 is lossless), got {value}"
+                )
+        for name in (
+            "speculative_ngram_min_match_window_size",
+            "speculative_ngram_max_match_window_size",
+            "speculative_ngram_min_bfs_breadth",
+            "speculative_ngram_max_bfs_breadth",
+            "speculative_ngram_branch_length",
+            "speculative_ngram_capacity",
+        ):
             _check_positive(name, getattr(self, name))
-        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
-            raise ValueError("--speculative-ngram-min-match-window-size exceeds --speculative-ngram-max-match-window-size")
+        if (
+            self.speculative_ngram_min_match_window_size
+            > self.speculative_ngram_max_match_window_size
+        ):
+            raise ValueError(
+                "--speculative-ngram-min-match-window-size exceeds "
+                "--speculative-ngram-max-match-window-size"
+            )
         if self.speculative_ngram_min_bfs_breadth > self.speculative_ngram_max_bfs_breadth:
-            raise ValueError("--speculative-ngram-min-bfs-breadth exceeds --speculative-ngram-max-bfs-breadth")
+            raise ValueError(
+                "--speculative-ngram-min-bfs-breadth exceeds --speculative-ngram-max-bfs-breadth"
+            )
         if self.speculative_ngram_max_match_window_size >= self.speculative_ngram_branch_length:
-            raise ValueError("--speculative-ngram-branch-length must exceed --speculative-ngram-max-match-window-size "
-                             f"({self.speculative_ngram_branch_length} <= {self.speculative_ngram_max_match_window_size})")
+            raise ValueError(
+                "--speculative-ngram-branch-length must exceed "
+                "--speculative-ngram-max-match-window-size "
+                f"({self.speculative_ngram_branch_length} <= "
+                f"{self.speculative_ngram_max_match_window_size})"
+            )
         if self.speculative_token_map is not None and self.speculative_algorithm != "EAGLE":
-            raise ValueError("--speculative-token-map (FR-Spec) works with --speculative-algorithm EAGLE only")
+            raise ValueError(
+                "--speculative-token-map (FR-Spec) works with --speculative-algorithm EAGLE only"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -168,12 +334,23 @@ class EngineArgs:
 # ---------------------------------------------------------------- CLI generation
 
 
-def add_cli_args(parser: argparse.ArgumentParser, prefix: str = "", exclude: typing.Iterable[str] = (),
-                 required: typing.Iterable[str] = ()) -> None:
-    """Add one flag per EngineArgs field: `--{prefix}{name-with-dashes}` (underscores also accepted);
+def add_cli_args(
+    parser: argparse.ArgumentParser,
+    prefix: str = "",
+    exclude: typing.Iterable[str] = (),
+    required: typing.Iterable[str] = (),
+) -> None:
+    """Add one flag per EngineArgs field: `--{prefix}{name-with-dashes}` (underscores also
+    accepted);
     `required`: fields the command line must give (a server's --model-path)."""
-    add_dataclass_args(parser, EngineArgs, f"engine options ({'--' + prefix + '*' if prefix else 'EngineArgs'})",
-                       prefix, exclude, required)
+    add_dataclass_args(
+        parser,
+        EngineArgs,
+        f"engine options ({'--' + prefix + '*' if prefix else 'EngineArgs'})",
+        prefix,
+        exclude,
+        required,
+    )
 
 
 def from_cli_args(namespace: argparse.Namespace, prefix: str = "", **overrides: Any) -> EngineArgs:
@@ -192,7 +369,13 @@ def closest_field(name: str) -> Optional[str]:
 
 
 def _normalize_dtype(dtype: str) -> str:
-    return {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
+    return {
+        "half": "float16",
+        "fp16": "float16",
+        "float": "float32",
+        "fp32": "float32",
+        "bf16": "bfloat16",
+    }.get(dtype, dtype)
 
 
 def _check_choice(name: str, value: Any, choices: tuple, allow_none: bool = False) -> None:

@@ -17,13 +17,21 @@ def flashinfer_installed() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def make_backend(name: str, device: torch.device, config: "ModelConfig", dtype: torch.dtype) -> AttentionBackend:
+def make_backend(
+    name: str, device: torch.device, config: ModelConfig, dtype: torch.dtype
+) -> AttentionBackend:
     """The `--attention-backend` for one model (FlashInfer plans need its head geometry)."""
     if name == "flashinfer":
         from spec_engine.attention.flashinfer import FlashInferBackend  # CUDA-only dependency
 
-        return FlashInferBackend(device, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                                 config.head_dim ** -0.5, dtype)
+        return FlashInferBackend(
+            device,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.head_dim**-0.5,
+            dtype,
+        )
     from spec_engine.attention.torch_native import TorchNativeBackend
 
     return TorchNativeBackend(device)

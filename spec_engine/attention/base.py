@@ -30,18 +30,24 @@ class AttentionBackend(ABC):
     bucketed_graph_widths = False
 
     @abstractmethod
-    def init_forward_metadata(self, batch: "ForwardBatch") -> None: ...
+    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
 
     def graph_kv_width(self, needed: int, kv_width: int) -> int:
         """The key width of the graph that replays a batch needing `needed` keys per row."""
         return kv_width
 
     @abstractmethod
-    def graph_metadata(self, batch: "ForwardBatch", kv_width: int) -> Any: ...
+    def graph_metadata(self, batch: ForwardBatch, kv_width: int) -> Any: ...
 
     @abstractmethod
-    def fill_graph_metadata(self, meta: Any, batch: "ForwardBatch") -> None: ...
+    def fill_graph_metadata(self, meta: Any, batch: ForwardBatch) -> None: ...
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
-                batch: "ForwardBatch") -> torch.Tensor: ...
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor: ...

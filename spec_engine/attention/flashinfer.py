@@ -40,17 +40,32 @@ class _Meta:
 
 
 class FlashInferBackend(AttentionBackend):
-    def __init__(self, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scaling: float,
+        dtype: torch.dtype,
+    ) -> None:
         self.device, self.dtype = device, dtype
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scaling = num_heads, num_kv_heads, head_dim, scaling
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scaling = (
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scaling,
+        )
         self.tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_GROUP
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                    use_tensor_cores=self.tensor_cores)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.tensor_cores
+        )
         # fa2 explicitly: "auto" settles on the first plan, and FA3 (chosen for a mask-free
         # prefill on Hopper) cannot run the verify step's custom mask.
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend="fa2"
+        )
         # Graph workspace and index buffers: sized by the first (largest) capture of each kind,
         # every smaller size gets slices (each replay re-plans into them just before it runs).
         self.graph_workspace: Optional[torch.Tensor] = None
@@ -68,30 +83,50 @@ class FlashInferBackend(AttentionBackend):
         b, decode = batch.batch_size, batch.mode.is_decode()
         queries = 1 if decode else batch.extend_seq_lens_cpu[0]
         workspace = self._graph_workspace(b, queries)
-        full = self._graph_buffers.setdefault((decode, queries, kv_width), self._new_buffers(b, queries, kv_width))
-        ptr, idx = full["indptr"][:b + 1], full["indices"][:b * kv_width]
+        full = self._graph_buffers.setdefault(
+            (decode, queries, kv_width), self._new_buffers(b, queries, kv_width)
+        )
+        ptr, idx = full["indptr"][: b + 1], full["indices"][: b * kv_width]
         last = full["last"][:b]
         if decode:
-            bufs = dict(paged_kv_indptr_buffer=ptr, paged_kv_indices_buffer=idx, paged_kv_last_page_len_buffer=last)
+            bufs = dict(
+                paged_kv_indptr_buffer=ptr,
+                paged_kv_indices_buffer=idx,
+                paged_kv_last_page_len_buffer=last,
+            )
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores, **bufs)
+                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores, **bufs
+            )
         else:
-            bufs = dict(qo_indptr_buf=full["qo_indptr"][:b + 1], paged_kv_indptr_buf=ptr, paged_kv_indices_buf=idx,
-                        paged_kv_last_page_len_buf=last, custom_mask_buf=full["mask"][:b * full["mask_row"]],
-                        mask_indptr_buf=full["mask_indptr"][:b + 1])
-            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", use_cuda_graph=True,
-                                                                     backend="fa2", **bufs)
+            bufs = dict(
+                qo_indptr_buf=full["qo_indptr"][: b + 1],
+                paged_kv_indptr_buf=ptr,
+                paged_kv_indices_buf=idx,
+                paged_kv_last_page_len_buf=last,
+                custom_mask_buf=full["mask"][: b * full["mask_row"]],
+                mask_indptr_buf=full["mask_indptr"][: b + 1],
+            )
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, backend="fa2", **bufs
+            )
         meta = _Meta(wrapper, decode)
         self.fill_graph_metadata(meta, batch)
         return meta
 
     def _new_buffers(self, b: int, queries: int, kv_width: int) -> dict[str, Any]:
         i32 = dict(dtype=torch.int32, device=self.device)
-        mask_row = (queries * kv_width + 7) // 8  # each request's mask packed to bits, rounded up to a byte
-        return dict(indptr=torch.zeros(b + 1, **i32), indices=torch.zeros(b * kv_width, **i32),
-                    last=torch.ones(b, **i32), qo_indptr=torch.zeros(b + 1, **i32),
-                    mask=torch.zeros(b * mask_row, dtype=torch.uint8, device=self.device), mask_row=mask_row,
-                    mask_indptr=torch.zeros(b + 1, **i32))
+        mask_row = (
+            queries * kv_width + 7
+        ) // 8  # each request's mask packed to bits, rounded up to a byte
+        return dict(
+            indptr=torch.zeros(b + 1, **i32),
+            indices=torch.zeros(b * kv_width, **i32),
+            last=torch.ones(b, **i32),
+            qo_indptr=torch.zeros(b + 1, **i32),
+            mask=torch.zeros(b * mask_row, dtype=torch.uint8, device=self.device),
+            mask_row=mask_row,
+            mask_indptr=torch.zeros(b + 1, **i32),
+        )
 
     def _graph_workspace(self, b: int, queries: int) -> torch.Tensor:
         """Under CUDA graphs FlashInfer always splits KV and reserves split scratch for the worst
@@ -121,9 +156,18 @@ class FlashInferBackend(AttentionBackend):
             valid = torch.arange(width, device=self.device)[None, :] < batch.seq_lens[:, None]
             indices = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :width][valid]
         lens = valid.sum(1)
-        wrapper.plan(_indptr(lens), indices.to(torch.int32), torch.ones_like(lens, dtype=torch.int32),
-                     self.num_heads, self.num_kv_heads, self.head_dim, 1, q_data_type=self.dtype,
-                     kv_data_type=batch.kv_pool.dtype, sm_scale=self.scaling)
+        wrapper.plan(
+            _indptr(lens),
+            indices.to(torch.int32),
+            torch.ones_like(lens, dtype=torch.int32),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            1,
+            q_data_type=self.dtype,
+            kv_data_type=batch.kv_pool.dtype,
+            sm_scale=self.scaling,
+        )
 
     def _plan_extend(self, wrapper: Any, batch: ForwardBatch, always_mask: bool) -> None:
         table = batch.req_to_token_pool.req_to_token
@@ -134,18 +178,37 @@ class FlashInferBackend(AttentionBackend):
         if masks is None and always_mask:
             masks = [causal_mask(n - q, n, self.device) for q, n in zip(q_lens, kv_lens)]
         custom = torch.cat([m.reshape(-1) for m in masks]) if masks is not None else None
-        wrapper.plan(_indptr(torch.tensor(q_lens, device=self.device)), _indptr(torch.tensor(kv_lens, device=self.device)),
-                     indices, torch.ones(len(q_lens), dtype=torch.int32, device=self.device),
-                     self.num_heads, self.num_kv_heads, self.head_dim, 1, custom_mask=custom,
-                     causal=custom is None, sm_scale=self.scaling, q_data_type=self.dtype,
-                     kv_data_type=batch.kv_pool.dtype)
+        wrapper.plan(
+            _indptr(torch.tensor(q_lens, device=self.device)),
+            _indptr(torch.tensor(kv_lens, device=self.device)),
+            indices,
+            torch.ones(len(q_lens), dtype=torch.int32, device=self.device),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            1,
+            custom_mask=custom,
+            causal=custom is None,
+            sm_scale=self.scaling,
+            q_data_type=self.dtype,
+            kv_data_type=batch.kv_pool.dtype,
+        )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         pool = batch.kv_pool
         nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k.view(-1, nkv, hd), v.view(-1, nkv, hd))
-        cache = (pool.k_buffer[layer.layer_id].unsqueeze(1), pool.v_buffer[layer.layer_id].unsqueeze(1))
+        cache = (
+            pool.k_buffer[layer.layer_id].unsqueeze(1),
+            pool.v_buffer[layer.layer_id].unsqueeze(1),
+        )
         out = batch.attn_meta.wrapper.run(q.view(-1, nh, hd).to(self.dtype), cache)
         return out.view(-1, nh * hd).to(q.dtype)
 

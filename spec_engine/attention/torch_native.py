@@ -30,10 +30,10 @@ MIN_GRAPH_KEYS = 64
 @dataclass
 class _Padded:
     batch: int
-    queries: int                     # padded queries per request
-    kv_idx: torch.Tensor             # [B * L] slots (0 where invalid)
-    mask: torch.Tensor               # [B, Q, L] bool
-    q_rows: Optional[torch.Tensor]   # [B * Q] flat token row of each padded query (None: identity)
+    queries: int  # padded queries per request
+    kv_idx: torch.Tensor  # [B * L] slots (0 where invalid)
+    mask: torch.Tensor  # [B, Q, L] bool
+    q_rows: Optional[torch.Tensor]  # [B * Q] flat token row of each padded query (None: identity)
     out_rows: Optional[torch.Tensor]  # [T] padded position of each flat token (None: identity)
 
 
@@ -53,20 +53,32 @@ class TorchNativeBackend(AttentionBackend):
         self._graph_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.mode.is_decode() or (batch.batch_size > 1 and max(batch.extend_seq_lens_cpu) <= SHORT_EXTEND):
+        if batch.mode.is_decode() or (
+            batch.batch_size > 1 and max(batch.extend_seq_lens_cpu) <= SHORT_EXTEND
+        ):
             batch.attn_meta = self._batched(batch)
             return
         table = batch.req_to_token_pool.req_to_token
         meta: _PerRequest = []
         start = 0
         rows = batch.req_pool_indices.tolist()
-        for i, (row, kv_len, q_len) in enumerate(zip(rows, batch.seq_lens_cpu, batch.extend_seq_lens_cpu)):
+        for i, (row, kv_len, q_len) in enumerate(
+            zip(rows, batch.seq_lens_cpu, batch.extend_seq_lens_cpu)
+        ):
             custom = batch.custom_masks[i] if batch.custom_masks is not None else None
             if kv_len == q_len and custom is None:
                 meta.append((start, q_len, None, None))
             else:
-                meta.append((start, q_len, table[row, :kv_len].to(torch.int64), custom if custom is not None
-                             else causal_mask(kv_len - q_len, kv_len, self.device)))
+                meta.append(
+                    (
+                        start,
+                        q_len,
+                        table[row, :kv_len].to(torch.int64),
+                        custom
+                        if custom is not None
+                        else causal_mask(kv_len - q_len, kv_len, self.device),
+                    )
+                )
             start += q_len
         batch.attn_meta = meta
 
@@ -84,7 +96,7 @@ class TorchNativeBackend(AttentionBackend):
             idx = torch.zeros(rows * kv_width, dtype=torch.int64, device=self.device)
             mask = torch.zeros(rows, queries, kv_width, dtype=torch.bool, device=self.device)
             self._graph_buffers[(queries, kv_width)] = idx, mask
-        meta = _Padded(rows, queries, idx[:rows * kv_width], mask[:rows], None, None)
+        meta = _Padded(rows, queries, idx[: rows * kv_width], mask[:rows], None, None)
         self.fill_graph_metadata(meta, batch)
         return meta
 
@@ -92,8 +104,11 @@ class TorchNativeBackend(AttentionBackend):
         fresh = self._batched(batch)
         width, used = meta.mask.shape[-1], fresh.mask.shape[-1]
         if fresh.q_rows is not None or fresh.mask.shape[:2] != meta.mask.shape[:2] or used > width:
-            raise RuntimeError(f"graph attention metadata {tuple(meta.mask.shape)} cannot hold a batch of "
-                               f"{tuple(fresh.mask.shape)}; this is a graph-runner bug, run with --disable-cuda-graph")
+            raise RuntimeError(
+                f"graph attention metadata {tuple(meta.mask.shape)} cannot hold a batch of "
+                f"{tuple(fresh.mask.shape)}; this is a graph-runner bug, run with "
+                "--disable-cuda-graph"
+            )
         idx = meta.kv_idx.view(meta.batch, width)
         idx[:, :used] = fresh.kv_idx.view(meta.batch, used)
         idx[:, used:] = 0
@@ -111,16 +126,29 @@ class TorchNativeBackend(AttentionBackend):
                 max_len = max(batch.seq_lens_cpu)
                 idx = table[batch.req_pool_indices, :max_len].to(torch.int64)
                 valid = torch.arange(max_len, device=self.device)[None, :] < batch.seq_lens[:, None]
-            return _Padded(batch.batch_size, 1, idx.masked_fill(~valid, 0).view(-1), valid[:, None, :], None, None)
+            return _Padded(
+                batch.batch_size,
+                1,
+                idx.masked_fill(~valid, 0).view(-1),
+                valid[:, None, :],
+                None,
+                None,
+            )
         b, q_lens, kv_lens = batch.batch_size, batch.extend_seq_lens_cpu, batch.seq_lens_cpu
         q_max, kv_max = max(q_lens), max(kv_lens)
         idx = table[batch.req_pool_indices, :kv_max].to(torch.int64)
         mask = torch.zeros(b, q_max, kv_max, dtype=torch.bool, device=self.device)
         q_rows, out_rows, start = [], [], 0
         for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-            m = batch.custom_masks[i] if batch.custom_masks is not None else causal_mask(kv_len - q_len, kv_len, self.device)
+            m = (
+                batch.custom_masks[i]
+                if batch.custom_masks is not None
+                else causal_mask(kv_len - q_len, kv_len, self.device)
+            )
             mask[i, :q_len, :kv_len] = m
-            mask[i, q_len:, :kv_len] = m[0]  # padded queries: any valid row; their output is dropped
+            mask[i, q_len:, :kv_len] = m[
+                0
+            ]  # padded queries: any valid row; their output is dropped
             q_rows.extend(range(start, start + q_len))
             q_rows.extend([start] * (q_max - q_len))
             out_rows.extend(range(i * q_max, i * q_max + q_len))
@@ -128,11 +156,23 @@ class TorchNativeBackend(AttentionBackend):
         valid = mask.any(1)
         if all(q == q_max for q in q_lens):  # every request fills its rows: no reordering
             return _Padded(b, q_max, idx.masked_fill(~valid, 0).view(-1), mask, None, None)
-        return _Padded(b, q_max, idx.masked_fill(~valid, 0).view(-1), mask,
-                       torch.tensor(q_rows, device=self.device), torch.tensor(out_rows, device=self.device))
+        return _Padded(
+            b,
+            q_max,
+            idx.masked_fill(~valid, 0).view(-1),
+            mask,
+            torch.tensor(q_rows, device=self.device),
+            torch.tensor(out_rows, device=self.device),
+        )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention",
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         pool = batch.kv_pool
         nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
         k = k.view(-1, nkv, hd)
@@ -143,34 +183,56 @@ class TorchNativeBackend(AttentionBackend):
         q = q.view(-1, nh, hd)
         out = torch.empty_like(q)
         for start, q_len, slots, mask in batch.attn_meta:
-            qi = q[start:start + q_len].transpose(0, 1)
+            qi = q[start : start + q_len].transpose(0, 1)
             if slots is None:
-                ki = k[start:start + q_len].transpose(0, 1)
-                vi = v[start:start + q_len].transpose(0, 1)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=True)
+                ki = k[start : start + q_len].transpose(0, 1)
+                vi = v[start : start + q_len].transpose(0, 1)
+                oi = F.scaled_dot_product_attention(
+                    qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=True
+                )
             else:
                 # index_select: several times faster than advanced indexing on CPU.
-                ki = pool.k_buffer[layer.layer_id].index_select(0, slots).transpose(0, 1).to(q.dtype)
-                vi = pool.v_buffer[layer.layer_id].index_select(0, slots).transpose(0, 1).to(q.dtype)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
-            out[start:start + q_len] = oi.transpose(0, 1)
+                ki = (
+                    pool.k_buffer[layer.layer_id].index_select(0, slots).transpose(0, 1).to(q.dtype)
+                )
+                vi = (
+                    pool.v_buffer[layer.layer_id].index_select(0, slots).transpose(0, 1).to(q.dtype)
+                )
+                oi = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True
+                )
+            out[start : start + q_len] = oi.transpose(0, 1)
         return out.view(-1, nh * hd)
 
-    def _forward_padded(self, q: torch.Tensor, layer: "Attention", pool, p: _Padded) -> torch.Tensor:
+    def _forward_padded(self, q: torch.Tensor, layer: Attention, pool, p: _Padded) -> torch.Tensor:
         nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
         group = nh // nkv
         b, nq = p.batch, p.queries
-        k_all = pool.k_buffer[layer.layer_id].index_select(0, p.kv_idx).view(b, -1, nkv, hd).transpose(1, 2)
-        v_all = pool.v_buffer[layer.layer_id].index_select(0, p.kv_idx).view(b, -1, nkv, hd).transpose(1, 2)
+        k_all = (
+            pool.k_buffer[layer.layer_id]
+            .index_select(0, p.kv_idx)
+            .view(b, -1, nkv, hd)
+            .transpose(1, 2)
+        )
+        v_all = (
+            pool.v_buffer[layer.layer_id]
+            .index_select(0, p.kv_idx)
+            .view(b, -1, nkv, hd)
+            .transpose(1, 2)
+        )
         q = q.view(-1, nh, hd)
         if p.q_rows is not None:
             q = q.index_select(0, p.q_rows)
         # Query heads of one KV head side by side along the query axis: [B, nkv, group * Q, hd].
-        qg = q.view(b, nq, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, nkv, group * nq, hd).to(k_all.dtype)
+        qg = (
+            q.view(b, nq, nkv, group, hd)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(b, nkv, group * nq, hd)
+            .to(k_all.dtype)
+        )
         mask = p.mask[:, None].expand(b, group, nq, -1).reshape(b, 1, group * nq, -1)
         out = F.scaled_dot_product_attention(qg, k_all, v_all, attn_mask=mask, scale=layer.scaling)
         out = out.view(b, nkv, group, nq, hd).permute(0, 3, 1, 2, 4).reshape(b * nq, nh * hd)
         if p.out_rows is not None:
             out = out.index_select(0, p.out_rows)
         return out.to(q.dtype)
-

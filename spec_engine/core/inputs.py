@@ -8,9 +8,9 @@ from typing import Any, Optional, Union
 
 from transformers import PreTrainedTokenizerBase
 
-from spec_engine.layers.sampler import derive_seed
 from spec_engine.core.request import Req, ReqInput
 from spec_engine.core.sampling_params import SamplingParams
+from spec_engine.layers.sampler import derive_seed
 
 Prompt = Union[str, list[str], None]
 InputIds = Union[list[int], list[list[int]], None]
@@ -25,8 +25,16 @@ class RequestBuilder:
     and the submission order.
     """
 
-    def __init__(self, tokenizer: Optional[PreTrainedTokenizerBase], vocab_size: int, context_len: int,
-                 kv_tokens: int, kv_headroom: int, page_size: int, random_seed: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Optional[PreTrainedTokenizerBase],
+        vocab_size: int,
+        context_len: int,
+        kv_tokens: int,
+        kv_headroom: int,
+        page_size: int,
+        random_seed: int,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
@@ -36,21 +44,38 @@ class RequestBuilder:
         self.random_seed = random_seed
         self._submitted = 0  # requests submitted so far: the default per-request seed index
 
-    def build(self, prompt: Prompt, input_ids: InputIds, sampling_params: Params, return_logprob: bool,
-              top_logprobs_num: int, rid: Union[str, list[str], None], stream: bool) -> tuple[list[Req], bool]:
-        """Validate a call and expand it into requests (n per prompt); raises ValueError naming the field."""
+    def build(
+        self,
+        prompt: Prompt,
+        input_ids: InputIds,
+        sampling_params: Params,
+        return_logprob: bool,
+        top_logprobs_num: int,
+        rid: Union[str, list[str], None],
+        stream: bool,
+    ) -> tuple[list[Req], bool]:
+        """Validate a call and expand it into requests (n per prompt); raises ValueError naming the
+        field."""
         ids_list, single = self._tokenize(prompt, input_ids)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids_list):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(ids_list)} prompts")
+                raise ValueError(
+                    f"sampling_params has {len(sampling_params)} entries for {len(ids_list)} "
+                    "prompts"
+                )
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
         if not isinstance(return_logprob, bool):
             raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
-        if (isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int)
-                or not 0 <= top_logprobs_num <= self.vocab_size):
-            raise ValueError(f"top_logprobs_num must be an integer in [0, vocab size], got {top_logprobs_num!r}")
+        if (
+            isinstance(top_logprobs_num, bool)
+            or not isinstance(top_logprobs_num, int)
+            or not 0 <= top_logprobs_num <= self.vocab_size
+        ):
+            raise ValueError(
+                f"top_logprobs_num must be an integer in [0, vocab size], got {top_logprobs_num!r}"
+            )
         if not isinstance(stream, bool):
             raise ValueError(f"stream must be true or false, got {stream!r}")
         rids = self._rids(rid, len(ids_list))
@@ -63,17 +88,21 @@ class RequestBuilder:
                 else:
                     seed = derive_seed(self.random_seed, self._submitted)
                     self._submitted += 1
-                reqs.append(Req(ReqInput(
-                    rid=base_rid if sp.n == 1 else f"{base_rid}-{i}",
-                    parent_rid=None if sp.n == 1 else base_rid,
-                    origin_input_ids=tuple(ids),
-                    sampling_params=sp,
-                    seed=seed,
-                    return_logprob=return_logprob,
-                    # As in SGLang, top log-probs come only with return_logprob.
-                    top_logprobs_num=top_logprobs_num if return_logprob else 0,
-                    stream=stream,
-                )))
+                reqs.append(
+                    Req(
+                        ReqInput(
+                            rid=base_rid if sp.n == 1 else f"{base_rid}-{i}",
+                            parent_rid=None if sp.n == 1 else base_rid,
+                            origin_input_ids=tuple(ids),
+                            sampling_params=sp,
+                            seed=seed,
+                            return_logprob=return_logprob,
+                            # As in SGLang, top log-probs come only with return_logprob.
+                            top_logprobs_num=top_logprobs_num if return_logprob else 0,
+                            stream=stream,
+                        )
+                    )
+                )
         return reqs, single and len(reqs) == 1
 
     def _tokenize(self, prompt: Prompt, input_ids: InputIds) -> tuple[list[list[int]], bool]:
@@ -82,16 +111,25 @@ class RequestBuilder:
         vocab = self.vocab_size
         if prompt is not None:
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer, but the engine runs with --skip-tokenizer-init; send input_ids")
+                raise ValueError(
+                    "a text prompt needs a tokenizer, but the engine runs with "
+                    "--skip-tokenizer-init; send input_ids"
+                )
             single = isinstance(prompt, str)
             prompts = [prompt] if single else prompt
-            if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+            if (
+                not isinstance(prompts, list)
+                or not prompts
+                or not all(isinstance(p, str) for p in prompts)
+            ):
                 raise ValueError("prompt must be a string or a non-empty list of strings")
             if any(p == "" for p in prompts):
                 raise ValueError("prompt is empty; give at least one token of text")
             return [self.tokenizer(p)["input_ids"] for p in prompts], single
         if not isinstance(input_ids, list) or not input_ids:
-            raise ValueError("input_ids must be a non-empty list of token ids (or a list of such lists)")
+            raise ValueError(
+                "input_ids must be a non-empty list of token ids (or a list of such lists)"
+            )
         single = not isinstance(input_ids[0], list)
         batch = [input_ids] if single else input_ids
         for ids in batch:
@@ -101,39 +139,55 @@ class RequestBuilder:
                 if isinstance(t, bool) or not isinstance(t, int):
                     raise ValueError(f"input_ids must hold integers, got {t!r}")
                 if not 0 <= t < vocab:
-                    raise ValueError(f"input_ids has token id {t}, outside the vocabulary [0, {vocab})")
+                    raise ValueError(
+                        f"input_ids has token id {t}, outside the vocabulary [0, {vocab})"
+                    )
         return batch, single
 
     def _check_request(self, ids: list[int], sp: SamplingParams) -> SamplingParams:
         """Refuse what the engine cannot serve; resolve max_new_tokens=None to what fits."""
         sp.check_vocab(self.vocab_size)
         if sp.stop and self.tokenizer is None:
-            raise ValueError("sampling_params.stop (strings) needs a tokenizer, but the engine runs with "
-                             "--skip-tokenizer-init; use stop_token_ids")
+            raise ValueError(
+                "sampling_params.stop (strings) needs a tokenizer, but the engine runs with "
+                "--skip-tokenizer-init; use stop_token_ids"
+            )
         n = len(ids)
         page = self.page_size
         # A decode step may hold draft tokens past the request's own sequence.
         pool = self.kv_tokens - self.kv_headroom
         limit = min(self.context_len, pool // page * page)
         if n >= limit:
-            raise ValueError(f"the prompt has {n} tokens, which does not fit the context length {self.context_len}"
-                             f" / KV cache of {self.kv_tokens} tokens; shorten it")
+            raise ValueError(
+                f"the prompt has {n} tokens, which does not fit the context length "
+                f"{self.context_len}"
+                f" / KV cache of {self.kv_tokens} tokens; shorten it"
+            )
         if sp.max_new_tokens is None:
             sp = dataclasses.replace(sp, max_new_tokens=limit - n)
         if n + sp.max_new_tokens > self.context_len:
-            raise ValueError(f"max_new_tokens={sp.max_new_tokens} with a {n}-token prompt exceeds the context length "
-                             f"{self.context_len}; lower max_new_tokens to at most {self.context_len - n}")
+            raise ValueError(
+                f"max_new_tokens={sp.max_new_tokens} with a {n}-token prompt exceeds the context "
+                "length "
+                f"{self.context_len}; lower max_new_tokens to at most {self.context_len - n}"
+            )
         need = -(-(n + sp.max_new_tokens) // page) * page
         if need > pool:
-            raise ValueError(f"the request needs {need} KV tokens (plus {self.kv_tokens - pool} for "
-                             f"speculative drafts) but the KV cache holds {self.kv_tokens}; "
-                             "lower max_new_tokens, or raise --max-total-tokens / --mem-fraction-static")
+            raise ValueError(
+                f"the request needs {need} KV tokens (plus {self.kv_tokens - pool} for "
+                f"speculative drafts) but the KV cache holds {self.kv_tokens}; "
+                "lower max_new_tokens, or raise --max-total-tokens / --mem-fraction-static"
+            )
         return sp
 
     def _rids(self, rid: Union[str, list[str], None], count: int) -> list[str]:
         if rid is None:
             return [uuid.uuid4().hex for _ in range(count)]
         rids = [rid] if isinstance(rid, str) else rid
-        if not isinstance(rids, list) or len(rids) != count or not all(isinstance(r, str) for r in rids):
+        if (
+            not isinstance(rids, list)
+            or len(rids) != count
+            or not all(isinstance(r, str) for r in rids)
+        ):
             raise ValueError(f"rid must be a string per prompt ({count} expected), got {rid!r}")
         return rids

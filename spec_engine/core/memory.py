@@ -10,7 +10,8 @@ buffers.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from spec_engine.core.scheduler import Scheduler
 from spec_engine.runner.base import RunnerBase
@@ -21,7 +22,9 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class MemoryController:
-    def __init__(self, scheduler: Scheduler, runners: Sequence[RunnerBase], weights: WeightUpdater) -> None:
+    def __init__(
+        self, scheduler: Scheduler, runners: Sequence[RunnerBase], weights: WeightUpdater
+    ) -> None:
         self.scheduler = scheduler
         self.runners = list(runners)  # the target first, then the draft (their KV pools and graphs)
         self.weights = weights
@@ -36,7 +39,9 @@ class MemoryController:
         """Stop generating. abort: end every request; retract: put running requests back in the
         queue (their KV released, recomputed on resume); in_place: keep them and their KV."""
         if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}")
+            raise ValueError(
+                f"pause mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}"
+            )
         if mode == "abort":
             self.scheduler.abort_all("generation paused with mode 'abort'")
         elif mode == "retract":
@@ -47,7 +52,8 @@ class MemoryController:
         self.paused = False
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache; refused (False) while requests are queued or running, unless paused."""
+        """Drop the prefix cache; refused (False) while requests are queued or running, unless
+        paused."""
         return self.scheduler.flush_cache(paused=self.paused)
 
     def require_weights(self) -> None:
@@ -60,8 +66,11 @@ class MemoryController:
         tags = check_tags(tags)
         if "kv_cache" in tags and "kv_cache" not in self.released:
             if self.scheduler.holds_kv():
-                raise ValueError("cannot release the KV cache while requests hold it; pause_generation with mode "
-                                 "'retract' or 'abort' first")
+                raise ValueError(
+                    "cannot release the KV cache while requests hold it; pause_generation with "
+                    "mode "
+                    "'retract' or 'abort' first"
+                )
             self.scheduler.drop_prefix_cache()
             for runner in self.runners:
                 runner.kv_pool.release()

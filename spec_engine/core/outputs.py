@@ -1,4 +1,5 @@
-"""Request outputs: what the scheduler thread hands over, and the SGLang-style dicts built from it."""
+"""Request outputs: what the scheduler thread hands over, and the SGLang-style dicts built from
+it."""
 
 from __future__ import annotations
 
@@ -29,13 +30,17 @@ class Delivery:
     spec: Optional[tuple[int, int, int]] = None
 
     @classmethod
-    def of(cls, index: int, req: Req, finished: bool, weight_version: str, speculative: bool = False) -> "Delivery":
+    def of(
+        cls, index: int, req: Req, finished: bool, weight_version: str, speculative: bool = False
+    ) -> Delivery:
         start = req.delivered
         return cls(
             index=index,
             new_ids=req.output_ids[start:],
             new_logprobs=req.output_logprobs[start:] if req.input.return_logprob else None,
-            new_top_logprobs=req.output_top_logprobs[start:] if req.input.top_logprobs_num else None,
+            new_top_logprobs=req.output_top_logprobs[start:]
+            if req.input.top_logprobs_num
+            else None,
             finished=finished,
             finish_reason=req.finished_reason if finished else None,
             cached_tokens=req.cached_tokens,
@@ -56,9 +61,16 @@ class RequestOutput:
         self.top_logprobs: list[list[tuple[float, int]]] = []
         self.last: Optional[Delivery] = None
         sp = req.input.sampling_params
-        self.detokenizer = (IncrementalDetokenizer(tokenizer, req.input.origin_input_ids, sp.skip_special_tokens,
-                                                   sp.spaces_between_special_tokens)
-                            if tokenizer is not None and req.input.stream else None)
+        self.detokenizer = (
+            IncrementalDetokenizer(
+                tokenizer,
+                req.input.origin_input_ids,
+                sp.skip_special_tokens,
+                sp.spaces_between_special_tokens,
+            )
+            if tokenizer is not None and req.input.stream
+            else None
+        )
 
     @property
     def finished(self) -> bool:
@@ -92,18 +104,24 @@ class RequestOutput:
         if d.spec is not None:
             verify_ct, emitted, drafted = d.spec
             accepted = emitted - verify_ct
-            meta.update({
-                "spec_verify_ct": verify_ct,
-                # SGLang's count: tokens per verify pass, accepted drafts plus the bonus token.
-                "spec_accept_length": emitted / verify_ct if verify_ct else 0.0,
-                "spec_accept_token_num": accepted,
-                "spec_draft_token_num": drafted,
-                "spec_accept_rate": accepted / drafted if drafted else 0.0,
-            })
+            meta.update(
+                {
+                    "spec_verify_ct": verify_ct,
+                    # SGLang's count: tokens per verify pass, accepted drafts plus the bonus token.
+                    "spec_accept_length": emitted / verify_ct if verify_ct else 0.0,
+                    "spec_accept_token_num": accepted,
+                    "spec_draft_token_num": drafted,
+                    "spec_accept_rate": accepted / drafted if drafted else 0.0,
+                }
+            )
         if self.req.input.return_logprob:
-            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(self.logprobs, self.ids)]
+            meta["output_token_logprobs"] = [
+                (lp, t, None) for lp, t in zip(self.logprobs, self.ids)
+            ]
             if self.req.input.top_logprobs_num:
-                meta["output_top_logprobs"] = [[(lp, t, None) for lp, t in top] for top in self.top_logprobs]
+                meta["output_top_logprobs"] = [
+                    [(lp, t, None) for lp, t in top] for top in self.top_logprobs
+                ]
         out = {"text": self._text(), "output_ids": list(self.ids), "meta_info": meta}
         if index is not None:
             out["index"] = index
@@ -114,12 +132,16 @@ class RequestOutput:
             return None
         sp = self.req.input.sampling_params
         if not self.finished:
-            return _hold_back_stop_prefix(self.detokenizer.text, sp.stop) if self.detokenizer else None
+            return (
+                _hold_back_stop_prefix(self.detokenizer.text, sp.stop) if self.detokenizer else None
+            )
         fr = self.last.finish_reason
         matched = fr.get("matched") if fr else None
         trim = not sp.no_stop_trim and fr is not None and fr["type"] == "stop"
         ids = self.ids[:-1] if trim and isinstance(matched, int) else self.ids
-        text = decode_text(self.tokenizer, ids, sp.skip_special_tokens, sp.spaces_between_special_tokens)
+        text = decode_text(
+            self.tokenizer, ids, sp.skip_special_tokens, sp.spaces_between_special_tokens
+        )
         if trim and isinstance(matched, str):
             pos = text.find(matched)
             if pos >= 0:

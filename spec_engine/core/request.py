@@ -4,8 +4,9 @@ input (ReqInput) and the state that changes."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from spec_engine.core.sampling_params import SamplingParams
 
@@ -32,12 +33,13 @@ class ReqInput:
 
 @dataclass(eq=False)
 class Req:
-    """A request in the scheduler: its fixed `input`, and what the scheduler and the worker change."""
+    """A request in the scheduler: its fixed `input`, and what the scheduler and the worker
+    change."""
 
     input: ReqInput
     # Set by the engine before submission: called from the scheduler thread with (req, finished)
     # when there is output to deliver; `delivered` counts the output tokens handed over so far.
-    on_output: Optional[Callable[["Req", bool], None]] = None
+    on_output: Optional[Callable[[Req, bool], None]] = None
     delivered: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -76,7 +78,9 @@ class Req:
         return self.finished_reason is not None
 
     def max_new_tokens(self) -> int:
-        assert self.input.sampling_params.max_new_tokens is not None, "max_new_tokens is resolved at admission"
+        assert self.input.sampling_params.max_new_tokens is not None, (
+            "max_new_tokens is resolved at admission"
+        )
         return self.input.sampling_params.max_new_tokens
 
     def banned_tokens(self, eos_token_ids: frozenset[int], ahead: int = 0) -> list[int]:
@@ -87,7 +91,9 @@ class Req:
             return []
         return sorted(eos_token_ids.union(sp.stop_token_ids or ()))
 
-    def check_finished(self, eos_token_ids: frozenset[int], decode_tail: Optional[Callable[[list[int]], str]]) -> None:
+    def check_finished(
+        self, eos_token_ids: frozenset[int], decode_tail: Optional[Callable[[list[int]], str]]
+    ) -> None:
         """Set finished_reason if the last emitted token ends the request (SGLang's rules)."""
         if self.finished_reason is not None:
             return
@@ -100,12 +106,14 @@ class Req:
             return
         last = self.output_ids[-1]
         # As in SGLang, ignore_eos also ignores stop_token_ids.
-        if not sp.ignore_eos and (last in eos_token_ids or (sp.stop_token_ids and last in sp.stop_token_ids)):
+        if not sp.ignore_eos and (
+            last in eos_token_ids or (sp.stop_token_ids and last in sp.stop_token_ids)
+        ):
             self.finished_reason = {"type": "stop", "matched": last}
             return
         if sp.stop and decode_tail is not None:
             longest = max(len(s) for s in sp.stop)
-            tail = decode_tail(self.output_ids[-(longest + _STOP_TAIL_EXTRA_TOKENS):])
+            tail = decode_tail(self.output_ids[-(longest + _STOP_TAIL_EXTRA_TOKENS) :])
             for stop in sp.stop:
                 if stop in tail:
                     self.finished_reason = {"type": "stop", "matched": stop}

@@ -39,7 +39,7 @@ class SamplingParams:
     sampling_seed: Optional[int] = None
 
     @classmethod
-    def from_dict(cls, params: Optional[dict[str, Any]]) -> "SamplingParams":
+    def from_dict(cls, params: Optional[dict[str, Any]]) -> SamplingParams:
         """Parse a request's sampling_params dict; unknown keys and bad values raise ValueError."""
         if params is None:
             return cls()
@@ -52,9 +52,14 @@ class SamplingParams:
                 kwargs[key] = value
             elif key in _NEUTRAL_UNSUPPORTED:
                 if value not in (None, _NEUTRAL_UNSUPPORTED[key]):
-                    raise ValueError(f"sampling_params.{key} is not supported by specrl (only {_NEUTRAL_UNSUPPORTED[key]!r} is accepted)")
+                    raise ValueError(
+                        f"sampling_params.{key} is not supported by specrl (only "
+                        f"{_NEUTRAL_UNSUPPORTED[key]!r} is accepted)"
+                    )
             else:
-                raise ValueError(f"unknown sampling parameter {key!r}; supported: {', '.join(sorted(known))}")
+                raise ValueError(
+                    f"unknown sampling parameter {key!r}; supported: {', '.join(sorted(known))}"
+                )
         sp = cls(**kwargs)
         sp.validate()
         return sp
@@ -69,7 +74,9 @@ class SamplingParams:
         _number("min_p", self.min_p)
         _int("top_k", self.top_k, minimum=-1)
         if self.temperature < 0:
-            raise ValueError(f"sampling_params.temperature must be >= 0 (0 means greedy), got {self.temperature}")
+            raise ValueError(
+                f"sampling_params.temperature must be >= 0 (0 means greedy), got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0:
@@ -77,23 +84,46 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"sampling_params.min_p must be in [0, 1], got {self.min_p}")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(f"sampling_params.min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens})")
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            raise ValueError(
+                f"sampling_params.min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "no_stop_trim",
+        ):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"sampling_params.{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"sampling_params.{name} must be true or false, got {getattr(self, name)!r}"
+                )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
-            if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"sampling_params.stop must be a non-empty string or a list of them, got {self.stop!r}")
+            if not isinstance(self.stop, list) or not all(
+                isinstance(s, str) and s for s in self.stop
+            ):
+                raise ValueError(
+                    "sampling_params.stop must be a non-empty string or a list of them, got "
+                    f"{self.stop!r}"
+                )
         if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
-                raise ValueError(f"sampling_params.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            if not isinstance(self.stop_token_ids, list) or not all(
+                _is_int(t) for t in self.stop_token_ids
+            ):
+                raise ValueError(
+                    "sampling_params.stop_token_ids must be a list of token ids, got "
+                    f"{self.stop_token_ids!r}"
+                )
 
     def check_vocab(self, vocab_size: int) -> None:
         for t in self.stop_token_ids or []:
             if not 0 <= t < vocab_size:
-                raise ValueError(f"sampling_params.stop_token_ids has {t}, outside the vocabulary [0, {vocab_size})")
+                raise ValueError(
+                    f"sampling_params.stop_token_ids has {t}, outside the vocabulary [0, "
+                    f"{vocab_size})"
+                )
 
     @property
     def is_greedy(self) -> bool:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, Optional
-
+from collections.abc import Callable
+from typing import Optional
 
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.core.request import Req
@@ -24,18 +24,25 @@ from spec_engine.mem.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
 
-CLIP_MAX_NEW_TOKENS = 4096          # cap on one request's future tokens counted in the reserve
+CLIP_MAX_NEW_TOKENS = 4096  # cap on one request's future tokens counted in the reserve
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
-NEW_TOKEN_RATIO_DECAY_STEPS = 600   # steps to decay from the initial to the minimum ratio
+NEW_TOKEN_RATIO_DECAY_STEPS = 600  # steps to decay from the initial to the minimum ratio
 
 
 class Scheduler:
     """Admission, batching, retraction and outputs over one worker. Whether generation may run
-    at all (pause, released memory) is core.memory.MemoryController's to say, not the scheduler's."""
+    at all (pause, released memory) is core.memory.MemoryController's to say, not the
+    scheduler's."""
 
-    def __init__(self, args: EngineArgs, worker: ModelWorker, tree_cache: RadixCache, eos_token_ids: frozenset[int],
-                 decode_tail: Optional[Callable[[list[int]], str]] = None) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        worker: ModelWorker,
+        tree_cache: RadixCache,
+        eos_token_ids: frozenset[int],
+        decode_tail: Optional[Callable[[list[int]], str]] = None,
+    ) -> None:
         self.args = args
         self.worker = worker
         self.tree_cache = tree_cache
@@ -47,7 +54,9 @@ class Scheduler:
         self.max_running = args.max_running_requests
         chunk = args.chunked_prefill_size
         self.chunking = chunk != -1
-        self.prefill_budget = min(args.max_prefill_tokens, chunk) if self.chunking else args.max_prefill_tokens
+        self.prefill_budget = (
+            min(args.max_prefill_tokens, chunk) if self.chunking else args.max_prefill_tokens
+        )
         self.init_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness)
         self.min_ratio = min(self.init_ratio, MIN_NEW_TOKEN_RATIO * args.schedule_conservativeness)
         self.new_token_ratio = self.init_ratio
@@ -58,9 +67,10 @@ class Scheduler:
         self.prefilling: list[Req] = []
         self.num_retractions = 0
         self.last_gen_throughput = 0.0
-        self.spec_verify_ct = 0   # verify passes, engine-wide
-        self.spec_emitted = 0     # tokens those passes emitted
-        # Bumped when weights change and cached KV is dropped; KV from an older epoch is never shared.
+        self.spec_verify_ct = 0  # verify passes, engine-wide
+        self.spec_emitted = 0  # tokens those passes emitted
+        # Bumped when weights change and cached KV is dropped; KV from an older epoch is never
+        # shared.
         self.weight_epoch = 0
 
     # ------------------------------------------------------------ public
@@ -109,7 +119,11 @@ class Scheduler:
             result = self.worker.decode(self.running)
             n = self._process_outputs(self.running, result)
             self.last_gen_throughput = n / max(time.perf_counter() - start, 1e-9)
-            self.new_token_ratio = max(self.min_ratio, self.new_token_ratio - (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS)
+            self.new_token_ratio = max(
+                self.min_ratio,
+                self.new_token_ratio
+                - (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS,
+            )
 
     def abort(self, rid: str, message: str = "aborted by request") -> int:
         """Abort every request with this rid (or whose n-sample parent has it); returns how many."""
@@ -186,7 +200,11 @@ class Scheduler:
             if req.extend_len < remaining:
                 return batch
             self.chunked = None  # its last chunk; its KV was reserved (see _reserved_tokens)
-        prompts_in_batch = {tuple(r.input.origin_input_ids) for r in batch} if not self.tree_cache.disable else set()
+        prompts_in_batch = (
+            {tuple(r.input.origin_input_ids) for r in batch}
+            if not self.tree_cache.disable
+            else set()
+        )
         admitted: list[Req] = []
         for req in self.waiting:
             if budget <= 0 or len(self.running) + len(batch) >= self.max_running:
@@ -195,16 +213,24 @@ class Scheduler:
                 break
             prefix, node = self.tree_cache.match_prefix(req.fill_ids[:-1])
             if self.worker.prefix_backoff and len(prefix):
-                prefix, node = self.tree_cache.match_prefix(req.fill_ids[: len(prefix) - self.worker.prefix_backoff])
+                prefix, node = self.tree_cache.match_prefix(
+                    req.fill_ids[: len(prefix) - self.worker.prefix_backoff]
+                )
             prefix_len = len(prefix)
-            cacheable = (req.seq_len - 1) // self.page_size * self.page_size - self.worker.prefix_backoff
+            cacheable = (
+                req.seq_len - 1
+            ) // self.page_size * self.page_size - self.worker.prefix_backoff
             if prefix_len < cacheable and tuple(req.input.origin_input_ids) in prompts_in_batch:
                 continue  # an identical prompt is being prefilled: reuse its KV next step
             extend = req.seq_len - prefix_len
             future = min(req.max_new_tokens() - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
             # Locking the matched prefix takes it out of the evictable room as well.
-            need = (self.allocator.pages_needed([prefix_len], [req.seq_len]) * self.page_size
-                    + future * self.new_token_ratio + self.tree_cache.unlocked_len(node) + self.worker.decode_headroom())
+            need = (
+                self.allocator.pages_needed([prefix_len], [req.seq_len]) * self.page_size
+                + future * self.new_token_ratio
+                + self.tree_cache.unlocked_len(node)
+                + self.worker.decode_headroom()
+            )
             if need > rem_tokens and (batch or self.running):
                 break
             n = min(extend, budget) if self.chunking else extend
@@ -257,7 +283,9 @@ class Scheduler:
             sub = StepResult(
                 tokens=[result.tokens[i] for i in idx],
                 logprobs=[result.logprobs[i] for i in idx] if result.logprobs is not None else None,
-                top_logprobs=[result.top_logprobs[i] for i in idx] if result.top_logprobs is not None else None,
+                top_logprobs=[result.top_logprobs[i] for i in idx]
+                if result.top_logprobs is not None
+                else None,
             )
             self._process_outputs(finished_prefill, sub)
 
@@ -271,10 +299,15 @@ class Scheduler:
                 victim, self.chunked = self.chunked, None
             elif len(self.running) > 1:
                 # SGLang's choice: the request with the fewest outputs, then the longest prompt.
-                victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.input.origin_input_ids)))
+                victim = min(
+                    self.running, key=lambda r: (len(r.output_ids), -len(r.input.origin_input_ids))
+                )
                 self.running.remove(victim)
             else:
-                raise RuntimeError("a single request does not fit in the KV cache; admission should have refused it")
+                raise RuntimeError(
+                    "a single request does not fit in the KV cache; admission should have refused "
+                    "it"
+                )
             self._release_kv(victim)
             victim.retractions += 1
             retracted.append(victim)
@@ -283,13 +316,17 @@ class Scheduler:
             self.waiting.extendleft(reversed(retracted))
             self.num_retractions += len(retracted)
             self.new_token_ratio = self.init_ratio
-            logger.warning("KV cache full: retracted %d request(s); they resume when memory frees up "
-                           "(raise --max-total-tokens or lower --max-running-requests to avoid this)", len(retracted))
+            logger.warning(
+                "KV cache full: retracted %d request(s); they resume when memory frees up "
+                "(raise --max-total-tokens or lower --max-running-requests to avoid this)",
+                len(retracted),
+            )
 
     # ------------------------------------------------------------ outputs
 
     def _process_outputs(self, reqs: list[Req], result: StepResult) -> int:
-        """Append emitted tokens, finish and release requests that are done; returns tokens added."""
+        """Append emitted tokens, finish and release requests that are done; returns tokens
+        added."""
         added = 0
         for i, req in enumerate(reqs):
             before = len(req.output_ids)
@@ -314,7 +351,10 @@ class Scheduler:
                 self._trim_kv(req)
                 self._release_kv(req)
                 self._notify(req, True)
-            elif req.input.stream and len(req.output_ids) - req.delivered >= self.args.stream_interval:
+            elif (
+                req.input.stream
+                and len(req.output_ids) - req.delivered >= self.args.stream_interval
+            ):
                 self._notify(req, False)
         if any(r.finished for r in reqs):
             self.running = [r for r in self.running if not r.finished]
@@ -324,9 +364,13 @@ class Scheduler:
         """A speculative step can compute KV past the token a request stopped at: free it."""
         if req.kv_len <= req.seq_len:
             return
-        first_free = -(-req.seq_len // self.page_size) * self.page_size  # pages still holding kept tokens stay
+        first_free = (
+            -(-req.seq_len // self.page_size) * self.page_size
+        )  # pages still holding kept tokens stay
         if first_free < req.kv_len:
-            self.allocator.free(self.req_to_token.read(req.req_pool_idx, req.kv_len, start=first_free))
+            self.allocator.free(
+                self.req_to_token.read(req.req_pool_idx, req.kv_len, start=first_free)
+            )
         req.kv_len = req.seq_len
 
     def _notify(self, req: Req, finished: bool) -> None:

@@ -8,15 +8,16 @@ tokens per request per decode step.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import torch
 
+from spec_engine.core.request import Req
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.sampler import Sampler, SamplingBatch, request_uniform
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
-from spec_engine.core.request import Req
 
 # alloc_kv(start_lens, end_lens, last_slots) -> slots; evicts cached prefixes when needed.
 AllocFn = Callable[[Sequence[int], Sequence[int], Sequence[int]], torch.Tensor]
@@ -34,7 +35,9 @@ class StepResult:
 
 
 class ModelWorker:
-    def __init__(self, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int]
+    ) -> None:
         self.runner = runner
         self.alloc_kv = alloc_kv
         self.eos_token_ids = eos_token_ids
@@ -60,7 +63,9 @@ class ModelWorker:
         """Compute KV for each request's next `extend_len` tokens; sample where the prompt ends."""
         return self._prefill(reqs)[0]
 
-    def _prefill(self, reqs: Sequence[Req], capture_hidden: bool = False) -> tuple[StepResult, ForwardOutput, list[int], list[int]]:
+    def _prefill(
+        self, reqs: Sequence[Req], capture_hidden: bool = False
+    ) -> tuple[StepResult, ForwardOutput, list[int], list[int]]:
         starts = [r.kv_len for r in reqs]
         ends = [r.kv_len + r.extend_len for r in reqs]
         out_loc = self._alloc(reqs, starts, ends)
@@ -128,13 +133,17 @@ class ModelWorker:
         out_loc = self.alloc_kv(starts, ends, last_slots)
         offset = 0
         for r, s, e in zip(reqs, starts, ends):
-            table.write(r.req_pool_idx, s, out_loc[offset:offset + e - s])
+            table.write(r.req_pool_idx, s, out_loc[offset : offset + e - s])
             offset += e - s
         return out_loc
 
-    def _sample_into(self, result: StepResult, logits: torch.Tensor, reqs: Sequence[Req], rows: Sequence[int]) -> None:
+    def _sample_into(
+        self, result: StepResult, logits: torch.Tensor, reqs: Sequence[Req], rows: Sequence[int]
+    ) -> None:
         """Sample one token per logits row; row j belongs to request rows[j] of the result."""
-        sampled = self.sampler(logits, sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids))
+        sampled = self.sampler(
+            logits, sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids)
+        )
         if sampled.logprobs is not None:
             result.logprobs = [[] for _ in result.tokens]
         if sampled.top_logprobs is not None:
@@ -144,14 +153,20 @@ class ModelWorker:
             if sampled.logprobs is not None:
                 result.logprobs[i].append(sampled.logprobs[j])
             if sampled.top_logprobs is not None:
-                result.top_logprobs[i].append(sampled.top_logprobs[j][: reqs[j].input.top_logprobs_num])
+                result.top_logprobs[i].append(
+                    sampled.top_logprobs[j][: reqs[j].input.top_logprobs_num]
+                )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
 
-def sampling_batch(reqs: Sequence[Req], vocab_size: int, device: torch.device,
-                   eos_token_ids: frozenset[int] = frozenset()) -> SamplingBatch:
+def sampling_batch(
+    reqs: Sequence[Req],
+    vocab_size: int,
+    device: torch.device,
+    eos_token_ids: frozenset[int] = frozenset(),
+) -> SamplingBatch:
     """The requests' sampling parameters as one batch of tensors (built once per step)."""
     temps, ks, ps, mins, uniforms, plain, filtered = [], [], [], [], [], [], []
     banned_rows, banned_ids = [], []

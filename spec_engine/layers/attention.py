@@ -12,12 +12,17 @@ class Attention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads "
+                f"{num_kv_heads}"
+            )
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scaling = head_dim ** -0.5
+        self.scaling = head_dim**-0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         return batch.attn_backend.forward(q, k, v, self, batch)

@@ -36,7 +36,9 @@ class RotaryEmbedding(nn.Module):
     derive from the config, so they are neither weights to load nor state to move around.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict[str, Any]]) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict[str, Any]]
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
@@ -51,7 +53,9 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = (freqs.cos().to(device), freqs.sin().to(device))
         return self._cos_sin
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
         cos, sin = self._tables(positions.device)
         cos = cos.index_select(0, positions).unsqueeze(1)

@@ -28,7 +28,7 @@ def _splitmix64(x: int) -> int:
 
 def request_uniform(seed: int, index: int, stream: int = 0) -> float:
     """A uniform in [0, 1) that depends only on (seed, index, stream)."""
-    return (_splitmix64(_splitmix64(seed) ^ _splitmix64((index << 8) | stream)) >> 11) * 2.0 ** -53
+    return (_splitmix64(_splitmix64(seed) ^ _splitmix64((index << 8) | stream)) >> 11) * 2.0**-53
 
 
 def derive_seed(base: int, index: int) -> int:
@@ -39,14 +39,14 @@ def derive_seed(base: int, index: int) -> int:
 class SamplingBatch:
     """Per-row sampling parameters as tensors, built once per step from the requests."""
 
-    temperatures: torch.Tensor   # [B] float; 1.0 where the temperature is 0 (greedy)
-    top_ks: torch.Tensor         # [B] int64, vocab size when disabled
-    top_ps: torch.Tensor         # [B] float
-    min_ps: torch.Tensor         # [B] float
-    uniforms: torch.Tensor       # [B] float64
+    temperatures: torch.Tensor  # [B] float; 1.0 where the temperature is 0 (greedy)
+    top_ks: torch.Tensor  # [B] int64, vocab size when disabled
+    top_ps: torch.Tensor  # [B] float
+    min_ps: torch.Tensor  # [B] float
+    uniforms: torch.Tensor  # [B] float64
     all_greedy: bool
-    unit_temperature: bool       # every row has temperature 1 (no division needed)
-    plain_rows: Optional[torch.Tensor]   # sampled rows without filters
+    unit_temperature: bool  # every row has temperature 1 (no division needed)
+    plain_rows: Optional[torch.Tensor]  # sampled rows without filters
     filter_rows: Optional[torch.Tensor]  # sampled rows with a top-k/top-p/min-p filter
     need_logprobs: bool
     top_logprobs_num: int
@@ -60,8 +60,9 @@ class SampleOutput:
     top_logprobs: Optional[list[list[tuple[float, int]]]]
 
 
-def filtered_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                   min_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def filtered_probs(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply top-k, top-p, min-p to rows of probabilities.
 
     Returns (kept probabilities sorted descending, unnormalised, zero where filtered; their
@@ -99,8 +100,12 @@ class Sampler:
         allowed = logits
         if batch.banned is not None:
             # Draws exclude banned tokens; reported log-probs stay those of the model.
-            allowed = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
-            scaled = scaled.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+            allowed = logits.index_put(
+                batch.banned, torch.tensor(float("-inf"), device=logits.device)
+            )
+            scaled = scaled.index_put(
+                batch.banned, torch.tensor(float("-inf"), device=logits.device)
+            )
         token_ids = allowed.argmax(-1)
         if not batch.all_greedy:
             probs = logp.exp() if batch.banned is None else torch.softmax(scaled, -1)
@@ -109,8 +114,12 @@ class Sampler:
                 token_ids[rows] = inverse_cdf(probs[rows], batch.uniforms[rows])
             if batch.filter_rows is not None:
                 rows = batch.filter_rows
-                kept, ids = filtered_probs(probs[rows], batch.top_ks[rows], batch.top_ps[rows], batch.min_ps[rows])
-                token_ids[rows] = ids.gather(1, inverse_cdf(kept, batch.uniforms[rows])[:, None]).squeeze(1)
+                kept, ids = filtered_probs(
+                    probs[rows], batch.top_ks[rows], batch.top_ps[rows], batch.min_ps[rows]
+                )
+                token_ids[rows] = ids.gather(
+                    1, inverse_cdf(kept, batch.uniforms[rows])[:, None]
+                ).squeeze(1)
         logprobs = top = None
         if batch.need_logprobs:
             logprobs = logp.gather(1, token_ids[:, None]).squeeze(1).tolist()

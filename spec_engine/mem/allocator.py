@@ -7,7 +7,8 @@ request fills its last page before taking a new one. Page 0 is the reserved dumm
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -15,7 +16,9 @@ import torch
 class PageAllocator:
     def __init__(self, num_tokens: int, page_size: int, device: torch.device) -> None:
         if num_tokens < page_size:
-            raise ValueError(f"KV pool of {num_tokens} tokens is smaller than one page ({page_size})")
+            raise ValueError(
+                f"KV pool of {num_tokens} tokens is smaller than one page ({page_size})"
+            )
         self.page_size = page_size
         self.num_pages = num_tokens // page_size
         self.device = device
@@ -37,7 +40,9 @@ class PageAllocator:
         p = self.page_size
         return sum(-(-end // p) - (-(-start // p)) for start, end in zip(start_lens, end_lens))
 
-    def alloc(self, start_lens: Sequence[int], end_lens: Sequence[int], last_slots: Sequence[int]) -> Optional[torch.Tensor]:
+    def alloc(
+        self, start_lens: Sequence[int], end_lens: Sequence[int], last_slots: Sequence[int]
+    ) -> Optional[torch.Tensor]:
         """Slots for positions [start, end) of each request, concatenated; None if out of pages.
 
         `last_slots[i]` is the slot of position start-1 (ignored when start is page-aligned).
@@ -48,8 +53,8 @@ class PageAllocator:
             return None
         if p == 1:
             total = sum(end - start for start, end in zip(start_lens, end_lens))
-            slots = self._free[len(self._free) - total:]
-            del self._free[len(self._free) - total:]
+            slots = self._free[len(self._free) - total :]
+            del self._free[len(self._free) - total :]
             return torch.tensor(slots, dtype=torch.int64, device=self.device)
         out: list[int] = []
         for start, end, last in zip(start_lens, end_lens, last_slots):

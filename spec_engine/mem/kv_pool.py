@@ -12,8 +12,16 @@ class KVPool:
     point there, so it is kept zero-initialised and never handed to a request.
     """
 
-    def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_tokens: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.num_tokens = num_tokens
         self.page_size = page_size
         self.dtype = dtype
@@ -25,10 +33,16 @@ class KVPool:
     def allocate(self) -> None:
         # torch.empty: slots are always written before they are read, and on CPU an untouched
         # allocation costs no RAM, so a generous pool is free until it is used.
-        self.k_buffer = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_buffer = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k_buffer = [
+            torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.num_layers)
+        ]
+        self.v_buffer = [
+            torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.num_layers)
+        ]
         for buf in self.k_buffer + self.v_buffer:
-            buf[:self.page_size].zero_()
+            buf[: self.page_size].zero_()
 
     def release(self) -> None:
         """Free the buffers (resume_memory_occupation calls allocate again)."""
@@ -53,7 +67,9 @@ class ReqToTokenPool:
         self.size = size
         self.dummy_row = size
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros(
+            (size + 1, max_context_len), dtype=torch.int32, device=device
+        )
         self.reset()
 
     def reset(self) -> None:
@@ -64,14 +80,17 @@ class ReqToTokenPool:
 
     def alloc(self) -> int:
         if not self._free_rows:
-            raise RuntimeError("request-to-token table is full; this is a scheduler bug (admission must check rows)")
+            raise RuntimeError(
+                "request-to-token table is full; this is a scheduler bug (admission must check "
+                "rows)"
+            )
         return self._free_rows.pop()
 
     def free(self, row: int) -> None:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.req_to_token[row, start:start + len(slots)] = slots.to(torch.int32)
+        self.req_to_token[row, start : start + len(slots)] = slots.to(torch.int32)
 
     def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
         return self.req_to_token[row, start:end].to(torch.int64)

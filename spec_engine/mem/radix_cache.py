@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Optional, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -34,8 +35,12 @@ class HoldsKV(Protocol):
 class TreeNode:
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
 
-    def __init__(self, parent: Optional["TreeNode"] = None, key: Optional[list[int]] = None,
-                 value: Optional[torch.Tensor] = None) -> None:
+    def __init__(
+        self,
+        parent: Optional[TreeNode] = None,
+        key: Optional[list[int]] = None,
+        value: Optional[torch.Tensor] = None,
+    ) -> None:
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent = parent
         self.key: list[int] = key or []
@@ -43,13 +48,18 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = next(_tick)
 
-    def __lt__(self, other: "TreeNode") -> bool:
+    def __lt__(self, other: TreeNode) -> bool:
         return self.last_access < other.last_access
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool, page_size: int,
-                 disable: bool = False) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        req_to_token: ReqToTokenPool,
+        page_size: int,
+        disable: bool = False,
+    ) -> None:
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.page_size = page_size
@@ -168,7 +178,9 @@ class RadixCache:
         self._stale_roots = [r for r in self._stale_roots if r.children]
         return freed
 
-    def alloc_slots(self, starts: Sequence[int], ends: Sequence[int], last_slots: Sequence[int]) -> torch.Tensor:
+    def alloc_slots(
+        self, starts: Sequence[int], ends: Sequence[int], last_slots: Sequence[int]
+    ) -> torch.Tensor:
         """KV slots for positions [start, end) of each request (see PageAllocator.alloc),
         evicting cached prefixes when the free pages do not suffice."""
         page = self.page_size
@@ -177,7 +189,9 @@ class RadixCache:
             self.evict(short)
         slots = self.allocator.alloc(starts, ends, last_slots)
         if slots is None:
-            raise RuntimeError("KV cache exhausted although the scheduler reserved room; this is a bug")
+            raise RuntimeError(
+                "KV cache exhausted although the scheduler reserved room; this is a bug"
+            )
         return slots
 
     # ------------------------------------------------------------ request-level
@@ -193,10 +207,10 @@ class RadixCache:
         key = req.fill_ids[:aligned]
         slots = self.req_to_token.read(req.req_pool_idx, aligned)
         already = self.insert(key, slots)
-        self.allocator.free(slots[req.prefix_len:already])
+        self.allocator.free(slots[req.prefix_len : already])
         new_slots, node = self.match_prefix(key)
         assert len(new_slots) == aligned, "radix cache lost a just-inserted prefix"
-        self.req_to_token.write(req.req_pool_idx, req.prefix_len, new_slots[req.prefix_len:])
+        self.req_to_token.write(req.req_pool_idx, req.prefix_len, new_slots[req.prefix_len :])
         self.inc_lock_ref(node)
         self.dec_lock_ref(req.last_node)
         req.prefix_len, req.last_node = aligned, node
@@ -209,12 +223,12 @@ class RadixCache:
         if self.disable:
             self.allocator.free(slots)
         elif not insert:
-            self.allocator.free(slots[req.prefix_len:])
+            self.allocator.free(slots[req.prefix_len :])
             self.dec_lock_ref(req.last_node)
         else:
             aligned = req.kv_len // self.page_size * self.page_size
             already = self.insert(req.fill_ids[:aligned], slots[:aligned])
-            self.allocator.free(slots[req.prefix_len:already])
+            self.allocator.free(slots[req.prefix_len : already])
             self.allocator.free(slots[aligned:])
             self.dec_lock_ref(req.last_node)
         self.req_to_token.free(row)

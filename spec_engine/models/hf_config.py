@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
 # architecture name -> family; the family decides biases and norms the config does not state.
 SUPPORTED_ARCHITECTURES = {
@@ -24,8 +25,12 @@ SUPPORTED_ARCHITECTURES = {
 }
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
 # config.json files without `architectures`: the class their model_type stands for.
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "mimo": "MiMoForCausalLM"}
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mimo": "MiMoForCausalLM",
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # A config directory or config.json path, a config dict, or a transformers PretrainedConfig.
 ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any], Any]
@@ -74,27 +79,35 @@ class ModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
-    def load(cls, source: ConfigSource) -> "ModelConfig":
-        """From a checkpoint directory, a config.json path, a config dict or a transformers config."""
+    def load(cls, source: ConfigSource) -> ModelConfig:
+        """From a checkpoint directory, a config.json path, a config dict or a transformers
+        config."""
         if isinstance(source, Mapping):
             return cls.from_dict(dict(source))
         if isinstance(source, (str, os.PathLike)):
             if os.path.isdir(source):
                 return cls.from_pretrained(os.fspath(source))
             if not os.path.isfile(source):
-                raise ValueError(f"no Hugging Face config at {os.fspath(source)!r}: pass a checkpoint directory "
-                                 "or its config.json")
+                raise ValueError(
+                    f"no Hugging Face config at {os.fspath(source)!r}: pass a checkpoint directory "
+                    "or its config.json"
+                )
             with open(source) as f:
                 return cls.from_dict(json.load(f))
         if hasattr(source, "to_dict"):
             return cls.from_dict(source.to_dict())
-        raise TypeError(f"expected a transformers config, a dict or a path, got {type(source).__name__}")
+        raise TypeError(
+            f"expected a transformers config, a dict or a path, got {type(source).__name__}"
+        )
 
     @classmethod
-    def from_pretrained(cls, model_path: str) -> "ModelConfig":
+    def from_pretrained(cls, model_path: str) -> ModelConfig:
         path = os.path.join(model_path, "config.json")
         if not os.path.isfile(path):
-            raise ValueError(f"no config.json in {model_path!r}: --model-path must be a Hugging Face checkpoint directory")
+            raise ValueError(
+                f"no config.json in {model_path!r}: --model-path must be a Hugging Face checkpoint "
+                "directory"
+            )
         with open(path) as f:
             cfg = json.load(f)
         eos = _as_list(cfg.get("eos_token_id"))
@@ -105,22 +118,33 @@ class ModelConfig:
         return cls.from_dict(cfg, eos_token_ids=eos)
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any], eos_token_ids: Optional[list[int]] = None) -> "ModelConfig":
+    def from_dict(
+        cls, cfg: dict[str, Any], eos_token_ids: Optional[list[int]] = None
+    ) -> ModelConfig:
         archs = cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type", ""), "")]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(f"unsupported architecture {archs!r} (model_type {cfg.get('model_type')!r}); "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {archs!r} (model_type {cfg.get('model_type')!r}); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         family = SUPPORTED_ARCHITECTURES[arch]
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
-            raise ValueError(f"{arch} with sliding-window attention is not supported; use a config with "
-                             "use_sliding_window=false")
+            raise ValueError(
+                f"{arch} with sliding-window attention is not supported; use a config with "
+                "use_sliding_window=false"
+            )
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{arch} with hidden_act={cfg['hidden_act']!r} is not supported; only silu (SwiGLU) is")
+            raise ValueError(
+                f"{arch} with hidden_act={cfg['hidden_act']!r} is not supported; only silu "
+                "(SwiGLU) is"
+            )
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
         if heads % kv_heads:
-            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+            raise ValueError(
+                f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
         hidden = cfg["hidden_size"]
         rope_theta, rope_scaling = rope_from_config(cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -139,17 +163,24 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Qwen3 follow attention_bias.
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Qwen3 follow
+            # attention_bias.
             qkv_bias=True if family == "qwen2" else attention_bias,
             o_bias=False if family == "qwen2" else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=family == "qwen3",
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-            eos_token_ids=list(eos_token_ids if eos_token_ids is not None else _as_list(cfg.get("eos_token_id"))),
-            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if arch == "MiMoForCausalLM" else 0,
+            eos_token_ids=list(
+                eos_token_ids if eos_token_ids is not None else _as_list(cfg.get("eos_token_id"))
+            ),
+            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0)
+            if arch == "MiMoForCausalLM"
+            else 0,
             draft_vocab_size=cfg.get("draft_vocab_size"),
             target_hidden_size=cfg.get("target_hidden_size"),
-            eagle_aux_layer_ids=(cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+            eagle_aux_layer_ids=(cfg.get("eagle_config") or {}).get(
+                "eagle_aux_hidden_state_layer_ids"
+            ),
             hf_config=cfg,
         )
 
@@ -166,7 +197,8 @@ def _as_list(value: Any) -> list[int]:
 
 
 def rope_from_config(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
-    """Rope theta and scaling (None for default rope) from transformers-5 `rope_parameters` or the older keys."""
+    """Rope theta and scaling (None for default rope) from transformers-5 `rope_parameters` or the
+    older keys."""
     params = cfg.get("rope_parameters")
     if params is not None:
         params = dict(params)
@@ -176,7 +208,10 @@ def rope_from_config(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any
         params = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else {}
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if rope_type == "default":
         return float(theta), None
     return float(theta), {"rope_type": rope_type, **params}

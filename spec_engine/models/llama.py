@@ -6,7 +6,8 @@ and scheduling live elsewhere; attention goes through the batch's backend.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +29,22 @@ def make_rotary(config: ModelConfig) -> RotaryEmbedding:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 in_features: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        in_features: Optional[int] = None,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(in_features or config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.qkv_proj = Linear(
+            in_features or config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -45,7 +53,9 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -53,7 +63,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), batch)
+        out = self.attn(
+            q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v.contiguous(), batch
+        )
         return self.o_proj(out)
 
 
@@ -61,7 +73,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,16 +84,25 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, input_norm: bool = True) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, input_norm: bool = True
+    ) -> None:
         super().__init__()
         # EAGLE-2 drafts have no input norm on their first layer (its input is already mixed by fc).
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else None
+        self.input_layernorm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else None
+        )
         self.self_attn = LlamaAttention(config, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             if self.input_layernorm is not None:
@@ -99,12 +122,19 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotary = make_rotary(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.capture_layers = tuple(capture_layers)
 
-    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, batch: ForwardBatch,
-                input_embeds: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        input_embeds: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Returns (final normed hidden states, concatenated captured states or None)."""
         hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual = None
@@ -131,7 +161,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     @staticmethod
-    def eagle3_capture_layers(config: ModelConfig, aux_layer_ids: Optional[Sequence[int]]) -> tuple[int, ...]:
+    def eagle3_capture_layers(
+        config: ModelConfig, aux_layer_ids: Optional[Sequence[int]]
+    ) -> tuple[int, ...]:
         """The layers an EAGLE-3 draft reads: the outputs of the draft config's
         `eagle_aux_hidden_state_layer_ids`, else SGLang's default, the residual stream entering
         layers 2, N//2 and N-3 (clamped for tiny models)."""
@@ -144,12 +176,18 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.model.embed_tokens.tie_to(self.lm_head)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         return self.model(input_ids, positions, batch)
 
-    def draft_forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                      hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_forward(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        hidden: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """As a STANDALONE draft: a plain LM step (no target features)."""
         out, _ = self.model(None, positions, batch, input_embeds=embeds)
         return out, out
@@ -164,20 +202,26 @@ class LlamaForCausalLM(nn.Module):
         spec = {
             "model.embed_tokens.weight": WeightSlot("model.embed_tokens.weight", (c.vocab_size, h)),
             "model.norm.weight": WeightSlot("model.norm.weight", (h,)),
-            "lm_head.weight": WeightSlot("lm_head.weight", (c.vocab_size, h),
-                                         optional=c.tie_word_embeddings),
+            "lm_head.weight": WeightSlot(
+                "lm_head.weight", (c.vocab_size, h), optional=c.tie_word_embeddings
+            ),
         }
         for i in range(c.num_hidden_layers):
             spec.update(decoder_layer_spec(c, f"model.layers.{i}.", f"model.layers.{i}."))
         for i in range(c.num_mtp_layers):
             # MiMo's MTP layers belong to the MTP draft (models/mimo.py); the trunk accepts them.
-            spec.update({name: WeightSlot(None, slot.shape, optional=True)
-                         for name, slot in mtp_layer_spec(c, i, "").items()})
+            spec.update(
+                {
+                    name: WeightSlot(None, slot.shape, optional=True)
+                    for name, slot in mtp_layer_spec(c, i, "").items()
+                }
+            )
         return spec
 
 
-def decoder_layer_spec(c: ModelConfig, src: str, dst: str, attn_in: Optional[int] = None,
-                       input_norm: bool = True) -> dict[str, WeightSlot]:
+def decoder_layer_spec(
+    c: ModelConfig, src: str, dst: str, attn_in: Optional[int] = None, input_norm: bool = True
+) -> dict[str, WeightSlot]:
     """Weight slots of one decoder layer: Hugging Face names under `src`, parameters under `dst`."""
     q = c.num_attention_heads * c.head_dim
     kv = c.num_key_value_heads * c.head_dim
@@ -185,10 +229,18 @@ def decoder_layer_spec(c: ModelConfig, src: str, dst: str, attn_in: Optional[int
     d_in = attn_in or h
     attn, mlp = dst + "self_attn.", dst + "mlp."
     spec: dict[str, WeightSlot] = {}
-    for name, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
-        spec[f"{src}self_attn.{name}.weight"] = WeightSlot(attn + "qkv_proj.weight", (rows[1] - rows[0], d_in), rows)
+    for name, rows in (
+        ("q_proj", (0, q)),
+        ("k_proj", (q, q + kv)),
+        ("v_proj", (q + kv, q + 2 * kv)),
+    ):
+        spec[f"{src}self_attn.{name}.weight"] = WeightSlot(
+            attn + "qkv_proj.weight", (rows[1] - rows[0], d_in), rows
+        )
         if c.qkv_bias:
-            spec[f"{src}self_attn.{name}.bias"] = WeightSlot(attn + "qkv_proj.bias", (rows[1] - rows[0],), rows)
+            spec[f"{src}self_attn.{name}.bias"] = WeightSlot(
+                attn + "qkv_proj.bias", (rows[1] - rows[0],), rows
+            )
     spec[f"{src}self_attn.o_proj.weight"] = WeightSlot(attn + "o_proj.weight", (h, q))
     if c.o_bias:
         spec[f"{src}self_attn.o_proj.bias"] = WeightSlot(attn + "o_proj.bias", (h,))
@@ -204,12 +256,15 @@ def decoder_layer_spec(c: ModelConfig, src: str, dst: str, attn_in: Optional[int
         spec[f"{src}mlp.down_proj.bias"] = WeightSlot(mlp + "down_proj.bias", (h,))
     if input_norm:
         spec[f"{src}input_layernorm.weight"] = WeightSlot(dst + "input_layernorm.weight", (h,))
-    spec[f"{src}post_attention_layernorm.weight"] = WeightSlot(dst + "post_attention_layernorm.weight", (h,))
+    spec[f"{src}post_attention_layernorm.weight"] = WeightSlot(
+        dst + "post_attention_layernorm.weight", (h,)
+    )
     return spec
 
 
 def mtp_layer_spec(c: ModelConfig, index: int, dst: str) -> dict[str, WeightSlot]:
-    """Slots of MiMo's MTP layer `index` (names `model.mtp_layers.{index}.*`) under parameter prefix `dst`."""
+    """Slots of MiMo's MTP layer `index` (names `model.mtp_layers.{index}.*`) under parameter
+    prefix `dst`."""
     src = f"model.mtp_layers.{index}."
     h = c.hidden_size
     spec = decoder_layer_spec(c, src, dst + "block.")

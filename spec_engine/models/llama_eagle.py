@@ -27,11 +27,18 @@ class LlamaForCausalLMEagle(nn.Module):
         h = config.hidden_size
         self.fc = Linear(2 * h, h, bias=True)
         rotary = make_rotary(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, rotary, input_norm=i > 0)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary, input_norm=i > 0)
+            for i in range(config.num_hidden_layers)
+        )
 
-    def draft_forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                      hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_forward(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        hidden: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.fc(torch.cat((embeds, hidden), dim=-1))
         residual = None
         for layer in self.layers:
@@ -45,7 +52,8 @@ class LlamaForCausalLMEagle(nn.Module):
         spec = {
             "fc.weight": WeightSlot("fc.weight", (h, 2 * h)),
             "fc.bias": WeightSlot("fc.bias", (h,)),
-            # Frozen copies of the target's tensors that EAGLE checkpoints ship; the target's are used.
+            # Frozen copies of the target's tensors that EAGLE checkpoints ship; the target's are
+            # used.
             "embed_tokens.weight": WeightSlot(None, (c.vocab_size, h), optional=True),
             "lm_head.weight": WeightSlot(None, (c.vocab_size, h), optional=True),
         }

@@ -32,8 +32,13 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor,
-                batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = hidden
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
         x = self.self_attn(positions, x, batch)
@@ -45,7 +50,10 @@ class LlamaForCausalLMEagle3(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if config.num_hidden_layers != 1:
-            raise ValueError(f"EAGLE-3 drafts with {config.num_hidden_layers} layers are not supported (one midlayer only)")
+            raise ValueError(
+                f"EAGLE-3 drafts with {config.num_hidden_layers} layers are not supported (one "
+                "midlayer only)"
+            )
         self.config = config
         h = config.hidden_size
         target_h = config.target_hidden_size or h
@@ -55,10 +63,17 @@ class LlamaForCausalLMEagle3(nn.Module):
         self.draft_vocab_size = config.draft_vocab_size
         if self.draft_vocab_size is not None:
             self.lm_head = Linear(h, self.draft_vocab_size)
-            self.d2t = nn.Parameter(torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False)
+            self.d2t = nn.Parameter(
+                torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False
+            )
 
-    def draft_forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                      hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_forward(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        hidden: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden)  # target features (3 layers concatenated) at draft extend
         x, residual = self.midlayer(positions, embeds, hidden, batch)
@@ -79,12 +94,14 @@ class LlamaForCausalLMEagle3(nn.Module):
         h = c.hidden_size
         target_h = c.target_hidden_size or h
         spec = decoder_layer_spec(c, "midlayer.", "midlayer.", attn_in=2 * h)
-        spec.update({
-            "midlayer.hidden_norm.weight": WeightSlot("midlayer.hidden_norm.weight", (h,)),
-            "fc.weight": WeightSlot("fc.weight", (h, 3 * target_h)),
-            "norm.weight": WeightSlot("norm.weight", (h,)),
-            "embed_tokens.weight": WeightSlot(None, (c.vocab_size, h), optional=True),
-        })
+        spec.update(
+            {
+                "midlayer.hidden_norm.weight": WeightSlot("midlayer.hidden_norm.weight", (h,)),
+                "fc.weight": WeightSlot("fc.weight", (h, 3 * target_h)),
+                "norm.weight": WeightSlot("norm.weight", (h,)),
+                "embed_tokens.weight": WeightSlot(None, (c.vocab_size, h), optional=True),
+            }
+        )
         if self.fc.bias is not None:
             spec["fc.bias"] = WeightSlot("fc.bias", (h,))
         if self.draft_vocab_size is not None:

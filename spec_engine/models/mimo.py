@@ -34,10 +34,17 @@ class MiMoMTP(nn.Module):
         self.block = LlamaDecoderLayer(config, 0, make_rotary(config))
         self.final_layernorm = RMSNorm(h, config.rms_norm_eps)
 
-    def draft_forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                      hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_forward(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        hidden: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         embeds = embeds.masked_fill((positions == 0)[:, None], 0.0)
-        x = self.input_proj(torch.cat((self.hidden_layernorm(hidden), self.token_layernorm(embeds)), dim=-1))
+        x = self.input_proj(
+            torch.cat((self.hidden_layernorm(hidden), self.token_layernorm(embeds)), dim=-1)
+        )
         x, residual = self.block(positions, x, None, batch)
         out = self.final_layernorm(x + residual)
         return out, out

@@ -31,6 +31,8 @@ def mtp_class(config: ModelConfig) -> type[nn.Module]:
     """The draft module over a target's MTP layers."""
     cls = _MTP_CLASSES.get(config.architecture)
     if cls is None:
-        raise ValueError(f"{config.architecture} has no MTP layers specrl can draft with; supported: "
-                         f"{', '.join(_MTP_CLASSES)}")
+        raise ValueError(
+            f"{config.architecture} has no MTP layers specrl can draft with; supported: "
+            f"{', '.join(_MTP_CLASSES)}"
+        )
     return cls

@@ -9,7 +9,8 @@ replays a batch when a graph fits it. Subclasses say how the model runs eagerly 
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -26,9 +27,18 @@ from spec_engine.runner.self_check import SelfCheckBatches, self_check, self_che
 
 
 class RunnerBase:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, model: nn.Module, kv_pool: KVPool,
-                 table: ReqToTokenPool, allocator: PageAllocator, max_running_requests: int,
-                 graph_pool: Any, graph_specs: Sequence[GraphSpec]) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_config: ModelConfig,
+        model: nn.Module,
+        kv_pool: KVPool,
+        table: ReqToTokenPool,
+        allocator: PageAllocator,
+        max_running_requests: int,
+        graph_pool: Any,
+        graph_specs: Sequence[GraphSpec],
+    ) -> None:
         self.args = args
         self.model_config = model_config
         self.model = model
@@ -38,17 +48,21 @@ class RunnerBase:
         self.device = kv_pool.device
         self.dtype = kv_pool.dtype
         self.graph_pool = graph_pool
-        self.attn_backend = make_backend(args.attention_backend, self.device, model_config, self.dtype)
+        self.attn_backend = make_backend(
+            args.attention_backend, self.device, model_config, self.dtype
+        )
         self.graphs: list[GraphRunner] = []
         if graph_specs:
-            self.graphs = build_graph_runners(args, max_running_requests, table.dummy_row, self.device,
-                                              self.dtype, graph_specs)
+            self.graphs = build_graph_runners(
+                args, max_running_requests, table.dummy_row, self.device, self.dtype, graph_specs
+            )
         self.capture_graphs()
         if self.graphs and args.cuda_graph_self_check:
             self._self_check()
 
-    def _forward(self, batch: ForwardBatch, features: Optional[torch.Tensor] = None,
-                 metadata: bool = True) -> Outputs:
+    def _forward(
+        self, batch: ForwardBatch, features: Optional[torch.Tensor] = None, metadata: bool = True
+    ) -> Outputs:
         """The model over `batch`, eagerly: logits first, then the features drafts read.
         `metadata=False` inside a captured graph, whose batch carries static metadata."""
         raise NotImplementedError
@@ -69,8 +83,13 @@ class RunnerBase:
             self.capture(g)
 
     def capture(self, g: GraphRunner) -> None:
-        g.capture(self._graph_forward, self._bind, self.req_to_token_pool.max_context_len, self.graph_pool,
-                  check_inputs=self.args.cuda_graph_self_check)
+        g.capture(
+            self._graph_forward,
+            self._bind,
+            self.req_to_token_pool.max_context_len,
+            self.graph_pool,
+            check_inputs=self.args.cuda_graph_self_check,
+        )
 
     def release_graphs(self) -> None:
         for g in self.graphs:
@@ -92,6 +111,11 @@ class RunnerBase:
 
     @torch.inference_mode()
     def _self_check(self) -> None:
-        batches = SelfCheckBatches(self.req_to_token_pool, self.allocator, [self.kv_pool],
-                                   self.model_config.vocab_size, self.device)
+        batches = SelfCheckBatches(
+            self.req_to_token_pool,
+            self.allocator,
+            [self.kv_pool],
+            self.model_config.vocab_size,
+            self.device,
+        )
         self_check(self.graphs, self._forward, batches, self_check_tolerance(self.dtype))

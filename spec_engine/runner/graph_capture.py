@@ -16,7 +16,8 @@ checks that the closure still reads the tensors it read at capture (the third ha
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -27,9 +28,15 @@ Outputs = Sequence[Optional[torch.Tensor]]
 _aten = torch.ops.aten
 # Ops that read a value back to the host, or whose output shape depends on tensor values.
 _HOST_SYNC = {
-    _aten.item.default, _aten._local_scalar_dense.default, _aten.is_nonzero.default,
-    _aten.nonzero.default, _aten.masked_select.default, _aten.unique_dim.default,
-    _aten._unique2.default, _aten.unique_consecutive.default, _aten.repeat_interleave.Tensor,
+    _aten.item.default,
+    _aten._local_scalar_dense.default,
+    _aten.is_nonzero.default,
+    _aten.nonzero.default,
+    _aten.masked_select.default,
+    _aten.unique_dim.default,
+    _aten._unique2.default,
+    _aten.unique_consecutive.default,
+    _aten.repeat_interleave.Tensor,
     _aten.repeat_interleave.self_Tensor,
     # torch.tensor(python data): a host-to-device copy on CUDA, and a value frozen at capture
     _aten.lift_fresh.default,
@@ -58,15 +65,24 @@ class CaptureGuard(TorchDispatchMode):
         self.created: set[int] = set()
         self.inputs: set[int] = set()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None
+    ) -> Any:
         kwargs = kwargs or {}
         if self.refuse:
-            bad = func in _HOST_SYNC or (func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default)
-                                         and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                                 for i in (args[1] or ()) if i is not None))
+            bad = func in _HOST_SYNC or (
+                func in (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default)
+                and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                    for i in (args[1] or ())
+                    if i is not None
+                )
+            )
             if bad:
-                raise CaptureError(f"{self.label}: {func} cannot be captured in a CUDA graph (it needs the host "
-                                   "or has a value-dependent shape); move it out of the captured forward")
+                raise CaptureError(
+                    f"{self.label}: {func} cannot be captured in a CUDA graph (it needs the host "
+                    "or has a value-dependent shape); move it out of the captured forward"
+                )
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):
                 s = _storage(t)
@@ -74,7 +90,11 @@ class CaptureGuard(TorchDispatchMode):
                     self.inputs.add(s)
         out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None and s not in self.inputs:
+            if (
+                isinstance(t, torch.Tensor)
+                and (s := _storage(t)) is not None
+                and s not in self.inputs
+            ):
                 self.created.add(s)
         return out
 
@@ -87,7 +107,9 @@ class EmulatedGraph:
     def __init__(self, fn: Callable[[], Outputs], label: str, check_inputs: bool) -> None:
         self.fn, self.label, self.check_inputs = fn, label, check_inputs
         self.inputs: set[int] = set()
-        if check_inputs:  # costs two forwards per size at startup: only with --cuda-graph-self-check
+        if (
+            check_inputs
+        ):  # costs two forwards per size at startup: only with --cuda-graph-self-check
             fn()  # warm-up, as before a CUDA capture: lazily built tables exist from here on
             guard = CaptureGuard(label)
             with guard:
@@ -101,9 +123,12 @@ class EmulatedGraph:
         with guard:
             out = self.fn()
         if guard.inputs != self.inputs:
-            raise CaptureError(f"{self.label}: the captured forward now reads {len(guard.inputs - self.inputs)} "
-                               "tensor(s) it did not read at capture; a real CUDA graph would read the old memory. "
-                               "Tensors a graph reads must be updated in place, or the graphs recaptured")
+            raise CaptureError(
+                f"{self.label}: the captured forward now reads {len(guard.inputs - self.inputs)} "
+                "tensor(s) it did not read at capture; a real CUDA graph would read the old "
+                "memory. "
+                "Tensors a graph reads must be updated in place, or the graphs recaptured"
+            )
         return out
 
 
@@ -113,7 +138,9 @@ class CudaGraph:
     def __init__(self, fn: Callable[[], Outputs], pool: Any) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: lazy inits (cuBLAS workspaces) happen outside capture
+        with torch.cuda.stream(
+            stream
+        ):  # warm-up: lazy inits (cuBLAS workspaces) happen outside capture
             for _ in range(2):
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
@@ -126,8 +153,9 @@ class CudaGraph:
         return self.outputs
 
 
-def capture(fn: Callable[[], Outputs], label: str, device: torch.device, pool: Any,
-            check_inputs: bool) -> "CudaGraph | EmulatedGraph":
+def capture(
+    fn: Callable[[], Outputs], label: str, device: torch.device, pool: Any, check_inputs: bool
+) -> CudaGraph | EmulatedGraph:
     """A CUDA graph of `fn` on CUDA (in `pool`), else its CPU emulation."""
     if device.type == "cuda":
         return CudaGraph(fn, pool)

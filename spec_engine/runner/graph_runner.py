@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -47,19 +48,26 @@ def default_capture_sizes(max_bs: int) -> list[int]:
     return sizes
 
 
-def capture_sizes(cuda_graph_bs: Optional[Sequence[int]], cuda_graph_max_bs: Optional[int],
-                  max_running_requests: int) -> list[int]:
+def capture_sizes(
+    cuda_graph_bs: Optional[Sequence[int]],
+    cuda_graph_max_bs: Optional[int],
+    max_running_requests: int,
+) -> list[int]:
     """The capture list: `--cuda-graph-bs` (deduplicated, sorted) or the default list up to
     `--cuda-graph-max-bs` (auto: min(max running requests, 256)). Sizes above the running
     limit could never run and are dropped, as in SGLang."""
     if cuda_graph_bs:
         sizes = sorted(set(cuda_graph_bs))
     else:
-        sizes = default_capture_sizes(cuda_graph_max_bs or min(max_running_requests, DEFAULT_MAX_BS))
+        sizes = default_capture_sizes(
+            cuda_graph_max_bs or min(max_running_requests, DEFAULT_MAX_BS)
+        )
     kept = [s for s in sizes if s <= max_running_requests]
     if not kept:
-        raise ValueError(f"every --cuda-graph-bs size ({sizes}) exceeds --max-running-requests "
-                         f"{max_running_requests}; give sizes up to it")
+        raise ValueError(
+            f"every --cuda-graph-bs size ({sizes}) exceeds --max-running-requests "
+            f"{max_running_requests}; give sizes up to it"
+        )
     return kept
 
 
@@ -99,9 +107,9 @@ class Padded:
 
     batch: ForwardBatch
     features: Optional[torch.Tensor]
-    size: int                       # the captured size it replays
-    token_rows: torch.Tensor        # padded row of every real token, in the original order
-    out_rows: torch.Tensor          # output row of every real logits row, in the original order
+    size: int  # the captured size it replays
+    token_rows: torch.Tensor  # padded row of every real token, in the original order
+    out_rows: torch.Tensor  # output row of every real logits row, in the original order
 
     def rows(self, out: torch.Tensor) -> torch.Tensor:
         """Outputs at the padded logits rows -> a copy (out of graph memory) at the original's."""
@@ -112,8 +120,15 @@ class GraphRunner:
     """Sizes, static buffers, padding and captured graphs for one GraphSpec. DRAFT_EXTEND
     batches have one logits row per request; other modes have logits at every row."""
 
-    def __init__(self, spec: GraphSpec, sizes: Sequence[int], padding: bool, dummy_row: int,
-                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        spec: GraphSpec,
+        sizes: Sequence[int],
+        padding: bool,
+        dummy_row: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.spec = spec
         self.label, self.mode, self.width = spec.label, spec.mode, spec.width
         self.feature_dim, self.kv_rows = spec.feature_dim, spec.kv_rows
@@ -130,29 +145,48 @@ class GraphRunner:
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.out_cache_loc = torch.full((rows,), DUMMY_SLOT, dtype=torch.int64, device=device)
         self.req_pool_indices = torch.full((reqs,), dummy_row, dtype=torch.int64, device=device)
-        self.seq_lens = torch.full((reqs,), width if self.extend else SEQ_LEN_FILL, dtype=torch.int64, device=device)
+        self.seq_lens = torch.full(
+            (reqs,), width if self.extend else SEQ_LEN_FILL, dtype=torch.int64, device=device
+        )
         self.logits_indices = torch.arange(self.sizes[-1], device=device) * width
         self.dtype = dtype
-        self.features = (None if spec.feature_dim is None
-                         else torch.zeros(rows, spec.feature_dim, dtype=dtype, device=device))
+        self.features = (
+            None
+            if spec.feature_dim is None
+            else torch.zeros(rows, spec.feature_dim, dtype=dtype, device=device)
+        )
         self.kv_indices: Optional[torch.Tensor] = None
         self.kv_mask: Optional[torch.Tensor] = None
         self.live = False  # graphs captured (or capturable on first use) and not released
         self._graphs: dict[tuple[int, int], tuple[ForwardBatch, Any]] = {}
         self._told: set[str] = set()
 
-    def capture(self, forward: ForwardFn, bind: Callable[[ForwardBatch], None], context_len: int,
-                pool: Any, check_inputs: bool = False) -> None:
+    def capture(
+        self,
+        forward: ForwardFn,
+        bind: Callable[[ForwardBatch], None],
+        context_len: int,
+        pool: Any,
+        check_inputs: bool = False,
+    ) -> None:
         """Capture `forward` at every size, largest first, over views of the static buffers.
         `bind` sets a batch's KV pool, table and attention backend; `context_len`: the most keys
         a request's row of the table holds; `check_inputs`: see EmulatedGraph. A backend whose
         graphs have a fixed key width (torch_native) gets one graph per (size, width bucket),
         captured on first use."""
         kv_width = context_len + self.spec.extra_keys
-        self.bind, self.forward, self.pool, self.check_inputs, self.kv_width = bind, forward, pool, check_inputs, kv_width
+        self.bind, self.forward, self.pool, self.check_inputs, self.kv_width = (
+            bind,
+            forward,
+            pool,
+            check_inputs,
+            kv_width,
+        )
         if self.kv_rows:
             rows = self.sizes[-1] * self.width
-            self.kv_indices = torch.full((rows, kv_width), DUMMY_SLOT, dtype=torch.int64, device=self.device)
+            self.kv_indices = torch.full(
+                (rows, kv_width), DUMMY_SLOT, dtype=torch.int64, device=self.device
+            )
             self.kv_mask = torch.zeros(rows, kv_width, dtype=torch.bool, device=self.device)
             self.kv_mask[:, 0] = True
         probe = self._static_batch(self.sizes[-1], kv_width)
@@ -168,9 +202,14 @@ class GraphRunner:
         batch = self._static_batch(size, kv_width)
         self.bind(batch)
         batch.attn_meta = self.backend.graph_metadata(batch, kv_width)
-        features = None if self.features is None else self.features[:size * self.width]
-        graph = capture(lambda b=batch, f=features: self.forward(b, f), f"{self.label} at batch size {size}",
-                        self.device, self.pool, self.check_inputs)
+        features = None if self.features is None else self.features[: size * self.width]
+        graph = capture(
+            lambda b=batch, f=features: self.forward(b, f),
+            f"{self.label} at batch size {size}",
+            self.device,
+            self.pool,
+            self.check_inputs,
+        )
         self._graphs[(size, kv_width)] = (batch, graph)
         return batch, graph
 
@@ -179,9 +218,14 @@ class GraphRunner:
         self._graphs = {}
         self.live = False
 
-    def run(self, batch: ForwardBatch, features: Optional[torch.Tensor] = None,
-            size: Optional[int] = None) -> Optional[list[Optional[torch.Tensor]]]:
-        """The batch's outputs from its captured graph, at its own logits rows, or None to run it eagerly."""
+    def run(
+        self,
+        batch: ForwardBatch,
+        features: Optional[torch.Tensor] = None,
+        size: Optional[int] = None,
+    ) -> Optional[list[Optional[torch.Tensor]]]:
+        """The batch's outputs from its captured graph, at its own logits rows, or None to run it
+        eagerly."""
         if not self.live:
             return None
         padded = self.pad(batch, features, size)
@@ -202,9 +246,13 @@ class GraphRunner:
         rows = size * self.width
         reqs = size if self.extend else rows
         return ForwardBatch(
-            mode=self.mode, input_ids=self.input_ids[:rows], positions=self.positions[:rows],
-            out_cache_loc=self.out_cache_loc[:rows], req_pool_indices=self.req_pool_indices[:reqs],
-            seq_lens=self.seq_lens[:reqs], seq_lens_cpu=[self.width if self.extend else SEQ_LEN_FILL] * reqs,
+            mode=self.mode,
+            input_ids=self.input_ids[:rows],
+            positions=self.positions[:rows],
+            out_cache_loc=self.out_cache_loc[:rows],
+            req_pool_indices=self.req_pool_indices[:reqs],
+            seq_lens=self.seq_lens[:reqs],
+            seq_lens_cpu=[self.width if self.extend else SEQ_LEN_FILL] * reqs,
             extend_seq_lens_cpu=[self.width] * size if self.extend else None,
             extend_prefix_lens_cpu=[0] * size if self.extend else None,
             logits_indices=self.logits_indices[:size] if self.per_request_logits else None,
@@ -219,34 +267,51 @@ class GraphRunner:
     def padded_size(self, num_reqs: int) -> Optional[int]:
         """The size a batch of `num_reqs` requests replays, or None to run it eagerly."""
         if num_reqs > self.sizes[-1]:
-            self._tell("above", f"{self.label}: batches above {self.sizes[-1]} requests (the largest "
-                       "--cuda-graph-bs size) run eagerly")
+            self._tell(
+                "above",
+                f"{self.label}: batches above {self.sizes[-1]} requests (the largest "
+                "--cuda-graph-bs size) run eagerly",
+            )
             return None
         if not self.padding:
             return num_reqs if num_reqs in self.sizes else None
         return self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
 
-    def pad(self, batch: ForwardBatch, features: Optional[torch.Tensor] = None,
-            size: Optional[int] = None) -> Optional[Padded]:
+    def pad(
+        self,
+        batch: ForwardBatch,
+        features: Optional[torch.Tensor] = None,
+        size: Optional[int] = None,
+    ) -> Optional[Padded]:
         """The batch padded to its captured size in the static buffers, or None to run eagerly."""
-        if (batch.kv_indices is not None) != self.kv_rows or (batch.logits_indices is not None) != (
-                self.per_request_logits) or (features is None) != (self.feature_dim is None):
+        if (
+            (batch.kv_indices is not None) != self.kv_rows
+            or (batch.logits_indices is not None) != (self.per_request_logits)
+            or (features is None) != (self.feature_dim is None)
+        ):
             self._tell("shape", f"{self.label}: a batch unlike the captured ones runs eagerly")
             return None
         if self.per_request_logits and len(batch.logits_indices) != batch.batch_size:
-            self._tell("logits", f"{self.label}: a batch without one logits row per request runs eagerly")
+            self._tell(
+                "logits", f"{self.label}: a batch without one logits row per request runs eagerly"
+            )
             return None
         size = size or self.padded_size(self.num_requests(batch))
         if size is None:
             return None
         if self.extend:
             if max(batch.extend_seq_lens_cpu) > self.width:
-                self._tell("wide", f"{self.label}: a request with more than {self.width} tokens runs eagerly")
+                self._tell(
+                    "wide",
+                    f"{self.label}: a request with more than {self.width} tokens runs eagerly",
+                )
                 return None
             return self._pad_extend(batch, features, size)
         return self._pad_decode(batch, features, size)
 
-    def _pad_decode(self, batch: ForwardBatch, features: Optional[torch.Tensor], size: int) -> Padded:
+    def _pad_decode(
+        self, batch: ForwardBatch, features: Optional[torch.Tensor], size: int
+    ) -> Padded:
         n, rows = batch.num_tokens, size * self.width
         ids, pos, loc = self.input_ids[:rows], self.positions[:rows], self.out_cache_loc[:rows]
         rpi, lens = self.req_pool_indices[:rows], self.seq_lens[:rows]
@@ -260,26 +325,47 @@ class GraphRunner:
             kv_idx, kv_ok = self.kv_indices[:rows], self.kv_mask[:rows]
             width = batch.kv_indices.shape[1]
             if width > kv_idx.shape[1]:
-                raise RuntimeError(f"{self.label}: a row attends to {width} keys, more than the {kv_idx.shape[1]} "
-                                   "the graphs were captured for; this is a bug, run with --disable-cuda-graph")
+                raise RuntimeError(
+                    f"{self.label}: a row attends to {width} keys, more than the {kv_idx.shape[1]} "
+                    "the graphs were captured for; this is a bug, run with --disable-cuda-graph"
+                )
             kv_idx[:n, :width], kv_idx[:n, width:] = batch.kv_indices, DUMMY_SLOT
             kv_ok[:n, :width], kv_ok[:n, width:] = batch.kv_mask, False
             kv_idx[n:] = DUMMY_SLOT
             kv_ok[n:] = False
             kv_ok[n:, 0] = True
-            kv_idx, kv_ok = kv_idx[:, :width], kv_ok[:, :width]  # the metadata refill reads the batch's own width
-        padded = replace(batch, input_ids=ids, positions=pos, out_cache_loc=loc, req_pool_indices=rpi,
-                         seq_lens=lens, seq_lens_cpu=list(batch.seq_lens_cpu) + [SEQ_LEN_FILL] * (rows - n),
-                         kv_indices=kv_idx, kv_mask=kv_ok)
+            kv_idx, kv_ok = (
+                kv_idx[:, :width],
+                kv_ok[:, :width],
+            )  # the metadata refill reads the batch's own width
+        padded = replace(
+            batch,
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=loc,
+            req_pool_indices=rpi,
+            seq_lens=lens,
+            seq_lens_cpu=list(batch.seq_lens_cpu) + [SEQ_LEN_FILL] * (rows - n),
+            kv_indices=kv_idx,
+            kv_mask=kv_ok,
+        )
         token_rows = torch.arange(n, device=self.device)
         return self._finish(batch, padded, features, token_rows, size)
 
-    def _pad_extend(self, batch: ForwardBatch, features: Optional[torch.Tensor], size: int) -> Padded:
+    def _pad_extend(
+        self, batch: ForwardBatch, features: Optional[torch.Tensor], size: int
+    ) -> Padded:
         b, w, rows = batch.batch_size, self.width, size * self.width
         q_lens, prefixes = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
-        token_rows = torch.cat([torch.arange(i * w, i * w + q, device=self.device) for i, q in enumerate(q_lens)])
+        token_rows = torch.cat(
+            [torch.arange(i * w, i * w + q, device=self.device) for i, q in enumerate(q_lens)]
+        )
         ids, pos, loc = self.input_ids[:rows], self.positions[:rows], self.out_cache_loc[:rows]
-        for buf, src in ((ids, batch.input_ids), (pos, batch.positions), (loc, batch.out_cache_loc)):
+        for buf, src in (
+            (ids, batch.input_ids),
+            (pos, batch.positions),
+            (loc, batch.out_cache_loc),
+        ):
             buf.zero_()  # DUMMY_SLOT and position 0 for every padded row
             buf.index_copy_(0, token_rows, src)
         rpi, lens = self.req_pool_indices[:size], self.seq_lens[:size]
@@ -289,29 +375,52 @@ class GraphRunner:
         masks = []
         for i, (q, p) in enumerate(zip(q_lens, prefixes)):
             mask = torch.zeros(w, p + w, dtype=torch.bool, device=self.device)
-            real = batch.custom_masks[i] if batch.custom_masks is not None else causal_mask(p, p + q, self.device)
-            mask[:q, :p + q] = real
+            real = (
+                batch.custom_masks[i]
+                if batch.custom_masks is not None
+                else causal_mask(p, p + q, self.device)
+            )
+            mask[:q, : p + q] = real
             mask[q:, 0] = True  # padded queries of a real request: one real key, output dropped
             masks.append(mask)
-        masks.extend(torch.ones(w, w, dtype=torch.bool, device=self.device) for _ in range(size - b))
-        padded = replace(batch, input_ids=ids, positions=pos, out_cache_loc=loc, req_pool_indices=rpi,
-                         seq_lens=lens, seq_lens_cpu=seq_lens_cpu, extend_seq_lens_cpu=[w] * size,
-                         extend_prefix_lens_cpu=list(prefixes) + [0] * (size - b), custom_masks=masks)
+        masks.extend(
+            torch.ones(w, w, dtype=torch.bool, device=self.device) for _ in range(size - b)
+        )
+        padded = replace(
+            batch,
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=loc,
+            req_pool_indices=rpi,
+            seq_lens=lens,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_seq_lens_cpu=[w] * size,
+            extend_prefix_lens_cpu=list(prefixes) + [0] * (size - b),
+            custom_masks=masks,
+        )
         return self._finish(batch, padded, features, token_rows, size)
 
-    def _finish(self, batch: ForwardBatch, padded: ForwardBatch, features: Optional[torch.Tensor],
-                token_rows: torch.Tensor, size: int) -> Padded:
+    def _finish(
+        self,
+        batch: ForwardBatch,
+        padded: ForwardBatch,
+        features: Optional[torch.Tensor],
+        token_rows: torch.Tensor,
+        size: int,
+    ) -> Padded:
         out_rows = token_rows
         if self.per_request_logits:
             b = batch.batch_size
             logits = self.logits_indices[:size]
             logits[:b] = token_rows.index_select(0, batch.logits_indices)
-            logits[b:] = torch.arange(b, size, device=self.device) * self.width  # a padded request's first row
+            logits[b:] = (
+                torch.arange(b, size, device=self.device) * self.width
+            )  # a padded request's first row
             padded.logits_indices = logits
             out_rows = torch.arange(b, device=self.device)
         padded_features = None
         if features is not None:
-            padded_features = self.features[:size * self.width]
+            padded_features = self.features[: size * self.width]
             padded_features.zero_()
             padded_features.index_copy_(0, token_rows, features.to(padded_features.dtype))
         return Padded(padded, padded_features, size, token_rows, out_rows)
@@ -322,8 +431,17 @@ class GraphRunner:
             logger.info(message)
 
 
-def build_graph_runners(args: Any, max_running_requests: int, dummy_row: int, device: torch.device,
-                        dtype: torch.dtype, specs: Sequence[GraphSpec]) -> list[GraphRunner]:
+def build_graph_runners(
+    args: Any,
+    max_running_requests: int,
+    dummy_row: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    specs: Sequence[GraphSpec],
+) -> list[GraphRunner]:
     """One GraphRunner per spec, all on the capture list from `args`."""
     sizes = capture_sizes(args.cuda_graph_bs, args.cuda_graph_max_bs, max_running_requests)
-    return [GraphRunner(spec, sizes, not args.disable_cuda_graph_padding, dummy_row, device, dtype) for spec in specs]
+    return [
+        GraphRunner(spec, sizes, not args.disable_cuda_graph_padding, dummy_row, device, dtype)
+        for spec in specs
+    ]

@@ -25,8 +25,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class ForwardOutput(NamedTuple):
-    logits: torch.Tensor               # float32, at batch.logits_indices (all rows when None)
-    hidden: torch.Tensor               # final hidden states, all rows when batch.capture_hidden
+    logits: torch.Tensor  # float32, at batch.logits_indices (all rows when None)
+    hidden: torch.Tensor  # final hidden states, all rows when batch.capture_hidden
     aux_hidden: Optional[torch.Tensor]  # captured layer inputs (EAGLE-3 targets), same rows
 
 
@@ -39,20 +39,50 @@ class ModelRunner(RunnerBase):
         device, dtype = torch.device(args.device), DTYPES[args.dtype]
         self.context_len = config.context_len
         self.max_running_requests = args.max_running_requests
-        model = build_model(model_class(config.target), config.target, dtype, device, args.model_path,
-                            capture_layers=config.capture_layers)
+        model = build_model(
+            model_class(config.target),
+            config.target,
+            dtype,
+            device,
+            args.model_path,
+            capture_layers=config.capture_layers,
+        )
         self.max_total_tokens = kv_pool_tokens(config, model, dtype)
         target = config.target
-        kv_pool = KVPool(self.max_total_tokens, args.page_size, target.num_hidden_layers,
-                         target.num_key_value_heads, target.head_dim, dtype, device)
-        table = ReqToTokenPool(self.max_running_requests, self.context_len + config.extra_positions, device)
+        kv_pool = KVPool(
+            self.max_total_tokens,
+            args.page_size,
+            target.num_hidden_layers,
+            target.num_key_value_heads,
+            target.head_dim,
+            dtype,
+            device,
+        )
+        table = ReqToTokenPool(
+            self.max_running_requests, self.context_len + config.extra_positions, device
+        )
         allocator = PageAllocator(self.max_total_tokens, args.page_size, device)
         graph_pool = new_pool(device) if not args.disable_cuda_graph else None
-        super().__init__(args, target, model, kv_pool, table, allocator, self.max_running_requests, graph_pool,
-                         self._graph_specs(args))
+        super().__init__(
+            args,
+            target,
+            model,
+            kv_pool,
+            table,
+            allocator,
+            self.max_running_requests,
+            graph_pool,
+            self._graph_specs(args),
+        )
         self._log_graphs()
-        logger.info("model %s loaded on %s (%s): KV pool of %d tokens, %.1f MiB", target.architecture,
-                    self.device, args.dtype, self.max_total_tokens, kv_pool.nbytes() / 2**20)
+        logger.info(
+            "model %s loaded on %s (%s): KV pool of %d tokens, %.1f MiB",
+            target.architecture,
+            self.device,
+            args.dtype,
+            self.max_total_tokens,
+            kv_pool.nbytes() / 2**20,
+        )
 
     @staticmethod
     def _graph_specs(args) -> list[GraphSpec]:
@@ -61,19 +91,32 @@ class ModelRunner(RunnerBase):
             return []
         specs = [GraphSpec("target decode", ForwardMode.DECODE, 1)]
         if args.speculative_algorithm is not None:
-            specs.append(GraphSpec("target target_verify", ForwardMode.TARGET_VERIFY,
-                                   args.speculative_num_draft_tokens))
+            specs.append(
+                GraphSpec(
+                    "target target_verify",
+                    ForwardMode.TARGET_VERIFY,
+                    args.speculative_num_draft_tokens,
+                )
+            )
         return specs
 
     def _log_graphs(self) -> None:
         if not self.graphs:
             return
-        logger.info("graph batch sizes: %s%s", self.graphs[0].sizes, "" if self.device.type == "cuda"
-                    else " (no CUDA: graphs are emulated, padded batches replay eagerly)")
+        logger.info(
+            "graph batch sizes: %s%s",
+            self.graphs[0].sizes,
+            ""
+            if self.device.type == "cuda"
+            else " (no CUDA: graphs are emulated, padded batches replay eagerly)",
+        )
         if self.device.type == "cuda" and self.args.attention_backend == "torch_native":
-            logger.warning("torch_native CUDA graphs are captured on first use per power-of-two key width (up to "
-                           "%d); use --attention-backend flashinfer for long contexts",
-                           self.req_to_token_pool.max_context_len)
+            logger.warning(
+                "torch_native CUDA graphs are captured on first use per power-of-two key width (up "
+                "to "
+                "%d); use --attention-backend flashinfer for long contexts",
+                self.req_to_token_pool.max_context_len,
+            )
 
     def weight_bytes(self) -> int:
         return model_weight_bytes(self.model)
@@ -84,8 +127,9 @@ class ModelRunner(RunnerBase):
         # Graph modes compute logits and hidden states at every token row.
         return self._forward(batch, None) if outs is None else ForwardOutput(*outs)
 
-    def _forward(self, batch: ForwardBatch, features: Optional[torch.Tensor] = None,
-                 metadata: bool = True) -> ForwardOutput:
+    def _forward(
+        self, batch: ForwardBatch, features: Optional[torch.Tensor] = None, metadata: bool = True
+    ) -> ForwardOutput:
         self._prepare(batch, metadata)
         hidden, aux = self.model(batch.input_ids, batch.positions, batch)
         rows = batch.logits_indices
@@ -109,7 +153,10 @@ def kv_pool_tokens(config: EngineConfig, model: torch.nn.Module, dtype: torch.dt
         tokens = args.max_total_tokens
     else:
         target: ModelConfig = config.target
-        per_token = target.kv_elements_per_token * torch.tensor([], dtype=dtype, device="cpu").element_size()
+        per_token = (
+            target.kv_elements_per_token
+            * torch.tensor([], dtype=dtype, device="cpu").element_size()
+        )
         device = torch.device(args.device)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
@@ -121,6 +168,8 @@ def kv_pool_tokens(config: EngineConfig, model: torch.nn.Module, dtype: torch.dt
         tokens = min(tokens, args.max_running_requests * config.context_len)
     tokens = tokens // page * page
     if tokens < 2 * page:
-        raise ValueError(f"KV cache would hold only {tokens} tokens; raise --mem-fraction-static or set "
-                         "--max-total-tokens")
+        raise ValueError(
+            f"KV cache would hold only {tokens} tokens; raise --mem-fraction-static or set "
+            "--max-total-tokens"
+        )
     return tokens

@@ -3,7 +3,8 @@ padded synthetic batch and compared with the eager forward, before the engine se
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -25,19 +26,33 @@ class SelfCheckBatches:
 
     CONTEXT = 2
 
-    def __init__(self, table: ReqToTokenPool, allocator: PageAllocator, pools: Sequence[KVPool],
-                 vocab_size: int, device: torch.device) -> None:
-        self.table, self.allocator, self.vocab_size, self.device = table, allocator, vocab_size, device
+    def __init__(
+        self,
+        table: ReqToTokenPool,
+        allocator: PageAllocator,
+        pools: Sequence[KVPool],
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.table, self.allocator, self.vocab_size, self.device = (
+            table,
+            allocator,
+            vocab_size,
+            device,
+        )
         self.gen = torch.Generator(device="cpu").manual_seed(0)
         self._slots: list[torch.Tensor] = []
         self._rows: set[int] = set()
         self.context = self._alloc(self.CONTEXT)
         for pool in pools:
             for buf in pool.k_buffer + pool.v_buffer:
-                buf[self.context] = torch.randn(buf[self.context].shape, generator=self.gen).to(buf.dtype)
+                buf[self.context] = torch.randn(buf[self.context].shape, generator=self.gen).to(
+                    buf.dtype
+                )
 
-    def make(self, g: GraphRunner, num: int, feature_dim: Optional[int],
-             kv_rows: bool = False) -> tuple[ForwardBatch, Optional[torch.Tensor]]:
+    def make(
+        self, g: GraphRunner, num: int, feature_dim: Optional[int], kv_rows: bool = False
+    ) -> tuple[ForwardBatch, Optional[torch.Tensor]]:
         """A batch of `num` requests for `g`'s mode; `kv_rows`: draft-step rows that carry their
         own KV indices instead of a table row."""
         c = self.CONTEXT
@@ -50,13 +65,23 @@ class SelfCheckBatches:
                 # A tree: each query sees the context, itself and a random subset of earlier nodes.
                 tree = torch.rand(q, q, generator=self.gen) < 0.5
                 tree = (tree.tril(-1) | torch.eye(q, dtype=torch.bool)).to(self.device)
-                masks = [torch.cat((torch.ones(q, c, dtype=torch.bool, device=self.device), tree), 1)] * num
+                masks = [
+                    torch.cat((torch.ones(q, c, dtype=torch.bool, device=self.device), tree), 1)
+                ] * num
             batch = ForwardBatch(
-                mode=g.mode, input_ids=self._ids(num * q), positions=torch.arange(c, c + q, device=self.device).repeat(num),
-                out_cache_loc=own.reshape(-1), req_pool_indices=rows, seq_lens=torch.full((num,), c + q, device=self.device),
-                seq_lens_cpu=[c + q] * num, extend_seq_lens_cpu=[q] * num, extend_prefix_lens_cpu=[c] * num,
+                mode=g.mode,
+                input_ids=self._ids(num * q),
+                positions=torch.arange(c, c + q, device=self.device).repeat(num),
+                out_cache_loc=own.reshape(-1),
+                req_pool_indices=rows,
+                seq_lens=torch.full((num,), c + q, device=self.device),
+                seq_lens_cpu=[c + q] * num,
+                extend_seq_lens_cpu=[q] * num,
+                extend_prefix_lens_cpu=[c] * num,
                 custom_masks=masks,
-                logits_indices=None if masks is not None else torch.arange(q - 1, num * q, q, device=self.device),
+                logits_indices=None
+                if masks is not None
+                else torch.arange(q - 1, num * q, q, device=self.device),
             )
             tokens = num * q
         else:
@@ -70,9 +95,15 @@ class SelfCheckBatches:
             else:
                 rows = self._table_rows(n, own[:, None])
             batch = ForwardBatch(
-                mode=g.mode, input_ids=self._ids(n), positions=torch.full((n,), c, device=self.device),
-                out_cache_loc=own, req_pool_indices=rows, seq_lens=torch.full((n,), c + 1, device=self.device),
-                seq_lens_cpu=[c + 1] * n, kv_indices=kv_idx, kv_mask=kv_ok,
+                mode=g.mode,
+                input_ids=self._ids(n),
+                positions=torch.full((n,), c, device=self.device),
+                out_cache_loc=own,
+                req_pool_indices=rows,
+                seq_lens=torch.full((n,), c + 1, device=self.device),
+                seq_lens_cpu=[c + 1] * n,
+                kv_indices=kv_idx,
+                kv_mask=kv_ok,
             )
             tokens = n
         features = None
@@ -90,15 +121,20 @@ class SelfCheckBatches:
     def _alloc(self, n: int) -> torch.Tensor:
         slots = self.allocator.alloc([0], [n], [0])
         if slots is None:
-            raise ValueError(f"--cuda-graph-self-check needs {n} free KV slots for its test batches; raise "
-                             "--max-total-tokens or lower the largest --cuda-graph-bs size")
+            raise ValueError(
+                f"--cuda-graph-self-check needs {n} free KV slots for its test batches; raise "
+                "--max-total-tokens or lower the largest --cuda-graph-bs size"
+            )
         self._slots.append(slots)
         return slots
 
     def _table_rows(self, n: int, own: torch.Tensor) -> torch.Tensor:
         if n > self.table.size:
-            raise ValueError(f"--cuda-graph-self-check needs {n} request rows; lower the largest --cuda-graph-bs "
-                             f"size to --max-running-requests ({self.table.size}) or below")
+            raise ValueError(
+                f"--cuda-graph-self-check needs {n} request rows; lower the largest "
+                "--cuda-graph-bs "
+                f"size to --max-running-requests ({self.table.size}) or below"
+            )
         for row in range(n):
             self.table.write(row, 0, torch.cat((self.context, own[row])))
             self._rows.add(row)
@@ -108,7 +144,9 @@ class SelfCheckBatches:
         return torch.randint(self.vocab_size, (n,), generator=self.gen).to(self.device)
 
 
-def self_check(runners: Sequence[GraphRunner], forward: ForwardFn, batches: SelfCheckBatches, atol: float) -> None:
+def self_check(
+    runners: Sequence[GraphRunner], forward: ForwardFn, batches: SelfCheckBatches, atol: float
+) -> None:
     """Replay every size of every runner on a synthetic batch one request short of it (padding
     runs) and compare with the eager forward; raise naming the size and mode on a mismatch
     (--cuda-graph-self-check at startup). Gives the batches' slots and rows back at the end."""
@@ -122,8 +160,10 @@ def self_check(runners: Sequence[GraphRunner], forward: ForwardFn, batches: Self
                 for name, want, got in zip(("logits", "features"), eager, replayed):
                     err = (got.float() - want.float()).abs().max().item()
                     if not err <= atol:
-                        raise RuntimeError(f"CUDA-graph self-check failed: {g.label} at batch size {size} "
-                                           f"({num} real requests) differs from eager in {name} by {err:.3g} "
-                                           f"(tolerance {atol}); run with --disable-cuda-graph and report this")
+                        raise RuntimeError(
+                            f"CUDA-graph self-check failed: {g.label} at batch size {size} "
+                            f"({num} real requests) differs from eager in {name} by {err:.3g} "
+                            f"(tolerance {atol}); run with --disable-cuda-graph and report this"
+                        )
     finally:
         batches.close()

@@ -46,10 +46,19 @@ class _SamplingFields(_Strict):
             if value not in (None, neutral):
                 raise ValueError(f"{name} is not supported by specrl (only {neutral} is accepted)")
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": self.n}
-        for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
-                         ("min_tokens", "min_new_tokens"), ("ignore_eos", "ignore_eos"), ("stop", "stop"),
-                         ("skip_special_tokens", "skip_special_tokens"), ("stop_token_ids", "stop_token_ids"),
-                         ("no_stop_trim", "no_stop_trim"), ("seed", "sampling_seed")):
+        for src, dst in (
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("top_k", "top_k"),
+            ("min_p", "min_p"),
+            ("min_tokens", "min_new_tokens"),
+            ("ignore_eos", "ignore_eos"),
+            ("stop", "stop"),
+            ("skip_special_tokens", "skip_special_tokens"),
+            ("stop_token_ids", "stop_token_ids"),
+            ("no_stop_trim", "no_stop_trim"),
+            ("seed", "sampling_seed"),
+        ):
             value = getattr(self, src)
             if value is not None:
                 params[dst] = value
@@ -77,7 +86,10 @@ class ChatMessage(_Strict):
         parts = []
         for part in self.content:
             if part.get("type") != "text":
-                raise ValueError(f"message content part of type {part.get('type')!r} is not supported; send text parts")
+                raise ValueError(
+                    f"message content part of type {part.get('type')!r} is not supported; send "
+                    "text parts"
+                )
             parts.append(part.get("text", ""))
         return "".join(parts)
 

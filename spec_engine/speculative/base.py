@@ -12,21 +12,27 @@ works for any page size and leaves the request-to-token row contiguous.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from spec_engine.args.engine_args import EngineArgs
+from spec_engine.core.request import Req
+from spec_engine.core.worker import AllocFn, ModelWorker, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
-from spec_engine.core.request import Req
 from spec_engine.speculative.tree import DraftTree
 from spec_engine.speculative.verify import Acceptance, emitted_logprobs, verify_trees
-from spec_engine.core.worker import AllocFn, ModelWorker, StepResult
 
 
 class SpecWorker(ModelWorker):
-    def __init__(self, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int], args: EngineArgs) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        alloc_kv: AllocFn,
+        eos_token_ids: frozenset[int],
+        args: EngineArgs,
+    ) -> None:
         super().__init__(runner, alloc_kv, eos_token_ids)
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.threshold_single = args.speculative_accept_threshold_single
@@ -40,14 +46,18 @@ class SpecWorker(ModelWorker):
 
     def verify_kv_demand(self, reqs: Sequence[Req], sizes: Sequence[int]) -> int:
         starts = [r.kv_len for r in reqs]
-        return self.page_size * self.runner.allocator.pages_needed(starts, [s + n for s, n in zip(starts, sizes)])
+        return self.page_size * self.runner.allocator.pages_needed(
+            starts, [s + n for s, n in zip(starts, sizes)]
+        )
 
     def alloc_verify_slots(self, reqs: Sequence[Req], sizes: Sequence[int]) -> None:
         """Slots for positions kv_len .. kv_len + size - 1 of each request, written to its row."""
         starts = [r.kv_len for r in reqs]
         self._alloc(reqs, starts, [s + n for s, n in zip(starts, sizes)])
 
-    def verify(self, reqs: Sequence[Req], trees: Sequence[DraftTree]) -> tuple[StepResult, list[Acceptance], ForwardOutput]:
+    def verify(
+        self, reqs: Sequence[Req], trees: Sequence[DraftTree]
+    ) -> tuple[StepResult, list[Acceptance], ForwardOutput]:
         """Run the target over every tree (slots already allocated), accept, keep accepted KV."""
         start = time.perf_counter()
         self.verify_steps += 1
@@ -59,7 +69,11 @@ class SpecWorker(ModelWorker):
             positions.extend(k + d for d in tree.depths)
             slots.append(table.read(r.req_pool_idx, k + tree.size, start=k))
             mask = tree.mask(self.device)
-            masks.append(torch.cat((torch.ones(tree.size, k, dtype=torch.bool, device=self.device), mask), dim=1))
+            masks.append(
+                torch.cat(
+                    (torch.ones(tree.size, k, dtype=torch.bool, device=self.device), mask), dim=1
+                )
+            )
         sizes = [t.size for t in trees]
         batch = ForwardBatch(
             mode=ForwardMode.TARGET_VERIFY,
@@ -75,19 +89,35 @@ class SpecWorker(ModelWorker):
             capture_hidden=True,
         )
         out = self.runner.forward(batch)
-        banned = [[r.banned_tokens(self.eos_token_ids, d) for d in range(max(t.depths) + 1)] for r, t in zip(reqs, trees)]
-        accepts = verify_trees(out.logits, trees, reqs, banned, self.threshold_single, self.threshold_acc)
-        logprobs, top = emitted_logprobs(out.logits, reqs, accepts, [r.input.return_logprob for r in reqs],
-                                         [r.input.top_logprobs_num for r in reqs])
+        banned = [
+            [r.banned_tokens(self.eos_token_ids, d) for d in range(max(t.depths) + 1)]
+            for r, t in zip(reqs, trees)
+        ]
+        accepts = verify_trees(
+            out.logits, trees, reqs, banned, self.threshold_single, self.threshold_acc
+        )
+        logprobs, top = emitted_logprobs(
+            out.logits,
+            reqs,
+            accepts,
+            [r.input.return_logprob for r in reqs],
+            [r.input.top_logprobs_num for r in reqs],
+        )
         self.timings["verify_s"] += time.perf_counter() - start
         start = time.perf_counter()
         self._keep_accepted(reqs, sizes, accepts)
         self.timings["bookkeeping_s"] += time.perf_counter() - start
-        result = StepResult(tokens=[a.tokens for a in accepts], logprobs=logprobs, top_logprobs=top,
-                            drafted=[n - 1 for n in sizes])
+        result = StepResult(
+            tokens=[a.tokens for a in accepts],
+            logprobs=logprobs,
+            top_logprobs=top,
+            drafted=[n - 1 for n in sizes],
+        )
         return result, accepts, out
 
-    def _keep_accepted(self, reqs: Sequence[Req], sizes: Sequence[int], accepts: Sequence[Acceptance]) -> None:
+    def _keep_accepted(
+        self, reqs: Sequence[Req], sizes: Sequence[int], accepts: Sequence[Acceptance]
+    ) -> None:
         table = self.runner.req_to_token_pool
         src, dst, free = [], [], []
         page = self.page_size
@@ -101,7 +131,7 @@ class SpecWorker(ModelWorker):
             kept = len(acc.path)
             first_free = -(-(k + kept) // page) * page  # pages holding a kept position stay
             if first_free < k + n:
-                free.append(row[first_free - k:])
+                free.append(row[first_free - k :])
             r.kv_len = k + kept
         if src:
             src_t, dst_t = torch.stack(src), torch.stack(dst)

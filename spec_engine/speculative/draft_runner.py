@@ -29,8 +29,14 @@ class DraftRunner(RunnerBase):
         self.kind = kind
         self.target = target
         cls = mtp_class(draft) if kind is DraftKind.MTP else model_class(draft)
-        model = build_model(cls, draft, target.dtype, target.device, config.draft_checkpoint,
-                            only_known=kind is DraftKind.MTP)
+        model = build_model(
+            cls,
+            draft,
+            target.dtype,
+            target.device,
+            config.draft_checkpoint,
+            only_known=kind is DraftKind.MTP,
+        )
         self.model = model  # before RunnerBase sets it: refresh() below reads it
         if kind is DraftKind.STANDALONE:
             self.embed, self.head = model.model.embed_tokens, model.lm_head
@@ -40,14 +46,32 @@ class DraftRunner(RunnerBase):
             self.head = own if own is not None else target.model.lm_head
         self.token_map = None
         if args.speculative_token_map is not None:
-            self.token_map = load_token_map(args.speculative_token_map, draft.vocab_size).to(target.device)
+            self.token_map = load_token_map(args.speculative_token_map, draft.vocab_size).to(
+                target.device
+            )
         self.refresh()
         # An MTP draft is one layer of the target's shape (every other draft is all of its config).
         layers = 1 if kind is DraftKind.MTP else draft.num_hidden_layers
-        kv_pool = KVPool(target.max_total_tokens, args.page_size, layers, draft.num_key_value_heads,
-                         draft.head_dim, target.dtype, target.device)
-        super().__init__(args, draft, model, kv_pool, target.req_to_token_pool, target.allocator,
-                         target.max_running_requests, target.graph_pool, self._graph_specs(config))
+        kv_pool = KVPool(
+            target.max_total_tokens,
+            args.page_size,
+            layers,
+            draft.num_key_value_heads,
+            draft.head_dim,
+            target.dtype,
+            target.device,
+        )
+        super().__init__(
+            args,
+            draft,
+            model,
+            kv_pool,
+            target.req_to_token_pool,
+            target.allocator,
+            target.max_running_requests,
+            target.graph_pool,
+            self._graph_specs(config),
+        )
 
     @property
     def external(self) -> bool:
@@ -65,9 +89,19 @@ class DraftRunner(RunnerBase):
         width = 3 if self.kind is DraftKind.EAGLE3 else 1
         target = config.target.hidden_size * width if features else None
         # A tree step's row attends to its prefix, its path (steps - 1 nodes) and itself.
-        specs = [GraphSpec("draft steps", ForwardMode.DECODE, args.speculative_eagle_topk, own, kv_rows=True,
-                           extra_keys=args.speculative_num_steps),
-                 GraphSpec("draft extend", ForwardMode.DRAFT_EXTEND, args.speculative_num_steps + 1, target)]
+        specs = [
+            GraphSpec(
+                "draft steps",
+                ForwardMode.DECODE,
+                args.speculative_eagle_topk,
+                own,
+                kv_rows=True,
+                extra_keys=args.speculative_num_steps,
+            ),
+            GraphSpec(
+                "draft extend", ForwardMode.DRAFT_EXTEND, args.speculative_num_steps + 1, target
+            ),
+        ]
         if not features:
             specs.append(GraphSpec("draft root", ForwardMode.DECODE, 1))
         return specs
@@ -75,16 +109,25 @@ class DraftRunner(RunnerBase):
     def refresh(self) -> None:
         """Rebuild what derives from weights outside the draft model: the id map (EAGLE-3's d2t)
         and the FR-Spec head (hot rows of the target head). Call after any weight change."""
-        self.hot_ids = self.token_map if self.token_map is not None else (
-            self.model.hot_token_ids() if self.kind is DraftKind.EAGLE3 else None)
+        self.hot_ids = (
+            self.token_map
+            if self.token_map is not None
+            else (self.model.hot_token_ids() if self.kind is DraftKind.EAGLE3 else None)
+        )
         if self.hot_ids is not None and self.hot_ids.unique().numel() != self.hot_ids.numel():
             # Two draft ids for one target token would make sibling drafts repeat a token.
-            raise ValueError("the draft vocabulary maps two ids to one target token (a repeated id in "
-                             "--speculative-token-map, or in the EAGLE-3 draft's d2t); ids must be unique")
+            raise ValueError(
+                "the draft vocabulary maps two ids to one target token (a repeated id in "
+                "--speculative-token-map, or in the EAGLE-3 draft's d2t); ids must be unique"
+            )
         if self.token_map is not None:
             rows = self.target.model.lm_head.weight.detach()[self.hot_ids]
             if not isinstance(self.head, Linear) or self.head is self.target.model.lm_head:
-                self.head = Linear(self.model.config.hidden_size, len(self.hot_ids)).to(rows.dtype).to(rows.device)
+                self.head = (
+                    Linear(self.model.config.hidden_size, len(self.hot_ids))
+                    .to(rows.dtype)
+                    .to(rows.device)
+                )
             # In place: captured draft graphs read this tensor.
             self.head.weight.data.copy_(rows)
             self.head.refresh_derived()
@@ -99,19 +142,26 @@ class DraftRunner(RunnerBase):
         vocab = self.target.model_config.vocab_size
         ids = d2t.long() + torch.arange(d2t.numel(), device=d2t.device)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise ValueError(f"weight 'draft.d2t' maps draft ids outside the target vocabulary [0, {vocab})")
+            raise ValueError(
+                f"weight 'draft.d2t' maps draft ids outside the target vocabulary [0, {vocab})"
+            )
         if ids.unique().numel() != ids.numel():
-            raise ValueError("weight 'draft.d2t' maps two draft ids to one target token; ids must be unique")
+            raise ValueError(
+                "weight 'draft.d2t' maps two draft ids to one target token; ids must be unique"
+            )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, hidden: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: ForwardBatch, hidden: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (draft-vocabulary logits at batch.logits_indices (all rows if None), the
         features for the next draft step at the same rows)."""
         outs = self._replay(batch, hidden)
         return self._forward(batch, hidden) if outs is None else (outs[0], outs[1])
 
-    def _forward(self, batch: ForwardBatch, hidden: Optional[torch.Tensor] = None,
-                 metadata: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, batch: ForwardBatch, hidden: Optional[torch.Tensor] = None, metadata: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self._prepare(batch, metadata)
         embeds = self.embed(batch.input_ids)
         to_logits, to_next = self.model.draft_forward(embeds, batch.positions, batch, hidden)
@@ -128,10 +178,21 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     try:
         ids = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError) as e:
-        raise ValueError(f"--speculative-token-map {path!r} could not be read ({e}); give a .pt tensor of "
-                         "token ids") from e
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.numel() == 0:
-        raise ValueError(f"--speculative-token-map {path!r} must hold a 1-D integer tensor of hot token ids")
+        raise ValueError(
+            f"--speculative-token-map {path!r} could not be read ({e}); give a .pt tensor of "
+            "token ids"
+        ) from e
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.dim() != 1
+        or ids.is_floating_point()
+        or ids.numel() == 0
+    ):
+        raise ValueError(
+            f"--speculative-token-map {path!r} must hold a 1-D integer tensor of hot token ids"
+        )
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise ValueError(f"--speculative-token-map {path!r} has ids outside the vocabulary [0, {vocab_size})")
+        raise ValueError(
+            f"--speculative-token-map {path!r} has ids outside the vocabulary [0, {vocab_size})"
+        )
     return ids.long()

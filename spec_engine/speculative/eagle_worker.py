@@ -16,8 +16,8 @@ accepted tokens.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -36,8 +36,8 @@ from spec_engine.speculative.tree import DraftTree, select_trees
 class DraftState:
     """A feature draft's output at a request's last position: the first level of its tree."""
 
-    probs: torch.Tensor   # [topk] draft probabilities
-    ids: torch.Tensor     # [topk] target token ids
+    probs: torch.Tensor  # [topk] draft probabilities
+    ids: torch.Tensor  # [topk] target token ids
     hidden: torch.Tensor  # [H] feature for the next draft step
 
 
@@ -53,8 +53,14 @@ class DraftExtend:
 
 
 class EagleWorker(SpecWorker):
-    def __init__(self, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int], args: EngineArgs,
-                 draft: DraftRunner) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        alloc_kv: AllocFn,
+        eos_token_ids: frozenset[int],
+        args: EngineArgs,
+        draft: DraftRunner,
+    ) -> None:
         super().__init__(runner, alloc_kv, eos_token_ids, args)
         self.draft = draft
         self.steps = args.speculative_num_steps
@@ -92,7 +98,7 @@ class EagleWorker(SpecWorker):
             done = e == r.seq_len  # the prompt is complete: its last draft output starts round one
             if self.features:
                 nxt = result.tokens[i][0] if done else r.fill_ids[e]
-                entries.append(DraftExtend(r, s, r.fill_ids[s + 1:e] + [nxt], done))
+                entries.append(DraftExtend(r, s, r.fill_ids[s + 1 : e] + [nxt], done))
             else:
                 entries.append(DraftExtend(r, s, r.fill_ids[s:e], done))
         feats = self._features(out) if self.features else None
@@ -130,10 +136,15 @@ class EagleWorker(SpecWorker):
     def _features(self, out: ForwardOutput) -> torch.Tensor:
         return out.aux_hidden if self.aux_features else out.hidden
 
-    def _extend_draft(self, entries: list[DraftExtend], hidden: torch.Tensor | None,
-                      mode: ForwardMode = ForwardMode.EXTEND) -> None:
+    def _extend_draft(
+        self,
+        entries: list[DraftExtend],
+        hidden: torch.Tensor | None,
+        mode: ForwardMode = ForwardMode.EXTEND,
+    ) -> None:
         """One draft forward over every entry; keeps the next round's first level where asked.
-        `mode`: DRAFT_EXTEND for a decode round's accepted tokens (graph-run), EXTEND after a prefill."""
+        `mode`: DRAFT_EXTEND for a decode round's accepted tokens (graph-run), EXTEND after a
+        prefill."""
         table = self.runner.req_to_token_pool
         ids, positions, slots, ends, lens, last = [], [], [], [], [], []
         for e in entries:
@@ -180,7 +191,11 @@ class EagleWorker(SpecWorker):
             hidden = None
             prefix_lens = kv_lens + 1  # the root's draft KV (position kv_len) is part of the prefix
             pos_base = kv_lens
-        scores_l, tokens_l, parents_l = [probs], [ids], [torch.full((b, k), -1, dtype=torch.int64, device=self.device)]
+        scores_l, tokens_l, parents_l = (
+            [probs],
+            [ids],
+            [torch.full((b, k), -1, dtype=torch.int64, device=self.device)],
+        )
         depth_l = [torch.ones(k, dtype=torch.int64, device=self.device)]
         frontier, f_scores, f_tokens = torch.arange(k, device=self.device).expand(b, k), probs, ids
         f_hidden = hidden.repeat_interleave(k, dim=0) if hidden is not None else None
@@ -188,9 +203,11 @@ class EagleWorker(SpecWorker):
         prefix_idx, prefix_ok = self._prefix_indices(reqs, prefix_lens)
         offset = k
         for step in range(1, self.steps):
-            own = scratch[(step - 1) * b * k: step * b * k]
+            own = scratch[(step - 1) * b * k : step * b * k]
             kv_idx = torch.cat((prefix_idx, f_path, own[:, None]), dim=1)
-            kv_ok = torch.cat((prefix_ok, torch.ones(b * k, step, dtype=torch.bool, device=self.device)), dim=1)
+            kv_ok = torch.cat(
+                (prefix_ok, torch.ones(b * k, step, dtype=torch.bool, device=self.device)), dim=1
+            )
             batch = ForwardBatch(
                 mode=ForwardMode.DECODE,
                 input_ids=f_tokens.reshape(-1),
@@ -218,10 +235,18 @@ class EagleWorker(SpecWorker):
             parent_rows = (sel // k + torch.arange(b, device=self.device)[:, None] * k).reshape(-1)
             f_hidden = nxt[parent_rows] if nxt is not None and self.features else None
             f_path = torch.cat((f_path[parent_rows], own[parent_rows][:, None]), dim=1)
-        return select_trees(roots, torch.cat(tokens_l, 1), torch.cat(scores_l, 1), torch.cat(parents_l, 1),
-                            torch.cat(depth_l), self.num_draft_tokens)
+        return select_trees(
+            roots,
+            torch.cat(tokens_l, 1),
+            torch.cat(scores_l, 1),
+            torch.cat(parents_l, 1),
+            torch.cat(depth_l),
+            self.num_draft_tokens,
+        )
 
-    def _root_step(self, reqs: Sequence[Req], roots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _root_step(
+        self, reqs: Sequence[Req], roots: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """STANDALONE: run the root tokens (slot of position kv_len, allocated for verify)."""
         table = self.runner.req_to_token_pool
         kv_lens = [r.kv_len for r in reqs]
@@ -229,7 +254,9 @@ class EagleWorker(SpecWorker):
             mode=ForwardMode.DECODE,
             input_ids=self._tensor(roots),
             positions=self._tensor(kv_lens),
-            out_cache_loc=torch.cat([table.read(r.req_pool_idx, r.kv_len + 1, start=r.kv_len) for r in reqs]),
+            out_cache_loc=torch.cat(
+                [table.read(r.req_pool_idx, r.kv_len + 1, start=r.kv_len) for r in reqs]
+            ),
             req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
             seq_lens=self._tensor([n + 1 for n in kv_lens]),
             seq_lens_cpu=[n + 1 for n in kv_lens],
@@ -238,7 +265,9 @@ class EagleWorker(SpecWorker):
         probs, ids = torch.softmax(logits, -1).topk(self.topk, dim=-1)
         return probs, self.draft.to_target_ids(ids)
 
-    def _prefix_indices(self, reqs: Sequence[Req], lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefix_indices(
+        self, reqs: Sequence[Req], lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per branch row (topk per request): the request's prefix slots, padded, and validity."""
         width = int(lens.max())
         table = self.runner.req_to_token_pool.req_to_token

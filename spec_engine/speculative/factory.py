@@ -10,8 +10,9 @@ from spec_engine.speculative.eagle_worker import EagleWorker
 from spec_engine.speculative.ngram import NgramWorker
 
 
-def create_worker(config: EngineConfig, runner: ModelRunner, alloc_kv: AllocFn,
-                  eos_token_ids: frozenset[int]) -> ModelWorker:
+def create_worker(
+    config: EngineConfig, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int]
+) -> ModelWorker:
     """The worker for `--speculative-algorithm` (plain decoding without one)."""
     args = config.args
     if args.speculative_algorithm is None:

@@ -12,15 +12,16 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 from spec_engine.args.engine_args import EngineArgs
-from spec_engine.runner.model_runner import ModelRunner
 from spec_engine.core.request import Req
+from spec_engine.core.worker import AllocFn, StepResult
+from spec_engine.runner.model_runner import ModelRunner
 from spec_engine.speculative.base import SpecWorker
 from spec_engine.speculative.tree import DraftTree
-from spec_engine.core.worker import AllocFn, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,15 @@ class NgramCursor:
 
 
 class NgramCache:
-    def __init__(self, min_window: int, max_window: int, min_breadth: int, max_breadth: int,
-                 branch_length: int, capacity: int) -> None:
+    def __init__(
+        self,
+        min_window: int,
+        max_window: int,
+        min_breadth: int,
+        max_breadth: int,
+        branch_length: int,
+        capacity: int,
+    ) -> None:
         self.min_window, self.max_window = min_window, max_window
         self.min_breadth, self.max_breadth = min_breadth, max_breadth
         self.branch_length = branch_length
@@ -62,7 +70,7 @@ class NgramCache:
         """Add `tokens[cursor.inserted:]` (the whole list for a new cursor) to the cache."""
         if cursor is None or cursor.generation != self.generation:
             cursor = NgramCursor(self.generation)  # a new request, or the cache was cleared
-        for token in tokens[cursor.inserted:]:
+        for token in tokens[cursor.inserted :]:
             stamp = next(self._clock)
             runs = []
             for node, length in cursor.runs + [(self.root, 0)]:
@@ -76,7 +84,10 @@ class NgramCache:
             cursor.runs = runs
         cursor.inserted = len(tokens)
         if self.size > self.capacity:
-            logger.info("n-gram cache reached %d nodes (--speculative-ngram-capacity); clearing it", self.size)
+            logger.info(
+                "n-gram cache reached %d nodes (--speculative-ngram-capacity); clearing it",
+                self.size,
+            )
             self._reset()
         return cursor
 
@@ -117,11 +128,22 @@ class NgramCache:
 
 
 class NgramWorker(SpecWorker):
-    def __init__(self, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int], args: EngineArgs) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        alloc_kv: AllocFn,
+        eos_token_ids: frozenset[int],
+        args: EngineArgs,
+    ) -> None:
         super().__init__(runner, alloc_kv, eos_token_ids, args)
-        self.cache = NgramCache(args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
-                                args.speculative_ngram_min_bfs_breadth, args.speculative_ngram_max_bfs_breadth,
-                                args.speculative_ngram_branch_length, args.speculative_ngram_capacity)
+        self.cache = NgramCache(
+            args.speculative_ngram_min_match_window_size,
+            args.speculative_ngram_max_match_window_size,
+            args.speculative_ngram_min_bfs_breadth,
+            args.speculative_ngram_max_bfs_breadth,
+            args.speculative_ngram_branch_length,
+            args.speculative_ngram_capacity,
+        )
 
     def decode_kv_demand(self, reqs: Sequence[Req]) -> int:
         return self.verify_kv_demand(reqs, [self.num_draft_tokens] * len(reqs))

@@ -14,7 +14,7 @@ import torch
 
 @dataclass
 class DraftTree:
-    tokens: list[int]   # node tokens, root first
+    tokens: list[int]  # node tokens, root first
     parents: list[int]  # parent node of each node (-1 for the root)
     depths: list[int]
 
@@ -47,8 +47,14 @@ def chain(root: int) -> DraftTree:
     return DraftTree([root], [-1], [0])
 
 
-def select_trees(roots: list[int], tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor,
-                 depths: torch.Tensor, num_nodes: int) -> list[DraftTree]:
+def select_trees(
+    roots: list[int],
+    tokens: torch.Tensor,
+    scores: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    num_nodes: int,
+) -> list[DraftTree]:
     """Keep each request's best `num_nodes - 1` draft candidates, by cumulative draft probability.
 
     tokens/scores/parents: [B, C] candidates in generation order (a parent before its children;
@@ -64,9 +70,16 @@ def select_trees(roots: list[int], tokens: torch.Tensor, scores: torch.Tensor, p
     trees = []
     for b, cands in enumerate(chosen):
         node_of = {c: i + 1 for i, c in enumerate(cands)}
-        tree_parents = [-1] + [node_of.get(parents_l[b][c], 0) if parents_l[b][c] >= 0 else 0 for c in cands]
+        tree_parents = [-1] + [
+            node_of.get(parents_l[b][c], 0) if parents_l[b][c] >= 0 else 0 for c in cands
+        ]
         missing = [c for c in cands if parents_l[b][c] >= 0 and parents_l[b][c] not in node_of]
         assert not missing, "draft tree lost a parent; candidate scores must not grow with depth"
-        trees.append(DraftTree([roots[b]] + [tokens_l[b][c] for c in cands], tree_parents,
-                               [0] + [depths_l[c] for c in cands]))
+        trees.append(
+            DraftTree(
+                [roots[b]] + [tokens_l[b][c] for c in cands],
+                tree_parents,
+                [0] + [depths_l[c] for c in cands],
+            )
+        )
     return trees

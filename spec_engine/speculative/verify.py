@@ -14,13 +14,14 @@ every level, so every emitted token follows the target distribution exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from spec_engine.layers.sampler import filtered_probs, inverse_cdf, request_uniform
 from spec_engine.core.request import Req
+from spec_engine.layers.sampler import filtered_probs, inverse_cdf, request_uniform
 from spec_engine.speculative.tree import DraftTree
 
 # Uniform streams of a request (stream 0 is plain sampling).
@@ -30,13 +31,14 @@ RESIDUAL_STREAM = 2
 
 @dataclass
 class Acceptance:
-    path: list[int]          # accepted nodes, root first
-    tokens: list[int]        # emitted tokens: the accepted drafts, then the bonus token
-    rows: list[int]          # verify row whose distribution produced each emitted token
+    path: list[int]  # accepted nodes, root first
+    tokens: list[int]  # emitted tokens: the accepted drafts, then the bonus token
+    rows: list[int]  # verify row whose distribution produced each emitted token
 
 
 def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) -> torch.Tensor:
-    """Dense target distributions per row (temperature, top-k, top-p, min-p applied, renormalised)."""
+    """Dense target distributions per row (temperature, top-k, top-p, min-p applied,
+    renormalised)."""
     vocab = logits.shape[-1]
     temps, ks, ps, mins, filtered = [], [], [], [], []
     for row, i in enumerate(row_req):
@@ -52,16 +54,25 @@ def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) 
     probs = torch.softmax(logits / torch.tensor(temps, device=device)[:, None], -1)
     if filtered:
         rows = torch.tensor(filtered, device=device)
-        kept, ids = filtered_probs(probs[rows], torch.tensor(ks, device=device)[rows],
-                                   torch.tensor(ps, device=device)[rows], torch.tensor(mins, device=device)[rows])
+        kept, ids = filtered_probs(
+            probs[rows],
+            torch.tensor(ks, device=device)[rows],
+            torch.tensor(ps, device=device)[rows],
+            torch.tensor(mins, device=device)[rows],
+        )
         dense = torch.zeros_like(probs[rows]).scatter_(1, ids, kept)
         probs[rows] = dense / dense.sum(-1, keepdim=True)
     return probs
 
 
-def verify_trees(logits: torch.Tensor, trees: Sequence[DraftTree], reqs: Sequence[Req],
-                 banned: Sequence[Sequence[list[int]]], threshold_single: float = 1.0,
-                 threshold_acc: float = 1.0) -> list[Acceptance]:
+def verify_trees(
+    logits: torch.Tensor,
+    trees: Sequence[DraftTree],
+    reqs: Sequence[Req],
+    banned: Sequence[Sequence[list[int]]],
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+) -> list[Acceptance]:
     """Walk each request's tree against the target logits ([sum of tree sizes, vocab], float32).
 
     banned[i][d]: tokens request i may not emit at depth d (EOS/stop ids before min_new_tokens).
@@ -78,8 +89,13 @@ def verify_trees(logits: torch.Tensor, trees: Sequence[DraftTree], reqs: Sequenc
                 ban_rows.extend([offsets[i] + node] * len(banned[i][depth]))
                 ban_ids.extend(banned[i][depth])
     if ban_rows:
-        masked = logits.index_put((torch.tensor(ban_rows, device=logits.device), torch.tensor(ban_ids, device=logits.device)),
-                                  torch.tensor(float("-inf"), device=logits.device))
+        masked = logits.index_put(
+            (
+                torch.tensor(ban_rows, device=logits.device),
+                torch.tensor(ban_ids, device=logits.device),
+            ),
+            torch.tensor(float("-inf"), device=logits.device),
+        )
     greedy = [r.input.sampling_params.is_greedy for r in reqs]
     argmax = masked.argmax(-1).tolist()
     probs = target_probs(masked, reqs, row_req) if not all(greedy) else None
@@ -88,7 +104,9 @@ def verify_trees(logits: torch.Tensor, trees: Sequence[DraftTree], reqs: Sequenc
         if greedy[i]:
             out.append(_walk_greedy(tree, argmax, offsets[i]))
         else:
-            out.append(_walk_sampled(tree, probs, offsets[i], reqs[i], threshold_single, threshold_acc))
+            out.append(
+                _walk_sampled(tree, probs, offsets[i], reqs[i], threshold_single, threshold_acc)
+            )
     return out
 
 
@@ -106,8 +124,14 @@ def _walk_greedy(tree: DraftTree, argmax: list[int], offset: int) -> Acceptance:
         node = match
 
 
-def _walk_sampled(tree: DraftTree, probs: torch.Tensor, offset: int, req: Req, threshold_single: float,
-                  threshold_acc: float) -> Acceptance:
+def _walk_sampled(
+    tree: DraftTree,
+    probs: torch.Tensor,
+    offset: int,
+    req: Req,
+    threshold_single: float,
+    threshold_acc: float,
+) -> Acceptance:
     kids = tree.children()
     node, path, tokens, rows = 0, [0], [], []
     level = len(req.output_ids)
@@ -132,8 +156,11 @@ def _walk_sampled(tree: DraftTree, probs: torch.Tensor, offset: int, req: Req, t
                 # The children hold all the mass and u only passed their float sum by rounding.
                 accepted = kids[node][-1]
         if accepted is None:
-            uniform = torch.tensor([request_uniform(req.input.seed, level, RESIDUAL_STREAM)], dtype=torch.float64,
-                                   device=probs.device)
+            uniform = torch.tensor(
+                [request_uniform(req.input.seed, level, RESIDUAL_STREAM)],
+                dtype=torch.float64,
+                device=probs.device,
+            )
             tokens.append(int(inverse_cdf(residual[None], uniform)[0]))
             return Acceptance(path, tokens, rows)
         tokens.append(tree.tokens[accepted])
@@ -142,9 +169,13 @@ def _walk_sampled(tree: DraftTree, probs: torch.Tensor, offset: int, req: Req, t
         level += 1
 
 
-def emitted_logprobs(logits: torch.Tensor, reqs: Sequence[Req], accepts: Sequence[Acceptance],
-                     want: Sequence[bool], top_nums: Sequence[int]) -> tuple[Optional[list[list[float]]],
-                                                                            Optional[list[list[list[tuple[float, int]]]]]]:
+def emitted_logprobs(
+    logits: torch.Tensor,
+    reqs: Sequence[Req],
+    accepts: Sequence[Acceptance],
+    want: Sequence[bool],
+    top_nums: Sequence[int],
+) -> tuple[Optional[list[list[float]]], Optional[list[list[list[tuple[float, int]]]]]]:
     """Target log-softmax at the request's temperature of every emitted token (and top-k)."""
     if not any(want) and not any(top_nums):
         return None, None
@@ -155,7 +186,9 @@ def emitted_logprobs(logits: torch.Tensor, reqs: Sequence[Req], accepts: Sequenc
         temps.extend([t if t > 0 else 1.0] * len(acc.rows))
         toks.extend(acc.tokens)
     device = logits.device
-    logp = torch.log_softmax(logits[torch.tensor(rows, device=device)] / torch.tensor(temps, device=device)[:, None], -1)
+    logp = torch.log_softmax(
+        logits[torch.tensor(rows, device=device)] / torch.tensor(temps, device=device)[:, None], -1
+    )
     chosen = logp.gather(1, torch.tensor(toks, device=device)[:, None]).squeeze(1).tolist()
     k = max(top_nums)
     top = None
@@ -166,6 +199,8 @@ def emitted_logprobs(logits: torch.Tensor, reqs: Sequence[Req], accepts: Sequenc
     for acc, w, n in zip(accepts, want, top_nums):
         end = start + len(acc.tokens)
         lps.append(chosen[start:end] if w else [])
-        tops.append([list(zip(v[:n], i[:n])) for v, i in top[start:end]] if top is not None and n else [])
+        tops.append(
+            [list(zip(v[:n], i[:n])) for v, i in top[start:end]] if top is not None and n else []
+        )
         start = end
     return (lps if any(want) else None), (tops if any(top_nums) else None)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from safetensors import safe_open
@@ -25,17 +26,31 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def is_ignored(name: str) -> bool:
     """Buffers some checkpoints carry that every model recomputes (rotary inverse frequencies)."""
     return name.endswith(_IGNORED_SUFFIXES)
+
+
 # safetensors dtype names (and torch's, upper-cased) that weights may have.
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "FLOAT64", "FLOAT32", "FLOAT16", "BFLOAT16", "FLOAT", "HALF", "DOUBLE"}
+_FLOAT_DTYPES = {
+    "F64",
+    "F32",
+    "F16",
+    "BF16",
+    "FLOAT64",
+    "FLOAT32",
+    "FLOAT16",
+    "BFLOAT16",
+    "FLOAT",
+    "HALF",
+    "DOUBLE",
+}
 
 
 @dataclass(frozen=True)
 class WeightSlot:
-    param: Optional[str]                      # parameter name in the model; None: accepted, not used here
-    shape: tuple[int, ...]                    # expected Hugging Face tensor shape
-    rows: Optional[tuple[int, int]] = None    # row range inside a fused parameter
-    optional: bool = False                    # may be absent from a checkpoint (tied head)
-    integer: bool = False                     # an index table (EAGLE-3's d2t), not a float weight
+    param: Optional[str]  # parameter name in the model; None: accepted, not used here
+    shape: tuple[int, ...]  # expected Hugging Face tensor shape
+    rows: Optional[tuple[int, int]] = None  # row range inside a fused parameter
+    optional: bool = False  # may be absent from a checkpoint (tied head)
+    integer: bool = False  # an index table (EAGLE-3's d2t), not a float weight
 
 
 def weight_spec(model: nn.Module) -> dict[str, WeightSlot]:
@@ -51,14 +66,19 @@ def named_params(model: nn.Module) -> dict[str, nn.Parameter]:
     release/resume and updates change only their data)."""
     params = model.__dict__.get("_named_params")
     if params is None:
-        params = model.__dict__["_named_params"] = dict(model.named_parameters(remove_duplicate=False))
+        params = model.__dict__["_named_params"] = dict(
+            model.named_parameters(remove_duplicate=False)
+        )
     return params
 
 
 def safetensors_files(model_path: str) -> list[str]:
     """The checkpoint's safetensors files: from the shard index when there is one."""
     if not isinstance(model_path, str) or not os.path.isdir(model_path):
-        raise ValueError(f"model path {model_path!r} is not a directory; give a Hugging Face checkpoint directory")
+        raise ValueError(
+            f"model path {model_path!r} is not a directory; give a Hugging Face checkpoint "
+            "directory"
+        )
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -69,7 +89,9 @@ def safetensors_files(model_path: str) -> list[str]:
         return [single]
     found = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
     if not found:
-        raise ValueError(f"no *.safetensors files in {model_path!r}; specrl loads safetensors checkpoints only")
+        raise ValueError(
+            f"no *.safetensors files in {model_path!r}; specrl loads safetensors checkpoints only"
+        )
     return [os.path.join(model_path, f) for f in found]
 
 
@@ -89,8 +111,15 @@ def safetensors_metadata(model_path: str) -> Iterator[tuple[str, tuple[int, ...]
                 yield name, tuple(sl.get_shape()), sl.get_dtype()
 
 
-def build_model(model_cls: type[nn.Module], config: Any, dtype: torch.dtype, device: torch.device,
-                checkpoint: str, only_known: bool = False, **model_kwargs: Any) -> nn.Module:
+def build_model(
+    model_cls: type[nn.Module],
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    checkpoint: str,
+    only_known: bool = False,
+    **model_kwargs: Any,
+) -> nn.Module:
     """Instantiate and load a model: built on the meta device and allocated once on the target
     device, so no time goes to a random initialisation that loading overwrites."""
     with torch.device("meta"):
@@ -110,12 +139,17 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
     """
     spec = weight_spec(model)
     keep = (lambda name: name in spec) if only_known else (lambda name: True)
-    check_weights(model, (m for m in safetensors_metadata(model_path) if keep(m[0])), require_all=True)
+    check_weights(
+        model, (m for m in safetensors_metadata(model_path) if keep(m[0])), require_all=True
+    )
     copy_weights(model, ((n, t) for n, t in iterate_safetensors(model_path) if keep(n)))
 
 
-def check_weights(model: nn.Module, metadata: Iterable[tuple[str, tuple[int, ...], str]],
-                  require_all: bool = False) -> None:
+def check_weights(
+    model: nn.Module,
+    metadata: Iterable[tuple[str, tuple[int, ...], str]],
+    require_all: bool = False,
+) -> None:
     """Raise ValueError naming the first tensor the model cannot take (name, shape or dtype).
 
     With `require_all`, every non-optional name of the model's spec must be present.
@@ -142,7 +176,9 @@ def check_weights(model: nn.Module, metadata: Iterable[tuple[str, tuple[int, ...
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
 
 
-def copy_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], refresh: bool = True) -> list[str]:
+def copy_weights(
+    model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], refresh: bool = True
+) -> list[str]:
     """Copy already-checked Hugging Face-named tensors into the model; returns the names.
     `refresh=False` leaves derived state to one refresh_derived call after several copies."""
     spec = weight_spec(model)
@@ -159,7 +195,7 @@ def copy_weights(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tens
             target = params[slot.param]
             touched_storages.add(target.untyped_storage().data_ptr())
             if slot.rows is not None:
-                target = target[slot.rows[0]:slot.rows[1]]
+                target = target[slot.rows[0] : slot.rows[1]]
             target.copy_(tensor)
             loaded.append(name)
     if refresh:
@@ -175,7 +211,9 @@ def refresh_derived(model: nn.Module, storages: Optional[set[int]] = None) -> No
         refresh = getattr(module, "refresh_derived", None)
         if refresh is None:
             continue
-        if storages is None or any(p.untyped_storage().data_ptr() in storages for p in module.parameters(recurse=False)):
+        if storages is None or any(
+            p.untyped_storage().data_ptr() in storages for p in module.parameters(recurse=False)
+        ):
             refresh()
 
 
@@ -183,7 +221,7 @@ def hf_tensor(model: nn.Module, name: str) -> torch.Tensor:
     """The model's current value of a Hugging Face-named tensor (a view, in the model's dtype)."""
     slot = weight_spec(model)[name]
     param = named_params(model)[slot.param]
-    return param.detach() if slot.rows is None else param.detach()[slot.rows[0]:slot.rows[1]]
+    return param.detach() if slot.rows is None else param.detach()[slot.rows[0] : slot.rows[1]]
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

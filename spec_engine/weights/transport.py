@@ -6,8 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -16,7 +16,7 @@ import torch
 class FlatMeta:
     name: str
     shape: tuple[int, ...]
-    start: int   # element range in the bucket's flat tensor
+    start: int  # element range in the bucket's flat tensor
     end: int
 
 
@@ -29,7 +29,7 @@ class FlattenedBucket:
     metadata: list[FlatMeta]
 
     @classmethod
-    def pack(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list["FlattenedBucket"]:
+    def pack(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[FlattenedBucket]:
         """One bucket per dtype."""
         groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         for name, tensor in named_tensors:
@@ -44,25 +44,44 @@ class FlattenedBucket:
         return buckets
 
     @classmethod
-    def from_dict(cls, data: dict) -> "FlattenedBucket":
-        """From {"flattened_tensor": tensor, "metadata": [{name, shape, start_idx, end_idx}, ...]}."""
+    def from_dict(cls, data: dict) -> FlattenedBucket:
+        """From {"flattened_tensor": tensor, "metadata": [{name, shape, start_idx, end_idx},
+        ...]}."""
         try:
             flat = data["flattened_tensor"]
-            metadata = [FlatMeta(str(m["name"]), tuple(int(d) for d in m["shape"]), int(m["start_idx"]), int(m["end_idx"]))
-                        for m in data["metadata"]]
+            metadata = [
+                FlatMeta(
+                    str(m["name"]),
+                    tuple(int(d) for d in m["shape"]),
+                    int(m["start_idx"]),
+                    int(m["end_idx"]),
+                )
+                for m in data["metadata"]
+            ]
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"a flattened bucket needs 'flattened_tensor' and 'metadata' entries with name, shape, "
-                             f"start_idx, end_idx ({e!r})") from None
-        bad = next((m for m in metadata if any(d < 0 for d in m.shape) or not 0 <= m.start <= m.end), None)
+            raise ValueError(
+                "a flattened bucket needs 'flattened_tensor' and 'metadata' entries with name, "
+                "shape, "
+                f"start_idx, end_idx ({e!r})"
+            ) from None
+        bad = next(
+            (m for m in metadata if any(d < 0 for d in m.shape) or not 0 <= m.start <= m.end), None
+        )
         if bad is not None:
-            raise ValueError(f"flattened bucket entry {bad.name!r} has shape {bad.shape} and range "
-                             f"[{bad.start}, {bad.end}); dimensions and ranges must be non-negative")
+            raise ValueError(
+                f"flattened bucket entry {bad.name!r} has shape {bad.shape} and range "
+                f"[{bad.start}, {bad.end}); dimensions and ranges must be non-negative"
+            )
         return cls(flat, metadata)
 
     def to_dict(self) -> dict:
-        return {"flattened_tensor": self.flat,
-                "metadata": [{"name": m.name, "shape": list(m.shape), "start_idx": m.start, "end_idx": m.end}
-                             for m in self.metadata]}
+        return {
+            "flattened_tensor": self.flat,
+            "metadata": [
+                {"name": m.name, "shape": list(m.shape), "start_idx": m.start, "end_idx": m.end}
+                for m in self.metadata
+            ],
+        }
 
     def unpack(self) -> list[tuple[str, torch.Tensor]]:
         """Views into the flat tensor; a range past its end or not matching the shape is refused."""
@@ -74,11 +93,17 @@ class FlattenedBucket:
             for d in m.shape:
                 numel *= d
             if m.end - m.start != numel or m.start < 0:
-                raise ValueError(f"bucket entry {m.name!r}: range [{m.start}, {m.end}) does not hold shape {m.shape}")
+                raise ValueError(
+                    f"bucket entry {m.name!r}: range [{m.start}, {m.end}) does not hold shape "
+                    f"{m.shape}"
+                )
             if m.end > self.flat.numel():
-                raise ValueError(f"bucket entry {m.name!r} ends at {m.end} but the bucket holds {self.flat.numel()} "
-                                 "elements (truncated bucket)")
-            out.append((m.name, self.flat[m.start:m.end].view(m.shape)))
+                raise ValueError(
+                    f"bucket entry {m.name!r} ends at {m.end} but the bucket holds "
+                    f"{self.flat.numel()} "
+                    "elements (truncated bucket)"
+                )
+            out.append((m.name, self.flat[m.start : m.end].view(m.shape)))
         return out
 
 
@@ -89,10 +114,15 @@ def materialize(value) -> torch.Tensor:
     if isinstance(value, tuple) and len(value) == 2 and callable(value[0]):
         tensor = value[0](*value[1])
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"expected a tensor (or a reduce_tensor handle), got {type(value).__name__}")
+        raise ValueError(
+            f"expected a tensor (or a reduce_tensor handle), got {type(value).__name__}"
+        )
     if tensor.is_meta or tensor.layout != torch.strided or tensor.is_quantized:
         # Checked here, before anything is copied: such a tensor would fail half-way through.
-        raise ValueError(f"expected a dense tensor with data, got a {'meta' if tensor.is_meta else tensor.layout} tensor")
+        raise ValueError(
+            "expected a dense tensor with data, got a "
+            f"{'meta' if tensor.is_meta else tensor.layout} tensor"
+        )
     return tensor
 
 
@@ -106,6 +136,10 @@ def serialize_tensors(payload) -> str:
 def deserialize_tensors(text: str):
     """The inverse of serialize_tensors; loads tensors and plain containers only (weights_only)."""
     try:
-        return torch.load(io.BytesIO(base64.b64decode(text, validate=True)), map_location="cpu", weights_only=True)
+        return torch.load(
+            io.BytesIO(base64.b64decode(text, validate=True)), map_location="cpu", weights_only=True
+        )
     except (ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        raise ValueError(f"serialized_named_tensors could not be decoded ({e}); send serialize_tensors' output") from None
+        raise ValueError(
+            f"serialized_named_tensors could not be decoded ({e}); send serialize_tensors' output"
+        ) from None

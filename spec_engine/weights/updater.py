@@ -14,15 +14,25 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Iterable, Optional, Protocol
+from collections.abc import Iterable
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from spec_engine.weights.loader import (check_weights, copy_weights, hf_tensor, is_ignored, iterate_safetensors,
-                                        named_params, refresh_derived, safetensors_metadata, tensor_checksum,
-                                        weight_spec)
+from spec_engine.weights.loader import (
+    check_weights,
+    copy_weights,
+    hf_tensor,
+    is_ignored,
+    iterate_safetensors,
+    named_params,
+    refresh_derived,
+    safetensors_metadata,
+    tensor_checksum,
+    weight_spec,
+)
 from spec_engine.weights.transport import materialize
 
 logger = logging.getLogger(__name__)
@@ -47,7 +57,9 @@ class DraftWeights(Protocol):
 class WeightUpdater:
     """Updates of the target model (on `device`) and of the draft, if there is one."""
 
-    def __init__(self, target: nn.Module, device: torch.device, draft: Optional[DraftWeights] = None) -> None:
+    def __init__(
+        self, target: nn.Module, device: torch.device, draft: Optional[DraftWeights] = None
+    ) -> None:
         self.target = target
         self.device = device
         self.draft = draft
@@ -57,16 +69,21 @@ class WeightUpdater:
     # ---------------------------------------------------------------- routing
 
     def _route(self, name: str) -> tuple[Optional[nn.Module], str]:
-        """(the model a Hugging Face name updates, or None if no model uses it; name in that model)."""
+        """(the model a Hugging Face name updates, or None if no model uses it; name in that
+        model)."""
         draft = self.draft
         if name.startswith(DRAFT_PREFIX):
             if draft is None or not draft.external:
-                raise ValueError(f"weight {name!r}: the engine has no external draft model to update")
-            return draft.model, name[len(DRAFT_PREFIX):]
+                raise ValueError(
+                    f"weight {name!r}: the engine has no external draft model to update"
+                )
+            return draft.model, name[len(DRAFT_PREFIX) :]
         slot = weight_spec(self.target).get(name)
         if slot is None:
-            raise ValueError(f"unknown weight {name!r} for {self.target.config.architecture}"
-                             f" (address an external draft's tensors as '{DRAFT_PREFIX}<name>')")
+            raise ValueError(
+                f"unknown weight {name!r} for {self.target.config.architecture}"
+                f" (address an external draft's tensors as '{DRAFT_PREFIX}<name>')"
+            )
         if slot.param is not None:
             return self.target, name
         if draft is not None and not draft.external and name in weight_spec(draft.model):
@@ -117,14 +134,20 @@ class WeightUpdater:
         else:
             raise ValueError(f"component must be 'target' or 'draft', got {component!r}")
         for model in models.values():
-            check_weights(model, [(routes[n][1], s, d) for n, s, d in meta if routes[n][0] is model], require_all=True)
+            check_weights(
+                model,
+                [(routes[n][1], s, d) for n, s, d in meta if routes[n][0] is model],
+                require_all=True,
+            )
         received = 0
         for name, tensor in iterate_safetensors(model_path):
             if is_ignored(name):
                 continue
             model, local = routes[name]
             if model is not None:
-                copy_weights(model, [(local, tensor)], refresh=False)  # one pass over the files, one refresh
+                copy_weights(
+                    model, [(local, tensor)], refresh=False
+                )  # one pass over the files, one refresh
             received += tensor.numel() * tensor.element_size()
         for model in models.values():
             refresh_derived(model)
@@ -134,8 +157,15 @@ class WeightUpdater:
 
     # ---------------------------------------------------------------- distributed
 
-    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str, backend: str = "gloo") -> None:
+    def init_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "gloo",
+    ) -> None:
         """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0)."""
         if group_name in self.groups:
             raise ValueError(f"weight update group {group_name!r} exists already")
@@ -144,16 +174,28 @@ class WeightUpdater:
         if backend == "nccl" and self.device.type != "cuda":
             raise ValueError("backend 'nccl' needs CUDA; use backend 'gloo' on CPU")
         if not 0 < rank_offset < world_size:
-            raise ValueError(f"rank_offset must be in 1..world_size-1 (the trainer is rank 0), got {rank_offset}")
-        store = dist.PrefixStore(group_name, dist.TCPStore(master_address, master_port, world_size, is_master=False,
-                                                            timeout=GROUP_CONNECT_TIMEOUT))
+            raise ValueError(
+                f"rank_offset must be in 1..world_size-1 (the trainer is rank 0), got {rank_offset}"
+            )
+        store = dist.PrefixStore(
+            group_name,
+            dist.TCPStore(
+                master_address,
+                master_port,
+                world_size,
+                is_master=False,
+                timeout=GROUP_CONNECT_TIMEOUT,
+            ),
+        )
         if backend == "gloo":
             group = dist.ProcessGroupGloo(store, rank_offset, world_size, GROUP_TIMEOUT)
         else:
             group = dist.ProcessGroupNCCL(store, rank_offset, world_size)
         self.groups[group_name] = group
 
-    def from_distributed(self, names: list[str], dtypes: list, shapes: list, group_name: str) -> int:
+    def from_distributed(
+        self, names: list[str], dtypes: list, shapes: list, group_name: str
+    ) -> int:
         """Receive one broadcast per tensor from rank 0 of the group, then apply them.
 
         Everything announced is received even if it will be refused, so the trainer's
@@ -161,14 +203,25 @@ class WeightUpdater:
         """
         group = self.groups.get(group_name)
         if group is None:
-            raise ValueError(f"no weight update group {group_name!r}; call init_weights_update_group first")
+            raise ValueError(
+                f"no weight update group {group_name!r}; call init_weights_update_group first"
+            )
         if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError(f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ in length")
-        device = self.device if isinstance(group, getattr(dist, "ProcessGroupNCCL", ())) else torch.device("cpu")
+            raise ValueError(
+                f"names ({len(names)}), dtypes ({len(dtypes)}) and shapes ({len(shapes)}) differ "
+                "in length"
+            )
+        device = (
+            self.device
+            if isinstance(group, getattr(dist, "ProcessGroupNCCL", ()))
+            else torch.device("cpu")
+        )
         # Every buffer is made before the first broadcast: failing half-way would leave the
         # trainer's remaining broadcasts to be taken by the next update.
-        buffers = [(name, torch.empty(parse_shape(name, shape), dtype=parse_dtype(dtype), device=device))
-                   for name, dtype, shape in zip(names, dtypes, shapes)]
+        buffers = [
+            (name, torch.empty(parse_shape(name, shape), dtype=parse_dtype(dtype), device=device))
+            for name, dtype, shape in zip(names, dtypes, shapes)
+        ]
         for _, tensor in buffers:
             group.broadcast(tensor, 0).wait()
         return self.apply(buffers)
@@ -176,8 +229,11 @@ class WeightUpdater:
     # ---------------------------------------------------------------- checksums and memory
 
     def checksums(self, names: Optional[list[str]] = None) -> dict[str, str]:
-        """SHA-256 per tensor, in the engine's dtype, of the target and draft (see tensor_checksum)."""
-        if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+        """SHA-256 per tensor, in the engine's dtype, of the target and draft (see
+        tensor_checksum)."""
+        if names is not None and (
+            not isinstance(names, list) or not all(isinstance(n, str) for n in names)
+        ):
             raise ValueError(f"names must be a list of weight names, got {names!r}")
         every = {}
         for name in weight_spec(self.target):
@@ -195,7 +251,8 @@ class WeightUpdater:
         return {n: tensor_checksum(hf_tensor(*every[n])) for n in wanted}
 
     def release_weights(self) -> None:
-        """Move every weight out (to host memory on CUDA; kept aside on CPU), leaving empty tensors."""
+        """Move every weight out (to host memory on CUDA; kept aside on CPU), leaving empty
+        tensors."""
         if self._backup is not None:
             return
         backup = []
@@ -226,8 +283,12 @@ class WeightUpdater:
 
 
 def parse_shape(name: str, shape) -> tuple[int, ...]:
-    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise ValueError(f"weight {name!r}: shape must be a list of non-negative integers, got {shape!r}")
+    if not isinstance(shape, (list, tuple)) or not all(
+        isinstance(d, int) and d >= 0 for d in shape
+    ):
+        raise ValueError(
+            f"weight {name!r}: shape must be a list of non-negative integers, got {shape!r}"
+        )
     return tuple(shape)
 
 
@@ -242,8 +303,11 @@ def _check_one_value_per_slot(model: nn.Module, items: list[tuple[str, torch.Ten
             continue
         key = (params[slot.param].untyped_storage().data_ptr(), slot.rows)
         if key in seen and not torch.equal(seen[key][1].to(tensor.dtype), tensor):
-            raise ValueError(f"weights {seen[key][0]!r} and {name!r} are one tensor in this model (tied) but were "
-                             "sent with different values; send one of them")
+            raise ValueError(
+                f"weights {seen[key][0]!r} and {name!r} are one tensor in this model (tied) but "
+                "were "
+                "sent with different values; send one of them"
+            )
         seen[key] = (name, tensor)
 
 

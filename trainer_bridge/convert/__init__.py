@@ -6,7 +6,8 @@ In memory:
     shard_tensor / gather_tensor                       the same for one tensor (stream a TP>1 model)
     mcore_to_hf_tensors(model_or_state_dict, hf_config) (HF name, tensor) pairs, one at a time
                                                        (a TP>1 model is gathered per tensor)
-    load_hf_weights(model, hf_checkpoint)              a Hugging Face directory into this rank's model
+    load_hf_weights(model, hf_checkpoint)              a Hugging Face directory into this rank's
+    model
 On disk (see checkpoint.py for the megatron format) and on the command line:
     python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N]
     python -m trainer_bridge.convert mcore-to-hf --load B --hf-checkpoint A --save C
@@ -14,32 +15,64 @@ On disk (see checkpoint.py for the megatron format) and on the command line:
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Union
+from collections.abc import Iterator, Mapping
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainer_bridge.convert.checkpoint import (hf_to_mcore, load_mcore_rank, mcore_to_hf, read_hf_weights,
-                                               read_mcore_meta, save_hf_checkpoint, save_mcore_checkpoint)
+from spec_engine.models.hf_config import ConfigSource
+from trainer_bridge.convert.checkpoint import (
+    hf_to_mcore,
+    load_mcore_rank,
+    mcore_to_hf,
+    read_hf_weights,
+    read_mcore_meta,
+    save_hf_checkpoint,
+    save_mcore_checkpoint,
+)
 from trainer_bridge.convert.llama import hf_to_mcore_state_dict as _hf_to_mcore
 from trainer_bridge.convert.llama import mcore_to_hf_items, name_map
-from trainer_bridge.convert.tp import gather_state_dicts, gather_tensor, is_sharded, shard_state_dict, shard_tensor
-from spec_engine.models.hf_config import ConfigSource, ModelConfig
-from trainer_bridge.model_provider import (DEFAULT_VOCAB_DIVISOR, check_tensor_parallel, padded_vocab_size,
-                                           read_model_config)
+from trainer_bridge.convert.tp import (
+    gather_state_dicts,
+    gather_tensor,
+    is_sharded,
+    shard_state_dict,
+    shard_tensor,
+)
+from trainer_bridge.model_provider import (
+    DEFAULT_VOCAB_DIVISOR,
+    check_tensor_parallel,
+    padded_vocab_size,
+    read_model_config,
+)
 
 __all__ = [
-    "gather_state_dicts", "gather_tensor", "hf_to_mcore", "hf_to_mcore_state_dict", "load_hf_weights",
-    "load_mcore_rank", "load_mcore_state_dict", "mcore_to_hf", "mcore_to_hf_tensors", "name_map",
-    "read_hf_weights", "read_mcore_meta", "save_hf_checkpoint", "save_mcore_checkpoint", "shard_state_dict",
+    "gather_state_dicts",
+    "gather_tensor",
+    "hf_to_mcore",
+    "hf_to_mcore_state_dict",
+    "load_hf_weights",
+    "load_mcore_rank",
+    "load_mcore_state_dict",
+    "mcore_to_hf",
+    "mcore_to_hf_tensors",
+    "name_map",
+    "read_hf_weights",
+    "read_mcore_meta",
+    "save_hf_checkpoint",
+    "save_mcore_checkpoint",
+    "shard_state_dict",
     "shard_tensor",
 ]
 
 
-
-def hf_to_mcore_state_dict(hf_tensors: Mapping[str, Tensor], hf_config: ConfigSource) -> dict[str, Tensor]:
-    """The whole (TP=1) megatron state dict of Hugging Face tensors; vocab unpadded (sharding pads it)."""
+def hf_to_mcore_state_dict(
+    hf_tensors: Mapping[str, Tensor], hf_config: ConfigSource
+) -> dict[str, Tensor]:
+    """The whole (TP=1) megatron state dict of Hugging Face tensors; vocab unpadded (sharding pads
+    it)."""
     return _hf_to_mcore(hf_tensors, read_model_config(hf_config))
 
 
@@ -68,9 +101,11 @@ class _GatheredOverTP(Mapping[str, Tensor]):
         return len(self._state)
 
 
-def mcore_to_hf_tensors(model_or_state_dict: Union[nn.Module, Mapping[str, Any]],
-                        hf_config: ConfigSource) -> Iterator[tuple[str, Tensor]]:
-    """Hugging Face (name, tensor) pairs of this rank's GPTModel or of a whole (TP=1) megatron state dict.
+def mcore_to_hf_tensors(
+    model_or_state_dict: Union[nn.Module, Mapping[str, Any]], hf_config: ConfigSource
+) -> Iterator[tuple[str, Tensor]]:
+    """Hugging Face (name, tensor) pairs of this rank's GPTModel or of a whole (TP=1) megatron
+    state dict.
 
     Lazy: each megatron tensor is gathered (a model under tensor parallelism: every TP rank must
     iterate, in step), split (q/k/v, gate/up) or trimmed (vocab padding) when reached, so callers
@@ -89,13 +124,17 @@ def load_mcore_state_dict(model: nn.Module, state: Mapping[str, Tensor]) -> None
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("._extra_state")]
     if missing or unexpected:
-        raise ValueError(f"state dict does not fit the model: missing {missing[:5]} ({len(missing)} in all), "
-                         f"unexpected {unexpected[:5]} ({len(unexpected)} in all)")
+        raise ValueError(
+            f"state dict does not fit the model: missing {missing[:5]} ({len(missing)} in all), "
+            f"unexpected {unexpected[:5]} ({len(unexpected)} in all)"
+        )
 
 
-def load_hf_weights(model: nn.Module, hf_checkpoint: str,
-                    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> None:
-    """Load a Hugging Face directory into this tensor-parallel rank's GPTModel (megatron parallel state set up)."""
+def load_hf_weights(
+    model: nn.Module, hf_checkpoint: str, make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR
+) -> None:
+    """Load a Hugging Face directory into this tensor-parallel rank's GPTModel (megatron parallel
+    state set up)."""
     from megatron.core import parallel_state
 
     arch = read_model_config(hf_checkpoint)
@@ -104,4 +143,6 @@ def load_hf_weights(model: nn.Module, hf_checkpoint: str,
     check_tensor_parallel(arch, tp)
     padded = padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by)
     whole = _hf_to_mcore(read_hf_weights(hf_checkpoint), arch)
-    load_mcore_state_dict(model, {name: shard_tensor(name, t, tp, padded)[rank] for name, t in whole.items()})
+    load_mcore_state_dict(
+        model, {name: shard_tensor(name, t, tp, padded)[rank] for name, t in whole.items()}
+    )

@@ -1,38 +1,61 @@
 """Command line: convert between Hugging Face directories and specrl's megatron checkpoints.
 
-    python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N]
-    python -m trainer_bridge.convert mcore-to-hf --load B --hf-checkpoint A --save C
+python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N]
+python -m trainer_bridge.convert mcore-to-hf --load B --hf-checkpoint A --save C
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from trainer_bridge.convert.checkpoint import hf_to_mcore, mcore_to_hf
 from trainer_bridge.model_provider import DEFAULT_VOCAB_DIVISOR
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trainer_bridge.convert", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer_bridge.convert",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    to_mcore = commands.add_parser("hf-to-mcore", help="Hugging Face directory -> megatron checkpoint")
-    to_mcore.add_argument("--hf-checkpoint", required=True, help="Hugging Face directory (config.json + *.safetensors)")
+    to_mcore = commands.add_parser(
+        "hf-to-mcore", help="Hugging Face directory -> megatron checkpoint"
+    )
+    to_mcore.add_argument(
+        "--hf-checkpoint",
+        required=True,
+        help="Hugging Face directory (config.json + *.safetensors)",
+    )
     to_mcore.add_argument("--save", required=True, help="output megatron checkpoint directory")
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor parallel size to shard for")
-    to_mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=DEFAULT_VOCAB_DIVISOR,
-                          help="pad the vocabulary to a multiple of this times --tp (Megatron's flag)")
+    to_mcore.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=DEFAULT_VOCAB_DIVISOR,
+        help="pad the vocabulary to a multiple of this times --tp (Megatron's flag)",
+    )
     to_hf = commands.add_parser("mcore-to-hf", help="megatron checkpoint -> Hugging Face directory")
-    to_hf.add_argument("--load", required=True, help="megatron checkpoint directory written by hf-to-mcore")
-    to_hf.add_argument("--hf-checkpoint", required=True,
-                       help="the Hugging Face directory it came from (config and tokenizer files are copied)")
+    to_hf.add_argument(
+        "--load", required=True, help="megatron checkpoint directory written by hf-to-mcore"
+    )
+    to_hf.add_argument(
+        "--hf-checkpoint",
+        required=True,
+        help="the Hugging Face directory it came from (config and tokenizer files are copied)",
+    )
     to_hf.add_argument("--save", required=True, help="output Hugging Face directory")
     args = parser.parse_args(argv)
     try:
         if args.command == "hf-to-mcore":
-            hf_to_mcore(args.hf_checkpoint, args.save, tp=args.tp,
-                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+            hf_to_mcore(
+                args.hf_checkpoint,
+                args.save,
+                tp=args.tp,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            )
         else:
             mcore_to_hf(args.load, args.hf_checkpoint, args.save)
     except (ValueError, FileNotFoundError) as e:

@@ -11,7 +11,7 @@ reads [hidden, embedding] (as the engine's models/mimo.py does); megatron's eh_p
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -52,8 +52,11 @@ def _layer_names(arch: ModelConfig, mcore: str, hf: str) -> dict[str, tuple[str,
 
 
 def name_map(arch: ModelConfig) -> dict[str, tuple[str, ...]]:
-    """Every megatron parameter name of `arch`, with the Hugging Face tensors it is made of, in HF order."""
-    names: dict[str, tuple[str, ...]] = {"embedding.word_embeddings.weight": ("model.embed_tokens.weight",)}
+    """Every megatron parameter name of `arch`, with the Hugging Face tensors it is made of, in HF
+    order."""
+    names: dict[str, tuple[str, ...]] = {
+        "embedding.word_embeddings.weight": ("model.embed_tokens.weight",)
+    }
     for i in range(arch.num_hidden_layers):
         names.update(_layer_names(arch, f"decoder.layers.{i}.", f"model.layers.{i}."))
     names["decoder.final_layernorm.weight"] = ("model.norm.weight",)
@@ -71,7 +74,9 @@ def _fuse_qkv(arch: ModelConfig, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     groups, d = arch.num_key_value_heads, arch.head_dim
     tail = q.shape[1:]
     q = q.reshape(groups, arch.heads_per_group * d, *tail)
-    return torch.cat((q, k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)), dim=1).reshape(-1, *tail)
+    return torch.cat((q, k.reshape(groups, d, *tail), v.reshape(groups, d, *tail)), dim=1).reshape(
+        -1, *tail
+    )
 
 
 def _split_qkv(arch: ModelConfig, qkv: Tensor) -> tuple[Tensor, ...]:
@@ -82,7 +87,8 @@ def _split_qkv(arch: ModelConfig, qkv: Tensor) -> tuple[Tensor, ...]:
 
 
 def _swap_halves(weight: Tensor) -> Tensor:
-    """[A | B] -> [B | A] along the input dim: MiMo's [hidden, embedding] <-> megatron's [embedding, hidden]."""
+    """[A | B] -> [B | A] along the input dim: MiMo's [hidden, embedding] <-> megatron's
+    [embedding, hidden]."""
     first, second = weight.chunk(2, dim=1)
     return torch.cat((second, first), dim=1)
 
@@ -104,7 +110,8 @@ def to_mcore(name: str, hf_tensors: tuple[Tensor, ...], arch: ModelConfig) -> Te
 
 
 def to_hf(name: str, tensor: Tensor, arch: ModelConfig) -> tuple[Tensor, ...]:
-    """The Hugging Face tensors (in `name_map` order) inside megatron tensor `name`; vocab padding removed."""
+    """The Hugging Face tensors (in `name_map` order) inside megatron tensor `name`; vocab padding
+    removed."""
     if _is_qkv(name):
         return _split_qkv(arch, tensor)
     if name.endswith(_FC1):
@@ -116,20 +123,29 @@ def to_hf(name: str, tensor: Tensor, arch: ModelConfig) -> tuple[Tensor, ...]:
     return (tensor,)
 
 
-def hf_to_mcore_state_dict(hf_tensors: Mapping[str, Tensor], arch: ModelConfig) -> dict[str, Tensor]:
+def hf_to_mcore_state_dict(
+    hf_tensors: Mapping[str, Tensor], arch: ModelConfig
+) -> dict[str, Tensor]:
     """The whole (TP=1, unpadded vocab) megatron state dict of a Hugging Face state dict."""
     names = name_map(arch)
     wanted = {h for hs in names.values() for h in hs}
     missing = sorted(wanted - hf_tensors.keys())
     unexpected = sorted(hf_tensors.keys() - wanted)
     if missing or unexpected:
-        raise ValueError(f"{arch.architecture} checkpoint does not match its config: missing tensors {missing[:5]} "
-                         f"({len(missing)} in all), unexpected tensors {unexpected[:5]} ({len(unexpected)} in all)")
+        raise ValueError(
+            f"{arch.architecture} checkpoint does not match its config: missing tensors "
+            f"{missing[:5]} "
+            f"({len(missing)} in all), unexpected tensors {unexpected[:5]} ({len(unexpected)} in "
+            "all)"
+        )
     return {m: to_mcore(m, tuple(hf_tensors[h] for h in hs), arch) for m, hs in names.items()}
 
 
-def mcore_to_hf_items(state: Mapping[str, Tensor], arch: ModelConfig) -> Iterator[tuple[str, Tensor]]:
-    """(Hugging Face name, tensor) pairs of a whole megatron state dict, one megatron tensor at a time."""
+def mcore_to_hf_items(
+    state: Mapping[str, Tensor], arch: ModelConfig
+) -> Iterator[tuple[str, Tensor]]:
+    """(Hugging Face name, tensor) pairs of a whole megatron state dict, one megatron tensor at a
+    time."""
     mapping = name_map(arch)
     # model.state_dict() also holds `*._extra_state` entries (None without Transformer Engine).
     # Values are read only inside the loop: `state` may produce them lazily (gathered over TP).
@@ -137,8 +153,10 @@ def mcore_to_hf_items(state: Mapping[str, Tensor], arch: ModelConfig) -> Iterato
     missing = [m for m in mapping if m not in names]
     unexpected = sorted(names - mapping.keys())
     if missing or unexpected:
-        raise ValueError(f"megatron state dict does not match {arch.architecture}: missing {missing[:5]} "
-                         f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)")
+        raise ValueError(
+            f"megatron state dict does not match {arch.architecture}: missing {missing[:5]} "
+            f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)"
+        )
     for m, hf_names in mapping.items():
         for h, t in zip(hf_names, to_hf(m, state[m].detach(), arch)):
             yield h, t.contiguous()

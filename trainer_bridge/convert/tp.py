@@ -9,14 +9,18 @@ linear_proj, linear_fc2; everything else (norms) is replicated.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
 from spec_engine.models.hf_config import ModelConfig
-from trainer_bridge.model_provider import DEFAULT_VOCAB_DIVISOR, check_tensor_parallel, padded_vocab_size
+from trainer_bridge.model_provider import (
+    DEFAULT_VOCAB_DIVISOR,
+    check_tensor_parallel,
+    padded_vocab_size,
+)
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "eh_proj.weight")
@@ -47,7 +51,8 @@ def pad_vocab(tensor: Tensor, padded_rows: int) -> Tensor:
 
 
 def shard_tensor(name: str, tensor: Tensor, tp: int, padded_vocab: int) -> list[Tensor]:
-    """The `tp` per-rank pieces of whole megatron tensor `name` (vocab tensors padded to `padded_vocab` rows)."""
+    """The `tp` per-rank pieces of whole megatron tensor `name` (vocab tensors padded to
+    `padded_vocab` rows)."""
     kind = _kind(name)
     if kind == "vocab":
         return list(pad_vocab(tensor, padded_vocab).chunk(tp, dim=0))
@@ -55,14 +60,17 @@ def shard_tensor(name: str, tensor: Tensor, tp: int, padded_vocab: int) -> list[
         return list(tensor.chunk(tp, dim=0))
     if kind == "gated":
         gate, up = tensor.chunk(2, dim=0)
-        return [torch.cat(parts, dim=0) for parts in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0))]
+        return [
+            torch.cat(parts, dim=0) for parts in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0))
+        ]
     if kind == "row":
         return list(tensor.chunk(tp, dim=1))
     return [tensor] * tp
 
 
 def gather_tensor(name: str, shards: Sequence[Tensor]) -> Tensor:
-    """Whole megatron tensor `name` from its per-rank pieces (vocab padding kept; `to_hf` drops it)."""
+    """Whole megatron tensor `name` from its per-rank pieces (vocab padding kept; `to_hf` drops
+    it)."""
     kind = _kind(name)
     if kind in ("vocab", "column"):
         return torch.cat(list(shards), dim=0)
@@ -74,8 +82,12 @@ def gather_tensor(name: str, shards: Sequence[Tensor]) -> Tensor:
     return shards[0]
 
 
-def shard_state_dict(state: Mapping[str, Tensor], arch: ModelConfig, tp: int,
-                     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> list[dict[str, Tensor]]:
+def shard_state_dict(
+    state: Mapping[str, Tensor],
+    arch: ModelConfig,
+    tp: int,
+    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+) -> list[dict[str, Tensor]]:
     """Per-rank state dicts (rank order) of a whole megatron state dict.
 
     Every piece is a compact copy: a view would drag its whole parent storage into torch.save.

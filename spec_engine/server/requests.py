@@ -1,0 +1,62 @@
+"""What every endpoint shares: reading a JSON body, validating it against a model, the 400
+errors that name the bad field, and server-sent events."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def error_response(message: str, request: Request, status: int = 400) -> JSONResponse:
+    if request.url.path.startswith("/v1/"):
+        return JSONResponse(
+            {
+                "object": "error",
+                "message": message,
+                "type": "BadRequestError",
+                "param": None,
+                "code": status,
+            },
+            status_code=status,
+        )
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the JSON body must be an object, got {type(body).__name__}")
+    return body
+
+
+def parse_model(model: type, body: dict[str, Any]):
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise BadRequest(describe_validation(e.errors())) from None
+
+
+def describe_validation(errors: list[dict[str, Any]]) -> str:
+    parts = []
+    for err in errors[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,66 @@
+"""TrainerArgs: the trainer's options (slime / Megatron-LM names), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class TrainerArgs:
+    """Trainer options; names follow slime / Megatron-LM."""
+
+    hf_checkpoint: Optional[str] = field(
+        default=None,
+        metadata={"help": "Hugging Face checkpoint the policy starts from (and the engines load)."},
+    )
+    lr: float = field(default=1e-6, metadata={"help": "Adam learning rate (constant)."})
+    weight_decay: float = field(default=0.0, metadata={"help": "Adam weight decay."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "Adam beta1."})
+    adam_beta2: float = field(default=0.98, metadata={"help": "Adam beta2."})
+    clip_grad: float = field(
+        default=1.0, metadata={"help": "Gradient clipping by global norm (0 disables)."}
+    )
+    micro_batch_size: int = field(default=4, metadata={"help": "Sequences per forward/backward."})
+    global_batch_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "Sequences per optimizer step (default: a whole rollout in one step)."},
+    )
+    tensor_model_parallel_size: int = field(
+        default=1, metadata={"help": "Megatron tensor parallel size."}
+    )
+    seed: int = field(
+        default=1234,
+        metadata={
+            "help": "Seed of the trainer (megatron's RNG) and, in scripts/train.py, of the "
+            "engines' sampling."
+        },
+    )
+    bf16: bool = field(
+        default=False,
+        metadata={
+            "help": "bfloat16 parameters and activations with float32 master weights in the "
+            "optimizer (Megatron's mixed precision)."
+        },
+    )
+    enable_mtp_training: bool = field(
+        default=False,
+        metadata={
+            "help": "Train the MTP layers online with the policy (their own loss; the trunk gets "
+            "no gradient from it)."
+        },
+    )
+    mtp_loss_scaling_factor: float = field(
+        default=0.2, metadata={"help": "Weight of the MTP loss."}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "tensor_model_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
+                )
+        if self.global_batch_size is not None and self.global_batch_size <= 0:
+            raise ValueError(f"--global-batch-size must be positive, got {self.global_batch_size}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
