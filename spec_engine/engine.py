@@ -62,6 +62,7 @@ class Engine:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        eos_ids = frozenset(eos)
         decode_tail = (
             (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
         )
@@ -72,8 +73,8 @@ class Engine:
             args.page_size,
             disable=args.disable_radix_cache,
         )
-        worker = create_worker(self.config, self.runner, tree_cache.alloc_slots, frozenset(eos))
-        self.scheduler = Scheduler(args, worker, tree_cache, frozenset(eos), decode_tail)
+        worker = create_worker(self.config, self.runner, tree_cache.alloc_slots, eos_ids)
+        self.scheduler = Scheduler(args, worker, tree_cache, eos_ids, decode_tail)
         self.inputs = RequestBuilder(
             self.tokenizer,
             self.model_config.vocab_size,
