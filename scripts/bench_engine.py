@@ -23,7 +23,7 @@ import torch
 
 def random_batches(batch: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(5, vocab, (batch, input_len), generator=g).tolist()
+    return torch.randint(5, vocab, (batch, input_len), generator=g, device="cpu").tolist()
 
 
 def engine_runner(engine) -> Callable[[list[list[int]], int], None]:

@@ -21,11 +21,15 @@ import json
 import os
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from scripts.bench_engine import random_batches
 from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
+
+if TYPE_CHECKING:
+    from spec_engine import Engine
 
 ALGORITHMS = ("baseline", "eagle", "eagle3", "mtp", "standalone-self", "ngram")
 # Model shapes to benchmark at (random weights): Llama-3.1-8B's config.
@@ -97,7 +101,7 @@ def prompts(batch: int, length: int, vocab: int, repetitive: bool, seed: int) ->
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(batch):
-        pattern = torch.randint(5, vocab, (16,), generator=g).tolist()
+        pattern = torch.randint(5, vocab, (16,), generator=g, device="cpu").tolist()
         out.append((pattern * (length // 16 + 1))[:length])
     return out
 
@@ -128,7 +132,7 @@ def run(
         best, state = None, None
         for r in range(args.repeats):
             worker = engine.scheduler.worker
-            before = dict(getattr(worker, "timings", {}))
+            before = spec_time_breakdown(engine)
             steps_before = getattr(worker, "verify_steps", 0)
             verify_before = engine.scheduler.spec_verify_ct
             emitted_before = engine.scheduler.spec_emitted
@@ -143,9 +147,7 @@ def run(
                 verifies = engine.scheduler.spec_verify_ct - verify_before
                 emitted = engine.scheduler.spec_emitted - emitted_before
                 steps = getattr(worker, "verify_steps", 0) - steps_before
-                spent = {
-                    k: v - before.get(k, 0.0) for k, v in getattr(worker, "timings", {}).items()
-                }
+                spent = {k: v - before.get(k, 0.0) for k, v in spec_time_breakdown(engine).items()}
                 state = {
                     "accept_length": round(emitted / verifies, 3) if verifies else None,
                     "ms_per_step": {
@@ -173,6 +175,11 @@ def device_hbm_gbs(device: str) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((gbs for key, gbs in HBM_GBS.items() if key in name), None)
+
+
+def spec_time_breakdown(engine: Engine) -> dict[str, float]:
+    """Seconds drafting, verifying and in bookkeeping so far (none without speculation)."""
+    return engine.get_server_info()["internal_states"][0].get("spec_time_breakdown", {})
 
 
 def main() -> None:

@@ -69,7 +69,10 @@ def main() -> None:
     tensors = load_file(os.path.join(path, "model.safetensors"))
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     params = sum(t.numel() for t in tensors.values())
-    src, dst = torch.cat([t.reshape(-1) for t in tensors.values()]), torch.empty(params)
+    src, dst = (
+        torch.cat([t.reshape(-1) for t in tensors.values()]),
+        torch.empty(params, device="cpu"),
+    )
     memcpy = best(lambda: dst.copy_(src), args.repeats)
     results = {"memcpy": memcpy}
     engine = Engine(model_path=path, skip_tokenizer_init=True, random_seed=0, max_total_tokens=4096)

@@ -368,7 +368,7 @@ class Engine:
                 s.spec_emitted / s.spec_verify_ct if s.spec_verify_ct else None
             )
             state["spec_verify_ct"] = s.spec_verify_ct
-            state["spec_time_breakdown"] = dict(s.worker.timings)
+            state["spec_time_breakdown"] = dict(s.worker.timings.seconds)
         return state
 
     def get_model_info(self) -> dict[str, Any]:

@@ -6,8 +6,6 @@ import argparse
 import logging
 import sys
 
-import uvicorn
-
 from spec_engine.args.dataclass_cli import HelpFormatter
 from spec_engine.args.engine_args import add_cli_args, from_cli_args
 from spec_engine.engine import Engine
@@ -36,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(args)
     if not engine.args.skip_server_warmup:
         engine.generate(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+    import uvicorn  # only to serve: parsing and --help work without it
+
     app = create_app(engine)
     logger.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     try:

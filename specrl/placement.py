@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import ray
@@ -35,10 +36,17 @@ def init_ray(num_cpus: int | None = None) -> None:
         ignore_reinit_error=True,
         logging_level=logging.WARNING,
         runtime_env={
-            "env_vars": {"PYTHONPATH": os.getcwd()},
+            "env_vars": {"PYTHONPATH": worker_pythonpath(os.getcwd(), os.environ)},
             "worker_process_setup_hook": "specrl.console.quiet_known_noise",
         },
     )
+
+
+def worker_pythonpath(cwd: str, environ: Mapping[str, str]) -> str:
+    """PYTHONPATH for Ray workers: this checkout first, then the caller's own PYTHONPATH (Ray's
+    env_vars replace the variable, which would hide packages installed with `pip --target`)."""
+    entries = [cwd] + [e for e in environ.get("PYTHONPATH", "").split(os.pathsep) if e]
+    return os.pathsep.join(dict.fromkeys(entries))
 
 
 def reserve_bundles(count: int, gpus_per_bundle: int, what: str) -> ActorOptions:

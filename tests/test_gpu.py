@@ -4,10 +4,14 @@ FlashInfer."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from spec_engine import Engine
 from tests.conftest import random_prompts
 from tests.test_speculative import models  # noqa: F401  (module fixture)
+
+# Log-prob gap (nats) under which two bfloat16 computations may pick different greedy tokens.
+BF16_MARGIN = 0.25
 
 
 @pytest.mark.gpu
@@ -32,17 +36,18 @@ def test_cuda_float32_greedy_matches_transformers(family_path, hf):
 
 
 @pytest.mark.gpu
-def test_cuda_bfloat16_runs_and_agrees_mostly(llama_path, hf):
+def test_cuda_bfloat16_agrees_up_to_near_ties(llama_path, hf):
+    """bfloat16 on CUDA against transformers in float32: each first token is the reference's
+    argmax or within BF16_MARGIN nats of it (bfloat16 rounding can only flip near-ties)."""
     prompts = random_prompts(8, 3, 30, seed=31)
     with Engine(model_path=llama_path, device="cuda", random_seed=0) as engine:
         assert engine.args.dtype == "bfloat16"
         outs = engine.generate(
             input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 8}
         )
-    agree = sum(
-        o["output_ids"][0] == hf.greedy(llama_path, p, 1)[0][0] for p, o in zip(prompts, outs)
-    )
-    assert agree >= 6
+    for prompt, out in zip(prompts, outs):
+        logp = torch.log_softmax(hf.next_token_logits(llama_path, prompt), -1)
+        assert logp.max() - logp[out["output_ids"][0]] <= BF16_MARGIN, prompt
 
 
 # --- CUDA graphs and FlashInfer (issue [cuda-graphs]); run with a GPU: pytest -m gpu
@@ -58,7 +63,9 @@ def _generate(path, kwargs, params, prompts):
         skip_tokenizer_init=True,
         **kwargs,
     ) as engine:
-        return engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        return engine.generate(
+            input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=4
+        )
 
 
 @pytest.mark.gpu
@@ -103,15 +110,23 @@ def wide_models(make_model, tmp_path_factory):
     )
 
 
-def _agreement(a, b) -> float:
-    pairs = [(x, y) for oa, ob in zip(a, b) for x, y in zip(oa["output_ids"], ob["output_ids"])]
-    return sum(x == y for x, y in pairs) / len(pairs)
+def assert_equal_up_to_near_ties(outs, refs, margin: float = BF16_MARGIN) -> None:
+    """Each sequence equals its reference up to the first token where they differ, and there the
+    reference's own top log-probs show a near-tie (our token within `margin` nats of its choice);
+    past that point the sequences are free to differ."""
+    for out, ref in zip(outs, refs):
+        for j, (ours, theirs) in enumerate(zip(out["output_ids"], ref["output_ids"])):
+            if ours != theirs:
+                top = {t: lp for lp, t, _ in ref["meta_info"]["output_top_logprobs"][j]}
+                assert ours in top and top[theirs] - top[ours] <= margin, (j, ours, theirs, top)
+                break
 
 
 @pytest.mark.gpu
 def test_flashinfer_agrees_with_torch_native(wide_models):
-    """FlashInfer decode/prefill/verify against torch_native, bfloat16, eager: the first token of
-    every request equal, later tokens mostly (bf16 kernels reduce in different orders)."""
+    """FlashInfer decode/prefill/verify against torch_native, bfloat16, eager: equal tokens up to
+    a near-tie (bf16 kernels reduce in different orders, which can flip only those)."""
+    pytest.importorskip("flashinfer", reason="the [gpu] extra (flashinfer-python) is not installed")
     target, eagle = wide_models
     params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
     prompts = random_prompts(8, 5, 40, seed=7)
@@ -135,14 +150,14 @@ def test_flashinfer_agrees_with_torch_native(wide_models):
             params,
             prompts,
         )
-        assert [o["output_ids"][0] for o in fi] == [o["output_ids"][0] for o in native]
-        assert _agreement(fi, native) >= 0.9
+        assert_equal_up_to_near_ties(fi, native)
 
 
 @pytest.mark.gpu
 def test_flashinfer_cuda_graphs_equal_eager(wide_models):
     """FlashInfer under real CUDA graphs (re-planned before each replay, padded batches) against
     FlashInfer eager, plain and EAGLE tree, with the startup self-check on."""
+    pytest.importorskip("flashinfer", reason="the [gpu] extra (flashinfer-python) is not installed")
     target, eagle = wide_models
     from tests.test_cuda_graph import LENGTHS
 
@@ -164,4 +179,4 @@ def test_flashinfer_cuda_graphs_equal_eager(wide_models):
             params,
             prompts,
         )
-        assert _agreement(graphs, eager) >= 0.98
+        assert_equal_up_to_near_ties(graphs, eager)

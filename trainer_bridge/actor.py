@@ -47,7 +47,7 @@ class TrainActor:
 
         from trainer_bridge.convert import load_hf_weights, load_mcore_state_dict
         from trainer_bridge.megatron_compat import free_port, init_model_parallel
-        from trainer_bridge.model_provider import build_gpt_model, read_model_config
+        from trainer_bridge.model_provider import build_gpt_model, read_model_config, trainer_device
 
         if args.hf_checkpoint is None:
             raise ValueError(
@@ -86,11 +86,11 @@ class TrainActor:
                 f"--global-batch-size {args.global_batch_size} does not split over {self.dp_size} "
                 "data-parallel trainer ranks; make it a multiple"
             )
-        self.dp_rank = (
-            rank // args.tensor_model_parallel_size
-        )  # megatron's default order: TP ranks adjacent
+        # Megatron's default rank order: the ranks of a TP group are adjacent.
+        self.dp_rank = rank // args.tensor_model_parallel_size
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        model = build_gpt_model(args.hf_checkpoint, params_dtype=dtype)
+        self.device = trainer_device()
+        model = build_gpt_model(args.hf_checkpoint, params_dtype=dtype, device=self.device)
         load_hf_weights(model, args.hf_checkpoint)
         if self.arch.num_mtp_layers and not args.enable_mtp_training:
             model.mtp.requires_grad_(False)  # a frozen draft: pushed unchanged every step
@@ -122,9 +122,8 @@ class TrainActor:
         self.ref = None
         if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
             # The reference policy for the KL term: the starting checkpoint, frozen.
-            self.ref = (
-                build_gpt_model(args.hf_checkpoint, params_dtype=dtype).eval().requires_grad_(False)
-            )
+            self.ref = build_gpt_model(args.hf_checkpoint, params_dtype=dtype, device=self.device)
+            self.ref.eval().requires_grad_(False)
             load_mcore_state_dict(self.ref, model.state_dict())
         self.step = 0
         self._pusher: Optional[WeightPusher] = None
@@ -155,7 +154,7 @@ class TrainActor:
         captured = []
         hook = gpt.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
         try:
-            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
             with self._without_mtp(gpt):
                 logits = run(tokens, positions, None, runtime_gather_output=True)
         finally:
@@ -166,7 +165,7 @@ class TrainActor:
         """Cross-entropy of MTP layer 1 predicting token t + 2 at position t, on a detached trunk:
         the embedding it reads, the hidden states it extends and the output head are constants."""
         gpt = self.gpt
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
 
         def embed(input_ids: Tensor, position_ids: Tensor) -> Tensor:
             return gpt.embedding(input_ids=input_ids, position_ids=position_ids).detach()
@@ -197,20 +196,27 @@ class TrainActor:
 
     def _pad(self, batch: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
         """tokens [b, S] (right-padded with 0), mask [b, S-1] of response positions to score
-        (position t scores token t + 1), and rollout log-probs at the same positions."""
+        (position t scores token t + 1), and rollout log-probs at the same positions; laid out on
+        the host, then moved to this rank's device in one copy each."""
         width = max(len(t) for t in batch.tokens)
-        tokens = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width - 1)
-        rollout = torch.zeros(len(batch), width - 1)
+        host = {"device": "cpu"}
+        tokens = torch.zeros(len(batch), width, dtype=torch.long, **host)
+        mask = torch.zeros(len(batch), width - 1, dtype=torch.float32, **host)
+        rollout = torch.zeros(len(batch), width - 1, dtype=torch.float32, **host)
         for i, (seq, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
-            tokens[i, : len(seq)] = torch.tensor(seq)
+            tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long, **host)
             start = len(seq) - n - 1
-            mask[i, start : start + n] = (
-                torch.tensor(batch.loss_masks[i], dtype=torch.float) if batch.loss_masks else 1.0
-            )
+            if batch.loss_masks:
+                mask[i, start : start + n] = torch.tensor(
+                    batch.loss_masks[i], dtype=torch.float32, **host
+                )
+            else:
+                mask[i, start : start + n] = 1.0
             if batch.rollout_log_probs is not None:
-                rollout[i, start : start + n] = torch.tensor(batch.rollout_log_probs[i])
-        return tokens, mask, rollout
+                rollout[i, start : start + n] = torch.tensor(
+                    batch.rollout_log_probs[i], dtype=torch.float32, **host
+                )
+        return tokens.to(self.device), mask.to(self.device), rollout.to(self.device)
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, reference: bool = False) -> list[list[float]]:
@@ -250,7 +256,11 @@ class TrainActor:
             old_logp, ref_logp = old_logp[rows], ref_logp[rows]
         # Advantages need whole groups: computed on the full batch, then this rank takes its rows.
         advantages = losses.compute_advantages(
-            torch.tensor(batch.rewards), mask, self.loss_cfg, batch.n_samples_per_prompt, kl=kl
+            torch.tensor(batch.rewards, dtype=torch.float32, device=self.device),
+            mask,
+            self.loss_cfg,
+            batch.n_samples_per_prompt,
+            kl=kl,
         )
         batch = share
         tokens, mask, rollout, advantages = (
@@ -304,12 +314,14 @@ class TrainActor:
     def _logp_matrix(self, batch: TrainBatch, width: int, reference: bool = False) -> Tensor:
         """compute_log_probs laid out like _pad's mask ([len(batch), width]; position t scores
         token t + 1)."""
-        out = torch.zeros(len(batch), width)
+        out = torch.zeros(len(batch), width, dtype=torch.float32, device="cpu")
         for i, (seq, n, lp) in enumerate(
             zip(batch.tokens, batch.response_lengths, self.compute_log_probs(batch, reference))
         ):
-            out[i, len(seq) - n - 1 : len(seq) - 1] = torch.tensor(lp)
-        return out
+            out[i, len(seq) - n - 1 : len(seq) - 1] = torch.tensor(
+                lp, dtype=torch.float32, device="cpu"
+            )
+        return out.to(self.device)
 
     def _dp_share(self, batch: TrainBatch) -> tuple[TrainBatch, list[int]]:
         """This data-parallel rank's sequences (every rank of a TP group gets the same ones)."""
@@ -346,9 +358,8 @@ class TrainActor:
             for k, v in self._optimizer_step(tokens, mask, rows, loss_fn, per_token).items():
                 totals.setdefault(k, []).append(v)
         result = {f"train/{k}": sum(v) / len(v) for k, v in totals.items()}
-        if (
-            "train/entropy_loss" in result
-        ):  # the documented metric key (docs/design.md); slime names it entropy_loss
+        # train/entropy is the documented key (docs/design.md); slime names it entropy_loss.
+        if "train/entropy_loss" in result:
             result["train/entropy"] = result["train/entropy_loss"]
         result["perf/actor_train_time"] = time.perf_counter() - start
         return result
@@ -402,7 +413,9 @@ class TrainActor:
         if self.dp_size == 1 or not values:
             return values
         keys = sorted(values)
-        t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        # On this rank's device: NCCL reduces only CUDA tensors. float64 keeps sums of many
+        # metrics exact.
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
         self._dp_all_reduce(t)
         return {k: v / self.dp_size for k, v in zip(keys, t.tolist())}
 
@@ -429,9 +442,8 @@ class TrainActor:
         try:
             return self._pusher.push(tensors, version)
         finally:
-            for _ in (
-                tensors
-            ):  # after a failure, the other TP ranks are still gathering: finish with them
+            # After a failure the other TP ranks are still gathering: finish with them.
+            for _ in tensors:
                 pass
 
     def _join_gathers(self) -> None:

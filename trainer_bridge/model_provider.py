@@ -10,7 +10,7 @@ logits carry extra columns past `vocab_size` that callers must drop before a sof
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -133,9 +133,11 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     parallel_output: bool = True,
+    device: Optional[torch.device] = None,
     **config_overrides: Any,
 ) -> GPTModel:
-    """A randomly initialised GPTModel for this rank of the current megatron parallel state.
+    """A randomly initialised GPTModel for this rank of the current megatron parallel state, on
+    `device` (default: trainer_device()).
 
     Needs `megatron_compat.init_model_parallel()` (or an equivalent set-up) first; TP/PP sizes
     come from megatron's parallel_state. Load weights with `trainer_bridge.convert`.
@@ -170,7 +172,16 @@ def build_gpt_model(
     )
     if arch.rope_scaling is not None:
         _apply_llama3_scaling(model, arch.rope_scaling)
-    return model
+    # Megatron puts its parallel layers on the current CUDA device but builds norms and other
+    # plain modules on the default device: move the whole model, as Megatron-LM's get_model does.
+    return model.to(device or trainer_device())
+
+
+def trainer_device() -> torch.device:
+    """This rank's device: the current CUDA device (set by init_model_parallel), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _apply_llama3_scaling(model: Any, scaling: dict[str, Any]) -> None:

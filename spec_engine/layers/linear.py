@@ -22,10 +22,19 @@ _CPU_PACKING = torch.backends.mkldnn.is_available() and hasattr(
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        """`device`/`dtype` as nn.Linear's; models are built under a `torch.device` context."""
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self._packed: Optional[torch.Tensor] = None
 
     def refresh_derived(self) -> None:

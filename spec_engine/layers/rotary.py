@@ -10,7 +10,9 @@ from torch import nn
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # Computed on the host in float32 (as transformers does), then moved: one table everywhere.
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (theta ** (steps / head_dim))
     if scaling is None:
         return inv_freq
     kind = scaling["rope_type"]
@@ -49,7 +51,8 @@ class RotaryEmbedding(nn.Module):
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos_sin is None or self._cos_sin[0].device != device:
             inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+            positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+            freqs = torch.outer(positions, inv_freq)
             self._cos_sin = (freqs.cos().to(device), freqs.sin().to(device))
         return self._cos_sin
 

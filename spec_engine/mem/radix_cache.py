@@ -18,7 +18,7 @@ import torch
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import ReqToTokenPool
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
+_EMPTY = torch.empty(0, dtype=torch.int64, device="cpu")  # moved to the pool's device on use
 _tick = itertools.count()
 
 

@@ -25,6 +25,28 @@ from spec_engine.speculative.tree import DraftTree
 from spec_engine.speculative.verify import Acceptance, emitted_logprobs, verify_trees
 
 
+class StageTimes:
+    """Seconds spent per stage of the speculative steps (get_server_info's breakdown). Kernels
+    run asynchronously on CUDA: each boundary synchronizes the device, or host time would charge
+    one stage's GPU work to the next (the steps synchronize at these points anyway, to read
+    accepted tokens back)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds = {"draft_s": 0.0, "verify_s": 0.0, "bookkeeping_s": 0.0}
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def add(self, stage: str, start: float) -> float:
+        """Charge the time since `start` to `stage`; returns the new start."""
+        end = self.now()
+        self.seconds[stage] += end - start
+        return end
+
+
 class SpecWorker(ModelWorker):
     def __init__(
         self,
@@ -37,7 +59,7 @@ class SpecWorker(ModelWorker):
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.threshold_single = args.speculative_accept_threshold_single
         self.threshold_acc = args.speculative_accept_threshold_acc
-        self.timings = {"draft_s": 0.0, "verify_s": 0.0, "bookkeeping_s": 0.0}
+        self.timings = StageTimes(self.device)
         self.verify_steps = 0
 
     def decode_headroom(self) -> int:
@@ -59,7 +81,7 @@ class SpecWorker(ModelWorker):
         self, reqs: Sequence[Req], trees: Sequence[DraftTree]
     ) -> tuple[StepResult, list[Acceptance], ForwardOutput]:
         """Run the target over every tree (slots already allocated), accept, keep accepted KV."""
-        start = time.perf_counter()
+        start = self.timings.now()
         self.verify_steps += 1
         table = self.runner.req_to_token_pool
         ids, positions, slots, masks = [], [], [], []
@@ -103,10 +125,9 @@ class SpecWorker(ModelWorker):
             [r.input.return_logprob for r in reqs],
             [r.input.top_logprobs_num for r in reqs],
         )
-        self.timings["verify_s"] += time.perf_counter() - start
-        start = time.perf_counter()
+        start = self.timings.add("verify_s", start)
         self._keep_accepted(reqs, sizes, accepts)
-        self.timings["bookkeeping_s"] += time.perf_counter() - start
+        self.timings.add("bookkeeping_s", start)
         result = StepResult(
             tokens=[a.tokens for a in accepts],
             logprobs=logprobs,

@@ -123,10 +123,11 @@ class DraftRunner(RunnerBase):
         if self.token_map is not None:
             rows = self.target.model.lm_head.weight.detach()[self.hot_ids]
             if not isinstance(self.head, Linear) or self.head is self.target.model.lm_head:
-                self.head = (
-                    Linear(self.model.config.hidden_size, len(self.hot_ids))
-                    .to(rows.dtype)
-                    .to(rows.device)
+                self.head = Linear(
+                    self.model.config.hidden_size,
+                    len(self.hot_ids),
+                    device=rows.device,
+                    dtype=rows.dtype,
                 )
             # In place: captured draft graphs read this tensor.
             self.head.weight.data.copy_(rows)

@@ -15,7 +15,6 @@ accepted tokens.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,7 +91,7 @@ class EagleWorker(SpecWorker):
 
     def prefill(self, reqs: Sequence[Req]) -> StepResult:
         result, out, starts, ends = self._prefill(reqs, capture_hidden=self.features)
-        start = time.perf_counter()
+        start = self.timings.now()
         entries = []
         for i, (r, s, e) in enumerate(zip(reqs, starts, ends)):
             done = e == r.seq_len  # the prompt is complete: its last draft output starts round one
@@ -103,22 +102,22 @@ class EagleWorker(SpecWorker):
                 entries.append(DraftExtend(r, s, r.fill_ids[s:e], done))
         feats = self._features(out) if self.features else None
         self._extend_draft(entries, feats)
-        self.timings["draft_s"] += time.perf_counter() - start
+        self.timings.add("draft_s", start)
         return result
 
     # ---------------------------------------------------------------- decode
 
     def decode(self, reqs: Sequence[Req]) -> StepResult:
-        start = time.perf_counter()
+        start = self.timings.now()
         self.alloc_verify_slots(reqs, [self.num_draft_tokens] * len(reqs))
         size = self._scratch_size(len(reqs))
         scratch = self.alloc_kv([0], [size], [0]) if size else None
         trees = self._draft_trees(reqs, scratch)
         if scratch is not None:
             self.runner.allocator.free(scratch)
-        self.timings["draft_s"] += time.perf_counter() - start
+        self.timings.add("draft_s", start)
         result, accepts, out = self.verify(reqs, trees)
-        start = time.perf_counter()
+        start = self.timings.now()
         feats = self._features(out) if self.features else None
         entries, rows, offset = [], [], 0
         for r, tree, acc in zip(reqs, trees, accepts):
@@ -130,7 +129,7 @@ class EagleWorker(SpecWorker):
             offset += tree.size
         hidden = feats[self._tensor(rows)] if feats is not None else None
         self._extend_draft(entries, hidden, mode=ForwardMode.DRAFT_EXTEND)
-        self.timings["draft_s"] += time.perf_counter() - start
+        self.timings.add("draft_s", start)
         return result
 
     def _features(self, out: ForwardOutput) -> torch.Tensor:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -149,12 +148,12 @@ class NgramWorker(SpecWorker):
         return self.verify_kv_demand(reqs, [self.num_draft_tokens] * len(reqs))
 
     def decode(self, reqs: Sequence[Req]) -> StepResult:
-        start = time.perf_counter()
+        start = self.timings.now()
         trees = []
         for r in reqs:
             ids = r.fill_ids
             r.spec_state = self.cache.insert(r.spec_state, ids)
             trees.append(self.cache.draft(ids, self.num_draft_tokens))
         self.alloc_verify_slots(reqs, [t.size for t in trees])
-        self.timings["draft_s"] += time.perf_counter() - start
+        self.timings.add("draft_s", start)
         return self.verify(reqs, trees)[0]

@@ -1,0 +1,38 @@
+"""`pytest -m gpu` on a GPU machine with the runtime only: collection must not need the dev
+extra's clients (openai, httpx), uvicorn or flashinfer; the tests that need one skip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def test_gpu_tests_collect_without_optional_packages(tmp_path):
+    # A directory first on the path whose packages refuse to import: as if not installed.
+    for name in ("openai", "httpx", "uvicorn", "flashinfer"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError('No module named {name}')\n"
+        )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.getcwd()]))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-m",
+            "gpu",
+            "-p",
+            "no:cacheprovider",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    collected = [line for line in out.stdout.splitlines() if "tests/test_gpu.py::" in line]
+    assert len(collected) == 12, out.stdout[-3000:]
