@@ -36,10 +36,11 @@ class EngineActor:
 
     async def update_weights_from_tensor(
         self,
-        named_tensors: Any,
+        named_tensors: Any = None,
         load_format: Optional[str] = None,
         flush_cache: bool = True,
         weight_version: Optional[str] = None,
+        serialized_named_tensors: Optional[list] = None,
     ) -> dict:
         return await asyncio.to_thread(
             self.engine.update_weights_from_tensor,
@@ -47,6 +48,7 @@ class EngineActor:
             load_format,
             flush_cache,
             weight_version,
+            serialized_named_tensors,
         )
 
     async def init_weights_update_group(

@@ -25,7 +25,7 @@ from rollout.engine_group import EngineGroup
 from rollout.manager import Groups, RolloutManager
 from rollout.metrics import MetricsLogger, rollout_metrics
 from specrl.console import quiet_known_noise, setup_logging
-from specrl.placement import create_placements, init_ray
+from specrl.placement import Placements, create_placements, init_ray
 from specrl.plots import write_run_plots
 from specrl.progress import RolloutProgress
 from specrl.summary import rollout_line, summarize
@@ -49,11 +49,12 @@ def train(args: argparse.Namespace) -> str:
         len(placements.engines),
         len(placements.trainer),
     )
+    # With --colocate the engines size their KV cache from the device memory the trainer
+    # leaves, so the trainer loads first; otherwise both load side by side.
+    trainer = start_trainer(args, placements) if args.colocate else None
     engines = EngineGroup(opts.engine, placements.engines)  # none with --debug-train-only
-    trainer = None
-    if placements.trainer:  # none with --debug-rollout-only; starts while the engines load
-        temperature = opts.rollout.rollout_temperature
-        trainer = TrainGroup(opts.trainer, opts.loss, temperature, placements.trainer)
+    if not args.colocate:
+        trainer = start_trainer(args, placements)
     engines.wait_until_up()
     tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
     manager = RolloutManager(opts.rollout, engines.handles, tokenizer)
@@ -95,7 +96,11 @@ def train(args: argparse.Namespace) -> str:
                 if engines.actors:
                     weight_version += 1
                     update = trainer.push_weights(
-                        engines.actors, opts.sync, str(weight_version), args.output_dir
+                        engines.actors,
+                        opts.sync,
+                        str(weight_version),
+                        args.output_dir,
+                        colocated=args.colocate,
                     )
                     metrics["perf/update_weights_time"] = update["seconds"]
                 if args.save and is_due(args.save_interval, rollout_id, args.num_rollout):
@@ -113,6 +118,14 @@ def train(args: argparse.Namespace) -> str:
         engines.shutdown()
         ray.shutdown()
     return metrics_log.path
+
+
+def start_trainer(args: argparse.Namespace, placements: Placements) -> TrainGroup | None:
+    """The policy's ranks, loaded (none with --debug-rollout-only)."""
+    if not placements.trainer:
+        return None
+    opts = args.options
+    return TrainGroup(opts.trainer, opts.loss, opts.rollout.rollout_temperature, placements.trainer)
 
 
 def load_rollout(path: str, rollout_id: int) -> tuple[Groups, dict[str, float]]:

@@ -32,7 +32,7 @@ from spec_engine.mem.radix_cache import RadixCache
 from spec_engine.runner.model_runner import ModelRunner
 from spec_engine.speculative.factory import create_worker
 from spec_engine.version import __version__
-from spec_engine.weights.transport import FlattenedBucket
+from spec_engine.weights.transport import FlattenedBucket, deserialize_shared
 from spec_engine.weights.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -207,15 +207,30 @@ class Engine:
 
     def update_weights_from_tensor(
         self,
-        named_tensors: Any,
+        named_tensors: Any = None,
         load_format: Optional[str] = None,
         flush_cache: bool = True,
         weight_version: Optional[str] = None,
+        serialized_named_tensors: Optional[list[Union[str, bytes]]] = None,
     ) -> dict[str, Any]:
         """Load Hugging Face-named tensors (target, MTP layers, or `draft.`-prefixed external
         draft tensors). named_tensors: a list of (name, tensor) pairs, a dict, or with
         load_format="flattened_bucket" FlattenedBucket objects / their dicts (one per dtype).
-        Tensors may also be torch.multiprocessing reduce_tensor handles (CUDA IPC)."""
+        Tensors may also be torch.multiprocessing reduce_tensor handles (CUDA IPC). Or, instead,
+        serialized_named_tensors: SGLang's form from a process on this machine, one
+        MultiprocessingSerializer string per tensor-parallel rank (one here), whose tensors are
+        shared, not copied (CUDA IPC; see weights.transport.serialize_shared)."""
+        if serialized_named_tensors is not None:
+            if named_tensors is not None:
+                raise ValueError("give named_tensors or serialized_named_tensors, not both")
+            entries = serialized_named_tensors
+            if not isinstance(entries, list) or len(entries) != 1:
+                count = len(entries) if isinstance(entries, list) else type(entries).__name__
+                raise ValueError(
+                    "serialized_named_tensors must hold one entry per tensor-parallel rank of the "
+                    f"engine, and specrl engines have one; got {count}"
+                )
+            named_tensors = deserialize_shared(serialized_named_tensors[0])
         if load_format not in (None, "flattened_bucket"):
             raise ValueError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
         if load_format == "flattened_bucket":

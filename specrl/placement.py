@@ -16,6 +16,10 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 PLACEMENT_TIMEOUT_S = 120
+# With --colocate, the part of a shared bundle each actor asks for (slime's numbers): together
+# under one, so a trainer rank and an engine land on the same device.
+COLOCATED_TRAINER_SHARE = 0.4
+COLOCATED_ENGINE_SHARE = 0.2
 
 ActorOptions = list[dict[str, Any]]
 
@@ -77,17 +81,34 @@ def reserve_bundles(count: int, gpus_per_bundle: int, what: str) -> ActorOptions
 
 def create_placements(args: argparse.Namespace) -> Placements:
     """Bundles for the engines (none with --debug-train-only) and the trainer ranks (none with
-    --debug-rollout-only), from the launcher's flags."""
+    --debug-rollout-only), from the launcher's flags. With --colocate both share one set of
+    bundles (max of the two counts), as in slime: each trainer rank takes 0.4 of its bundle's
+    device and each engine 0.2, so Ray puts them on the same GPU."""
     engines, trainer = [], []
-    if not args.debug_train_only:
-        per_engine = args.rollout_num_gpus_per_engine
-        engines = reserve_bundles(
-            args.rollout_num_gpus // per_engine, per_engine, "--rollout-num-gpus"
-        )
-    if not args.debug_rollout_only:
-        trainer = reserve_bundles(
-            args.actor_num_nodes * args.actor_num_gpus_per_node,
+    per_engine = args.rollout_num_gpus_per_engine
+    num_engines = 0 if args.debug_train_only else args.rollout_num_gpus // per_engine
+    num_ranks = (
+        0 if args.debug_rollout_only else args.actor_num_nodes * args.actor_num_gpus_per_node
+    )
+    if args.colocate and num_engines and num_ranks:
+        shared = reserve_bundles(
+            max(num_ranks, args.rollout_num_gpus),
             1,
-            "--actor-num-nodes x --actor-num-gpus-per-node",
+            "--actor-num-gpus-per-node / --rollout-num-gpus",
         )
+        trainer = [share(shared[i], COLOCATED_TRAINER_SHARE) for i in range(num_ranks)]
+        engines = [
+            share(shared[i * per_engine], COLOCATED_ENGINE_SHARE) for i in range(num_engines)
+        ]
+        return Placements(engines, trainer)
+    if num_engines:
+        engines = reserve_bundles(num_engines, per_engine, "--rollout-num-gpus")
+    if num_ranks:
+        trainer = reserve_bundles(num_ranks, 1, "--actor-num-nodes x --actor-num-gpus-per-node")
     return Placements(engines, trainer)
+
+
+def share(options: dict[str, Any], fraction: float) -> dict[str, Any]:
+    """The actor options of a bundle, taking `fraction` of its device (and CPU)."""
+    resource = "num_gpus" if options["num_gpus"] else "num_cpus"
+    return {**options, "num_cpus": 0, "num_gpus": 0, resource: options[resource] * fraction}

@@ -89,7 +89,12 @@ class LauncherArgs:
         "Trainer ranks per node (one GPU each; CPUs without GPUs); TP groups come from "
         "--tensor-model-parallel-size, the rest is data parallel.",
     )
-    colocate: bool = _opt(False, "Engines release weights and KV while the trainer runs.")
+    colocate: bool = _opt(
+        False,
+        "Trainer and engines share the same devices (slime's colocation: one GPU is enough): "
+        "engines release weights and KV while the trainer runs, and weights are pushed by CUDA "
+        "IPC (--weight-sync-mode tensor).",
+    )
     debug_rollout_only: bool = _opt(
         False, "Rollouts only: no trainer, no training, no weight update."
     )
@@ -200,6 +205,11 @@ def check_launcher_flags(args: argparse.Namespace) -> None:
     if args.debug_train_only and args.load_debug_rollout_data is None:
         raise SystemExit(
             "error: --debug-train-only trains on saved rollouts: give --load-debug-rollout-data"
+        )
+    if args.colocate and args.weight_sync_mode == "distributed":
+        raise SystemExit(
+            "error: --colocate puts trainer and engines on the same GPUs, where NCCL cannot "
+            "broadcast between two ranks; use --weight-sync-mode tensor (CUDA IPC) with it"
         )
     if (args.eval_interval is None) != (args.eval_prompt_data is None):
         raise SystemExit(

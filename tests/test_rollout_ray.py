@@ -90,3 +90,51 @@ def test_engine_group_serves_releases_and_survives_a_dead_engine(ray_session, ll
             time.sleep(0.1)
     engines.shutdown()
     assert "engine shutdown failed" in caplog.text
+
+
+@pytest.mark.slow
+def test_colocated_placement_and_shared_weight_push(ray_session, make_model):
+    """--colocate: a trainer rank and an engine on one bundle (slime's 0.4 + 0.2 of its device),
+    and the tensor-mode push shares its buckets with the engine's process (CUDA IPC on GPUs,
+    shared memory here) instead of copying them through Ray; checksums prove they landed."""
+    import argparse
+
+    import torch
+
+    from specrl.placement import create_placements
+    from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
+
+    old, new = (
+        make_model("llama", num_layers=2, seed=51),
+        make_model("llama", num_layers=2, seed=52),
+    )
+    flags = dict(
+        debug_train_only=False,
+        debug_rollout_only=False,
+        rollout_num_gpus=1,
+        rollout_num_gpus_per_engine=1,
+        actor_num_nodes=1,
+        actor_num_gpus_per_node=1,
+    )
+    placements = create_placements(argparse.Namespace(colocate=True, **flags))
+    (engine_opts,), (trainer_opts,) = placements.engines, placements.trainer
+    same = [o["scheduling_strategy"] for o in (engine_opts, trainer_opts)]
+    assert same[0].placement_group.id == same[1].placement_group.id
+    assert same[0].placement_group_bundle_index == same[1].placement_group_bundle_index == 0
+    assert (engine_opts["num_cpus"], trainer_opts["num_cpus"]) == (0.2, 0.4)  # CPU bundles here
+    group = EngineGroup(EngineArgs(model_path=old, random_seed=0), placements.engines)
+    try:
+        group.wait_until_up()
+        from safetensors.torch import load_file
+
+        tensors = load_file(os.path.join(new, "model.safetensors"), device="cpu")
+        cfg = WeightSyncConfig(update_weight_buffer_size=100_000, check_weight_update_equal=True)
+        pusher = WeightPusher(group.actors, cfg, colocated=True)
+        stats = pusher.push(tensors.items(), version="shared-1")
+        pusher.close()
+        assert stats["buckets"] > 1
+        info = ray.get(group.actors[0].get_server_info.remote())
+        assert info["weight_version"] == "shared-1"
+        assert torch.multiprocessing.get_sharing_strategy() == "file_system"
+    finally:
+        group.shutdown()

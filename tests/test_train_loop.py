@@ -256,17 +256,54 @@ def test_seed_example_engine_flags_are_accepted():
 
 
 @pytest.mark.parametrize(
-    "script,needle",
+    "script,needles",
     [
-        ("scripts/run-qwen3-8B-eagle3.sh", "speculative_algorithm='EAGLE3'"),
-        ("scripts/run-mimo-7B-rl-mtp.sh", "enable_mtp_training=True"),
+        (
+            "scripts/run-qwen3-8B-eagle3.sh",
+            ["speculative_algorithm='EAGLE3'", "tensor_model_parallel_size=2"],
+        ),
+        (
+            "scripts/run-mimo-7B-rl-mtp.sh",
+            ["enable_mtp_training=True", "tensor_model_parallel_size=2"],
+        ),
+        (
+            "scripts/run-qwen3-1.7B-1gpu.sh",
+            [
+                "speculative_algorithm='STANDALONE'",
+                "tensor_model_parallel_size=1",
+                "weight_sync_mode='tensor'",
+                "mem_fraction_static=0.85",
+            ],
+        ),
     ],
 )
-def test_gpu_launchers_pass_flag_checks(script, needle):
+def test_gpu_launchers_pass_flag_checks(script, needles):
     """The real-model launchers' flags all exist and validate (--dry-run builds every options
     class)."""
     proc = subprocess.run(
         ["bash", script, "--dry-run"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert needle in proc.stdout and "tensor_model_parallel_size=2" in proc.stdout
+    assert all(n in proc.stdout for n in needles), proc.stdout[-2000:]
+
+
+def test_colocate_refuses_nccl_weight_sync(task, tmp_path):
+    """Two NCCL ranks cannot share one GPU: --colocate with --weight-sync-mode distributed is
+    refused before anything starts, naming the mode to use."""
+    model, data = task
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.train",
+            *base_args(model, data, str(tmp_path)),
+            "--colocate",
+            "--weight-sync-mode",
+            "distributed",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "--weight-sync-mode tensor" in proc.stderr

@@ -474,3 +474,52 @@ def test_bad_eagle3_id_map_is_refused_before_anything_changes(make_model, tmp_pa
                 engine.update_weights_from_tensor([("model.norm.weight", norm), ("draft.d2t", bad)])
             assert engine.get_weights_checksum() == sums
         assert outputs(engine) == before
+
+
+def test_sglang_serialized_tensors_are_shared_and_nothing_else_unpickles(pair):
+    """serialized_named_tensors in SGLang's MultiprocessingSerializer form (what slime sends):
+    the engine opens the shared tensors, over HTTP too; a pickle that would run code is a 400
+    and leaves the weights as they were."""
+    import base64
+    import os as os_module
+    import pickle
+
+    from fastapi.testclient import TestClient
+
+    from spec_engine.server.http_server import create_app
+    from spec_engine.weights.transport import deserialize_shared, serialize_shared
+
+    old, new = pair
+    tensors = checkpoint_tensors(new)
+    shared = serialize_shared([b.to_dict() for b in FlattenedBucket.pack(tensors.items())])
+    opened = deserialize_shared(shared)[0]["flattened_tensor"]
+    assert opened.is_shared()
+
+    class Evil:
+        def __reduce__(self):
+            return (os_module.system, ("echo pwned",))
+
+    evil = base64.b64encode(pickle.dumps(Evil())).decode("ascii")
+    with pytest.raises(ValueError, match="posix.system is not allowed|os.system is not allowed"):
+        deserialize_shared(evil)
+    with Engine(model_path=old, random_seed=0) as engine:
+        client = TestClient(create_app(engine))
+        before = engine.get_weights_checksum()
+        bad = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
+        assert bad.status_code == 400 and "not allowed" in bad.json()["error"]["message"]
+        assert engine.get_weights_checksum() == before
+        two = client.post(
+            "/update_weights_from_tensor", json={"serialized_named_tensors": [shared, shared]}
+        )
+        assert two.status_code == 400 and "one entry per tensor-parallel rank" in two.text
+        ok = client.post(
+            "/update_weights_from_tensor",
+            json={
+                "serialized_named_tensors": [shared],
+                "load_format": "flattened_bucket",
+                "weight_version": "sglang-form",
+            },
+        )
+        assert ok.status_code == 200, ok.text
+        assert outputs(engine) == fresh_outputs(new)
+        assert engine.get_server_info()["weight_version"] == "sglang-form"

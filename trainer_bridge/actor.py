@@ -427,17 +427,20 @@ class TrainActor:
         cfg: WeightSyncConfig,
         version: str,
         output_dir: Optional[str] = None,
+        colocated: bool = False,
     ) -> dict[str, float]:
         """Push the policy (and MTP layers) into the engines as weight `version` (see
-        weight_sync)."""
+        weight_sync; `colocated`: the engines share this rank's device)."""
         if self.rank != 0:
             self._join_gathers()
             return {}
-        key = (cfg, output_dir, tuple(getattr(e, "_actor_id", id(e)) for e in engines))
+        engine_ids = tuple(getattr(e, "_actor_id", id(e)) for e in engines)
+        key = (cfg, output_dir, colocated, engine_ids)
         if self._pusher is None or self._pusher_key != key:
             if self._pusher is not None:
                 self._pusher.close()
-            self._pusher, self._pusher_key = WeightPusher(engines, cfg, output_dir), key
+            self._pusher = WeightPusher(engines, cfg, output_dir, colocated)
+            self._pusher_key = key
         tensors = self.hf_named_tensors()
         try:
             return self._pusher.push(tensors, version)

@@ -74,8 +74,11 @@ class TrainGroup:
         cfg: WeightSyncConfig,
         version: str,
         output_dir: str | None = None,
+        colocated: bool = False,
     ) -> dict[str, float]:
-        return self._all("push_weights", engines, cfg, version, output_dir)
+        """Rank 0 pushes (the other ranks of its TP group take part in the gathers);
+        `colocated`: the engines share the trainer's devices (--colocate)."""
+        return self._all("push_weights", engines, cfg, version, output_dir, colocated)
 
     def save_hf(self, path: str) -> None:
         self._all("save_hf", path)

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from spec_engine.runner.model_runner import DTYPES
 from spec_engine.weights.loader import tensor_checksum
-from spec_engine.weights.transport import FlattenedBucket
+from spec_engine.weights.transport import FlattenedBucket, serialize_shared
 from trainer_bridge.megatron_compat import free_port
 
 logger = logging.getLogger(__name__)
@@ -105,10 +105,17 @@ class WeightPusher:
     """Sends one weight version to every engine; keeps the broadcast group between pushes."""
 
     def __init__(
-        self, engines: Sequence[Any], cfg: WeightSyncConfig, output_dir: Optional[str] = None
+        self,
+        engines: Sequence[Any],
+        cfg: WeightSyncConfig,
+        output_dir: Optional[str] = None,
+        colocated: bool = False,
     ) -> None:
+        """`colocated`: the engines run on this machine and device (--colocate), so tensor-mode
+        buckets are shared with them (CUDA IPC, shared memory on CPU) rather than copied."""
         self.engines = [RayEngine(e) if _is_ray_actor(e) else e for e in engines]
         self.cfg = cfg
+        self.colocated = colocated
         self.disk_dir = cfg.weight_sync_dir or os.path.join(output_dir or ".", "weight_sync")
         self._group: Optional[dist.ProcessGroup] = None
         # One group per pusher: engines keep a joined group's name, so a new pusher needs a new one.
@@ -177,13 +184,19 @@ class WeightPusher:
         last = version is not None
         if self.cfg.weight_sync_mode == "tensor":
             payload = [b.to_dict() for b in FlattenedBucket.pack(bucket)]
+            tensors: dict[str, Any] = {"named_tensors": payload}
+            if self.colocated:
+                # Each engine opens the bucket in place; the call returns once it has copied.
+                tensors = {"serialized_named_tensors": [serialize_shared(payload)]}
             self._on_all(
                 "update_weights_from_tensor",
-                named_tensors=payload,
                 load_format="flattened_bucket",
                 flush_cache=last,
                 weight_version=version,
+                **tensors,
             )
+            if self.colocated and torch.cuda.is_available():
+                torch.cuda.ipc_collect()  # free the IPC-shared blocks the engines released
             return
         group = self._broadcast_group()
         names = [n for n, _ in bucket]

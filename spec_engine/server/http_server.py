@@ -157,9 +157,9 @@ def create_app(engine: Engine) -> FastAPI:
         unknown = set(body) - set(keys)
         if unknown:
             raise BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: {list(keys)}")
-        _check_field_types(method, body)
         if convert is not None:
             body = convert(body)
+        _check_field_types(method, body)
         try:
             inspect.signature(method).bind(**body)
         except TypeError as e:  # a required field is missing
@@ -168,12 +168,17 @@ def create_app(engine: Engine) -> FastAPI:
         return result if isinstance(result, dict) else {"success": True}
 
     def tensors_from_text(body: dict) -> dict:
-        if "serialized_named_tensors" not in body:
+        """serialized_named_tensors: a list (SGLang's MultiprocessingSerializer strings, one per
+        tensor-parallel rank: tensors shared with a process on this machine), or one string
+        (spec_engine.weights.transport.serialize_tensors: the tensors themselves)."""
+        serialized = body.get("serialized_named_tensors")
+        if isinstance(serialized, str):
+            body["named_tensors"] = deserialize_tensors(body.pop("serialized_named_tensors"))
+        elif not isinstance(serialized, list):
             raise BadRequest(
-                "serialized_named_tensors is required "
-                "(spec_engine.weights.transport.serialize_tensors output)"
+                "serialized_named_tensors is required: a list of SGLang MultiprocessingSerializer "
+                "strings, or one spec_engine.weights.transport.serialize_tensors string"
             )
-        body["named_tensors"] = deserialize_tensors(body.pop("serialized_named_tensors"))
         return body
 
     def control_endpoint(name: str) -> None:
@@ -181,8 +186,10 @@ def create_app(engine: Engine) -> FastAPI:
         serialized_named_tensors, the text form of named_tensors)."""
         method = getattr(engine, name)
         keys = tuple(
-            "serialized_named_tensors" if k == "named_tensors" else k
-            for k in inspect.signature(method).parameters
+            dict.fromkeys(
+                "serialized_named_tensors" if k == "named_tensors" else k
+                for k in inspect.signature(method).parameters
+            )
         )
         convert = tensors_from_text if "serialized_named_tensors" in keys else None
 

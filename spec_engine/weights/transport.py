@@ -8,6 +8,8 @@ import io
 import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import torch
 
@@ -143,3 +145,57 @@ def deserialize_tensors(text: str):
         raise ValueError(
             f"serialized_named_tensors could not be decoded ({e}); send serialize_tensors' output"
         ) from None
+
+
+def serialize_shared(payload: Any) -> str:
+    """Tensors shared, not copied, for a receiver on this machine: CUDA tensors as CUDA IPC
+    handles, CPU tensors in shared memory, pickled as torch.multiprocessing does and base64-encoded
+    — SGLang's MultiprocessingSerializer format (`output_str=True`), what slime sends as
+    `serialized_named_tensors`. The sender must keep the tensors alive until the receiver has
+    copied them (a synchronous update call does)."""
+    # The default file_descriptor strategy hands descriptors over a socket guarded by a key
+    # that only child processes share: unrelated processes (Ray actors) need shared-memory names.
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(payload)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def deserialize_shared(data: str | bytes) -> Any:
+    """The inverse of serialize_shared (also SGLang's bytes form). Only tensors, storages and
+    plain containers are rebuilt: any other global in the pickle is refused, so a request cannot
+    run code."""
+    try:
+        raw = base64.b64decode(data, validate=True) if isinstance(data, str) else data
+        return _SharedTensorUnpickler(io.BytesIO(raw)).load()
+    except (ValueError, EOFError, pickle.UnpicklingError, TypeError) as e:
+        raise ValueError(
+            f"serialized_named_tensors could not be decoded ({e}); send SGLang's "
+            "MultiprocessingSerializer output (spec_engine.weights.transport.serialize_shared)"
+        ) from None
+
+
+_BUILTINS = frozenset(
+    {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bool", "bytes", "slice"}
+)
+
+
+class _SharedTensorUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            (module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"))
+            or (
+                module == "torch"
+                and (
+                    name in ("Tensor", "Size", "device")
+                    or isinstance(getattr(torch, name, None), torch.dtype)
+                )
+            )
+            or (module == "torch.storage" and name in ("UntypedStorage", "TypedStorage"))
+            or (module == "torch.nn.parameter" and name == "Parameter")
+            or (module == "builtins" and name in _BUILTINS)
+            or (module == "collections" and name == "OrderedDict")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in shared tensors")
+        return super().find_class(module, name)
