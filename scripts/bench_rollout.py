@@ -5,13 +5,19 @@
     --batch-sizes 1 8 64
 
 For each configuration and batch size: output tokens/s over a whole greedy generation
-(prefill included), the mean accept length (tokens per verify, SGLang's count), and the time
-per decode step split into draft, verify and bookkeeping. Drafts are random checkpoints of the
+(prefill included), the decode-only rate (the same generation less a prefill-only run of the
+same prompts), the mean accept length (tokens per verify, SGLang's count), and the time per
+decode step split into draft, verify and bookkeeping. Drafts are random checkpoints of the
 right shape (EAGLE-2, EAGLE-3, MiMo MTP), so their acceptance is near 1 and they measure the
 overhead; STANDALONE with the target as its own draft accepts every token (the upper bound);
-NGRAM runs on prompts that repeat a pattern, as code or templated text does. On CUDA the
-batch-1 baseline is also compared with the memory-bandwidth roofline: weight bytes / HBM
-bandwidth (--hbm-gbs, known for H100/H200) bounds decode steps per second.
+NGRAM runs on prompts that repeat a pattern, as code or templated text does.
+--forced-acceptance makes every draft token accepted (sampling at temperature 1 with
+--speculative-accept-threshold-single 1e-9: lossy, a speed measurement only), which is what a
+perfect draft would give: the engine's speculative speedup at full acceptance, against plain
+decoding with the same sampling in the same run. --model-path / --eagle3-draft-path run real
+checkpoints instead of random ones. On CUDA the batch-1 baseline is compared with the
+memory-bandwidth roofline: weight bytes / HBM bandwidth (--hbm-gbs, known for H100/H200) bounds
+decode steps per second.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -109,6 +116,7 @@ def prompts(batch: int, length: int, vocab: int, repetitive: bool, seed: int) ->
 def run(
     path: str, kwargs: dict, batch: int, args: argparse.Namespace, vocab: int, repetitive: bool
 ) -> dict:
+    """Best of --repeats generations of `batch` prompts; tokens/s with and without prefill."""
     from spec_engine import Engine
 
     with Engine(
@@ -125,9 +133,19 @@ def run(
         **kwargs,
     ) as engine:
         weight_bytes = engine.runner.weight_bytes()
-        params = {"temperature": 0.0, "max_new_tokens": args.output_len, "ignore_eos": True}
+        temperature = 1.0 if args.forced_acceptance else 0.0
+        params = {"temperature": temperature, "max_new_tokens": args.output_len, "ignore_eos": True}
+        prefill_only = {**params, "max_new_tokens": 1}
         engine.generate(
             input_ids=prompts(batch, args.input_len, vocab, repetitive, 0), sampling_params=params
+        )
+        prefill_s = min(
+            timed(
+                engine.generate,
+                input_ids=prompts(batch, args.input_len, vocab, repetitive, 1000 + r),
+                sampling_params=prefill_only,
+            )
+            for r in range(args.repeats)
         )
         best, state = None, None
         for r in range(args.repeats):
@@ -157,12 +175,47 @@ def run(
                     else None,
                 }
         tokens = sum(len(o["output_ids"]) for o in outs)
+    decode_s = max(best - prefill_s, 1e-9)
     return {
         "batch": batch,
         "tokens_per_s": round(tokens / best, 1),
+        # The first token of each request comes with the prefill.
+        "decode_tokens_per_s": round((tokens - batch) / decode_s, 1),
         "weight_bytes": weight_bytes,
         **state,
     }
+
+
+def timed(fn, *args, **kwargs) -> float:
+    """Seconds `fn(*args, **kwargs)` takes."""
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    return time.perf_counter() - start
+
+
+def work_dir(base: str | None, prefix: str, args: argparse.Namespace) -> str:
+    """A directory for this shape's random checkpoints: under `base` (kept, found again by the
+    same shape and dtype), else a fresh temporary one."""
+    if base is None:
+        return tempfile.mkdtemp(prefix=prefix)
+    shape = (
+        args.hidden_size,
+        args.num_layers,
+        args.intermediate_size,
+        args.num_heads,
+        args.num_kv_heads,
+        args.vocab_size,
+        getattr(args, "context_length", 0),
+        args.dtype,
+    )
+    path = os.path.join(base, prefix + "-".join(map(str, shape)))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def cached(path: str, build: Callable[[str], str]) -> str:
+    """`build(path)` unless a checkpoint is there already (from an earlier run)."""
+    return path if os.path.exists(os.path.join(path, "config.json")) else build(path)
 
 
 def roofline_steps(weight_bytes: int, hbm_gbs: float) -> float:
@@ -222,12 +275,33 @@ def main() -> None:
         help="no graph batch sizes / padding (to measure what padding costs where graphs are not "
         "replayed)",
     )
+    parser.add_argument(
+        "--forced-acceptance",
+        action="store_true",
+        help="accept every draft token (sampling, lossy): the speedup a perfect draft would give",
+    )
+    parser.add_argument(
+        "--model-path", help="a real target checkpoint instead of a random one (its own shape)"
+    )
+    parser.add_argument("--eagle3-draft-path", help="with --model-path: its EAGLE-3 draft")
+    parser.add_argument(
+        "--work-dir",
+        help="where the random checkpoints are built, and found again by a later run of the same "
+        "shape (an 8B model takes minutes to build); default: a fresh temporary directory",
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
     for key, value in PRESETS.get(args.preset, {}).items():
         setattr(args, key, value)
+    if args.model_path is not None:
+        real = {"baseline", "standalone-self", "ngram"} | (
+            {"eagle3"} if args.eagle3_draft_path else set()
+        )
+        args.algorithms = [a for a in args.algorithms if a in real]
+        with open(os.path.join(args.model_path, "config.json")) as f:
+            args.vocab_size = json.load(f)["vocab_size"]
 
-    root = tempfile.mkdtemp(prefix="bench-rollout-")
+    root = work_dir(args.work_dir, "bench-rollout-", args)
     shape = dict(
         vocab_size=args.vocab_size,
         hidden_size=args.hidden_size,
@@ -241,30 +315,43 @@ def main() -> None:
     # Checkpoints in the benchmark dtype (an 8B model in float32 would need 32 GB of disk), only
     # those needed.
     save = "float32" if args.dtype == "float32" else args.dtype
-    wanted = set(args.algorithms)
+    wanted = set(args.algorithms) if args.model_path is None else set()
     models = {
-        "llama": build_checkpoint(os.path.join(root, "llama"), arch="llama", dtype=save, **shape)
-        if wanted - {"mtp"}
-        else ""
+        "llama": args.model_path
+        or (
+            cached(
+                os.path.join(root, "llama"),
+                lambda d: build_checkpoint(d, arch="llama", dtype=save, **shape),
+            )
+            if wanted - {"mtp"}
+            else ""
+        ),
+        "eagle3": args.eagle3_draft_path,
     }
     if "eagle" in wanted:
-        models["eagle"] = build_eagle_draft(
-            os.path.join(root, "eagle"), models["llama"], version=2, std=0.02
+        models["eagle"] = cached(
+            os.path.join(root, "eagle"),
+            lambda d: build_eagle_draft(d, models["llama"], version=2, std=0.02),
         )
     if "eagle3" in wanted:
-        models["eagle3"] = build_eagle_draft(
+        models["eagle3"] = cached(
             os.path.join(root, "eagle3"),
-            models["llama"],
-            version=3,
-            std=0.02,
-            draft_vocab_size=min(8192, args.vocab_size),
+            lambda d: build_eagle_draft(
+                d, models["llama"], version=3, std=0.02, draft_vocab_size=min(8192, args.vocab_size)
+            ),
         )
     if "mtp" in wanted:
-        models["mimo"] = add_mimo_mtp(
-            build_checkpoint(os.path.join(root, "mimo"), arch="qwen2", dtype=save, **shape),
-            std=0.02,
+        models["mimo"] = cached(
+            os.path.join(root, "mimo"),
+            lambda d: add_mimo_mtp(
+                build_checkpoint(d, arch="qwen2", dtype=save, **shape), std=0.02
+            ),
         )
     table = configs(models, args.steps, args.topk, args.draft_tokens)
+    if args.forced_acceptance:
+        for name, (_, kwargs) in table.items():
+            if name != "baseline":
+                kwargs["speculative_accept_threshold_single"] = 1e-9
     results = []
     for name in args.algorithms:
         path, kwargs = table[name]
@@ -283,18 +370,20 @@ def main() -> None:
         f"input {args.input_len}, output {args.output_len}; steps {args.steps}, topk {args.topk}, "
         f"draft tokens {args.draft_tokens}; best of {args.repeats}"
     )
+    if args.forced_acceptance:
+        print("forced acceptance: every draft token accepted (lossy; speed of a perfect draft)")
     print(
-        "| algorithm | batch | tokens/s | vs baseline | accept length | draft / verify / "
-        "bookkeeping ms per step |"
+        "| algorithm | batch | tokens/s | decode tokens/s | vs baseline | accept length | "
+        "draft / verify / bookkeeping ms per step |"
     )
-    print("|---|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for r in results:
         speed = f"{r['tokens_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
         ms = r["ms_per_step"]
         split = f"{ms['draft']} / {ms['verify']} / {ms['bookkeeping']}" if ms else "-"
         print(
-            f"| {r['algorithm']} | {r['batch']} | {r['tokens_per_s']} | {speed} | "
-            f"{r['accept_length'] or '-'} | {split} |"
+            f"| {r['algorithm']} | {r['batch']} | {r['tokens_per_s']} | "
+            f"{r['decode_tokens_per_s']} | {speed} | {r['accept_length'] or '-'} | {split} |"
         )
     hbm = args.hbm_gbs or device_hbm_gbs(args.device)
     one = next((r for r in results if r["algorithm"] == "baseline" and r["batch"] == 1), None)
@@ -304,15 +393,15 @@ def main() -> None:
             "hbm_gbs": hbm,
             "weight_bytes": one["weight_bytes"],
             "roofline_steps_per_s": round(roofline_steps(one["weight_bytes"], hbm), 1),
-            "batch1_tokens_per_s": one["tokens_per_s"],
+            "batch1_decode_tokens_per_s": one["decode_tokens_per_s"],
         }
-        roofline["fraction"] = round(one["tokens_per_s"] / roofline["roofline_steps_per_s"], 3)
+        rate = one["decode_tokens_per_s"]
+        roofline["fraction"] = round(rate / roofline["roofline_steps_per_s"], 3)
         print(
-            f"\nbatch-1 plain decode: {one['tokens_per_s']} tok/s = "
-            f"{100 * roofline['fraction']:.1f}% of the roofline "
-            f"{roofline['roofline_steps_per_s']} steps/s ({one['weight_bytes'] / 1e9:.2f} GB of "
-            f"weights at {hbm:g} GB/s; "
-            "prefill included in the timing)"
+            f"\nbatch-1 plain decode: {rate} tok/s = {100 * roofline['fraction']:.1f}% of the "
+            f"roofline {roofline['roofline_steps_per_s']} steps/s "
+            f"({one['weight_bytes'] / 1e9:.2f} GB of weights at {hbm:g} GB/s; prefill excluded; "
+            "target 90%, SGLang reaches about 75%)"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -81,6 +81,7 @@ def test_bench_rollout_script_runs(tmp_path):
         "standalone-self",
         "ngram",
     }
+    assert all(r["decode_tokens_per_s"] > 0 for r in results)
     self_draft = next(r for r in results if r["algorithm"] == "standalone-self")
     assert self_draft["accept_length"] > 3.0 and set(self_draft["ms_per_step"]) == {
         "draft",
@@ -121,4 +122,49 @@ def test_bench_weight_sync_script_runs(tmp_path):
         "distributed_gloo",
         "disk",
         "cpu_repack_only",
+        "colocated_process",
     }
+
+
+def test_bench_rollout_forced_acceptance_accepts_every_draft(tmp_path):
+    """--forced-acceptance (the speed a perfect draft would give): a random EAGLE-3 draft's
+    tokens are all accepted, so a verify emits a full path."""
+    out_json = tmp_path / "forced.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench_rollout",
+            "--hidden-size",
+            "64",
+            "--num-layers",
+            "2",
+            "--vocab-size",
+            "512",
+            "--batch-sizes",
+            "1",
+            "--input-len",
+            "16",
+            "--output-len",
+            "17",
+            "--repeats",
+            "1",
+            "--steps",
+            "3",
+            "--topk",
+            "1",
+            "--algorithms",
+            "baseline",
+            "eagle3",
+            "--forced-acceptance",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {r["algorithm"]: r for r in json.loads(out_json.read_text())["results"]}
+    assert results["eagle3"]["accept_length"] == 4.0  # 16 decode tokens in 4 verifies of 3 + 1
+    assert "forced acceptance" in proc.stdout

@@ -180,3 +180,54 @@ def test_flashinfer_cuda_graphs_equal_eager(wide_models):
             prompts,
         )
         assert_equal_up_to_near_ties(graphs, eager)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_train_step_and_colocated_push(make_model):
+    """The trainer on CUDA in bfloat16 (megatron's mixed-precision optimizer: the model must be
+    on the GPU), a GRPO step with online MTP training, then a colocated push (buckets shared by
+    CUDA IPC in SGLang's serializer format) into an engine on the same GPU, checked by checksum."""
+    pytest.importorskip("megatron.core", reason="megatron-core (scripts/gpu/pack.sh trainer)")
+    from specrl.tiny_models import add_mimo_mtp
+    from trainer_bridge.actor import TrainActor
+    from trainer_bridge.batch import TrainBatch
+    from trainer_bridge.loss import LossConfig
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+    from trainer_bridge.options import TrainerArgs
+    from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
+
+    mimo = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=61), seed=62)
+    args = TrainerArgs(
+        hf_checkpoint=mimo, bf16=True, lr=1e-4, micro_batch_size=4, enable_mtp_training=True
+    )
+    actor = TrainActor(args, LossConfig(), temperature=1.0)
+    try:
+        assert {p.device.type for p in actor.gpt.parameters()} == {"cuda"}
+        spec = dict(
+            speculative_algorithm="EAGLE", speculative_num_steps=2, speculative_eagle_topk=1
+        )
+        with Engine(model_path=mimo, device="cuda", random_seed=0, **spec) as engine:
+            prompts = random_prompts(2, 5, 9, seed=63)
+            params = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "n": 4}
+            outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+            tokens = [
+                p + o["output_ids"] for p, o in zip([q for q in prompts for _ in range(4)], outs)
+            ]
+            batch = TrainBatch(
+                tokens,
+                [len(o["output_ids"]) for o in outs],
+                [float(t[-1] % 2) for t in tokens],
+                rollout_log_probs=[
+                    [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs
+                ],
+                n_samples_per_prompt=4,
+            )
+            metrics = actor.train(batch)
+            assert metrics["train/grad_norm"] > 0
+            cfg = WeightSyncConfig(check_weight_update_equal=True)
+            pusher = WeightPusher([engine], cfg, colocated=True)
+            pusher.push(actor.hf_named_tensors(), version="1")
+            pusher.close()
+            assert engine.get_server_info()["weight_version"] == "1"
+    finally:
+        destroy_model_parallel()

@@ -35,4 +35,4 @@ def test_gpu_tests_collect_without_optional_packages(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     collected = [line for line in out.stdout.splitlines() if "tests/test_gpu.py::" in line]
-    assert len(collected) == 12, out.stdout[-3000:]
+    assert len(collected) == 13, out.stdout[-3000:]

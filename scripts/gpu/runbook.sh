@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU runbook (docs/gpu.md): on a CUDA machine, from the repository root, one step at a time
+# (each fits a 10-minute call) or all of them:
+#   bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all
+# Results (logs, JSON, summary.md naming the device) go to $OUT, or runs/gpu without it. Archives
+# made by scripts/gpu/pack.sh in .gpu_pack/ are unpacked first (a machine without internet);
+# with internet, `pip install -e ".[gpu]"` does instead.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+RESULTS=${OUT:-runs/gpu}
+WORK=${WORK:-/tmp/specrl-bench}  # random 8B checkpoints, built once and reused by later steps
+SITE=/tmp/specrl-site
+mkdir -p "$RESULTS" "$WORK"
+
+setup() {
+  if ls .gpu_pack/*.tar.xz >/dev/null 2>&1 && [ ! -e "$SITE/.unpacked" ]; then
+    mkdir -p "$SITE"
+    for archive in .gpu_pack/*.tar.xz; do tar -C "$SITE" -xJf "$archive"; done
+    touch "$SITE/.unpacked"
+  fi
+  export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  # FlashInfer compiles its kernels on first use with the CUDA toolkit that nvcc belongs to.
+  if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
+    CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+    export CUDA_HOME
+  fi
+}
+
+step_env() {
+  {
+    nvidia-smi || echo "nvidia-smi: not found"
+    python3 - <<'PY'
+import importlib.util
+
+import torch
+
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory)
+for name in ("flashinfer", "megatron.core", "ray", "fastapi", "transformers"):
+    print(name, "present" if importlib.util.find_spec(name) else "MISSING")
+PY
+    echo "CUDA_HOME=${CUDA_HOME:-unset}"
+  } 2>&1 | tee "$RESULTS/env.txt"
+}
+
+step_tests() {
+  python3 -m pytest tests/test_gpu.py -m gpu -q -rs -p no:cacheprovider \
+    --junitxml="$RESULTS/pytest_gpu.xml" 2>&1 | tee "$RESULTS/pytest_gpu.txt"
+}
+
+step_decode() {  # plain decode, batch 1..256, an 8B-shaped bf16 model, against the HBM roofline
+  python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda --dtype bfloat16 \
+    --algorithms baseline --batch-sizes 1 2 4 8 16 32 64 128 256 --input-len 128 \
+    --output-len 128 --context-length 2048 --repeats 2 --work-dir "$WORK" \
+    --json "$RESULTS/decode.json" 2>&1 | tee "$RESULTS/decode.txt"
+}
+
+step_eagle3() {  # EAGLE-3 against plain decoding at full acceptance (a perfect draft's speed)
+  python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda --dtype bfloat16 \
+    --algorithms baseline eagle3 --batch-sizes 1 8 32 64 --steps 3 --topk 1 --forced-acceptance \
+    --input-len 128 --output-len 128 --context-length 2048 --repeats 2 --work-dir "$WORK" \
+    --json "$RESULTS/eagle3.json" 2>&1 | tee "$RESULTS/eagle3.txt"
+}
+
+step_weights() {  # weight updates of an 8B model, the colocated push among them
+  python3 -m scripts.bench_weight_sync --preset llama-3.1-8b --device cuda --dtype bfloat16 \
+    --repeats 2 --work-dir "$WORK" --json "$RESULTS/weight_sync.json" 2>&1 \
+    | tee "$RESULTS/weight_sync.txt"
+}
+
+step_loop() {  # the tiny RL run on the GPU, trainer and engine colocated on it
+  OUT="$WORK/tiny-gpu" bash scripts/run-tiny-cpu.sh --colocate --num-rollout 10 2>&1 \
+    | tee "$RESULTS/loop.txt"
+}
+
+step_summary() {
+  python3 -m scripts.gpu.summarize "$RESULTS" 2>&1 | tee "$RESULTS/summary.md"
+}
+
+setup
+case "${1:-all}" in
+  env) step_env ;;
+  tests) step_tests ;;
+  decode) step_decode ;;
+  eagle3) step_eagle3 ;;
+  weights) step_weights ;;
+  loop) step_loop ;;
+  summary) step_summary ;;
+  all) step_env; step_tests; step_decode; step_eagle3; step_weights; step_loop; step_summary ;;
+  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all" >&2
+     exit 2 ;;
+esac
