@@ -254,6 +254,31 @@ def test_target_as_its_own_draft_accepts_every_token(models):
     assert info["avg_spec_accept_length"] == steps + 1
 
 
+def test_self_draft_shares_the_targets_model_and_kv_cache(models):
+    """The target as its own STANDALONE draft holds no second copy of its weights or KV cache,
+    and stays lossless through release/resume and a weight update (which reaches it as the
+    target's: it has no `draft.*` weights of its own)."""
+    path = models["target"]
+    prompts = random_prompts(3, 4, 12, seed=29)
+    spec = dict(
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=path,
+        speculative_num_steps=2,
+        speculative_eagle_topk=1,
+    )
+    with Engine(model_path=path, random_seed=0, **spec) as engine:
+        draft = engine.scheduler.worker.draft
+        assert draft.model is engine.runner.model and draft.kv_pool is engine.runner.kv_pool
+        assert not any(n.startswith("draft.") for n in engine.get_weights_checksum())
+        engine.release_memory_occupation()
+        engine.resume_memory_occupation()
+        head = engine.runner.model.lm_head.weight.detach().clone()
+        engine.update_weights_from_tensor([("lm_head.weight", head)])
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+        assert all(o["meta_info"]["spec_accept_length"] > 2.5 for o in outs)
+    assert_same(outs, baseline(path, prompts, GREEDY))
+
+
 def test_ngram_accepts_several_tokens_on_repetitive_text(models):
     prompt = [11, 12, 13, 14, 15, 16, 17, 18] * 6
     with Engine(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import random
 from dataclasses import dataclass
 from typing import Optional
@@ -70,6 +71,9 @@ class EngineConfig:
     draft: Optional[ModelConfig] = None  # the draft's config (MTP: the target's)
     draft_checkpoint: Optional[str] = None  # where the draft's weights are (MTP: the target)
     capture_layers: tuple[int, ...] = ()  # target layers whose input an EAGLE-3 draft reads
+    # A STANDALONE draft that is the target's own checkpoint: the draft runs the target model on
+    # the target's KV cache (a second copy of either would hold the same values).
+    self_draft: bool = False
 
 
 def resolve_engine_config(args: EngineArgs, cuda_available: bool) -> EngineConfig:
@@ -104,7 +108,10 @@ def resolve_engine_config(args: EngineArgs, cuda_available: bool) -> EngineConfi
     capture: tuple[int, ...] = ()
     if kind is DraftKind.EAGLE3:
         capture = model_class(target).eagle3_capture_layers(target, draft.eagle_aux_layer_ids)
-    return EngineConfig(args, target, context_len, extra, kind, draft, path, capture)
+    self_draft = kind is DraftKind.STANDALONE and os.path.realpath(path) == os.path.realpath(
+        args.model_path
+    )
+    return EngineConfig(args, target, context_len, extra, kind, draft, path, capture, self_draft)
 
 
 def context_length(model_config: ModelConfig, args: EngineArgs) -> int:

@@ -72,8 +72,8 @@ class MemoryController:
                     "'retract' or 'abort' first"
                 )
             self.scheduler.drop_prefix_cache()
-            for runner in self.runners:
-                runner.kv_pool.release()
+            for pool in self._kv_pools():
+                pool.release()
         if "weights" in tags:
             self.weights.release_weights()
         if "cuda_graph" in tags:
@@ -84,8 +84,8 @@ class MemoryController:
     def resume(self, tags: Optional[Sequence[str]] = None) -> None:
         tags = check_tags(tags)
         if "kv_cache" in tags and "kv_cache" in self.released:
-            for runner in self.runners:
-                runner.kv_pool.allocate()
+            for pool in self._kv_pools():
+                pool.allocate()
         if "weights" in tags:
             self.weights.resume_weights()
         replaced = tags & self.released  # graphs read the old KV buffers and weights: capture again
@@ -93,6 +93,10 @@ class MemoryController:
         if replaced and not self.released:
             for runner in self.runners:
                 runner.capture_graphs()
+
+    def _kv_pools(self) -> list:
+        """Each KV pool once (a self-draft runs on the target's)."""
+        return list({id(r.kv_pool): r.kv_pool for r in self.runners}.values())
 
 
 def check_tags(tags: Optional[Sequence[str]]) -> set[str]:

@@ -28,15 +28,21 @@ class DraftRunner(RunnerBase):
         args, kind, draft = config.args, config.draft_kind, config.draft
         self.kind = kind
         self.target = target
-        cls = mtp_class(draft) if kind is DraftKind.MTP else model_class(draft)
-        model = build_model(
-            cls,
-            draft,
-            target.dtype,
-            target.device,
-            config.draft_checkpoint,
-            only_known=kind is DraftKind.MTP,
-        )
+        # The target drafting for itself runs its own model on its own KV cache: the draft's KV
+        # at a position would equal the target's there.
+        self.shares_target = config.self_draft
+        if self.shares_target:
+            model = target.model
+        else:
+            cls = mtp_class(draft) if kind is DraftKind.MTP else model_class(draft)
+            model = build_model(
+                cls,
+                draft,
+                target.dtype,
+                target.device,
+                config.draft_checkpoint,
+                only_known=kind is DraftKind.MTP,
+            )
         self.model = model  # before RunnerBase sets it: refresh() below reads it
         if kind is DraftKind.STANDALONE:
             self.embed, self.head = model.model.embed_tokens, model.lm_head
@@ -52,14 +58,18 @@ class DraftRunner(RunnerBase):
         self.refresh()
         # An MTP draft is one layer of the target's shape (every other draft is all of its config).
         layers = 1 if kind is DraftKind.MTP else draft.num_hidden_layers
-        kv_pool = KVPool(
-            target.max_total_tokens,
-            args.page_size,
-            layers,
-            draft.num_key_value_heads,
-            draft.head_dim,
-            target.dtype,
-            target.device,
+        kv_pool = (
+            target.kv_pool
+            if self.shares_target
+            else KVPool(
+                target.max_total_tokens,
+                args.page_size,
+                layers,
+                draft.num_key_value_heads,
+                draft.head_dim,
+                target.dtype,
+                target.device,
+            )
         )
         super().__init__(
             args,
@@ -75,8 +85,9 @@ class DraftRunner(RunnerBase):
 
     @property
     def external(self) -> bool:
-        """Weights of its own checkpoint (for weight updates; an MTP draft's are the target's)."""
-        return self.kind.external
+        """Weights of its own checkpoint, updated as `draft.*` (an MTP draft's are the target's,
+        and a self-draft's are the target itself)."""
+        return self.kind.external and not self.shares_target
 
     def _graph_specs(self, config: EngineConfig) -> list[GraphSpec]:
         """Draft tree steps (topk rows per request, own KV indices), the STANDALONE root step,
@@ -98,10 +109,12 @@ class DraftRunner(RunnerBase):
                 kv_rows=True,
                 extra_keys=args.speculative_num_steps,
             ),
-            GraphSpec(
-                "draft extend", ForwardMode.DRAFT_EXTEND, args.speculative_num_steps + 1, target
-            ),
         ]
+        if not self.shares_target:  # a self-draft has no extend: the target wrote that KV
+            extend = GraphSpec(
+                "draft extend", ForwardMode.DRAFT_EXTEND, args.speculative_num_steps + 1, target
+            )
+            specs.append(extend)
         if not features:
             specs.append(GraphSpec("draft root", ForwardMode.DECODE, 1))
         return specs

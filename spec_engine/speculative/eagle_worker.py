@@ -91,6 +91,8 @@ class EagleWorker(SpecWorker):
 
     def prefill(self, reqs: Sequence[Req]) -> StepResult:
         result, out, starts, ends = self._prefill(reqs, capture_hidden=self.features)
+        if self.draft.shares_target:  # a self-draft's KV is the target's, written just now
+            return result
         start = self.timings.now()
         entries = []
         for i, (r, s, e) in enumerate(zip(reqs, starts, ends)):
@@ -117,6 +119,8 @@ class EagleWorker(SpecWorker):
             self.runner.allocator.free(scratch)
         self.timings.add("draft_s", start)
         result, accepts, out = self.verify(reqs, trees)
+        if self.draft.shares_target:  # the verify wrote the accepted tokens' KV for both
+            return result
         start = self.timings.now()
         feats = self._features(out) if self.features else None
         entries, rows, offset = [], [], 0

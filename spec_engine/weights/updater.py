@@ -276,8 +276,9 @@ class WeightUpdater:
             self.draft.refresh()
 
     def _models(self) -> list[nn.Module]:
+        """Each model once (a self-draft's is the target)."""
         models = [self.target]
-        if self.draft is not None:
+        if self.draft is not None and self.draft.model is not self.target:
             models.append(self.draft.model)
         return models
 
