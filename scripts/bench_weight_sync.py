@@ -7,8 +7,9 @@ Paths: update_weights_from_tensor with (name, tensor) pairs, with flattened per-
 with torch.multiprocessing reduce_tensor handles (shared memory on CPU, CUDA IPC on GPU); the
 colocated push a trainer makes (`colocated_process`: the engine in another process on the same
 device, each bucket shared with it in SGLang's serializer format, as --colocate does); a gloo
-broadcast from a trainer rank (update_weights_from_distributed; CPU only: NCCL needs the engine
-on another GPU); a safetensors checkpoint (update_weights_from_disk). Each time is the engine
+broadcast from a trainer rank (update_weights_from_distributed; on CPU), or an NCCL one into an
+engine process on a second GPU (when there is one); a safetensors checkpoint
+(update_weights_from_disk). Each time is the engine
 call, best of --repeats, including the check of every tensor and the rebuild of derived copies
 (on CPU the oneDNN-packed weights, also timed on their own). The ceiling is torch copy_ of one
 flat buffer of the same size on the same device. For an 8B model the colocated push should take
@@ -62,28 +63,83 @@ def engine_process(path: str, engine_kwargs: dict[str, Any], conn: Any) -> None:
     with Engine(model_path=path, **engine_kwargs) as engine:
         conn.send("ready")
         while (message := conn.recv()) is not None:
+            kind, *payload = message
             start = time.perf_counter()
-            for serialized in message:
-                engine.update_weights_from_tensor(
-                    serialized_named_tensors=[serialized], load_format="flattened_bucket"
-                )
+            if kind == "shared":  # buckets in SGLang's serializer format
+                for serialized in payload[0]:
+                    engine.update_weights_from_tensor(
+                        serialized_named_tensors=[serialized], load_format="flattened_bucket"
+                    )
+            elif kind == "join":  # the trainer's NCCL group, as rank 1
+                engine.init_weights_update_group(*payload, 1, 2, "bench", "nccl")
+            else:  # "broadcast": receive every tensor from rank 0
+                engine.update_weights_from_distributed(*payload, "bench")
             conn.send(time.perf_counter() - start)
+
+
+def start_engine(path: str, engine_kwargs: dict, env: dict[str, str]) -> tuple[Any, Any]:
+    """An engine in a new process (with `env` set there), and the pipe to it."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # a spawned process starts with this process's environment
+    try:
+        proc = ctx.Process(target=engine_process, args=(path, engine_kwargs, child), daemon=True)
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if parent.recv() != "ready":
+        raise RuntimeError("the engine process did not start")
+    return proc, parent
+
+
+def stop_engine(proc: Any, conn: Any) -> None:
+    conn.send(None)
+    proc.join(timeout=120)
+    if proc.is_alive():
+        proc.kill()
+
+
+def nccl_push(path: str, engine_kwargs: dict, tensors: dict, repeats: int) -> float:
+    """Best time of an NCCL broadcast of every tensor from this process (GPU 0, the trainer)
+    into an engine on GPU 1, as --weight-sync-mode distributed does."""
+    proc, conn = start_engine(path, engine_kwargs, {"CUDA_VISIBLE_DEVICES": "1"})
+    try:
+        port = free_port()
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("bench", store), 0, 2)
+        conn.send(("join", "127.0.0.1", port))
+        conn.recv()
+        names = list(tensors)
+        dtypes = [str(t.dtype) for t in tensors.values()]
+        shapes = [list(t.shape) for t in tensors.values()]
+        times = []
+        for _ in range(repeats + 1):  # the first round sets the communicator up
+            start = time.perf_counter()
+            conn.send(("broadcast", names, dtypes, shapes))
+            for t in tensors.values():
+                group.broadcast(t, 0).wait()
+            conn.recv()
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+    finally:
+        stop_engine(proc, conn)
 
 
 def colocated_push(
     path: str, engine_kwargs: dict, named: list, bucket_bytes: int, repeats: int
 ) -> float:
-    """Best wall time of a trainer-side push of every bucket into an engine in another process."""
+    """Best wall time of a trainer-side push of every bucket into an engine in another process
+    on the same device, each bucket shared (CUDA IPC / shared memory), as --colocate does."""
     from spec_engine.weights.transport import FlattenedBucket, serialize_shared
     from trainer_bridge.weight_sync import buckets
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=engine_process, args=(path, engine_kwargs, child), daemon=True)
-    proc.start()
+    proc, conn = start_engine(path, engine_kwargs, {})
     try:
-        if parent.recv() != "ready":
-            raise RuntimeError("the colocated engine did not start")
         times = []
         for _ in range(repeats + 1):  # the first round warms up the IPC mappings
             start = time.perf_counter()
@@ -91,15 +147,12 @@ def colocated_push(
                 serialize_shared([b.to_dict() for b in FlattenedBucket.pack(group)])
                 for group in buckets(named, bucket_bytes)
             ]
-            parent.send(payload)
-            parent.recv()
+            conn.send(("shared", payload))
+            conn.recv()
             times.append(time.perf_counter() - start)
-        parent.send(None)
         return min(times[1:])
     finally:
-        proc.join(timeout=120)
-        if proc.is_alive():
-            proc.kill()
+        stop_engine(proc, conn)
 
 
 def main() -> None:
@@ -193,6 +246,10 @@ def main() -> None:
     results["colocated_process"] = colocated_push(
         path, engine_kwargs, named, args.bucket_mib * 2**20, args.repeats
     )
+    nccl_note = "NCCL needs the engine on a second GPU: not measured on this machine"
+    if cuda and torch.cuda.device_count() >= 2:
+        results["distributed_nccl"] = nccl_push(path, engine_kwargs, tensors, args.repeats)
+        nccl_note = f"NCCL to a second GPU: {results['distributed_nccl']:.2f} s"
 
     gb = nbytes / 1e9
     rows = [
@@ -217,7 +274,7 @@ def main() -> None:
         colocated = results["colocated_process"]
         print(
             f"\ncolocated push of {args.preset}: {colocated:.2f} s "
-            f"(target < {COLOCATED_TARGET_S:g} s; NCCL across GPUs is not measured here)"
+            f"(target < {COLOCATED_TARGET_S:g} s); {nccl_note}"
         )
     if args.json:
         with open(args.json, "w") as f:
