@@ -2,12 +2,15 @@
 # The GPU runbook (docs/gpu.md): on a CUDA machine, from the repository root, one step at a time
 # (each fits a 10-minute call) or all of them:
 #   bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all
-# Results (logs, JSON, summary.md naming the device) go to $OUT, or runs/gpu without it. Archives
-# made by scripts/gpu/pack.sh in .gpu_pack/ are unpacked first (a machine without internet);
-# with internet, `pip install -e ".[gpu]"` does instead.
+# Results (logs, JSON, summary.md naming the device) go to $OUT (the device tool's), else to
+# docs/benchmarks/gpu_<device>/ to commit. Archives made by scripts/gpu/pack.sh in .gpu_pack/ are
+# unpacked first (a machine without internet); with internet, `pip install -e ".[gpu]"` instead.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-RESULTS=${OUT:-runs/gpu}
+device_slug() {
+  python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_') if torch.cuda.is_available() else 'no_gpu')" 2>/dev/null || echo no_gpu
+}
+RESULTS=${OUT:-docs/benchmarks/gpu_$(device_slug)}
 WORK=${WORK:-/tmp/specrl-bench}  # random 8B checkpoints, built once and reused by later steps
 SITE=/tmp/specrl-site
 mkdir -p "$RESULTS" "$WORK"

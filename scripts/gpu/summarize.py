@@ -1,6 +1,6 @@
 """The runbook's results as one Markdown page naming the device, for docs/benchmarks/.
 
-    python -m scripts.gpu.summarize RESULTS_DIR > docs/benchmarks/gpu_<device>.md
+    python -m scripts.gpu.summarize RESULTS_DIR    # the page scripts/gpu/runbook.sh saves as summary
 
 Reads what scripts/gpu/runbook.sh wrote (env.txt, pytest_gpu.txt, decode.json, eagle3.json,
 weight_sync.json, loop.txt); a step that did not run is said so.
