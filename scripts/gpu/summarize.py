@@ -1,6 +1,6 @@
 """The runbook's results as one Markdown page naming the device, for docs/benchmarks/.
 
-    python -m scripts.gpu.summarize RESULTS_DIR    # the page scripts/gpu/runbook.sh saves as summary
+    python -m scripts.gpu.summarize RESULTS_DIR   # scripts/gpu/runbook.sh saves it as summary
 
 Reads what scripts/gpu/runbook.sh wrote (env.txt, pytest_gpu.txt, decode.json, eagle3.json,
 weight_sync.json, loop.txt); a step that did not run is said so.
