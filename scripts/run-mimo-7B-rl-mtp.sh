@@ -21,7 +21,7 @@ GRPO_ARGS=(
 OPTIMIZER_ARGS=(
    --lr 1e-6 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98
    --micro-batch-size 4 --global-batch-size 256
-   --enable-mtp-training --mtp-loss-scaling-factor 0.2
+   --mtp-num-layers 1 --enable-mtp-training --mtp-loss-scaling-factor 0.2
 )
 SGLANG_ARGS=(
    --rollout-num-gpus 4 --rollout-num-gpus-per-engine 1

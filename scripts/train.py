@@ -30,7 +30,7 @@ from specrl.plots import write_run_plots
 from specrl.progress import RolloutProgress
 from specrl.summary import rollout_line, summarize
 from specrl.train_batch import to_train_batch
-from specrl.train_options import parse_args
+from specrl.train_options import check_checkpoints, parse_args
 from trainer_bridge.actor_group import TrainGroup
 
 logger = logging.getLogger("specrl.train")
@@ -143,9 +143,11 @@ def is_due(interval: int | None, rollout_id: int, num_rollout: int | None = None
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    resolved = check_checkpoints(args)
     if args.dry_run:
         for options in args.options:
             print(options)
+        print("\n".join(resolved))
         return
     setup_logging()
     quiet_known_noise()

@@ -19,8 +19,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from spec_engine.args.engine_args import EngineArgs
+from spec_engine.args.engine_args import EngineArgs, split_sglang_options
 from spec_engine.args.resolve import resolve_engine_config
+from spec_engine.args.sglang_compat import check_sglang_options
 from spec_engine.core.channel import Channel
 from spec_engine.core.inputs import InputIds, Params, Prompt, RequestBuilder
 from spec_engine.core.memory import MemoryController
@@ -44,12 +45,15 @@ class Engine:
     """Generation engine: `Engine(model_path=..., **engine_args)`; see EngineArgs for options."""
 
     def __init__(self, engine_args: Optional[EngineArgs] = None, **kwargs: Any) -> None:
+        kwargs = split_sglang_options(kwargs)
         args = (
             dataclasses.replace(engine_args, **kwargs)
             if engine_args is not None
             else EngineArgs(**kwargs)
         )
         logging.getLogger("spec_engine").setLevel(args.log_level.upper())
+        for line in check_sglang_options(args.sglang_options):
+            logger.warning(line)
         self.config = resolve_engine_config(args, cuda_available=torch.cuda.is_available())
         self.args = args = self.config.args
         self.model_config = self.config.target

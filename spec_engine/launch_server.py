@@ -18,7 +18,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m spec_engine.launch_server",
         usage="%(prog)s --model-path DIR [engine flags]",
-        allow_abbrev=False,
         formatter_class=HelpFormatter,
         description="Serve a model over SGLang-native and OpenAI-compatible HTTP APIs.",
     )

@@ -21,8 +21,10 @@ from rollout.config import RolloutArgs
 from spec_engine.args import engine_args as engine_config
 from spec_engine.args.dataclass_cli import HelpFormatter, add_dataclass_args, dataclass_from_args
 from spec_engine.args.engine_args import EngineArgs
+from spec_engine.args.resolve import resolve_engine_config
+from spec_engine.models.hf_config import ModelConfig
 from trainer_bridge.loss import LossConfig
-from trainer_bridge.options import TrainerArgs
+from trainer_bridge.options import TrainerArgs, check_mtp_num_layers
 from trainer_bridge.weight_sync import WeightSyncConfig
 
 ENGINE_PREFIX = "sglang-"
@@ -130,13 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_engine_flags(argv: Sequence[str]) -> None:
-    """Refuse launcher-owned and unknown --sglang-* flags with a message naming the right one."""
-    known = set(engine_config.field_names()) - set(LAUNCHER_OWNED)
+    """Refuse launcher-owned and unknown --sglang-* flags with a message naming the right one.
+    A unique prefix of a flag counts as that flag (argparse's abbreviations, as in SGLang)."""
+    known = sorted(set(engine_config.field_names()) | set(LAUNCHER_OWNED))
     for arg in argv:
         if not arg.startswith("--" + ENGINE_PREFIX) and not arg.startswith("--sglang_"):
             continue
         flag = arg.split("=", 1)[0]
-        name = flag[2 + len(ENGINE_PREFIX) :].replace("-", "_")
+        given = flag[2 + len(ENGINE_PREFIX) :].replace("-", "_")
+        matches = [given] if given in known else [k for k in known if k.startswith(given)]
+        if len(matches) > 1:
+            options = ", ".join(f"--{ENGINE_PREFIX}{m.replace('_', '-')}" for m in matches)
+            raise SystemExit(f"error: ambiguous engine flag {flag} could match {options}")
+        name = matches[0] if matches else given
         if name in LAUNCHER_OWNED:
             raise SystemExit(
                 f"error: {flag} is set by the launcher; use {LAUNCHER_OWNED[name]} instead"
@@ -145,8 +153,8 @@ def check_engine_flags(argv: Sequence[str]) -> None:
             raise SystemExit(
                 f"error: {flag} is not an engine flag in specrl; use {SGLANG_ONLY[name]}"
             )
-        if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.5)
+        if not matches:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
             hint = f"; did you mean --{ENGINE_PREFIX}{close[0].replace('_', '-')}?" if close else ""
             raise SystemExit(f"error: unknown engine flag {flag}{hint}")
 
@@ -176,6 +184,44 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     return args
+
+
+def check_checkpoints(args: argparse.Namespace) -> list[str]:
+    """Read the checkpoints' configs and resolve the engine (the draft's config, the draft tree
+    against SGLang's limits) before Ray starts; returns what was resolved, a line each.
+    Raises SystemExit naming the flag to change."""
+    try:
+        target = ModelConfig.from_pretrained(args.hf_checkpoint)
+        check_mtp_num_layers(args.mtp_num_layers, target.num_mtp_layers, args.hf_checkpoint)
+        lines = [
+            f"model: {args.hf_checkpoint} ({target.architecture}, {target.num_hidden_layers} "
+            f"layers, {target.num_mtp_layers} MTP layers)"
+        ]
+        if args.debug_train_only:
+            return lines
+        config = resolve_engine_config(
+            args.options.engine, cuda_available=torch.cuda.is_available()
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    engine = config.args
+    lines.append(
+        f"engine: {engine.device} {engine.dtype}, {engine.attention_backend} attention, context "
+        f"{config.context_len}"
+    )
+    if engine.speculative_algorithm is not None:
+        draft = (
+            f"draft {config.draft_kind.value}: {config.draft_checkpoint} "
+            f"({config.draft.architecture}), "
+            if config.draft_kind is not None
+            else ""
+        )
+        lines.append(
+            f"speculative {engine.speculative_algorithm}: {draft}steps "
+            f"{engine.speculative_num_steps}, topk {engine.speculative_eagle_topk}, "
+            f"{engine.speculative_num_draft_tokens} draft tokens"
+        )
+    return lines
 
 
 def check_launcher_flags(args: argparse.Namespace) -> None:

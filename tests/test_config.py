@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
@@ -23,6 +24,8 @@ def test_every_field_has_a_flag_with_help():
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions}
     for f in dataclasses.fields(EngineArgs):
+        if f.name == "sglang_options":  # filled from the SGLang compat flags
+            continue
         assert f.name in flags, f.name
         assert flags[f.name].help, f"--{f.name} has no help text"
 
@@ -59,9 +62,15 @@ def test_prefixed_flags_for_launchers():
         parse(["--model-path", "/m"], prefix="sglang-")
 
 
-def test_abbreviations_are_not_accepted():
+def test_abbreviations_and_model_alias_as_in_sglang(capsys):
+    """SGLang's parser takes unique prefixes (the seeds' --mem-fraction 0.6) and --model."""
+    args = from_cli_args(
+        build_parser().parse_args(["--model", "/m", "--mem-fraction", "0.6", "--max-running", "4"])
+    )
+    assert (args.model_path, args.mem_fraction_static, args.max_running_requests) == ("/m", 0.6, 4)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["--model-path", "/m", "--max-running", "4"])
+        build_parser().parse_args(["--model", "/m", "--speculative-num", "3"])
+    assert "ambiguous option: --speculative-num could match" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -72,7 +81,7 @@ def test_abbreviations_are_not_accepted():
         (dict(chunked_prefill_size=0), "--chunked-prefill-size"),
         (dict(mem_fraction_static=1.5), "--mem-fraction-static"),
         (dict(dtype="int8"), "--dtype"),
-        (dict(attention_backend="fa3"), "--attention-backend"),
+        (dict(attention_backend="fa2"), "--attention-backend"),
         (dict(device="tpu"), "--device"),
         (dict(port=0), "--port"),
     ],
@@ -112,9 +121,9 @@ def test_resolve_auto_on_cpu():
         )
 
 
-def test_attention_backend_choice(monkeypatch):
+def test_attention_backend_choice(monkeypatch, caplog):
     """auto: FlashInfer on CUDA when installed and it has kernels for the head size; an explicit
-    flashinfer that cannot run is refused, naming what to change."""
+    flashinfer that cannot run falls back to torch_native, with one log line saying why."""
     from spec_engine.args import resolve as config
 
     def resolve(installed, **kw):
@@ -133,25 +142,33 @@ def test_attention_backend_choice(monkeypatch):
     assert resolve(True, cuda_available=True, head_dim=16).attention_backend == "torch_native"
     assert resolve(False, cuda_available=True, head_dim=128).attention_backend == "torch_native"
     assert resolve(True, cuda_available=False, head_dim=128).attention_backend == "torch_native"
-    for installed, cuda, head_dim, needle in (
-        (True, False, 128, "needs CUDA"),
-        (False, True, 128, r"specrl\[gpu\]"),
-        (True, True, 16, "no kernels for head_dim 16"),
+    for installed, cuda, head_dim, dtype, why in (
+        (True, False, 128, "bfloat16", "no CUDA device"),
+        (False, True, 128, "bfloat16", r"specrl\[gpu\]"),
+        (True, True, 16, "bfloat16", "no kernels for head_dim 16"),
+        (True, True, 128, "float32", "no float32 kernels"),
     ):
-        with pytest.raises(ValueError, match=needle):
-            resolve(
+        with caplog.at_level("WARNING", logger="spec_engine.args.resolve"):
+            caplog.clear()
+            chosen = resolve(
                 installed,
                 cuda_available=cuda,
                 head_dim=head_dim,
-                args=dict(attention_backend="flashinfer"),
+                args=dict(attention_backend="flashinfer", dtype=dtype),
             )
-    with pytest.raises(ValueError, match="no float32 kernels"):
-        resolve(
-            True,
-            cuda_available=True,
-            head_dim=128,
-            args=dict(attention_backend="flashinfer", dtype="float32"),
-        )
+        assert chosen.attention_backend == "torch_native"
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert re.search(f"flashinfer cannot run here.*{why}.*using torch_native", line), line
+    # SGLang's other backends run on what specrl has, saying so in one line.
+    for installed, cuda, expected in ((True, True, "flashinfer"), (True, False, "torch_native")):
+        with caplog.at_level("WARNING", logger="spec_engine.args.resolve"):
+            caplog.clear()
+            chosen = resolve(
+                installed, cuda_available=cuda, head_dim=128, args=dict(attention_backend="fa3")
+            )
+        assert chosen.attention_backend == expected
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert f"specrl has no fa3 kernels; using {expected}" in line
 
 
 def test_closest_field_suggestion():
@@ -213,6 +230,6 @@ def test_readme_documents_every_engine_flag():
     missing = [
         f.name
         for f in dataclasses.fields(EngineArgs)
-        if f"`--{f.name.replace('_', '-')}`" not in readme
+        if f.metadata.get("cli", True) and f"`--{f.name.replace('_', '-')}`" not in readme
     ]
     assert not missing, f"README's engine flag table lacks {missing}"

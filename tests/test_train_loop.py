@@ -255,36 +255,110 @@ def test_seed_example_engine_flags_are_accepted():
     assert args.sglang_disable_cuda_graph_padding and args.sglang_max_running_requests == 32
 
 
+@pytest.fixture(scope="module")
+def launcher_checkpoints(make_model, task, tmp_path_factory):
+    """Tiny stand-ins for the launchers' real checkpoints: --dry-run reads their configs."""
+    from specrl.tiny_models import build_eagle_draft
+
+    qwen3 = make_model("qwen3", head_dim=32)
+    eagle3 = build_eagle_draft(str(tmp_path_factory.mktemp("eagle3")), qwen3, version=3)
+    return {"qwen3": qwen3, "eagle3": eagle3, "mimo": task[0]}
+
+
 @pytest.mark.parametrize(
-    "script,needles",
+    "script,env,needles",
     [
         (
             "scripts/run-qwen3-8B-eagle3.sh",
-            ["speculative_algorithm='EAGLE3'", "tensor_model_parallel_size=2"],
+            {"HF_CHECKPOINT": "qwen3", "DRAFT": "eagle3"},
+            [
+                "speculative_algorithm='EAGLE3'",
+                "tensor_model_parallel_size=2",
+                "(LlamaForCausalLMEagle3), steps 3, topk 1, 4 draft tokens",
+            ],
         ),
         (
             "scripts/run-mimo-7B-rl-mtp.sh",
-            ["enable_mtp_training=True", "tensor_model_parallel_size=2"],
+            {"HF_CHECKPOINT": "mimo"},
+            [
+                "enable_mtp_training=True",
+                "tensor_model_parallel_size=2",
+                "mtp_num_layers=1",
+                "(MiMoForCausalLM, 2 layers, 1 MTP layers)",
+                "speculative EAGLE: draft MTP",
+            ],
         ),
         (
             "scripts/run-qwen3-1.7B-1gpu.sh",
+            {"HF_CHECKPOINT": "qwen3", "DRAFT": "qwen3"},
             [
                 "speculative_algorithm='STANDALONE'",
                 "tensor_model_parallel_size=1",
                 "weight_sync_mode='tensor'",
                 "mem_fraction_static=0.85",
+                "speculative STANDALONE: draft STANDALONE",
             ],
         ),
     ],
 )
-def test_gpu_launchers_pass_flag_checks(script, needles):
-    """The real-model launchers' flags all exist and validate (--dry-run builds every options
-    class)."""
+def test_gpu_launchers_pass_flag_checks(script, env, needles, launcher_checkpoints):
+    """The real-model launchers' flags all exist and validate: --dry-run builds every options
+    class, reads the checkpoints' configs and resolves the draft tree."""
+    paths = {k: launcher_checkpoints[v] for k, v in env.items()}
     proc = subprocess.run(
-        ["bash", script, "--dry-run"], capture_output=True, text=True, timeout=120
+        ["bash", script, "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **paths},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert all(n in proc.stdout for n in needles), proc.stdout[-2000:]
+
+
+def test_dry_run_refuses_a_missing_draft_and_a_tree_too_big(task, tmp_path):
+    """--dry-run reads the draft's config and checks the tree against SGLang's limits."""
+    model, data = task
+    base = [sys.executable, "-m", "scripts.train", *base_args(model, data, str(tmp_path))]
+    missing = subprocess.run(
+        [
+            *base,
+            "--sglang-speculative-algorithm",
+            "STANDALONE",
+            "--sglang-speculative-draft-model-path",
+            str(tmp_path / "nowhere"),
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode != 0 and "no config.json in" in missing.stderr
+    too_big = subprocess.run(
+        [
+            *base,
+            "--sglang-speculative-algorithm",
+            "EAGLE",
+            "--sglang-speculative-num-steps",
+            "2",
+            "--sglang-speculative-eagle-topk",
+            "2",
+            "--sglang-speculative-num-draft-tokens",
+            "8",
+            "--mtp-num-layers",
+            "1",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert too_big.returncode != 0
+    assert "--speculative-num-draft-tokens 8 exceeds the 7 tokens" in too_big.stderr
+    wrong_mtp = subprocess.run(
+        [*base, "--mtp-num-layers", "2", "--dry-run"], capture_output=True, text=True, timeout=120
+    )
+    assert wrong_mtp.returncode != 0 and "--mtp-num-layers 2:" in wrong_mtp.stderr
 
 
 def test_colocate_refuses_nccl_weight_sync(task, tmp_path):

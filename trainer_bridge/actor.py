@@ -21,7 +21,7 @@ from torch import Tensor
 from trainer_bridge import loss as losses
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.loss import LossConfig
-from trainer_bridge.options import TrainerArgs
+from trainer_bridge.options import TrainerArgs, check_mtp_num_layers
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class TrainActor:
             )
         self.args, self.loss_cfg, self.temperature = args, loss_cfg or LossConfig(), temperature
         self.arch = read_model_config(args.hf_checkpoint)
+        check_mtp_num_layers(args.mtp_num_layers, self.arch.num_mtp_layers, args.hf_checkpoint)
         if args.enable_mtp_training and not self.arch.num_mtp_layers:
             raise ValueError(
                 f"--enable-mtp-training needs a model with MTP layers; {args.hf_checkpoint} "

@@ -50,6 +50,14 @@ class TrainerArgs:
             "no gradient from it)."
         },
     )
+    mtp_num_layers: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "MTP layers of the model (slime's / Megatron's flag). specrl builds the ones "
+            "the checkpoint has (num_nextn_predict_layers); a different count is refused. "
+            "Default: the checkpoint's."
+        },
+    )
     mtp_loss_scaling_factor: float = field(
         default=0.2, metadata={"help": "Weight of the MTP loss."}
     )
@@ -64,3 +72,13 @@ class TrainerArgs:
             raise ValueError(f"--global-batch-size must be positive, got {self.global_batch_size}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+
+
+def check_mtp_num_layers(requested: Optional[int], in_checkpoint: int, checkpoint: str) -> None:
+    """slime's --mtp-num-layers must match the MTP layers the checkpoint has."""
+    if requested is not None and requested != in_checkpoint:
+        raise ValueError(
+            f"--mtp-num-layers {requested}: {checkpoint} has {in_checkpoint} MTP layers "
+            "(num_nextn_predict_layers), and specrl builds the ones the checkpoint has; give "
+            f"{in_checkpoint} or leave the flag out"
+        )

@@ -1,7 +1,8 @@
 """argparse flags generated from a configuration dataclass, and the dataclass back from them.
 
-One field, one flag: `--{prefix}{field-name}` (the underscore spelling is accepted too), or the
-`flag` in the field's metadata (e.g. `--disable-x` for a default-on switch). Help, `choices` and
+One field, one flag: `--{prefix}{field-name}` (the underscore spelling is accepted too, and the
+`aliases` in the field's metadata, e.g. SGLang's `--model`), or the `flag` in the field's
+metadata (e.g. `--disable-x` for a default-on switch). Help, `choices` and
 `metavar` come from the metadata; booleans are switches, lists take one or more values, fields
 without a default are required. Every package's options (engine, rollout, trainer) use this.
 `HelpFormatter` lists each flag once (without its underscore spelling) with its default, and
@@ -37,7 +38,7 @@ def add_dataclass_args(
     skip, needed = set(exclude), set(required)
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        if f.name in skip or not f.metadata.get("cli", True):
             continue
         if "flag" in f.metadata:
             names = [f.metadata["flag"]]
@@ -46,6 +47,7 @@ def add_dataclass_args(
             alias = f"--{prefix.replace('-', '_')}{f.name}"
             if alias != names[0]:
                 names.append(alias)
+            names.extend(f"--{prefix}{a}" for a in f.metadata.get("aliases", ()))
         kwargs: dict[str, Any] = {"dest": dest(prefix, f.name), "help": f.metadata.get("help", "")}
         if f.name in needed or (
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

@@ -18,10 +18,35 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from spec_engine.args.dataclass_cli import add_dataclass_args, dataclass_from_args
+from spec_engine.args.sglang_compat import (
+    SGLANG_FLAGS,
+    CompatArgs,
+    check_sglang_options,
+    given_options,
+)
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
+# SGLang's other backends: accepted, and run on one of specrl's (resolve logs which and why).
+SGLANG_ATTENTION_BACKENDS = (
+    "fa3",
+    "fa4",
+    "triton",
+    "flex_attention",
+    "flashmla",
+    "cutlass_mla",
+    "trtllm_mha",
+    "trtllm_mla",
+    "aiter",
+    "wave",
+    "intel_amx",
+    "intel_xpu",
+    "ascend",
+    "dual_chunk_flash_attn",
+    "hybrid_linear_attn",
+    "nsa",
+)
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 SCHEDULE_POLICIES = ("fcfs",)
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
@@ -50,7 +75,9 @@ class EngineArgs:
 
     # Model and tokenizer
     model_path: Optional[str] = _opt(
-        None, "Hugging Face checkpoint directory of the target model (config.json + *.safetensors)."
+        None,
+        "Hugging Face checkpoint directory of the target model (config.json + *.safetensors).",
+        aliases=("model",),
     )
     tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory; defaults to --model-path.")
     skip_tokenizer_init: bool = _opt(
@@ -178,8 +205,10 @@ class EngineArgs:
         "Attention kernels (auto: flashinfer on CUDA when installed, for bfloat16/float16 and "
         "head_dim 64/128/256; else torch_native). torch_native runs everywhere; its CUDA graphs "
         "are captured per power-of-two key width on first use, so prefer flashinfer for long "
-        "contexts on GPUs.",
-        choices=ATTENTION_BACKENDS,
+        "contexts on GPUs. SGLang's other backends (fa3, triton, ...) are accepted and run on "
+        "the auto choice; a backend that cannot run here falls back, and the log says which and "
+        "why.",
+        choices=ATTENTION_BACKENDS + SGLANG_ATTENTION_BACKENDS,
     )
     # CUDA graphs and padding (without CUDA the same sizes and padding run eagerly)
     cuda_graph_bs: Optional[list[int]] = _opt(
@@ -216,18 +245,31 @@ class EngineArgs:
     weight_version: str = _opt(
         "default", "Version label of the loaded weights, reported in every response's meta_info."
     )
-    # Logging
+    # Logging and metrics
     log_level: str = _opt("info", "Logging level.", choices=LOG_LEVELS)
+    log_requests: bool = _opt(
+        False, "Log one line per finished request (rid, token counts, finish reason, latency)."
+    )
+    enable_metrics: bool = _opt(
+        False, "Serve Prometheus metrics at GET /metrics (SGLang's sglang:* names)."
+    )
+    # SGLang flags without a specrl option, given a value other than SGLang's default
+    # (spec_engine.args.sglang_compat: logged as no-ops, or refused).
+    sglang_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         self.dtype = _normalize_dtype(self.dtype)
         _check_choice("dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
         _check_choice("device", self.device, DEVICE_CHOICES)
         _check_choice(
-            "attention_backend", self.attention_backend, ATTENTION_BACKENDS, allow_none=True
+            "attention_backend",
+            self.attention_backend,
+            ATTENTION_BACKENDS + SGLANG_ATTENTION_BACKENDS,
+            allow_none=True,
         )
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         _check_choice("log_level", self.log_level, LOG_LEVELS)
+        check_sglang_options(self.sglang_options)
         _check_positive("context_length", self.context_length, allow_none=True)
         _check_positive("max_total_tokens", self.max_total_tokens, allow_none=True)
         _check_positive("max_running_requests", self.max_running_requests, allow_none=True)
@@ -351,15 +393,36 @@ def add_cli_args(
         exclude,
         required,
     )
+    add_dataclass_args(
+        parser,
+        CompatArgs,
+        "SGLang flags without a specrl option (accepted so SGLang command lines run unchanged)",
+        prefix,
+        exclude,
+    )
 
 
 def from_cli_args(namespace: argparse.Namespace, prefix: str = "", **overrides: Any) -> EngineArgs:
     """Build EngineArgs from parsed flags; `overrides` (launcher-owned values) win."""
+    overrides.setdefault("sglang_options", given_options(namespace, prefix))
     return dataclass_from_args(EngineArgs, namespace, prefix, **overrides)
 
 
 def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(EngineArgs)]
+    """Every engine option a command line can give: EngineArgs' and SGLang's compat flags."""
+    own = [f.name for f in dataclasses.fields(EngineArgs) if f.metadata.get("cli", True)]
+    return own + list(SGLANG_FLAGS)
+
+
+def split_sglang_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """EngineArgs keyword arguments with SGLang-only names (`tp_size=1`) moved into
+    `sglang_options`, so `Engine(model_path=..., tp_size=1)` works as in SGLang."""
+    compat = {k: v for k, v in kwargs.items() if k in SGLANG_FLAGS}
+    if not compat:
+        return kwargs
+    own = {k: v for k, v in kwargs.items() if k not in SGLANG_FLAGS}
+    own["sglang_options"] = {**kwargs.get("sglang_options", {}), **compat}
+    return own
 
 
 def closest_field(name: str) -> Optional[str]:

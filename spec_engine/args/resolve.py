@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from spec_engine.args.engine_args import (
 from spec_engine.attention import flashinfer_installed
 from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.registry import model_class
+
+logger = logging.getLogger(__name__)
 
 
 class DraftKind(enum.Enum):
@@ -151,34 +154,7 @@ def resolve_auto(
             dtype = "float32"
         else:
             dtype = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
-    fits = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
-    half = dtype in ("bfloat16", "float16", "bf16", "fp16", "half")
-    backend = args.attention_backend or (
-        "flashinfer"
-        if device == "cuda" and fits and half and flashinfer_installed()
-        else "torch_native"
-    )
-    if backend == "flashinfer":
-        if device != "cuda":
-            raise ValueError(
-                "--attention-backend flashinfer needs CUDA; use --attention-backend torch_native "
-                "on CPU"
-            )
-        if not flashinfer_installed():
-            raise ValueError(
-                "--attention-backend flashinfer needs the flashinfer-python package: pip install "
-                "'specrl[gpu]', or use --attention-backend torch_native"
-            )
-        if not fits:
-            raise ValueError(
-                f"--attention-backend flashinfer has no kernels for head_dim {head_dim} (it has "
-                f"{FLASHINFER_HEAD_DIMS}); use --attention-backend torch_native"
-            )
-        if not half:
-            raise ValueError(
-                f"--attention-backend flashinfer has no {dtype} kernels; use --dtype bfloat16 or "
-                "float16, or --attention-backend torch_native"
-            )
+    backend = attention_backend(args.attention_backend, device, dtype, head_dim)
     chunk = args.chunked_prefill_size
     if chunk is None:
         chunk = CHUNKED_PREFILL_CUDA if device == "cuda" else CHUNKED_PREFILL_CPU
@@ -199,6 +175,41 @@ def resolve_auto(
         mem_fraction_static=args.mem_fraction_static
         or (MEM_FRACTION_CUDA if device == "cuda" else MEM_FRACTION_CPU),
     )
+
+
+def attention_backend(
+    requested: Optional[str], device: str, dtype: str, head_dim: Optional[int]
+) -> str:
+    """The attention backend that runs: flashinfer where it can (CUDA, installed, 16-bit,
+    head_dim it has kernels for), else torch_native. A requested backend that cannot run here,
+    or one specrl does not have (SGLang's fa3, triton, ...), is replaced, with one log line."""
+    why_not = None
+    if device != "cuda":
+        why_not = "no CUDA device"
+    elif not flashinfer_installed():
+        why_not = "flashinfer-python is not installed (pip install 'specrl[gpu]')"
+    elif head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
+        why_not = f"flashinfer has no kernels for head_dim {head_dim}"
+    elif dtype not in ("bfloat16", "float16"):
+        why_not = f"flashinfer has no {dtype} kernels"
+    usable = "torch_native" if why_not else "flashinfer"
+    if requested in (None, "torch_native", usable):
+        return requested or usable
+    if requested == "flashinfer":
+        logger.warning(
+            "--attention-backend flashinfer cannot run here (%s); using torch_native", why_not
+        )
+    else:
+        logger.warning(
+            "--attention-backend %s: specrl has no %s kernels; using %s%s (SGLang's fa3/triton "
+            "workaround for draft-stage CUDA-graph padding is not needed: specrl checks padded "
+            "replays with --cuda-graph-self-check)",
+            requested,
+            requested,
+            usable,
+            f" ({why_not})" if why_not else "",
+        )
+    return usable
 
 
 def resolve_speculative(
@@ -251,28 +262,43 @@ def resolve_speculative(
             else (3, 1, 4)
         )
     topk = topk or 1
-    if topk == 1:
-        tokens = steps + 1  # a chain: the root and one token per step
+    if topk == 1 and tokens != steps + 1:
+        if tokens is not None:  # SGLang adjusts it the same way, with a warning
+            logger.warning(
+                "--speculative-num-draft-tokens %d is adjusted to --speculative-num-steps + 1 = "
+                "%d: with --speculative-eagle-topk 1 the draft is a chain",
+                tokens,
+                steps + 1,
+            )
+        tokens = steps + 1
     elif tokens is None:
         raise ValueError(
             f"with --speculative-eagle-topk {topk}, set --speculative-num-draft-tokens (at most "
-            f"{topk * steps + 1})"
+            f"{max_draft_tokens(steps, topk)})"
         )
-    if tokens > topk * steps + 1:
+    if tokens > max_draft_tokens(steps, topk):
         raise ValueError(
-            f"--speculative-num-draft-tokens {tokens} exceeds topk * steps + 1 = "
-            f"{topk * steps + 1}; lower it"
+            f"--speculative-num-draft-tokens {tokens} exceeds the {max_draft_tokens(steps, topk)} "
+            f"tokens a draft of {steps} steps with top-{topk} proposes (the root, {topk} "
+            f"candidates at the first step and {topk}x{topk} at each later one); lower it or "
+            "raise --speculative-num-steps / --speculative-eagle-topk"
         )
-    if tokens < 2:
-        raise ValueError(f"--speculative-num-draft-tokens must be at least 2, got {tokens}")
     if draft is not None:
         _check_draft(DraftKind(algo), target, draft, context_len)
+        if DraftKind(algo) is DraftKind.STANDALONE and draft.vocab_size != target.vocab_size:
+            _check_same_tokenizer(args.tokenizer_path or args.model_path, path, target, draft)
     return dataclasses.replace(
         args,
         speculative_num_steps=steps,
         speculative_eagle_topk=topk,
         speculative_num_draft_tokens=tokens,
     )
+
+
+def max_draft_tokens(steps: int, topk: int) -> int:
+    """The most tokens a verify step can check: the root, then the draft's candidates (topk at
+    the first step, topk x topk at each later one; SGLang's EAGLE draft tree)."""
+    return 1 + topk + (steps - 1) * topk * topk
 
 
 def speculative_positions(args: EngineArgs) -> int:
@@ -304,7 +330,7 @@ def _check_draft(
             f"--speculative-algorithm STANDALONE needs a plain LM draft, not {draft.architecture}; "
             "use EAGLE / EAGLE3 for EAGLE drafts"
         )
-    if draft.vocab_size != target.vocab_size:
+    if kind is not DraftKind.STANDALONE and draft.vocab_size != target.vocab_size:
         raise ValueError(
             f"draft vocabulary ({draft.vocab_size}) differs from the target's "
             f"({target.vocab_size}); "
@@ -318,9 +344,39 @@ def _check_draft(
             "--speculative-draft-model-path must be a draft for this target"
         )
     if draft.max_position_embeddings < context_len:
+        # SGLang PR 9388: the draft runs at the target's context (its rope tables are sized for
+        # it); EAGLE drafts are published with 2048 positions while serving longer contexts.
+        logger.warning(
+            "the draft's max_position_embeddings (%d) is below the target's context length %d; "
+            "the draft runs with its context raised to %d",
+            draft.max_position_embeddings,
+            context_len,
+            context_len,
+        )
+
+
+def _check_same_tokenizer(
+    target_path: str, draft_path: str, target: ModelConfig, draft: ModelConfig
+) -> None:
+    """A STANDALONE draft may pad its embedding rows differently (Qwen2.5-7B has 152064,
+    Qwen2.5-1.5B 151936) when both tokenize alike: same tokens, same ids."""
+    from transformers import AutoTokenizer
+
+    sizes = (
+        f"the draft's vocab_size is {draft.vocab_size} ({draft_path}), the target's "
+        f"{target.vocab_size} ({target_path})"
+    )
+    vocabs = []
+    for path in (target_path, draft_path):
+        try:
+            vocabs.append(AutoTokenizer.from_pretrained(path, local_files_only=True).get_vocab())
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"{sizes}; a STANDALONE draft with another vocab_size needs the same tokenizer, "
+                f"and none could be read from {path!r} ({e})"
+            ) from None
+    if vocabs[0] != vocabs[1]:
         raise ValueError(
-            f"the draft's context ({draft.max_position_embeddings} positions) is shorter than the "
-            f"target's context length {context_len}; lower --context-length to at most "
-            f"{draft.max_position_embeddings} (a shorter draft context caused illegal memory "
-            "accesses in SGLang)"
+            f"{sizes}, and their tokenizers differ; a STANDALONE draft must share the target's "
+            "tokenizer"
         )

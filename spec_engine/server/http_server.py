@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from spec_engine.engine import Engine
+from spec_engine.server.admin_api import add_admin_routes
 from spec_engine.server.openai_api import add_openai_routes, token_text
 from spec_engine.server.requests import (
     BadRequest,
@@ -201,6 +202,7 @@ def create_app(engine: Engine) -> FastAPI:
     for name in CONTROL_METHODS:
         control_endpoint(name)
 
+    add_admin_routes(app, engine)
     add_openai_routes(app, engine)
     return app
 

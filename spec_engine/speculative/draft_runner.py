@@ -8,6 +8,7 @@ Draft ids map to target ids through `hot_ids` (EAGLE-3's d2t, or an FR-Spec toke
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -50,6 +51,15 @@ class DraftRunner(RunnerBase):
             self.embed = target.model.model.embed_tokens
             own = model.draft_head() if kind is DraftKind.EAGLE3 else None
             self.head = own if own is not None else target.model.lm_head
+        # A STANDALONE draft with another vocab_size than the target (padded embedding rows;
+        # resolve checked that the tokenizers agree) never proposes ids the target lacks, and
+        # reads a target id past its own rows (a padding id, outside the tokenizer) as its last.
+        standalone = kind is DraftKind.STANDALONE
+        target_vocab = config.target.vocab_size
+        self.vocab_limit = target_vocab if standalone and draft.vocab_size > target_vocab else None
+        self.embed_limit = (
+            draft.vocab_size if standalone and draft.vocab_size < target_vocab else None
+        )
         self.token_map = None
         if args.speculative_token_map is not None:
             self.token_map = load_token_map(args.speculative_token_map, draft.vocab_size).to(
@@ -177,18 +187,33 @@ class DraftRunner(RunnerBase):
         self, batch: ForwardBatch, hidden: Optional[torch.Tensor] = None, metadata: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._prepare(batch, metadata)
-        embeds = self.embed(batch.input_ids)
+        ids = batch.input_ids
+        embeds = self.embed(
+            ids if self.embed_limit is None else ids.clamp(max=self.embed_limit - 1)
+        )
         to_logits, to_next = self.model.draft_forward(embeds, batch.positions, batch, hidden)
         if batch.logits_indices is not None:
             to_logits, to_next = to_logits[batch.logits_indices], to_next[batch.logits_indices]
-        return self.head(to_logits).float(), to_next
+        logits = self.head(to_logits).float()
+        if self.vocab_limit is not None:
+            logits = logits[:, : self.vocab_limit]
+        return logits, to_next
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.hot_ids is None else self.hot_ids[ids]
 
 
 def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
-    """FR-Spec's hot token ids from a .pt file."""
+    """FR-Spec's hot token ids from a .pt file, or from the one .pt file in a directory (a
+    downloaded FR-Spec repository)."""
+    if os.path.isdir(path):
+        found = sorted(f for f in os.listdir(path) if f.endswith(".pt"))
+        if len(found) != 1:
+            raise ValueError(
+                f"--speculative-token-map {path!r} is a directory with {len(found)} .pt files "
+                f"({', '.join(found) or 'none'}); give the path of the one to use"
+            )
+        path = os.path.join(path, found[0])
     try:
         ids = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError) as e:

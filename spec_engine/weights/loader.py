@@ -1,4 +1,5 @@
-"""Loading weights: read Hugging Face safetensors checkpoints and copy named tensors into a model.
+"""Loading weights: read Hugging Face checkpoints (safetensors or pytorch_model.bin) and copy
+named tensors into a model.
 
 A model describes the Hugging Face names it takes with `hf_weight_spec()`: for each name the
 parameter it lands in, the row range inside a fused parameter, and the expected shape. Loading
@@ -72,39 +73,70 @@ def named_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return params
 
 
-def safetensors_files(model_path: str) -> list[str]:
-    """The checkpoint's safetensors files: from the shard index when there is one."""
+def checkpoint_files(model_path: str) -> list[str]:
+    """The checkpoint's weight files: safetensors, else pytorch_model*.bin (published EAGLE
+    drafts), from the shard index when there is one."""
     if not isinstance(model_path, str) or not os.path.isdir(model_path):
         raise ValueError(
             f"model path {model_path!r} is not a directory; give a Hugging Face checkpoint "
             "directory"
         )
-    index = os.path.join(model_path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_path, s) for s in shards]
-    single = os.path.join(model_path, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
-    found = sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors"))
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = os.path.join(model_path, index_name)
+        if os.path.isfile(index):
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            return [os.path.join(model_path, s) for s in shards]
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if os.path.isfile(os.path.join(model_path, single)):
+            return [os.path.join(model_path, single)]
+    names = sorted(os.listdir(model_path))
+    found = [f for f in names if f.endswith(".safetensors")] or [
+        f for f in names if f.startswith("pytorch_model") and f.endswith(".bin")
+    ]
     if not found:
         raise ValueError(
-            f"no *.safetensors files in {model_path!r}; specrl loads safetensors checkpoints only"
+            f"no *.safetensors or pytorch_model*.bin files in {model_path!r}; give a Hugging "
+            "Face checkpoint directory"
         )
     return [os.path.join(model_path, f) for f in found]
 
 
-def iterate_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in safetensors_files(model_path):
+def _read_bin(path: str) -> dict[str, torch.Tensor]:
+    """A pytorch_model.bin state dict: tensors only (weights_only), memory-mapped when the file
+    is in torch's zip format."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (pre-zip) format cannot be memory-mapped
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several kinds for a damaged or foreign file
+        raise ValueError(f"could not read the weights file {path!r}: {e}") from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(f"{path!r} is not a state dict of named tensors")
+    return state
+
+
+def iterate_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_path):
+        if path.endswith(".bin"):
+            yield from _read_bin(path).items()
+            continue
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
 
-def safetensors_metadata(model_path: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, dtype) of every tensor in the checkpoint, without reading the data."""
-    for path in safetensors_files(model_path):
+def checkpoint_metadata(model_path: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, dtype) of every tensor in the checkpoint (safetensors: without reading the
+    data)."""
+    for path in checkpoint_files(model_path):
+        if path.endswith(".bin"):
+            for name, t in _read_bin(path).items():
+                yield name, tuple(t.shape), str(t.dtype).removeprefix("torch.").upper()
+            continue
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 sl = f.get_slice(name)
@@ -132,7 +164,7 @@ def build_model(
 
 
 def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False) -> None:
-    """Load a Hugging Face safetensors checkpoint (checked before anything is copied).
+    """Load a Hugging Face checkpoint (checked before anything is copied).
 
     With `only_known`, tensors the model does not name are skipped: a module that lives inside
     a larger checkpoint (MiMo's MTP draft) takes just its own.
@@ -140,9 +172,9 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
     spec = weight_spec(model)
     keep = (lambda name: name in spec) if only_known else (lambda name: True)
     check_weights(
-        model, (m for m in safetensors_metadata(model_path) if keep(m[0])), require_all=True
+        model, (m for m in checkpoint_metadata(model_path) if keep(m[0])), require_all=True
     )
-    copy_weights(model, ((n, t) for n, t in iterate_safetensors(model_path) if keep(n)))
+    copy_weights(model, ((n, t) for n, t in iterate_checkpoint(model_path) if keep(n)))
 
 
 def check_weights(

@@ -23,13 +23,13 @@ from torch import nn
 
 from spec_engine.weights.loader import (
     check_weights,
+    checkpoint_metadata,
     copy_weights,
     hf_tensor,
     is_ignored,
-    iterate_safetensors,
+    iterate_checkpoint,
     named_params,
     refresh_derived,
-    safetensors_metadata,
     tensor_checksum,
     weight_spec,
 )
@@ -121,7 +121,7 @@ class WeightUpdater:
     def from_disk(self, model_path: str, component: str = "target") -> int:
         """Load a whole Hugging Face checkpoint into the target (its MTP layers into an MTP
         draft) or, with component="draft", into the external draft."""
-        meta = [m for m in safetensors_metadata(model_path) if not is_ignored(m[0])]
+        meta = [m for m in checkpoint_metadata(model_path) if not is_ignored(m[0])]
         if component == "draft":
             if self.draft is None or not self.draft.external:
                 raise ValueError("component='draft': the engine has no external draft model")
@@ -140,7 +140,7 @@ class WeightUpdater:
                 require_all=True,
             )
         received = 0
-        for name, tensor in iterate_safetensors(model_path):
+        for name, tensor in iterate_checkpoint(model_path):
             if is_ignored(name):
                 continue
             model, local = routes[name]

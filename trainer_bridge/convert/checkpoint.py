@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from spec_engine.weights.loader import iterate_safetensors
+from spec_engine.weights.loader import iterate_checkpoint
 from trainer_bridge.convert.llama import hf_to_mcore_state_dict, mcore_to_hf_items
 from trainer_bridge.convert.tp import gather_state_dicts, shard_state_dict
 from trainer_bridge.model_provider import (
@@ -52,7 +52,7 @@ _WEIGHT_PATTERNS = (
 def read_hf_weights(path: str) -> dict[str, Tensor]:
     """Every tensor of a Hugging Face checkpoint directory (the engine's reader: shard index
     first)."""
-    return dict(iterate_safetensors(path))
+    return dict(iterate_checkpoint(path))
 
 
 def save_hf_checkpoint(named_tensors: Iterable[tuple[str, Tensor]], save: str, like: str) -> None:
