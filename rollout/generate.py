@@ -104,9 +104,11 @@ async def generate_group(
     reward_fn: Optional[RewardFn],
     stopping: Callable[[], bool] = lambda: False,
     rid_prefix: str = "",
+    fn_args: Any = None,
 ) -> list[Sample]:
     """Generate every sample of a group concurrently, then score them (with a reward_fn, and
-    only when none was aborted or failed).
+    only when none was aborted or failed). `fn_args` is what generate_fn and reward_fn receive
+    (default `args`).
 
     Samples that have not started when `stopping()` turns true end ABORTED without a request;
     request ids start with `rid_prefix` (see Router.abort_all).
@@ -119,7 +121,7 @@ async def generate_group(
         params = {**sampling_params, "sampling_seed": sample_seed(args.rollout_seed, sample.index)}
         with router.lease(rid_prefix + uuid.uuid4().hex) as engine:
             try:
-                result = await generate_fn(args, sample, params, engine)
+                result = await generate_fn(fn_args or args, sample, params, engine)
             except RequestAborted:
                 sample.status = Status.ABORTED
                 return sample
@@ -144,7 +146,7 @@ async def generate_group(
         raise
     if reward_fn is None or any(s.status in (Status.ABORTED, Status.FAILED) for s in samples):
         return samples  # unscored: a group with an aborted or failed sample is dropped
-    rewards = await asyncio.gather(*(score(reward_fn, args, s) for s in samples))
+    rewards = await asyncio.gather(*(score(reward_fn, fn_args or args, s) for s in samples))
     for sample, reward in zip(samples, rewards):
         sample.reward = reward
     return samples

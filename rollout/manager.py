@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
+import dataclasses
 import logging
 import time
 import uuid
@@ -40,8 +42,12 @@ class RolloutManager:
         engines: Sequence[Any],
         tokenizer: Any,
         data_source: Optional[DataSource] = None,
+        launcher_args: Optional[argparse.Namespace] = None,
     ) -> None:
         self.args = args
+        # What user functions (generate, reward, filter, rollout) receive: as in slime, every
+        # launcher flag (--hf-checkpoint, --sglang-*, ...), with the rollout options as checked.
+        self.fn_args = user_args(args, launcher_args)
         self.tokenizer = tokenizer
         self.router = Router(engines) if engines else None
         if data_source is None and args.prompt_data is not None:
@@ -79,7 +85,7 @@ class RolloutManager:
         (aborted leftovers and groups that finished after the batch was full)."""
         start = time.perf_counter()
         if self.rollout_fn is not None:
-            groups = await call_maybe_async(self.rollout_fn, self.args, rollout_id, self)
+            groups = await call_maybe_async(self.rollout_fn, self.fn_args, rollout_id, self)
             _check_groups(groups, "--rollout-function-path")
             return groups, rollout_metrics(groups, time.perf_counter() - start)
         groups, stats = await self._generate_filtered()
@@ -132,6 +138,7 @@ class RolloutManager:
                                     self.reward_fn,
                                     lambda: stopping,
                                     rid_prefix,
+                                    self.fn_args,
                                 )
                             )
                         )
@@ -141,7 +148,7 @@ class RolloutManager:
                     stats["response_tokens"] += sum(s.response_length for s in group)
                     if not group_is_complete(group):
                         stats["groups_aborted"] += 1
-                    elif self.filter_fn is not None and not self.filter_fn(args, group):
+                    elif self.filter_fn is not None and not self.filter_fn(self.fn_args, group):
                         stats["groups_filtered"] += 1
                     elif len(kept) < args.rollout_batch_size:
                         kept.append(group)
@@ -241,7 +248,13 @@ class RolloutManager:
                 await asyncio.gather(
                     *(
                         generate_group(
-                            args, group, params, router, self.generate_fn, self.reward_fn
+                            args,
+                            group,
+                            params,
+                            router,
+                            self.generate_fn,
+                            self.reward_fn,
+                            fn_args=self.fn_args,
                         )
                         for group in groups
                     )
@@ -295,3 +308,14 @@ def _check_groups(groups: Any, flag: str) -> None:
         raise TypeError(
             f"the function of {flag} must return list[list[Sample]], got {type(groups).__name__}"
         )
+
+
+def user_args(args: RolloutArgs, launcher_args: Optional[argparse.Namespace]) -> Any:
+    """The launcher's whole namespace with the checked rollout options over it (slime hands its
+    full args to custom functions); just `args` without a launcher."""
+    if launcher_args is None:
+        return args
+    merged = argparse.Namespace(**vars(launcher_args))
+    for f in dataclasses.fields(args):
+        setattr(merged, f.name, getattr(args, f.name))
+    return merged

@@ -57,7 +57,7 @@ def train(args: argparse.Namespace) -> str:
         trainer = start_trainer(args, placements)
     engines.wait_until_up()
     tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
-    manager = RolloutManager(opts.rollout, engines.handles, tokenizer)
+    manager = RolloutManager(opts.rollout, engines.handles, tokenizer, launcher_args=args)
     progress = RolloutProgress()
     manager.on_group_kept = progress.update
     metrics_log = MetricsLogger(

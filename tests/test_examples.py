@@ -215,3 +215,23 @@ def test_custom_generate_and_reward_functions(ray_examples):
         fresh = SimpleNamespace(response=s["response"], label=s["label"], metadata={})
         assert s["reward"] == answer_reward(None, fresh)
     assert row["rollout/raw_reward"] == pytest.approx(sum(s["reward"] for s in samples) / 8)
+
+
+def test_sglang_seed_command_serves_and_slime_lines_dry_run(tmp_path):
+    """examples/sglang_seeds/run.sh builds the stand-ins, serves the first seed command (SGLang's
+    EAGLE-2 example) and queries /generate; `slime` dry-runs slime's --sglang-* lines.
+    tests/test_cli_compat.py runs every seed command in-process."""
+    ckpt = str(tmp_path / "ckpt")
+    out = run(
+        ["bash", "examples/sglang_seeds/run.sh", "0"],
+        tmp_path / "serve",
+        timeout=180,
+        CKPT=ckpt,
+        PORT=str(free_port()),
+    )
+    generated = json.loads(out.strip().splitlines()[-1])
+    assert len(generated["output_ids"]) == 16 and generated["meta_info"]["spec_verify_ct"] > 0
+    listed = run(["bash", "examples/sglang_seeds/run.sh", "list"], tmp_path / "list", 60, CKPT=ckpt)
+    assert len(listed.splitlines()) == 12
+    dry = run(["bash", "examples/sglang_seeds/run.sh", "slime"], tmp_path / "slime", 120, CKPT=ckpt)
+    assert "speculative EAGLE: draft MTP" in dry

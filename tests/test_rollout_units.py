@@ -524,3 +524,18 @@ def test_tiny_task_file(tmp_path, tokenizer):
         s for k, s in shares.items() if k not in letters
     )
     assert all(shares[letter] > 0.02 for letter in letters)  # a random policy succeeds now and then
+
+
+def test_user_functions_get_every_launcher_flag():
+    """As in slime, custom functions see the launcher's flags (--hf-checkpoint, --sglang-*),
+    with the rollout options as RolloutArgs checked them."""
+    from rollout.manager import user_args
+
+    rollout_args = RolloutArgs(rollout_batch_size=2, rollout_stop=["</s>"])
+    launcher = argparse.Namespace(
+        hf_checkpoint="/ckpt", sglang_speculative_algorithm="EAGLE", rollout_stop=None
+    )
+    merged = user_args(rollout_args, launcher)
+    assert merged.hf_checkpoint == "/ckpt" and merged.sglang_speculative_algorithm == "EAGLE"
+    assert merged.rollout_stop == ["</s>"] and merged.rollout_batch_size == 2
+    assert user_args(rollout_args, None) is rollout_args

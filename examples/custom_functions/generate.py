@@ -10,7 +10,6 @@ loss_mask 0 (the trainer skips them) and a placeholder log-prob.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -22,11 +21,10 @@ TOOL_OUTPUT = "\nTool: ok\nAnswer:"
 
 
 @functools.cache
-def tokenizer() -> Any:
-    """The policy's tokenizer, loaded once per process."""
-    # Custom functions receive the rollout options only (no --hf-checkpoint), so the launcher
-    # script exports the checkpoint path.
-    return AutoTokenizer.from_pretrained(os.environ["EXAMPLE_TOKENIZER_PATH"])
+def tokenizer(path: str) -> Any:
+    """The policy's tokenizer, loaded once per process (custom functions get every launcher
+    flag, as in slime: --hf-checkpoint is args.hf_checkpoint)."""
+    return AutoTokenizer.from_pretrained(path)
 
 
 def token_log_probs(output: dict[str, Any]) -> list[float]:
@@ -52,7 +50,7 @@ async def generate_with_tool(
     ids, text = turn["output_ids"], turn["text"]
     mask, log_probs = [1] * len(ids), token_log_probs(turn)
     if turn["meta_info"]["finish_reason"]["type"] == "length" and len(ids) < budget:
-        tool_ids = tokenizer()(TOOL_OUTPUT, add_special_tokens=False)["input_ids"]
+        tool_ids = tokenizer(args.hf_checkpoint)(TOOL_OUTPUT, add_special_tokens=False)["input_ids"]
         turn = await engine.async_generate(
             input_ids=prompt_ids + ids + tool_ids,
             sampling_params={**sampling_params, "max_new_tokens": budget - len(ids)},

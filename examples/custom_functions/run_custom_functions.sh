@@ -20,8 +20,6 @@ from specrl.tiny_models import build_tiny_model
 build_tiny_model(sys.argv[1])
 PY
 fi
-# The generate function tokenizes the tool's text; it gets no checkpoint path from train.py.
-export EXAMPLE_TOKENIZER_PATH=$MODEL
 
 cat >"$OUT/prompts.jsonl" <<'JSONL'
 {"input": "copy: a", "label": "a"}
