@@ -3,7 +3,9 @@ step."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -80,3 +82,28 @@ def test_check_weights_validates_before_copying(make_model):
     model = load(make_model("llama"))
     with pytest.raises(ValueError, match="lm_head.weight"):
         check_weights(model, [("lm_head.weight", (3, 3), "F32")])
+
+
+def test_checkpoint_files_are_regular_files_inside_the_directory(llama_path, tmp_path):
+    """A FIFO named model.safetensors (reading it would block forever), an index entry outside
+    the directory, and a truncated file are errors naming the file."""
+    from spec_engine.weights.loader import checkpoint_files, iterate_checkpoint
+
+    fifo_dir = tmp_path / "fifo"
+    fifo_dir.mkdir()
+    os.mkfifo(fifo_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="model.safetensors' is not a regular file"):
+        checkpoint_files(str(fifo_dir))
+    escape = tmp_path / "escape"
+    escape.mkdir()
+    (escape / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "../fifo/model.safetensors"}})
+    )
+    with pytest.raises(ValueError, match="outside the checkpoint directory"):
+        checkpoint_files(str(escape))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(llama_path, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="could not read the weights file .*model.safetensors"):
+        list(iterate_checkpoint(str(truncated)))

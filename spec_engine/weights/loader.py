@@ -9,15 +9,17 @@ any (`copy_weights`), so a bad request leaves the model unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 # Names some checkpoints carry that are derived, not learned; skipped without error.
@@ -75,7 +77,9 @@ def named_params(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def checkpoint_files(model_path: str) -> list[str]:
     """The checkpoint's weight files: safetensors, else pytorch_model*.bin (published EAGLE
-    drafts), from the shard index when there is one."""
+    drafts), from the shard index when there is one. Only regular files inside `model_path` are
+    read: an index entry pointing elsewhere, or a FIFO or directory under a weight file's name,
+    is an error naming it."""
     if not isinstance(model_path, str) or not os.path.isdir(model_path):
         raise ValueError(
             f"model path {model_path!r} is not a directory; give a Hugging Face checkpoint "
@@ -84,12 +88,10 @@ def checkpoint_files(model_path: str) -> list[str]:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = os.path.join(model_path, index_name)
         if os.path.isfile(index):
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            return [os.path.join(model_path, s) for s in shards]
+            return [_weight_file(model_path, s, index) for s in _index_shards(index)]
     for single in ("model.safetensors", "pytorch_model.bin"):
-        if os.path.isfile(os.path.join(model_path, single)):
-            return [os.path.join(model_path, single)]
+        if os.path.lexists(os.path.join(model_path, single)):
+            return [_weight_file(model_path, single)]
     names = sorted(os.listdir(model_path))
     found = [f for f in names if f.endswith(".safetensors")] or [
         f for f in names if f.startswith("pytorch_model") and f.endswith(".bin")
@@ -99,7 +101,40 @@ def checkpoint_files(model_path: str) -> list[str]:
             f"no *.safetensors or pytorch_model*.bin files in {model_path!r}; give a Hugging "
             "Face checkpoint directory"
         )
-    return [os.path.join(model_path, f) for f in found]
+    return [_weight_file(model_path, f) for f in found]
+
+
+def _index_shards(index: str) -> list[str]:
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{index!r} is not a shard index (a JSON object with a 'weight_map' of tensor name to "
+            f"file name): {e}"
+        ) from None
+    if not all(isinstance(name, str) for name in shards):
+        raise ValueError(f"{index!r} maps tensors to non-string file names")
+    return shards
+
+
+def _weight_file(model_path: str, name: str, index: Optional[str] = None) -> str:
+    """`model_path/name`, refused unless `name` is a plain file name inside the directory and the
+    file is a regular file (a FIFO would block the reader forever)."""
+    source = f" (listed in {index!r})" if index else ""
+    if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] in ("..", ""):
+        raise ValueError(
+            f"weight file {name!r}{source} is outside the checkpoint directory {model_path!r}"
+        )
+    path = os.path.join(model_path, name)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise ValueError(f"weight file {path!r}{source} cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"weight file {path!r}{source} is not a regular file")
+    return path
 
 
 def _read_bin(path: str) -> dict[str, torch.Tensor]:
@@ -119,12 +154,23 @@ def _read_bin(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+@contextlib.contextmanager
+def _open_safetensors(path: str) -> Iterator[Any]:
+    """safe_open, with a damaged file (truncated, not safetensors) reported as a ValueError
+    naming it."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"could not read the weights file {path!r}: {e}") from None
+
+
 def iterate_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for path in checkpoint_files(model_path):
         if path.endswith(".bin"):
             yield from _read_bin(path).items()
             continue
-        with safe_open(path, framework="pt") as f:
+        with _open_safetensors(path) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -137,7 +183,7 @@ def checkpoint_metadata(model_path: str) -> Iterator[tuple[str, tuple[int, ...],
             for name, t in _read_bin(path).items():
                 yield name, tuple(t.shape), str(t.dtype).removeprefix("torch.").upper()
             continue
-        with safe_open(path, framework="pt") as f:
+        with _open_safetensors(path) as f:
             for name in f.keys():
                 sl = f.get_slice(name)
                 yield name, tuple(sl.get_shape()), sl.get_dtype()
