@@ -201,7 +201,8 @@ def test_debug_rollout_only_never_imports_megatron(task, tmp_path):
             "--sglang-model-path is set by the launcher; use --hf-checkpoint",
         ),
         (["--sglang-random-seed", "3"], "use --seed"),
-        (["--sglang-speculative-num-step", "3"], "did you mean --sglang-speculative-num-steps"),
+        (["--sglang-speculative-num-stpes", "3"], "did you mean --sglang-speculative-num-steps"),
+        (["--sglang-speculative-num", "3"], "ambiguous engine flag --sglang-speculative-num"),
     ],
 )
 def test_engine_flags_refused_with_the_right_name(flag, needle, capsys):
