@@ -87,6 +87,26 @@ def test_underscore_spellings_still_parse():
     assert args.num_rollout == 1 and args.options.trainer.hf_checkpoint == "M"
 
 
+def test_sglang_prefixes_and_compat_flags_as_slime_passes_them():
+    """A unique prefix of an engine flag is that flag (argparse, as SGLang's own parser); SGLang
+    flags without a specrl option are kept for the engine to log or refuse."""
+    args = parse_args(
+        [
+            *REQUIRED,
+            "--sglang-mem-fraction",
+            "0.5",
+            "--sglang-enable-torch-compile",
+            "--sglang-attention-backend",
+            "fa3",
+        ]
+    )
+    engine = args.options.engine
+    assert engine.mem_fraction_static == 0.5 and engine.attention_backend == "fa3"
+    assert engine.sglang_options == {"enable_torch_compile": True}
+    with pytest.raises(SystemExit, match="--sglang-quantization 'fp8' is not supported"):
+        parse_args([*REQUIRED, "--sglang-quantization", "fp8"])
+
+
 def test_train_refuses_a_missing_required_flag(capsys):
     with pytest.raises(SystemExit):
         parse_args(REQUIRED[2:])

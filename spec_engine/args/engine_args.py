@@ -404,7 +404,8 @@ def add_cli_args(
 
 def from_cli_args(namespace: argparse.Namespace, prefix: str = "", **overrides: Any) -> EngineArgs:
     """Build EngineArgs from parsed flags; `overrides` (launcher-owned values) win."""
-    overrides.setdefault("sglang_options", given_options(namespace, prefix))
+    options = overrides.setdefault("sglang_options", given_options(namespace, prefix))
+    check_sglang_options(options, flag_prefix=prefix)  # errors name the flag as typed
     return dataclass_from_args(EngineArgs, namespace, prefix, **overrides)
 
 
