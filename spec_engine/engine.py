@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Optional, Union
 
@@ -22,18 +21,19 @@ import torch
 from spec_engine.args.engine_args import EngineArgs, split_sglang_options
 from spec_engine.args.resolve import resolve_engine_config
 from spec_engine.args.sglang_compat import check_sglang_options
+from spec_engine.control import EngineControl
 from spec_engine.core.channel import Channel
 from spec_engine.core.inputs import InputIds, Params, Prompt, RequestBuilder
 from spec_engine.core.memory import MemoryController
 from spec_engine.core.outputs import Delivery, RequestOutput
+from spec_engine.core.profiling import Profiler
 from spec_engine.core.request import Req
 from spec_engine.core.scheduler import Scheduler
+from spec_engine.core.stats import RequestStats
 from spec_engine.core.tokenizer import load_tokenizer
 from spec_engine.mem.radix_cache import RadixCache
 from spec_engine.runner.model_runner import ModelRunner
 from spec_engine.speculative.factory import create_worker
-from spec_engine.version import __version__
-from spec_engine.weights.transport import FlattenedBucket, deserialize_shared
 from spec_engine.weights.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 
 
-class Engine:
+class Engine(EngineControl):
     """Generation engine: `Engine(model_path=..., **engine_args)`; see EngineArgs for options."""
 
     def __init__(self, engine_args: Optional[EngineArgs] = None, **kwargs: Any) -> None:
@@ -94,6 +94,9 @@ class Engine:
             self.scheduler, [self.runner] + ([draft] if draft is not None else []), self.updater
         )
         self.weight_version = args.weight_version
+        self.stats = RequestStats(log_requests=args.log_requests)
+        self._weight_snapshot: Optional[dict[str, str]] = None
+        self._profiler_ctl = Profiler()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -201,203 +204,21 @@ class Engine:
 
     # ------------------------------------------------------------ control
 
-    def abort_request(self, rid: str, message: str = "aborted by request") -> None:
-        """Abort a request (or all n samples of one) by rid; it finishes with finish_reason
-        abort."""
+    def abort_request(
+        self,
+        rid: Optional[str] = None,
+        abort_all: bool = False,
+        message: str = "aborted by request",
+    ) -> None:
+        """Abort a request (or all n samples of one) by rid, or every request with abort_all;
+        each finishes with finish_reason abort and its output so far."""
+        if rid is None and not abort_all:
+            raise ValueError("abort_request needs a rid, or abort_all=True")
         if not self._closed:  # after shutdown every request has been aborted already
-            self._post(lambda: self.scheduler.abort(rid, message))
-
-    # ------------------------------------------------------------ weights and memory
-
-    def update_weights_from_tensor(
-        self,
-        named_tensors: Any = None,
-        load_format: Optional[str] = None,
-        flush_cache: bool = True,
-        weight_version: Optional[str] = None,
-        serialized_named_tensors: Optional[list[Union[str, bytes]]] = None,
-    ) -> dict[str, Any]:
-        """Load Hugging Face-named tensors (target, MTP layers, or `draft.`-prefixed external
-        draft tensors). named_tensors: a list of (name, tensor) pairs, a dict, or with
-        load_format="flattened_bucket" FlattenedBucket objects / their dicts (one per dtype).
-        Tensors may also be torch.multiprocessing reduce_tensor handles (CUDA IPC). Or, instead,
-        serialized_named_tensors: SGLang's form from a process on this machine, one
-        MultiprocessingSerializer string per tensor-parallel rank (one here), whose tensors are
-        shared, not copied (CUDA IPC; see weights.transport.serialize_shared)."""
-        if serialized_named_tensors is not None:
-            if named_tensors is not None:
-                raise ValueError("give named_tensors or serialized_named_tensors, not both")
-            entries = serialized_named_tensors
-            if not isinstance(entries, list) or len(entries) != 1:
-                count = len(entries) if isinstance(entries, list) else type(entries).__name__
-                raise ValueError(
-                    "serialized_named_tensors must hold one entry per tensor-parallel rank of the "
-                    f"engine, and specrl engines have one; got {count}"
-                )
-            named_tensors = deserialize_shared(serialized_named_tensors[0])
-        if load_format not in (None, "flattened_bucket"):
-            raise ValueError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
-        if load_format == "flattened_bucket":
-            buckets = named_tensors if isinstance(named_tensors, list) else [named_tensors]
-            if not all(isinstance(b, (FlattenedBucket, dict)) for b in buckets):
-                raise ValueError(
-                    "load_format='flattened_bucket' takes FlattenedBucket objects or their "
-                    "to_dict() dicts"
-                )
-            items = [
-                pair
-                for b in buckets
-                for pair in (
-                    b if isinstance(b, FlattenedBucket) else FlattenedBucket.from_dict(b)
-                ).unpack()
-            ]
-        elif isinstance(named_tensors, dict):
-            items = list(named_tensors.items())
-        elif isinstance(named_tensors, (list, tuple)) and all(
-            isinstance(p, (list, tuple)) and len(p) == 2 for p in named_tensors
-        ):
-            items = list(named_tensors)
-        else:
-            raise ValueError("named_tensors must be a dict or a list of (name, tensor) pairs")
-        return self._update_weights(lambda: self.updater.apply(items), flush_cache, weight_version)
-
-    def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = "weight_update_group",
-        backend: str = "gloo",
-    ) -> dict[str, Any]:
-        """Join the trainer's process group (the trainer is rank 0) for
-        update_weights_from_distributed."""
-        self._call(
-            lambda: self.updater.init_group(
-                master_address, master_port, rank_offset, world_size, group_name, backend
-            )
-        )
-        return {
-            "success": True,
-            "message": f"joined {group_name!r} as rank {rank_offset} of {world_size}",
-        }
-
-    def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list,
-        shapes: list,
-        group_name: str = "weight_update_group",
-        flush_cache: bool = True,
-        weight_version: Optional[str] = None,
-    ) -> dict[str, Any]:
-        """Receive one broadcast per named tensor from the group's rank 0, then load them."""
-        return self._update_weights(
-            lambda: self.updater.from_distributed(names, dtypes, shapes, group_name),
-            flush_cache,
-            weight_version,
-        )
-
-    def update_weights_from_disk(
-        self,
-        model_path: str,
-        weight_version: Optional[str] = None,
-        component: str = "target",
-        flush_cache: bool = True,
-    ) -> dict[str, Any]:
-        """Load a Hugging Face checkpoint: into the target (and its MTP layers), or with
-        component="draft" into the external draft."""
-        return self._update_weights(
-            lambda: self.updater.from_disk(model_path, component), flush_cache, weight_version
-        )
-
-    def _update_weights(
-        self, load: Callable[[], int], flush_cache: bool, weight_version: Optional[str]
-    ) -> dict[str, Any]:
-        def run() -> dict[str, Any]:
-            self.memory.require_weights()
-            start = time.perf_counter()
-            received = load()
-            self.scheduler.weights_changed(flush=flush_cache)
-            if weight_version is not None:
-                self.weight_version = weight_version
-            return {
-                "success": True,
-                "bytes": received,
-                "seconds": time.perf_counter() - start,
-                "weight_version": self.weight_version,
-            }
-
-        return self._call(run)
-
-    def get_weights_checksum(self, names: Optional[list[str]] = None) -> dict[str, str]:
-        """SHA-256 of each named tensor as the engine holds it (see
-        weights.loader.tensor_checksum)."""
-
-        def checksums() -> dict[str, str]:
-            self.memory.require_weights()
-            return self.updater.checksums(names)
-
-        return self._call(checksums)
-
-    def pause_generation(self, mode: str = "abort") -> None:
-        """Stop generating: abort (end requests), retract (re-queue them) or in_place (keep
-        them)."""
-        self._call(lambda: self.memory.pause(mode))
-
-    def continue_generation(self) -> None:
-        self._call(self.memory.unpause)
-
-    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
-        """Free weights and/or the KV cache (tags "weights", "kv_cache", "cuda_graph"; all by
-        default) until resume_memory_occupation; generation waits meanwhile."""
-        self._call(lambda: self.memory.release(tags))
-
-    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
-        self._call(lambda: self.memory.resume(tags))
-
-    def flush_cache(self) -> bool:
-        """Drop the prefix cache. Refused (False) while requests are queued or running, unless
-        paused."""
-        return self._call(self.memory.flush_cache)
-
-    def get_server_info(self) -> dict[str, Any]:
-        """Engine options (without the API key), sizes, and the scheduler's current state."""
-        args = {k: v for k, v in self.args.to_dict().items() if k != "api_key"}
-        return {
-            **args,
-            "version": __version__,
-            "context_length": self.context_len,
-            "max_total_num_tokens": self.runner.max_total_tokens,
-            "weight_version": self.weight_version,
-            "internal_states": [self._call(self._internal_state)],
-        }
-
-    def _internal_state(self) -> dict[str, Any]:
-        s = self.scheduler
-        state = {
-            "num_running_reqs": len(s.running),
-            "num_waiting_reqs": len(s.waiting),
-            "token_usage": round(1.0 - s.available_tokens() / s.allocator.total_tokens, 4),
-            "num_retractions": s.num_retractions,
-            "last_gen_throughput": s.last_gen_throughput,
-        }
-        if self.args.speculative_algorithm is not None:
-            state["avg_spec_accept_length"] = (
-                s.spec_emitted / s.spec_verify_ct if s.spec_verify_ct else None
-            )
-            state["spec_verify_ct"] = s.spec_verify_ct
-            state["spec_time_breakdown"] = dict(s.worker.timings.seconds)
-        return state
-
-    def get_model_info(self) -> dict[str, Any]:
-        return {
-            "model_path": self.args.model_path,
-            "tokenizer_path": None if self.tokenizer is None else self.args.tokenizer_path,
-            "is_generation": True,
-            "architecture": self.model_config.architecture,
-            "weight_version": self.weight_version,
-        }
+            if abort_all:
+                self._post(lambda: self.scheduler.abort_all(message))
+            else:
+                self._post(lambda: self.scheduler.abort(rid, message))
 
     def shutdown(self) -> None:
         """Abort whatever is in flight and stop the scheduler thread."""
@@ -443,6 +264,8 @@ class Engine:
                     self.args.speculative_algorithm is not None,
                 )
             )
+            if finished:
+                self.stats.record(req)
             if not delivered and not finished and not self._closed:
                 self._post(lambda: self.scheduler.abort(req.input.rid, "the caller went away"))
 

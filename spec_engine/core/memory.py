@@ -1,6 +1,7 @@
 """MemoryController: the one owner of pause and memory-release state.
 
-Generation runs only while it is not paused and no memory is released. The engine calls this
+Generation runs only while it is not paused and the weights and KV cache are in memory
+(released CUDA graphs mean eager forwards until they are resumed). The engine calls this
 controller for `pause_generation` / `continue_generation`, `release_memory_occupation` /
 `resume_memory_occupation` and `flush_cache`; nothing else changes that state. Releasing
 frees the tensors behind a tag (weights, the KV cache, captured CUDA graphs); resuming makes
@@ -33,7 +34,8 @@ class MemoryController:
 
     @property
     def generation_allowed(self) -> bool:
-        return not self.paused and not self.released
+        # Without captured graphs the runners run eagerly: only weights and KV are needed.
+        return not self.paused and not (self.released - {"cuda_graph"})
 
     def pause(self, mode: str) -> None:
         """Stop generating. abort: end every request; retract: put running requests back in the
@@ -88,7 +90,8 @@ class MemoryController:
                 pool.allocate()
         if "weights" in tags:
             self.weights.resume_weights()
-        replaced = tags & self.released  # graphs read the old KV buffers and weights: capture again
+        # Graphs read the old KV buffers and weights: capture again once all three are back.
+        replaced = tags & self.released
         self.released -= tags
         if replaced and not self.released:
             for runner in self.runners:

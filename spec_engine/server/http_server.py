@@ -95,10 +95,6 @@ def create_app(engine: Engine) -> FastAPI:
     async def get_model_info() -> dict:
         return engine.get_model_info()
 
-    @app.get("/get_server_info")
-    async def get_server_info() -> dict:
-        return await asyncio.to_thread(engine.get_server_info)
-
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         if await asyncio.to_thread(engine.flush_cache):
@@ -110,10 +106,16 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         body = await json_body(request)
-        rid = body.get("rid")
-        if not isinstance(rid, str):
-            raise BadRequest("abort_request needs a string 'rid'")
-        engine.abort_request(rid)
+        unknown = set(body) - {"rid", "abort_all", "abort_message"}
+        if unknown:
+            raise BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: rid, abort_all")
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if not isinstance(abort_all, bool):
+            raise BadRequest(f"abort_all must be true or false, got {abort_all!r}")
+        if not abort_all and not isinstance(rid, str):
+            raise BadRequest("abort_request needs a string 'rid', or 'abort_all': true")
+        message = body.get("abort_message") or "aborted by request"
+        engine.abort_request(rid, abort_all=abort_all, message=str(message))
         return Response(status_code=200)
 
     @app.post("/generate")
@@ -231,11 +233,16 @@ CONTROL_METHODS = (
     "init_weights_update_group",
     "update_weights_from_distributed",
     "update_weights_from_disk",
+    "destroy_weights_update_group",
     "get_weights_checksum",
+    "weights_checker",
+    "post_process_weights",
     "pause_generation",
     "continue_generation",
     "release_memory_occupation",
     "resume_memory_occupation",
+    "start_profile",
+    "stop_profile",
 )
 
 

@@ -9,7 +9,7 @@ import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -18,8 +18,23 @@ import torch
 class FlatMeta:
     name: str
     shape: tuple[int, ...]
-    start: int  # element range in the bucket's flat tensor
+    start: int  # element range in the bucket's flat tensor (bytes in a uint8 bucket of `dtype`)
     end: int
+    dtype: Optional[torch.dtype] = None  # the tensor's own dtype, when the bucket mixes dtypes
+
+
+@dataclass
+class SGLangTensorMetadata:
+    """What slime's pickles name sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata:
+    read without SGLang installed. Offsets are bytes into a uint8 bucket that mixes dtypes
+    (SGLang >= its multi-dtype buckets), or elements of a one-dtype bucket before that."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
 
 
 @dataclass
@@ -48,11 +63,13 @@ class FlattenedBucket:
     @classmethod
     def from_dict(cls, data: dict) -> FlattenedBucket:
         """From {"flattened_tensor": tensor, "metadata": [{name, shape, start_idx, end_idx},
-        ...]}."""
+        ...]}, or SGLang's form with FlattenedTensorMetadata entries (what slime sends)."""
         try:
             flat = data["flattened_tensor"]
             metadata = [
-                FlatMeta(
+                FlatMeta(m.name, tuple(int(d) for d in m.shape), m.start_idx, m.end_idx, m.dtype)
+                if isinstance(m, SGLangTensorMetadata)
+                else FlatMeta(
                     str(m["name"]),
                     tuple(int(d) for d in m["shape"]),
                     int(m["start_idx"]),
@@ -94,6 +111,10 @@ class FlattenedBucket:
             numel = 1
             for d in m.shape:
                 numel *= d
+            # A uint8 bucket of other dtypes holds bytes (SGLang's multi-dtype layout).
+            as_bytes = self.flat.dtype == torch.uint8 and m.dtype not in (None, torch.uint8)
+            if as_bytes:
+                numel *= torch.empty((), dtype=m.dtype).element_size()
             if m.end - m.start != numel or m.start < 0:
                 raise ValueError(
                     f"bucket entry {m.name!r}: range [{m.start}, {m.end}) does not hold shape "
@@ -105,7 +126,14 @@ class FlattenedBucket:
                     f"{self.flat.numel()} "
                     "elements (truncated bucket)"
                 )
-            out.append((m.name, self.flat[m.start : m.end].view(m.shape)))
+            flat = self.flat[m.start : m.end]
+            if as_bytes:
+                flat = flat.view(m.dtype)
+            elif m.dtype is not None and m.dtype != self.flat.dtype:
+                raise ValueError(
+                    f"bucket entry {m.name!r} is {m.dtype} but the bucket holds {self.flat.dtype}"
+                )
+            out.append((m.name, flat.view(m.shape)))
         return out
 
 
@@ -180,8 +208,46 @@ _BUILTINS = frozenset(
 )
 
 
+def _rebuild_cuda_tensor_from_uuid(*args: Any) -> torch.Tensor:
+    """SGLang's patch_torch._rebuild_cuda_tensor_modified: CUDA IPC handles that name their
+    device by UUID (slime and SGLang patch torch's reductions so), rebuilt on the local index of
+    that device."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    device = args[_REDUCE_TENSOR_ARG_DEVICE_INDEX]
+    if isinstance(device, str):
+        local = [
+            i
+            for i in range(torch.cuda.device_count())
+            if str(torch.cuda.get_device_properties(i).uuid) == device
+        ]
+        if not local:
+            raise ValueError(
+                f"the tensors live on GPU {device}, which this process cannot see; the engine and "
+                "the sender must share a GPU for CUDA IPC (use update_weights_from_distributed "
+                "across GPUs)"
+            )
+        args = (*args[:_REDUCE_TENSOR_ARG_DEVICE_INDEX], local[0], *args[7:])
+    return rebuild_cuda_tensor(*args)
+
+
+# Where torch's reduce_tensor puts the device in a CUDA tensor's rebuild arguments (SGLang's
+# constant of the same name).
+_REDUCE_TENSOR_ARG_DEVICE_INDEX = 6
+# SGLang names in slime's pickles, and what stands for each here.
+_SGLANG_GLOBALS = {
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): SGLangTensorMetadata,
+    ("sglang.srt.model_executor.model_runner", "FlattenedTensorMetadata"): SGLangTensorMetadata,
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): (
+        _rebuild_cuda_tensor_from_uuid
+    ),
+}
+
+
 class _SharedTensorUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SGLANG_GLOBALS:
+            return _SGLANG_GLOBALS[module, name]
         allowed = (
             (module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"))
             or (

@@ -13,6 +13,7 @@ shape, dtype) before any is copied: a bad request leaves all weights as they wer
 from __future__ import annotations
 
 import datetime
+import difflib
 import logging
 from collections.abc import Iterable
 from typing import Optional, Protocol
@@ -193,6 +194,16 @@ class WeightUpdater:
             group = dist.ProcessGroupNCCL(store, rank_offset, world_size)
         self.groups[group_name] = group
 
+    def destroy_group(self, group_name: str) -> None:
+        """Leave a weight update group (SGLang's destroy_weights_update_group)."""
+        group = self.groups.pop(group_name, None)
+        if group is None:
+            raise ValueError(
+                f"no weight update group {group_name!r}; joined: {sorted(self.groups) or 'none'}"
+            )
+        if hasattr(group, "shutdown"):
+            group.shutdown()
+
     def from_distributed(
         self, names: list[str], dtypes: list, shapes: list, group_name: str
     ) -> int:
@@ -235,6 +246,34 @@ class WeightUpdater:
             not isinstance(names, list) or not all(isinstance(n, str) for n in names)
         ):
             raise ValueError(f"names must be a list of weight names, got {names!r}")
+        every = self._named_weights()
+        wanted = list(every) if names is None else names
+        unknown = [n for n in wanted if n not in every]
+        if unknown:
+            raise ValueError(f"no weights named {unknown[:5]}")
+        return {n: tensor_checksum(hf_tensor(*every[n])) for n in wanted}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One weight by its Hugging Face name (`draft.`-prefixed for an external draft)."""
+        every = self._named_weights()
+        if name not in every:
+            close = difflib.get_close_matches(name, list(every), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"no weight named {name!r}{hint}")
+        return hf_tensor(*every[name])
+
+    def fill_weights(self, value: float) -> None:
+        """Overwrite every floating-point weight with `value` (slime's weights_checker
+        reset_tensors: what an update leaves untouched then shows)."""
+        for model in self._models():
+            for param in model.parameters():
+                if param.is_floating_point():
+                    param.data.fill_(value)
+            refresh_derived(model)
+        if self.draft is not None:
+            self.draft.refresh()
+
+    def _named_weights(self) -> dict[str, tuple[nn.Module, str]]:
         every = {}
         for name in weight_spec(self.target):
             model, local = self._route(name)
@@ -244,11 +283,7 @@ class WeightUpdater:
             for name, slot in weight_spec(self.draft.model).items():
                 if slot.param is not None:
                     every[DRAFT_PREFIX + name] = (self.draft.model, name)
-        wanted = list(every) if names is None else names
-        unknown = [n for n in wanted if n not in every]
-        if unknown:
-            raise ValueError(f"no weights named {unknown[:5]}")
-        return {n: tensor_checksum(hf_tensor(*every[n])) for n in wanted}
+        return every
 
     def release_weights(self) -> None:
         """Move every weight out (to host memory on CUDA; kept aside on CPU), leaving empty
