@@ -116,14 +116,23 @@ class Engine(EngineControl):
         top_logprobs_num: int = 0,
         stream: bool = False,
         rid: Union[str, list[str], None] = None,
+        logprob_start_len: int = -1,
     ) -> Union[dict, list[dict], Iterator[dict]]:
         """Generate for one prompt (returns a dict) or a batch (a list, n samples per prompt in a
-        row).
+        row). With return_logprob, logprob_start_len >= 0 also scores the prompt from there
+        (meta_info.input_token_logprobs); max_new_tokens 0 only scores it.
 
         With stream=True returns an iterator of cumulative output dicts (batch items carry "index").
         """
         reqs, single = self._make_requests(
-            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream
+            prompt,
+            input_ids,
+            sampling_params,
+            return_logprob,
+            top_logprobs_num,
+            rid,
+            stream,
+            logprob_start_len,
         )
         channel = Channel(self._thread.is_alive)
         outputs = self._submit(reqs, channel)
@@ -161,10 +170,18 @@ class Engine(EngineControl):
         top_logprobs_num: int = 0,
         stream: bool = False,
         rid: Union[str, list[str], None] = None,
+        logprob_start_len: int = -1,
     ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """Async form of `generate`; with stream=True returns an async iterator."""
         reqs, single = self._make_requests(
-            prompt, input_ids, sampling_params, return_logprob, top_logprobs_num, rid, stream
+            prompt,
+            input_ids,
+            sampling_params,
+            return_logprob,
+            top_logprobs_num,
+            rid,
+            stream,
+            logprob_start_len,
         )
         channel = Channel(self._thread.is_alive, asyncio.get_running_loop())
         outputs = self._submit(reqs, channel)

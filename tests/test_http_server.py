@@ -169,7 +169,10 @@ def test_openai_chat_completions_stream_equals_non_stream(client):
 BAD_BODIES = [
     ('{"text": "hi", "sampling_params": {"max_new_tokens": 4,', "malformed JSON"),
     ({"text": "hi", "sampling_params": {"temprature": 0.5}}, "temprature"),
-    ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"text": "hi", "return_routed_experts": True}, "no MoE layers"),
+    ({"text": "hi", "custom_logit_processor": "x"}, "does not run code"),
+    ({"text": "hi", "sampling_params": {"json_schema": "{}"}}, "constrained decoding"),
     ({"text": "hi", "sampling_params": {"max_new_tokens": CONTEXT + 10}}, "context length"),
     ({"input_ids": [5] * (CONTEXT + 1)}, "context length"),
     ({"text": ""}, "empty"),
@@ -194,7 +197,7 @@ def test_bad_input_gets_400_and_server_keeps_serving(server, body, needle):
 def test_openai_bad_input_is_a_bad_request_error(client, server):
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model="any", prompt="hi", max_tokens=4, top_p=1.5)
-    with pytest.raises(openai.BadRequestError, match="max_new_tokens"):
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
         client.chat.completions.create(
             model="any", messages=[{"role": "user", "content": "hi"}], max_tokens=0
         )
@@ -275,20 +278,34 @@ def test_openai_refusals_are_clear(server):
     )
     assert r.status_code == 400 and "chat template" in r.json()["message"]
     r = httpx.post(
-        url + "/v1/chat/completions",
-        json={
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 2,
-            "stream": True,
-            "logprobs": True,
-        },
-    )
-    assert r.status_code == 400 and "logprobs" in r.json()["message"]
-    r = httpx.post(
         url + "/v1/completions",
-        json={"prompt": "hi", "max_tokens": 2, "stream": True, "logprobs": 1},
+        json={"prompt": "hi", "max_tokens": 2, "stream": True, "echo": True},
     )
-    assert r.status_code == 400
+    assert r.status_code == 400 and "echo with stream" in r.json()["message"]
+
+
+def test_openai_streams_logprobs(server):
+    """Streamed chunks carry the log-probs of their new tokens: together those of the whole
+    completion, equal to the non-streamed ones."""
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    whole = httpx.post(server[0] + "/v1/chat/completions", json=body).json()
+    expected = [e["logprob"] for e in whole["choices"][0]["logprobs"]["content"]]
+    streamed = []
+    with httpx.stream(
+        "POST", server[0] + "/v1/chat/completions", json={**body, "stream": True}
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"]
+                if choice and choice[0]["logprobs"]:
+                    streamed += [e["logprob"] for e in choice[0]["logprobs"]["content"]]
+    assert len(expected) == 6 and streamed == pytest.approx(expected, abs=1e-5)
 
 
 def test_api_key_guards_everything_but_health(make_model):

@@ -8,7 +8,6 @@ from spec_engine import Engine
 
 BAD_REQUESTS = [
     (dict(input_ids=[5, 6], sampling_params={"temperatur": 0.5}), "temperatur"),
-    (dict(input_ids=[5, 6], sampling_params={"max_new_tokens": 0}), "max_new_tokens"),
     (dict(input_ids=[5, 6], sampling_params={"max_new_tokens": -3}), "max_new_tokens"),
     (dict(input_ids=[5, 6], sampling_params={"max_new_tokens": 1000}), "max_new_tokens"),
     (dict(input_ids=[5] * 300), "context length"),
@@ -25,7 +24,13 @@ BAD_REQUESTS = [
     (dict(input_ids=[5, 6], sampling_params={"temperature": "hot"}), "temperature"),
     (dict(input_ids=[5, 6], sampling_params={"temperature": float("nan")}), "finite"),
     (dict(input_ids=[5, 6], sampling_params={"stop_token_ids": [9999]}), "stop_token_ids"),
-    (dict(input_ids=[5, 6], sampling_params={"repetition_penalty": 1.3}), "repetition_penalty"),
+    (dict(input_ids=[5, 6], sampling_params={"repetition_penalty": 2.5}), "repetition_penalty"),
+    (dict(input_ids=[5, 6], sampling_params={"frequency_penalty": -3}), "frequency_penalty"),
+    (dict(input_ids=[5, 6], sampling_params={"logit_bias": {"x": 1}}), "logit_bias"),
+    (dict(input_ids=[5, 6], sampling_params={"logit_bias": {"9999": 1}}), "logit_bias"),
+    (dict(input_ids=[5, 6], sampling_params={"regex": "a+"}), "constrained decoding"),
+    (dict(input_ids=[5, 6], sampling_params={"custom_params": [1]}), "custom_params"),
+    (dict(input_ids=[5, 6], return_logprob=True, logprob_start_len=2), "logprob_start_len"),
     (dict(input_ids=[5, 6], sampling_params=[{}, {}]), "sampling_params"),
     (dict(prompt="hi", input_ids=[5]), "exactly one"),
     (dict(input_ids=[5, 6], top_logprobs_num=-1), "top_logprobs_num"),

@@ -53,6 +53,7 @@ class RequestBuilder:
         top_logprobs_num: int,
         rid: Union[str, list[str], None],
         stream: bool,
+        logprob_start_len: int = -1,
     ) -> tuple[list[Req], bool]:
         """Validate a call and expand it into requests (n per prompt); raises ValueError naming the
         field."""
@@ -78,6 +79,21 @@ class RequestBuilder:
             )
         if not isinstance(stream, bool):
             raise ValueError(f"stream must be true or false, got {stream!r}")
+        if (
+            isinstance(logprob_start_len, bool)
+            or not isinstance(logprob_start_len, int)
+            or logprob_start_len < -1
+        ):
+            raise ValueError(
+                "logprob_start_len must be -1 (no prompt log-probs) or a prompt position, got "
+                f"{logprob_start_len!r}"
+            )
+        too_short = [len(ids) for ids in ids_list if logprob_start_len >= len(ids)]
+        if too_short:
+            raise ValueError(
+                f"logprob_start_len {logprob_start_len} is not a position of a "
+                f"{too_short[0]}-token prompt; use 0 to score the whole prompt"
+            )
         rids = self._rids(rid, len(ids_list))
         params = [self._check_request(ids, sp) for ids, sp in zip(ids_list, params)]
         reqs = []
@@ -99,6 +115,7 @@ class RequestBuilder:
                             return_logprob=return_logprob,
                             # As in SGLang, top log-probs come only with return_logprob.
                             top_logprobs_num=top_logprobs_num if return_logprob else 0,
+                            logprob_start_len=logprob_start_len,
                             stream=stream,
                         )
                     )

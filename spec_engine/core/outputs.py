@@ -3,7 +3,9 @@ it."""
 
 from __future__ import annotations
 
+import base64
 import time
+from array import array
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -28,6 +30,10 @@ class Delivery:
     weight_version: str
     # (verify passes, tokens they emitted, draft tokens proposed) under speculative decoding.
     spec: Optional[tuple[int, int, int]] = None
+    new_top_p_ids: Optional[list[list[int]]] = None
+    # Prompt log-probs (complete once the prompt is prefilled) when asked for.
+    input_logprobs: Optional[list[float]] = None
+    input_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
 
     @classmethod
     def of(
@@ -47,6 +53,11 @@ class Delivery:
             e2e_latency=time.perf_counter() - req.input.created_time,
             weight_version=weight_version,
             spec=(req.spec_verify_ct, req.spec_emitted, req.spec_drafted) if speculative else None,
+            new_top_p_ids=req.output_top_p_ids[start:] if req.output_top_p_ids else None,
+            input_logprobs=list(req.input_logprobs) if req.wants_input_logprobs else None,
+            input_top_logprobs=list(req.input_top_logprobs)
+            if req.wants_input_logprobs and req.input.top_logprobs_num
+            else None,
         )
 
 
@@ -59,6 +70,7 @@ class RequestOutput:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[float, int]]] = []
+        self.top_p_ids: list[list[int]] = []
         self.last: Optional[Delivery] = None
         sp = req.input.sampling_params
         self.detokenizer = (
@@ -82,6 +94,8 @@ class RequestOutput:
             self.logprobs.extend(delivery.new_logprobs)
         if delivery.new_top_logprobs is not None:
             self.top_logprobs.extend(delivery.new_top_logprobs)
+        if delivery.new_top_p_ids is not None:
+            self.top_p_ids.extend(delivery.new_top_p_ids)
         if self.detokenizer is not None and not delivery.finished:
             self.detokenizer.add(delivery.new_ids)
         self.last = delivery
@@ -122,9 +136,39 @@ class RequestOutput:
                 meta["output_top_logprobs"] = [
                     [(lp, t, None) for lp, t in top] for top in self.top_logprobs
                 ]
+            if d.input_logprobs is not None:
+                meta.update(self._input_logprobs(d))
+        if fr is not None and self.top_p_ids:
+            # slime's top-p replay, as its SGLang patch sends it (only with the finish reason).
+            flat, offsets = [], [0]
+            for nucleus in self.top_p_ids:
+                flat.extend(nucleus)
+                offsets.append(len(flat))
+            meta["top_p_token_ids"] = _b64_int32(flat)
+            meta["top_p_token_offsets"] = _b64_int32(offsets)
         out = {"text": self._text(), "output_ids": list(self.ids), "meta_info": meta}
         if index is not None:
             out["index"] = index
+        return out
+
+    def _input_logprobs(self, d: Delivery) -> dict[str, Any]:
+        """SGLang's input_token_logprobs from logprob_start_len on: (logprob, id, None), the
+        first prompt token's logprob None (nothing precedes it)."""
+        ids = self.req.input.origin_input_ids
+        start = self.req.input.logprob_start_len
+        logprobs = [None, *d.input_logprobs]
+        out: dict[str, Any] = {
+            "input_token_logprobs": [
+                (logprobs[i] if i < len(logprobs) else None, ids[i], None)
+                for i in range(start, len(ids))
+            ]
+        }
+        if d.input_top_logprobs is not None:
+            tops = [None, *d.input_top_logprobs]
+            out["input_top_logprobs"] = [
+                None if i >= len(tops) or tops[i] is None else [(lp, t, None) for lp, t in tops[i]]
+                for i in range(start, len(ids))
+            ]
         return out
 
     def _text(self) -> Optional[str]:
@@ -159,3 +203,8 @@ def _hold_back_stop_prefix(text: str, stops: Optional[list[str]]) -> str:
                 cut = k
                 break
     return text[: len(text) - cut]
+
+
+def _b64_int32(values: list[int]) -> str:
+    """Little-endian int32, base64: how slime decodes its top-p arrays."""
+    return base64.b64encode(array("i", values).tobytes()).decode("ascii")

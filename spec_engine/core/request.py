@@ -27,6 +27,9 @@ class ReqInput:
     parent_rid: Optional[str] = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: the prompt position from which input_token_logprobs are reported
+    # (-1: none, SGLang's default for generation).
+    logprob_start_len: int = -1
     stream: bool = False
     created_time: float = field(default_factory=time.perf_counter)
 
@@ -44,6 +47,11 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # slime's top-p replay: each output token's nucleus (core.logits_processor.top_p_replay).
+    output_top_p_ids: list[list[int]] = field(default_factory=list)
+    # Log-probs of prompt tokens 1.. (token 0 has none), filled by prefill when asked for.
+    input_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     finished_reason: Optional[dict[str, Any]] = None
     # KV state: positions [0, kv_len) have KV at req_to_token[req_pool_idx, :kv_len];
     # [0, prefix_len) of those belong to the prefix cache, locked through last_node.
@@ -76,6 +84,10 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.input.return_logprob and self.input.logprob_start_len >= 0
 
     def max_new_tokens(self) -> int:
         assert self.input.sampling_params.max_new_tokens is not None, (

@@ -10,14 +10,11 @@ from typing import Any, Optional
 # SGLang keys specrl does not implement; accepted only at their neutral value so a client
 # that always sends them still works, refused otherwise (never silently ignored).
 _NEUTRAL_UNSUPPORTED = {
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "logit_bias": None,
-    "custom_params": None,
+    "json_schema": (None, "constrained decoding is not supported by specrl"),
+    "regex": (None, "constrained decoding is not supported by specrl"),
+    "ebnf": (None, "constrained decoding is not supported by specrl"),
+    "structural_tag": (None, "constrained decoding is not supported by specrl"),
+    "stop_regex": (None, "stop strings are matched literally; use stop"),
 }
 
 
@@ -37,6 +34,13 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     sampling_seed: Optional[int] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[str, float]] = None
+    # For SGLang's custom logit processors; specrl has none, and acts on slime's
+    # {"return_top_p_token_ids": true} only (core.logits_processor.top_p_replay).
+    custom_params: Optional[dict[str, Any]] = None
 
     @classmethod
     def from_dict(cls, params: Optional[dict[str, Any]]) -> SamplingParams:
@@ -51,11 +55,9 @@ class SamplingParams:
             if key in known:
                 kwargs[key] = value
             elif key in _NEUTRAL_UNSUPPORTED:
-                if value not in (None, _NEUTRAL_UNSUPPORTED[key]):
-                    raise ValueError(
-                        f"sampling_params.{key} is not supported by specrl (only "
-                        f"{_NEUTRAL_UNSUPPORTED[key]!r} is accepted)"
-                    )
+                neutral, why = _NEUTRAL_UNSUPPORTED[key]
+                if value != neutral:
+                    raise ValueError(f"sampling_params.{key}: {why}")
             else:
                 raise ValueError(
                     f"unknown sampling parameter {key!r}; supported: {', '.join(sorted(known))}"
@@ -65,7 +67,8 @@ class SamplingParams:
         return sp
 
     def validate(self) -> None:
-        _int("max_new_tokens", self.max_new_tokens, minimum=1, allow_none=True)
+        # 0: prefill only, to score the prompt (input_token_logprobs), as SGLang allows.
+        _int("max_new_tokens", self.max_new_tokens, minimum=0, allow_none=True)
         _int("min_new_tokens", self.min_new_tokens, minimum=0)
         _int("n", self.n, minimum=1)
         _int("sampling_seed", self.sampling_seed, minimum=0, allow_none=True)
@@ -83,6 +86,32 @@ class SamplingParams:
             raise ValueError("sampling_params.top_k must be -1 (disabled) or >= 1, got 0")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"sampling_params.min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            _number(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(
+                    f"sampling_params.{name} must be in [-2, 2], got {getattr(self, name)}"
+                )
+        _number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(
+                "sampling_params.repetition_penalty must be in (0, 2] (1 = off), got "
+                f"{self.repetition_penalty}"
+            )
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                isinstance(k, str) and k.lstrip("-").isdigit() for k in self.logit_bias
+            ):
+                raise ValueError(
+                    "sampling_params.logit_bias must map token ids (as strings) to numbers, got "
+                    f"{self.logit_bias!r:.100}"
+                )
+            for value in self.logit_bias.values():
+                _number("logit_bias value", value)
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            raise ValueError(
+                f"sampling_params.custom_params must be an object, got {self.custom_params!r:.100}"
+            )
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 f"sampling_params.min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
@@ -118,12 +147,28 @@ class SamplingParams:
                 )
 
     def check_vocab(self, vocab_size: int) -> None:
+        for t in self.logit_bias or {}:
+            if not 0 <= int(t) < vocab_size:
+                raise ValueError(
+                    f"sampling_params.logit_bias has token {t}, outside the vocabulary [0, "
+                    f"{vocab_size})"
+                )
         for t in self.stop_token_ids or []:
             if not 0 <= t < vocab_size:
                 raise ValueError(
                     f"sampling_params.stop_token_ids has {t}, outside the vocabulary [0, "
                     f"{vocab_size})"
                 )
+
+    @property
+    def changes_logits(self) -> bool:
+        """A penalty or a logit bias applies (core.logits_processor)."""
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -211,7 +211,9 @@ class Scheduler:
                 break
             if self.req_to_token.available_size() == 0:
                 break
-            prefix, node = self.tree_cache.match_prefix(req.fill_ids[:-1])
+            # Prompt log-probs need the logits of every prompt position: no cached prefix.
+            scoring = req.wants_input_logprobs and not req.input_logprobs
+            prefix, node = self.tree_cache.match_prefix([] if scoring else req.fill_ids[:-1])
             if self.worker.prefix_backoff and len(prefix):
                 prefix, node = self.tree_cache.match_prefix(
                     req.fill_ids[: len(prefix) - self.worker.prefix_backoff]
@@ -286,6 +288,9 @@ class Scheduler:
                 top_logprobs=[result.top_logprobs[i] for i in idx]
                 if result.top_logprobs is not None
                 else None,
+                top_p_ids=[result.top_p_ids[i] for i in idx]
+                if result.top_p_ids is not None
+                else None,
             )
             self._process_outputs(finished_prefill, sub)
 
@@ -330,12 +335,16 @@ class Scheduler:
         added = 0
         for i, req in enumerate(reqs):
             before = len(req.output_ids)
-            for j, token in enumerate(result.tokens[i]):
+            if req.max_new_tokens() == 0:  # prefill only: the prompt was scored
+                req.finished_reason = {"type": "length", "length": 0}
+            for j, token in enumerate([] if req.finished else result.tokens[i]):
                 req.output_ids.append(token)
                 if result.logprobs is not None:
                     req.output_logprobs.append(result.logprobs[i][j])
                 if result.top_logprobs is not None:
                     req.output_top_logprobs.append(result.top_logprobs[i][j])
+                if result.top_p_ids is not None and result.top_p_ids[i]:
+                    req.output_top_p_ids.append(result.top_p_ids[i][j])
                 req.check_finished(self.eos_token_ids, self.decode_tail)
                 if req.finished:
                     break

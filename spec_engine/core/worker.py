@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from spec_engine.core.logits_processor import process_logits, top_p_replay, wants_top_p_replay
 from spec_engine.core.request import Req
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.sampler import Sampler, SamplingBatch, request_uniform
@@ -32,6 +33,8 @@ class StepResult:
     top_logprobs: Optional[list[list[list[tuple[float, int]]]]] = None
     # Speculative decode steps: draft tokens proposed per request (None for plain steps).
     drafted: Optional[list[int]] = None
+    # slime's top-p replay: per request (empty when not asked), each emitted token's nucleus.
+    top_p_ids: Optional[list[list[list[int]]]] = None
 
 
 class ModelWorker:
@@ -69,13 +72,21 @@ class ModelWorker:
         starts = [r.kv_len for r in reqs]
         ends = [r.kv_len + r.extend_len for r in reqs]
         out_loc = self._alloc(reqs, starts, ends)
-        input_ids, positions, logits_rows, done = [], [], [], []
+        input_ids, positions, logits_rows, done, sample_rows = [], [], [], [], []
+        scored: list[tuple[Req, list[int]]] = []  # (request, its logits rows for prompt tokens)
         offset = 0
         for i, (r, s, e) in enumerate(zip(reqs, starts, ends)):
             input_ids.extend(r.fill_ids[s:e])
             positions.extend(range(s, e))
+            # Prompt log-probs: position p's logits score prompt token p + 1; `first` is the
+            # next position to score (a retracted request scored its prompt already).
+            first, last = len(r.input_logprobs), min(e, len(r.input.origin_input_ids) - 1)
+            if r.wants_input_logprobs and s <= first < last:
+                scored.append((r, list(range(len(logits_rows), len(logits_rows) + last - first))))
+                logits_rows.extend(range(offset + first - s, offset + last - s))
             offset += e - s
             if e == r.seq_len:
+                sample_rows.append(len(logits_rows))
                 logits_rows.append(offset - 1)
                 done.append(i)
         batch = ForwardBatch(
@@ -96,8 +107,12 @@ class ModelWorker:
             r.kv_len = e
             r.extend_len = 0
         result = StepResult(tokens=[[] for _ in reqs])
+        logits = out.logits
+        if scored:
+            self._score_prompt(logits, scored)
+            logits = logits[self._tensor(sample_rows)]
         if done:
-            self._sample_into(result, out.logits, [reqs[i] for i in done], done)
+            self._sample_into(result, logits, [reqs[i] for i in done], done)
         return result, out, starts, ends
 
     def decode(self, reqs: Sequence[Req]) -> StepResult:
@@ -120,6 +135,22 @@ class ModelWorker:
         self._sample_into(result, logits, reqs, range(len(reqs)))
         return result
 
+    def _score_prompt(self, logits: torch.Tensor, scored: list[tuple[Req, list[int]]]) -> None:
+        """Log-probs (and top log-probs) of prompt tokens at each request's temperature."""
+        for req, rows in scored:
+            t = req.input.sampling_params.temperature
+            first = len(req.input_logprobs)
+            targets = self._tensor(
+                list(req.input.origin_input_ids[first + 1 : first + 1 + len(rows)])
+            )
+            logp = torch.log_softmax(logits[self._tensor(rows)] / (t if t > 0 else 1.0), -1)
+            req.input_logprobs.extend(logp.gather(1, targets[:, None]).squeeze(1).tolist())
+            if req.input.top_logprobs_num:
+                vals, ids = logp.topk(req.input.top_logprobs_num, dim=-1)
+                req.input_top_logprobs.extend(
+                    list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())
+                )
+
     def _alloc(self, reqs: Sequence[Req], starts: list[int], ends: list[int]) -> torch.Tensor:
         table = self.runner.req_to_token_pool
         last_slots = [0] * len(reqs)
@@ -141,9 +172,23 @@ class ModelWorker:
         self, result: StepResult, logits: torch.Tensor, reqs: Sequence[Req], rows: Sequence[int]
     ) -> None:
         """Sample one token per logits row; row j belongs to request rows[j] of the result."""
+        params = [r.input.sampling_params for r in reqs]
+        logits = process_logits(logits, params, [r.output_ids for r in reqs])
         sampled = self.sampler(
             logits, sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids)
         )
+        replay = [j for j, sp in enumerate(params) if wants_top_p_replay(sp)]
+        if replay:
+            result.top_p_ids = [[] for _ in result.tokens]
+            nuclei, renormed = top_p_replay(
+                logits[self._tensor(replay)],
+                [params[j] for j in replay],
+                [sampled.token_ids[j] for j in replay],
+            )
+            for j, nucleus, lp in zip(replay, nuclei, renormed):
+                result.top_p_ids[rows[j]].append(nucleus)
+                if sampled.logprobs is not None:
+                    sampled.logprobs[j] = lp
         if sampled.logprobs is not None:
             result.logprobs = [[] for _ in result.tokens]
         if sampled.top_logprobs is not None:

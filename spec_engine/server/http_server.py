@@ -33,9 +33,34 @@ _GENERATE_KEYS = {
     "sampling_params",
     "return_logprob",
     "top_logprobs_num",
+    "logprob_start_len",
     "stream",
     "rid",
     "return_text_in_logprobs",
+    "log_metrics",
+}
+# SGLang GenerateReqInput fields specrl has no use for: accepted at their neutral value (what
+# clients send by default), refused otherwise with the reason.
+_GENERATE_NEUTRAL = {
+    "return_routed_experts": (False, "the model has no MoE layers to report routed experts for"),
+    "return_hidden_states": (False, "hidden states are not returned by specrl"),
+    "custom_logit_processor": (
+        None,
+        "custom logit processors are pickled code, and specrl does not run code from requests",
+    ),
+    "image_data": (None, "specrl serves text-only models"),
+    "video_data": (None, "specrl serves text-only models"),
+    "audio_data": (None, "specrl serves text-only models"),
+    "lora_path": (None, "specrl serves no LoRA adapters"),
+    "session_params": (None, "sessions are not supported by specrl"),
+    "bootstrap_host": (None, "specrl has no prefill/decode disaggregation"),
+    "bootstrap_port": (None, "specrl has no prefill/decode disaggregation"),
+    "bootstrap_room": (None, "specrl has no prefill/decode disaggregation"),
+    "data_parallel_rank": (None, "a specrl server is one data-parallel rank"),
+    "token_ids_logprob": (
+        None,
+        "log-probs of chosen token ids are not supported; use top_logprobs_num",
+    ),
 }
 HEALTH_TIMEOUT_S = 60.0
 
@@ -121,12 +146,15 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         body = await json_body(request)
-        unknown = set(body) - _GENERATE_KEYS
+        unknown = set(body) - _GENERATE_KEYS - set(_GENERATE_NEUTRAL)
         if unknown:
             raise BadRequest(
                 f"unknown field(s) {sorted(unknown)} in /generate; allowed: "
-                f"{sorted(_GENERATE_KEYS)}"
+                f"{sorted(_GENERATE_KEYS | set(_GENERATE_NEUTRAL))}"
             )
+        for key, (neutral, why) in _GENERATE_NEUTRAL.items():
+            if key in body and body[key] not in (neutral, None):
+                raise BadRequest(f"{key}: {why}")
         with_text = bool(body.get("return_text_in_logprobs", False))
         kwargs = dict(
             prompt=body.get("text"),
@@ -135,6 +163,7 @@ def create_app(engine: Engine) -> FastAPI:
             return_logprob=body.get("return_logprob", False),
             top_logprobs_num=body.get("top_logprobs_num", 0),
             rid=body.get("rid"),
+            logprob_start_len=body.get("logprob_start_len", -1),
         )
         if body.get("stream", False):
             stream = await engine.async_generate(stream=True, **kwargs)
@@ -216,15 +245,15 @@ def _logprob_text(engine: Engine, out: dict, with_text: bool) -> dict:
     if not with_text:
         return out
     meta = out["meta_info"]
-    if "output_token_logprobs" in meta:
-        meta["output_token_logprobs"] = [
-            (lp, t, token_text(engine, t)) for lp, t, _ in meta["output_token_logprobs"]
-        ]
-    if "output_top_logprobs" in meta:
-        meta["output_top_logprobs"] = [
-            [(lp, t, token_text(engine, t)) for lp, t, _ in top]
-            for top in meta["output_top_logprobs"]
-        ]
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        if key in meta:
+            meta[key] = [(lp, t, token_text(engine, t)) for lp, t, _ in meta[key]]
+    for key in ("output_top_logprobs", "input_top_logprobs"):
+        if key in meta:
+            meta[key] = [
+                None if top is None else [(lp, t, token_text(engine, t)) for lp, t, _ in top]
+                for top in meta[key]
+            ]
     return out
 
 

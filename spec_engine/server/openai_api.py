@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import jinja2
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from spec_engine.engine import Engine
 from spec_engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -20,40 +20,48 @@ from spec_engine.server.requests import BadRequest, json_body, parse_model, sse
 def add_openai_routes(app: FastAPI, engine: Engine) -> None:
     model_name = engine.args.served_model_name
 
+    def model_card() -> dict:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "specrl",
+            "root": model_name,
+            "max_model_len": engine.context_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        if model != model_name:
+            return JSONResponse(
                 {
-                    "id": model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "specrl",
-                    "max_model_len": engine.context_len,
-                }
-            ],
-        }
+                    "object": "error",
+                    "message": f"the model {model!r} does not exist; this server serves "
+                    f"{model_name!r}",
+                    "type": "NotFoundError",
+                    "param": "model",
+                    "code": 404,
+                },
+                status_code=404,
+            )
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_model(CompletionRequest, await json_body(request))
-        _refuse(
-            echo=req.echo,
-            best_of=req.best_of not in (None, 1),
-            suffix=req.suffix is not None,
-            logit_bias=bool(req.logit_bias),
-        )
+        _refuse(best_of=req.best_of not in (None, 1), suffix=req.suffix is not None)
         prompt = req.prompt
         as_text = isinstance(prompt, str) or (
             isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
         )
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise BadRequest(f"logprobs must be in [0, 20], got {req.logprobs}")
-        if req.stream and req.logprobs is not None:
-            raise BadRequest(
-                "logprobs are not streamed by specrl; use stream=false, or /generate with stream"
-            )
+        if req.echo and req.stream:
+            raise BadRequest("echo with stream is not supported by specrl; use stream=false")
         kwargs = dict(
             prompt=prompt if as_text else None,
             input_ids=None if as_text else prompt,
@@ -61,6 +69,8 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
             return_logprob=req.logprobs is not None,
             top_logprobs_num=req.logprobs or 0,
             rid=req.rid,
+            # echo with logprobs scores the prompt too (OpenAI's first logprob is None).
+            logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
         )
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
@@ -68,23 +78,36 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
             stream = await engine.async_generate(stream=True, **kwargs)
             include_usage = req.stream_options is not None and req.stream_options.include_usage
 
-            def choice(i: int, delta: str, finish: Optional[str]) -> dict:
-                return {"index": i, "text": delta, "logprobs": None, "finish_reason": finish}
+            def choice(
+                i: int, delta: str, finish: Optional[str], new: Optional[dict] = None
+            ) -> dict:
+                logprobs = None if new is None else _completion_logprobs(engine, new)
+                return {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": finish}
 
             return StreamingResponse(
                 _stream_events(stream, base, choice, include_usage, req.n),
                 media_type="text/event-stream",
             )
         outs = _as_list(await engine.async_generate(**kwargs))
-        choices = [
-            {
-                "index": i,
-                "text": o["text"],
-                "finish_reason": _finish(o),
-                "logprobs": _completion_logprobs(engine, o) if req.logprobs is not None else None,
-            }
-            for i, o in enumerate(outs)
-        ]
+        prompts = (
+            [prompt]
+            if isinstance(prompt, str) or not isinstance(prompt[0], (str, list))
+            else prompt
+        )
+        choices = []
+        for i, o in enumerate(outs):
+            echoed = _prompt_text(engine, prompts[i // req.n]) if req.echo else ""
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = _completion_logprobs(engine, o, with_prompt=req.echo)
+            choices.append(
+                {
+                    "index": i,
+                    "text": echoed + o["text"],
+                    "finish_reason": _finish(o),
+                    "logprobs": logprobs,
+                }
+            )
         return {**base, "choices": choices, "usage": _usage(outs, req.n)}
 
     @app.post("/v1/chat/completions")
@@ -115,10 +138,6 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs=true")
-        if req.stream and req.logprobs:
-            raise BadRequest(
-                "logprobs are not streamed by specrl; use stream=false, or /generate with stream"
-            )
         kwargs = dict(
             input_ids=list(input_ids),
             sampling_params=req.sampling_params(req.max_completion_tokens or req.max_tokens),
@@ -132,11 +151,13 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
             stream = await engine.async_generate(stream=True, **kwargs)
             include_usage = req.stream_options is not None and req.stream_options.include_usage
 
-            def choice(i: int, delta: str, finish: Optional[str]) -> dict:
+            def choice(
+                i: int, delta: str, finish: Optional[str], new: Optional[dict] = None
+            ) -> dict:
                 return {
                     "index": i,
                     "delta": {"content": delta} if delta else {},
-                    "logprobs": None,
+                    "logprobs": None if new is None else _chat_logprobs(engine, new),
                     "finish_reason": finish,
                 }
 
@@ -199,10 +220,24 @@ def _usage(outs: list[dict], n: int) -> dict[str, int]:
     }
 
 
-def _completion_logprobs(engine: Engine, out: dict) -> dict[str, Any]:
+def _prompt_text(engine: Engine, prompt: Any) -> str:
+    """A prompt as echo shows it: the text, or token ids decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    if engine.tokenizer is None:
+        raise BadRequest("echo of token-id prompts needs a tokenizer; the server has none")
+    return engine.tokenizer.decode(prompt)
+
+
+def _completion_logprobs(engine: Engine, out: dict, with_prompt: bool = False) -> dict[str, Any]:
     meta = out["meta_info"]
     entries = meta.get("output_token_logprobs", [])
     tops = meta.get("output_top_logprobs", [[] for _ in entries])
+    if with_prompt:
+        prompt = meta.get("input_token_logprobs", [])
+        entries = prompt + entries
+        tops = meta.get("input_top_logprobs", [[] for _ in prompt]) + tops
+        tops = [top or [] for top in tops]
     tokens = [token_text(engine, t) for _, t, _ in entries]
     offsets, pos = [], 0
     for tok in tokens:
@@ -253,6 +288,7 @@ async def _stream_events(
     for c in first or []:
         yield sse({**base, "choices": [c]})
     sent: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
     finals: dict[int, dict] = {}
     try:
         async for out in stream:
@@ -263,8 +299,13 @@ async def _stream_events(
             finish = _finish(out)
             if finish is not None:
                 finals[i] = out
-            if delta or finish is not None:
-                yield sse({**base, "choices": [choice(i, delta, finish)]})
+            new = _new_logprobs(out, sent_tokens.get(i, 0))
+            if new is not None:
+                sent_tokens[i] = sent_tokens.get(i, 0) + len(
+                    new["meta_info"]["output_token_logprobs"]
+                )
+            if delta or finish is not None or new is not None:
+                yield sse({**base, "choices": [choice(i, delta, finish, new)]})
     except Exception as e:  # the status line is sent already: report in-band
         yield sse(
             {"object": "error", "message": str(e), "type": "InternalServerError", "code": 500}
@@ -272,6 +313,19 @@ async def _stream_events(
     if include_usage:
         yield sse({**base, "choices": [], "usage": _usage([finals[i] for i in sorted(finals)], n)})
     yield "data: [DONE]\n\n"
+
+
+def _new_logprobs(out: dict, sent: int) -> Optional[dict]:
+    """The part of a cumulative streamed output whose token log-probs were not sent yet (None
+    without log-probs or new tokens)."""
+    meta = out["meta_info"]
+    entries = meta.get("output_token_logprobs")
+    if entries is None or len(entries) <= sent:
+        return None
+    new = {"output_token_logprobs": entries[sent:]}
+    if "output_top_logprobs" in meta:
+        new["output_top_logprobs"] = meta["output_top_logprobs"][sent:]
+    return {"meta_info": new}
 
 
 def token_text(engine: Engine, token_id: int) -> str:

@@ -40,13 +40,18 @@ class _SamplingFields(_Strict):
     no_stop_trim: Optional[bool] = None
     rid: Optional[str] = None
 
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-            value = getattr(self, name)
-            if value not in (None, neutral):
-                raise ValueError(f"{name} is not supported by specrl (only {neutral} is accepted)")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_new_tokens}")
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": self.n}
         for src, dst in (
+            ("presence_penalty", "presence_penalty"),
+            ("frequency_penalty", "frequency_penalty"),
+            ("repetition_penalty", "repetition_penalty"),
+            ("logit_bias", "logit_bias"),
             ("temperature", "temperature"),
             ("top_p", "top_p"),
             ("top_k", "top_k"),
@@ -72,7 +77,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = None
 
 
 class ChatMessage(_Strict):
@@ -100,7 +104,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
 from spec_engine.args.engine_args import EngineArgs
+from spec_engine.core.logits_processor import process_logits, top_p_replay, wants_top_p_replay
 from spec_engine.core.request import Req
 from spec_engine.core.worker import AllocFn, ModelWorker, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
@@ -111,20 +113,22 @@ class SpecWorker(ModelWorker):
             capture_hidden=True,
         )
         out = self.runner.forward(batch)
+        logits = _process_tree_logits(out.logits, reqs, trees)
         banned = [
             [r.banned_tokens(self.eos_token_ids, d) for d in range(max(t.depths) + 1)]
             for r, t in zip(reqs, trees)
         ]
         accepts = verify_trees(
-            out.logits, trees, reqs, banned, self.threshold_single, self.threshold_acc
+            logits, trees, reqs, banned, self.threshold_single, self.threshold_acc
         )
         logprobs, top = emitted_logprobs(
-            out.logits,
+            logits,
             reqs,
             accepts,
             [r.input.return_logprob for r in reqs],
             [r.input.top_logprobs_num for r in reqs],
         )
+        top_p_ids = _top_p_replay(logits, reqs, accepts, logprobs)
         start = self.timings.add("verify_s", start)
         self._keep_accepted(reqs, sizes, accepts)
         self.timings.add("bookkeeping_s", start)
@@ -133,6 +137,7 @@ class SpecWorker(ModelWorker):
             logprobs=logprobs,
             top_logprobs=top,
             drafted=[n - 1 for n in sizes],
+            top_p_ids=top_p_ids,
         )
         return result, accepts, out
 
@@ -161,3 +166,45 @@ class SpecWorker(ModelWorker):
                 buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
         if free:
             self.runner.allocator.free(torch.cat(free))
+
+
+def _process_tree_logits(
+    logits: torch.Tensor, reqs: Sequence[Req], trees: Sequence[DraftTree]
+) -> torch.Tensor:
+    """Penalties and logit bias per verify row, each row with the tokens its request would have
+    emitted up to that node: the output so far (the root included) and the draft path."""
+    if not any(r.input.sampling_params.changes_logits for r in reqs):
+        return logits
+    params, contexts = [], []
+    for r, tree in zip(reqs, trees):
+        sp = r.input.sampling_params
+        params.extend([sp] * tree.size)
+        if not sp.changes_logits:
+            contexts.extend([()] * tree.size)
+            continue
+        paths: list[list[int]] = []
+        for node, parent in enumerate(tree.parents):
+            paths.append([] if parent < 0 else [*paths[parent], tree.tokens[node]])
+        contexts.extend(r.output_ids + path for path in paths)
+    return process_logits(logits, params, contexts)
+
+
+def _top_p_replay(
+    logits: torch.Tensor,
+    reqs: Sequence[Req],
+    accepts: Sequence[Acceptance],
+    logprobs: Optional[list[list[float]]],
+) -> Optional[list[list[list[int]]]]:
+    """slime's top-p replay for the requests that ask: each emitted token's nucleus from the
+    verify row that produced it; their log-probs renormalised over it (in place)."""
+    asking = [i for i, r in enumerate(reqs) if wants_top_p_replay(r.input.sampling_params)]
+    if not asking:
+        return None
+    out: list[list[list[int]]] = [[] for _ in reqs]
+    for i in asking:
+        acc, sp = accepts[i], reqs[i].input.sampling_params
+        rows = torch.tensor(acc.rows, dtype=torch.int64, device=logits.device)
+        out[i], renormed = top_p_replay(logits[rows], [sp] * len(acc.rows), acc.tokens)
+        if logprobs is not None and reqs[i].input.return_logprob:
+            logprobs[i] = renormed
+    return out

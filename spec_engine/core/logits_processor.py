@@ -1,0 +1,84 @@
+"""Per-request changes to the target's logits before anything is drawn or reported: SGLang's
+repetition, frequency and presence penalties and logit_bias, and slime's top-p replay data.
+
+One function serves plain decoding and speculative verification, so speculation stays exact:
+a verify row is penalised with the tokens its request would have emitted up to that node (the
+output so far plus the draft path), exactly what plain decoding sees at that position. As in
+SGLang, the penalties count output tokens only (not the prompt): repetition divides positive
+logits and multiplies negative ones of every token seen; frequency subtracts
+penalty x count; presence subtracts penalty once per seen token; logit_bias adds its values.
+Reported log-probs come from the processed logits, as SGLang's do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from spec_engine.core.sampling_params import SamplingParams
+from spec_engine.layers.sampler import filtered_probs
+
+
+def process_logits(
+    logits: torch.Tensor, params: Sequence[SamplingParams], contexts: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """logits [R, vocab] (float32); row r belongs to a request with params[r], whose emitted
+    tokens before that row are contexts[r]. Returns logits unchanged when no row asks for
+    anything, else a processed copy."""
+    rows = [r for r, sp in enumerate(params) if sp.changes_logits]
+    if not rows:
+        return logits
+    out = logits.clone()
+    device = logits.device
+    for r in rows:
+        sp, row = params[r], out[r]
+        if contexts[r]:
+            seen, counts = torch.tensor(list(contexts[r]), dtype=torch.int64, device=device).unique(
+                return_counts=True
+            )
+            values = row[seen]
+            if sp.repetition_penalty != 1.0:
+                penalty = sp.repetition_penalty
+                values = torch.where(values < 0, values * penalty, values / penalty)
+            values = values - sp.frequency_penalty * counts - sp.presence_penalty
+            row[seen] = values
+        if sp.logit_bias:
+            ids = torch.tensor([int(t) for t in sp.logit_bias], dtype=torch.int64, device=device)
+            bias = torch.tensor(list(sp.logit_bias.values()), dtype=row.dtype, device=device)
+            row.index_add_(0, ids, bias)
+    return out
+
+
+def top_p_replay(
+    logits: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
+) -> tuple[list[list[int]], list[float]]:
+    """slime's top-p replay (its SGLang patch): per row, the nucleus its token was drawn from
+    (top-k/top-p/min-p kept ids, most probable first; the token itself for greedy rows) and the
+    token's log-prob renormalised over nucleus + token, which slime's trainer recomputes."""
+    nuclei, logprobs = [], []
+    for row, sp, token in zip(logits, params, tokens):
+        probs = torch.softmax(row / (sp.temperature if sp.temperature > 0 else 1.0), -1)
+        if sp.is_greedy:
+            kept = [token]
+        else:
+            vocab = probs.shape[-1]
+            top_k = vocab if sp.top_k < 0 else min(sp.top_k, vocab)
+            kept_p, ids = filtered_probs(
+                probs[None],
+                torch.tensor([top_k], device=probs.device),
+                torch.tensor([sp.top_p], device=probs.device),
+                torch.tensor([sp.min_p], device=probs.device),
+            )
+            kept = ids[0][kept_p[0] > 0].tolist()
+        mass = probs[kept].sum() + (0.0 if token in kept else probs[token])
+        nuclei.append(kept)
+        logprobs.append(float(torch.log(probs[token] / mass)))
+    return nuclei, logprobs
+
+
+def wants_top_p_replay(sp: SamplingParams) -> bool:
+    """slime asks with custom_params {"return_top_p_token_ids": true} when its top_p < 1."""
+    custom: Optional[dict] = sp.custom_params
+    return bool(custom and custom.get("return_top_p_token_ids")) and sp.top_p < 1.0
