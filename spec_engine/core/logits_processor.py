@@ -59,7 +59,7 @@ def top_p_replay(
     token's log-prob renormalised over nucleus + token, which slime's trainer recomputes."""
     nuclei, logprobs = [], []
     for row, sp, token in zip(logits, params, tokens):
-        probs = torch.softmax(row / (sp.temperature if sp.temperature > 0 else 1.0), -1)
+        probs = torch.softmax(row / sp.logit_scale, -1)
         if sp.is_greedy:
             kept = [token]
         else:

@@ -18,6 +18,10 @@ _NEUTRAL_UNSUPPORTED = {
 }
 
 
+# Temperatures below this decode greedily (SGLang's _SAMPLING_EPS).
+GREEDY_TEMPERATURE = 1e-6
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: Optional[int] = 128
@@ -172,7 +176,15 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Greedy: temperature below SGLang's epsilon (any smaller one would overflow the
+        division; SGLang decodes it greedily too), or top_k 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def logit_scale(self) -> float:
+        """What logits are divided by: the temperature, or 1 where it is greedy (log-probs of
+        greedy requests are those of the unscaled distribution, as in SGLang)."""
+        return self.temperature if self.temperature >= GREEDY_TEMPERATURE else 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -138,12 +138,12 @@ class ModelWorker:
     def _score_prompt(self, logits: torch.Tensor, scored: list[tuple[Req, list[int]]]) -> None:
         """Log-probs (and top log-probs) of prompt tokens at each request's temperature."""
         for req, rows in scored:
-            t = req.input.sampling_params.temperature
+            t = req.input.sampling_params.logit_scale
             first = len(req.input_logprobs)
             targets = self._tensor(
                 list(req.input.origin_input_ids[first + 1 : first + 1 + len(rows)])
             )
-            logp = torch.log_softmax(logits[self._tensor(rows)] / (t if t > 0 else 1.0), -1)
+            logp = torch.log_softmax(logits[self._tensor(rows)] / t, -1)
             req.input_logprobs.extend(logp.gather(1, targets[:, None]).squeeze(1).tolist())
             if req.input.top_logprobs_num:
                 vals, ids = logp.topk(req.input.top_logprobs_num, dim=-1)
@@ -220,7 +220,7 @@ def sampling_batch(
             banned_rows.append(i)
             banned_ids.append(t)
         sp = req.input.sampling_params
-        temps.append(sp.temperature if sp.temperature > 0 else 1.0)
+        temps.append(sp.logit_scale)
         k = vocab_size if sp.top_k < 0 else min(sp.top_k, vocab_size)
         ks.append(k)
         ps.append(sp.top_p)

@@ -43,7 +43,7 @@ def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) 
     temps, ks, ps, mins, filtered = [], [], [], [], []
     for row, i in enumerate(row_req):
         sp = reqs[i].input.sampling_params
-        temps.append(sp.temperature if sp.temperature > 0 else 1.0)
+        temps.append(sp.logit_scale)
         k = vocab if sp.top_k < 0 else min(sp.top_k, vocab)
         ks.append(k)
         ps.append(sp.top_p)
@@ -181,9 +181,8 @@ def emitted_logprobs(
         return None, None
     rows, temps, toks = [], [], []
     for req, acc in zip(reqs, accepts):
-        t = req.input.sampling_params.temperature
         rows.extend(acc.rows)
-        temps.extend([t if t > 0 else 1.0] * len(acc.rows))
+        temps.extend([req.input.sampling_params.logit_scale] * len(acc.rows))
         toks.extend(acc.tokens)
     device = logits.device
     logp = torch.log_softmax(
