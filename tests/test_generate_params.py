@@ -160,3 +160,18 @@ def test_top_p_replay_under_speculation(target):
         assert token in nucleus and lp <= 0.0
         if len(nucleus) == 1:
             assert lp == pytest.approx(0.0, abs=1e-6)
+
+
+def test_tiny_temperatures_decode_greedily(plain):
+    """Any temperature > 0 is valid: below SGLang's 1e-6 it is greedy, with finite log-probs."""
+    greedy = plain.generate(
+        input_ids=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 8}
+    )
+    for t in (1e-40, 1e-7):
+        out = plain.generate(
+            input_ids=PROMPT,
+            sampling_params={"temperature": t, "max_new_tokens": 8},
+            return_logprob=True,
+        )
+        assert out["output_ids"] == greedy["output_ids"]
+        assert all(-1e4 < lp <= 0 for lp, _, _ in out["meta_info"]["output_token_logprobs"])
