@@ -253,6 +253,11 @@ class EngineArgs:
     enable_metrics: bool = _opt(
         False, "Serve Prometheus metrics at GET /metrics (SGLang's sglang:* names)."
     )
+    enable_nan_detection: bool = _opt(
+        False,
+        "Check the logits of every step for NaN: log a warning and sample as if those logits "
+        "were -1e5 (SGLang's behaviour).",
+    )
     # SGLang flags without a specrl option, given a value other than SGLang's default
     # (spec_engine.args.sglang_compat: logged as no-ops, or refused).
     sglang_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})

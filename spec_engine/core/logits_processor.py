@@ -12,6 +12,7 @@ Reported log-probs come from the processed logits, as SGLang's do.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Optional
 
@@ -19,6 +20,8 @@ import torch
 
 from spec_engine.core.sampling_params import SamplingParams
 from spec_engine.layers.sampler import filtered_probs
+
+logger = logging.getLogger(__name__)
 
 
 def process_logits(
@@ -49,6 +52,19 @@ def process_logits(
             bias = torch.tensor(list(sp.logit_bias.values()), dtype=row.dtype, device=device)
             row.index_add_(0, ids, bias)
     return out
+
+
+def replace_nan(logits: torch.Tensor) -> torch.Tensor:
+    """--enable-nan-detection: NaN logits become -1e5, with a warning (SGLang's handling)."""
+    nan = torch.isnan(logits)
+    if not bool(nan.any()):
+        return logits
+    logger.warning(
+        "NaN in the logits of %d of %d rows; they are sampled as if those logits were -1e5",
+        int(nan.any(-1).sum()),
+        logits.shape[0],
+    )
+    return logits.masked_fill(nan, -1e5)
 
 
 def top_p_replay(

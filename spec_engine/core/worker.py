@@ -14,7 +14,12 @@ from typing import Optional
 
 import torch
 
-from spec_engine.core.logits_processor import process_logits, top_p_replay, wants_top_p_replay
+from spec_engine.core.logits_processor import (
+    process_logits,
+    replace_nan,
+    top_p_replay,
+    wants_top_p_replay,
+)
 from spec_engine.core.request import Req
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.sampler import Sampler, SamplingBatch, request_uniform
@@ -173,6 +178,8 @@ class ModelWorker:
     ) -> None:
         """Sample one token per logits row; row j belongs to request rows[j] of the result."""
         params = [r.input.sampling_params for r in reqs]
+        if self.runner.args.enable_nan_detection:
+            logits = replace_nan(logits)
         logits = process_logits(logits, params, [r.output_ids for r in reqs])
         sampled = self.sampler(
             logits, sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids)

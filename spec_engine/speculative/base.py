@@ -18,7 +18,12 @@ from typing import Optional
 import torch
 
 from spec_engine.args.engine_args import EngineArgs
-from spec_engine.core.logits_processor import process_logits, top_p_replay, wants_top_p_replay
+from spec_engine.core.logits_processor import (
+    process_logits,
+    replace_nan,
+    top_p_replay,
+    wants_top_p_replay,
+)
 from spec_engine.core.request import Req
 from spec_engine.core.worker import AllocFn, ModelWorker, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
@@ -113,7 +118,10 @@ class SpecWorker(ModelWorker):
             capture_hidden=True,
         )
         out = self.runner.forward(batch)
-        logits = _process_tree_logits(out.logits, reqs, trees)
+        logits = out.logits
+        if self.runner.args.enable_nan_detection:
+            logits = replace_nan(logits)
+        logits = _process_tree_logits(logits, reqs, trees)
         banned = [
             [r.banned_tokens(self.eos_token_ids, d) for d in range(max(t.depths) + 1)]
             for r, t in zip(reqs, trees)

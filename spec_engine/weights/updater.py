@@ -108,6 +108,8 @@ class WeightUpdater:
         for model, items in groups.values():
             check_weights(model, ((n, tuple(t.shape), t.dtype) for n, t in items))
             _check_one_value_per_slot(model, items)
+            for name, tensor in items:
+                _check_finite(name, tensor)
         if self.draft is not None:
             draft_items = groups.get(id(self.draft.model), (None, []))[1]
             self.draft.check_update(dict(draft_items))
@@ -140,6 +142,11 @@ class WeightUpdater:
                 [(routes[n][1], s, d) for n, s, d in meta if routes[n][0] is model],
                 require_all=True,
             )
+        # A pass over the files before the first copy: a NaN found half-way would leave the
+        # model half-updated.
+        for name, tensor in iterate_checkpoint(model_path):
+            if not is_ignored(name) and routes[name][0] is not None:
+                _check_finite(name, tensor)
         received = 0
         for name, tensor in iterate_checkpoint(model_path):
             if is_ignored(name):
@@ -316,6 +323,14 @@ class WeightUpdater:
         if self.draft is not None and self.draft.model is not self.target:
             models.append(self.draft.model)
         return models
+
+
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ValueError(
+            f"weight {name!r} has non-finite values (NaN or Inf); nothing was updated — check "
+            "the trainer's weights before pushing them"
+        )
 
 
 def parse_shape(name: str, shape) -> tuple[int, ...]:
