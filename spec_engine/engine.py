@@ -99,6 +99,7 @@ class Engine(EngineControl):
         self._profiler_ctl = Profiler()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._inflight: set[str] = set()  # rids of requests not finished yet
         self._closed = False
         self._thread = threading.Thread(
             target=self._loop, name="spec-engine-scheduler", daemon=True
@@ -173,7 +174,9 @@ class Engine(EngineControl):
         logprob_start_len: int = -1,
     ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """Async form of `generate`; with stream=True returns an async iterator."""
-        reqs, single = self._make_requests(
+        # Tokenizing a long prompt takes seconds: off the event loop, which serves other requests.
+        reqs, single = await asyncio.to_thread(
+            self._make_requests,
             prompt,
             input_ids,
             sampling_params,
@@ -260,6 +263,15 @@ class Engine(EngineControl):
         return self.inputs.build(*args)
 
     def _submit(self, reqs: list[Req], channel: Channel) -> list[RequestOutput]:
+        rids = [req.input.rid for req in reqs]
+        with self._lock:
+            taken = [r for r in rids if r in self._inflight]
+            if taken or len(set(rids)) < len(rids):
+                raise ValueError(
+                    f"rid {(taken or rids)[0]!r} is already in flight; give each request a "
+                    "unique rid (or none)"
+                )
+            self._inflight.update(rids)
         for index, req in enumerate(reqs):
             req.on_output = self._make_callback(index, channel)
 
@@ -283,6 +295,8 @@ class Engine(EngineControl):
             )
             if finished:
                 self.stats.record(req)
+                with self._lock:
+                    self._inflight.discard(req.input.rid)
             if not delivered and not finished and not self._closed:
                 self._post(lambda: self.scheduler.abort(req.input.rid, "the caller went away"))
 

@@ -55,3 +55,91 @@ def test_nan_detection_keeps_sampling(path, caplog):
             out = engine.generate(**REQUEST, return_logprob=True)
         assert len(out["output_ids"]) == 6 and 7 not in out["output_ids"]
         assert "NaN in the logits" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def server(path):
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spec_engine.launch_server",
+            "--model-path",
+            path,
+            "--port",
+            str(port),
+            "--max-total-tokens",
+            "2048",
+            "--max-request-bytes",
+            "100000",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_a_client_that_disconnects_aborts_its_request(server):
+    """A non-streaming /generate whose client goes away is aborted: no request is left and
+    every KV slot is free or cached (the engine's own counters)."""
+    import time
+
+    import httpx
+
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/generate", json=body, timeout=0.3)
+    start = time.perf_counter()
+    while httpx.get(server + "/v1/loads").json()["loads"][0]["num_total_reqs"]:
+        assert time.perf_counter() - start < 5, "the request kept running after its client left"
+        time.sleep(0.05)
+    assert httpx.get(server + "/v1/loads").json()["loads"][0]["num_used_tokens"] == 0
+
+
+def test_body_limit_and_huge_prompts_are_refused_quickly(server):
+    import time
+
+    import httpx
+
+    big = {"text": "x" * 200_000}
+    r = httpx.post(server + "/generate", json=big)
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+    start = time.perf_counter()
+    r = httpx.post(server + "/generate", json={"text": "ab " * 30_000})
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    assert time.perf_counter() - start < 2
+    r = httpx.post(server + "/generate", json={"input_ids": [5, 6], "rid": "dup"})
+    assert r.status_code == 200
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_a_rid_in_flight_cannot_be_reused(path):
+    with Engine(model_path=path, random_seed=0, max_total_tokens=1024) as engine:
+        stream = engine.generate(
+            input_ids=[5, 6], sampling_params={"max_new_tokens": 50}, rid="a", stream=True
+        )
+        next(stream)
+        with pytest.raises(ValueError, match="rid 'a' is already in flight"):
+            engine.generate(input_ids=[5, 6], rid="a")
+        list(stream)
+        assert engine.generate(input_ids=[5, 6], rid="a", sampling_params={"max_new_tokens": 2})

@@ -480,11 +480,51 @@ def test_metrics_logger_jsonl_and_wandb(tmp_path, monkeypatch):
             logger.log(3, {"bad": "x"})
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines == [
-        {"step": 1, "rollout/raw_reward": 0.5, "perf/rollout_time": None},
-        {"step": 2, "rollout/raw_reward": 0.75},
+        {"step": 1, "rollout_id": 1, "rollout/raw_reward": 0.5, "perf/rollout_time": None},
+        {"step": 2, "rollout_id": 2, "rollout/raw_reward": 0.75},
     ]
     assert calls[0][0] == "init" and calls[0][1]["dir"] == str(tmp_path)
     assert ("log", {"rollout/raw_reward": 0.75}, 2) in calls and calls[-1] == ("finish",)
+
+
+def test_metrics_logger_resumes_without_losing_lines(tmp_path, monkeypatch):
+    """A resumed run appends to metrics.jsonl (readers keep each rollout's last line), continues
+    the wandb run by id and purges tensorboard's events from the resumed step on."""
+    from specrl.plots import read_metrics
+
+    inits, writers = [], []
+    wandb = types.ModuleType("wandb")
+    wandb.init = lambda **kw: inits.append(kw) or types.SimpleNamespace(
+        log=lambda *a, **k: None, finish=lambda: None
+    )
+    tensorboard = types.ModuleType("torch.utils.tensorboard")
+
+    class Writer:
+        def __init__(self, **kw):
+            writers.append(kw)
+
+        add_scalar = close = lambda *a, **k: None
+
+    tensorboard.SummaryWriter = Writer
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", tensorboard)
+    with MetricsLogger(str(tmp_path), use_wandb=True, wandb_run_id="abc12345") as logger:
+        for step in range(3):  # killed after logging rollout 2; the checkpoint holds rollout 0
+            logger.log(step, {"x": float(step)})
+    with MetricsLogger(
+        str(tmp_path),
+        use_wandb=True,
+        use_tensorboard=True,
+        wandb_run_id="abc12345",
+        resume_step=1,
+    ) as logger:
+        for step in range(1, 4):
+            logger.log(step, {"x": 10.0 + step})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and all('"rollout_id"' in line for line in lines)
+    assert [r["x"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [0, 11, 12, 13]
+    assert [(kw["id"], kw["resume"]) for kw in inits] == [("abc12345", "allow")] * 2
+    assert writers[0]["purge_step"] == 1
 
 
 def test_metrics_logger_tensorboard(tmp_path):

@@ -112,6 +112,9 @@ class EngineArgs:
     skip_server_warmup: bool = _opt(
         False, "Do not run a one-token warmup request when the server starts."
     )
+    max_request_bytes: int = _opt(
+        64 * 2**20, "Largest HTTP request body in bytes; larger ones get 413 (specrl's option)."
+    )
     # Memory and scheduling
     mem_fraction_static: Optional[float] = _opt(
         None,
@@ -281,6 +284,7 @@ class EngineArgs:
         _check_positive("max_prefill_tokens", self.max_prefill_tokens)
         _check_positive("page_size", self.page_size)
         _check_positive("stream_interval", self.stream_interval)
+        _check_positive("max_request_bytes", self.max_request_bytes)
         _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=True)
         for size in self.cuda_graph_bs or ():
             _check_positive("cuda_graph_bs", size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import uuid
 from typing import Any, Optional, Union
 
@@ -42,7 +43,14 @@ class RequestBuilder:
         self.kv_headroom = kv_headroom
         self.page_size = page_size
         self.random_seed = random_seed
+        # The longest token's text: a prompt of more characters than this times the context
+        # cannot fit, which is known before spending seconds tokenizing megabytes.
+        self._max_token_chars = (
+            max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer else 1
+        )
         self._submitted = 0  # requests submitted so far: the default per-request seed index
+        # build() runs on worker threads (tokenizing off the event loop): the count is shared.
+        self._seed_lock = threading.Lock()
 
     def build(
         self,
@@ -102,8 +110,9 @@ class RequestBuilder:
                 if sp.sampling_seed is not None:
                     seed = derive_seed(sp.sampling_seed, i)
                 else:
-                    seed = derive_seed(self.random_seed, self._submitted)
-                    self._submitted += 1
+                    with self._seed_lock:
+                        seed = derive_seed(self.random_seed, self._submitted)
+                        self._submitted += 1
                 reqs.append(
                     Req(
                         ReqInput(
@@ -142,6 +151,12 @@ class RequestBuilder:
                 raise ValueError("prompt must be a string or a non-empty list of strings")
             if any(p == "" for p in prompts):
                 raise ValueError("prompt is empty; give at least one token of text")
+            longest = max(len(p) for p in prompts)
+            if longest > self.context_len * self._max_token_chars:
+                raise ValueError(
+                    f"the prompt has {longest} characters, more than {self.context_len} tokens "
+                    f"(the context length) can hold; shorten it"
+                )
             return [self.tokenizer(p)["input_ids"] for p in prompts], single
         if not isinstance(input_ids, list) or not input_ids:
             raise ValueError(

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import typing
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +21,7 @@ from spec_engine.server.admin_api import add_admin_routes
 from spec_engine.server.openai_api import add_openai_routes, token_text
 from spec_engine.server.requests import (
     BadRequest,
+    PayloadTooLarge,
     describe_validation,
     error_response,
     json_body,
@@ -63,11 +65,14 @@ _GENERATE_NEUTRAL = {
     ),
 }
 HEALTH_TIMEOUT_S = 60.0
+# How often a non-streaming /generate checks that its client is still connected.
+DISCONNECT_POLL_S = 0.1
 
 
 def create_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="spec_engine", version=engine.get_server_info()["version"])
     api_key = engine.args.api_key
+    app.state.max_request_bytes = engine.args.max_request_bytes
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
@@ -89,7 +94,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def valueerror_response(request: Request, exc: ValueError):
-        return error_response(str(exc), request)
+        status = 413 if isinstance(exc, PayloadTooLarge) else 400
+        return error_response(str(exc), request, status)
 
     @app.exception_handler(RequestValidationError)
     async def validationerror_response(request: Request, exc: RequestValidationError):
@@ -177,7 +183,9 @@ def create_app(engine: Engine) -> FastAPI:
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        out = await engine.async_generate(**kwargs)
+        out = await _unless_disconnected(request, engine.async_generate(**kwargs))
+        if out is None:  # the client went away: its requests were aborted
+            return Response(status_code=499)
         if isinstance(out, list):
             return [_logprob_text(engine, o, with_text) for o in out]
         return _logprob_text(engine, out, with_text)
@@ -239,6 +247,20 @@ def create_app(engine: Engine) -> FastAPI:
 
 
 # -------------------------------------------------------------------- helpers
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (async_generate then aborts its requests and frees their KV)
+    when the client disconnects first; None in that case."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return None
 
 
 def _logprob_text(engine: Engine, out: dict, with_text: bool) -> dict:

@@ -15,6 +15,10 @@ class BadRequest(ValueError):
     pass
 
 
+class PayloadTooLarge(BadRequest):
+    """Answered with 413."""
+
+
 def error_response(message: str, request: Request, status: int = 400) -> JSONResponse:
     if request.url.path.startswith("/v1/"):
         return JSONResponse(
@@ -31,7 +35,19 @@ def error_response(message: str, request: Request, status: int = 400) -> JSONRes
 
 
 async def json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    """The request's JSON object, read up to the server's body limit (413 past it, before the
+    rest is read)."""
+    limit = request.app.state.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(_too_large(int(declared), limit))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(_too_large(size, limit))
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     if not raw.strip():
         return {}
     try:
@@ -41,6 +57,13 @@ async def json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest(f"the JSON body must be an object, got {type(body).__name__}")
     return body
+
+
+def _too_large(size: int, limit: int) -> str:
+    return (
+        f"the request body has {size} bytes or more, above the server's limit of {limit}; raise "
+        "--max-request-bytes, or send less"
+    )
 
 
 def parse_model(model: type, body: dict[str, Any]):
