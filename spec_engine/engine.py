@@ -23,7 +23,7 @@ from spec_engine.args.resolve import resolve_engine_config
 from spec_engine.args.sglang_compat import check_sglang_options
 from spec_engine.control import EngineControl
 from spec_engine.core.channel import Channel
-from spec_engine.core.inputs import InputIds, Params, Prompt, RequestBuilder
+from spec_engine.core.inputs import InputIds, Params, Prompt, RequestBuilder, RequestLimits
 from spec_engine.core.memory import MemoryController
 from spec_engine.core.outputs import Delivery, RequestOutput
 from spec_engine.core.profiling import Profiler
@@ -87,6 +87,9 @@ class Engine(EngineControl):
             worker.decode_headroom(),
             args.page_size,
             args.random_seed,
+            RequestLimits(
+                args.max_request_prompts, args.max_request_samples, args.max_request_tokens
+            ),
         )
         draft = getattr(worker, "draft", None)
         self.updater = WeightUpdater(self.runner.model, self.runner.device, draft)

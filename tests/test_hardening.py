@@ -143,3 +143,43 @@ def test_a_rid_in_flight_cannot_be_reused(path):
             engine.generate(input_ids=[5, 6], rid="a")
         list(stream)
         assert engine.generate(input_ids=[5, 6], rid="a", sampling_params={"max_new_tokens": 2})
+
+
+def test_request_caps_and_malformed_text(path, server):
+    import httpx
+
+    with Engine(
+        model_path=path,
+        random_seed=0,
+        max_total_tokens=1024,
+        max_request_prompts=2,
+        max_request_samples=4,
+        max_request_tokens=100,
+    ) as engine:
+        for kwargs, flag in (
+            (dict(input_ids=[[5]] * 3), "--max-request-prompts"),
+            (
+                dict(input_ids=[5], sampling_params={"n": 5, "max_new_tokens": 2}),
+                "--max-request-samples",
+            ),
+            (
+                dict(input_ids=[5] * 10, sampling_params={"n": 4, "max_new_tokens": 20}),
+                "--max-request-tokens",
+            ),
+        ):
+            with pytest.raises(ValueError, match=f"above the server's limit .*{flag}"):
+                engine.generate(**kwargs)
+        assert engine.generate(input_ids=[[5], [6]], sampling_params={"max_new_tokens": 2})
+    r = httpx.post(
+        server + "/generate",
+        content=b'{"text": "\\ud800 hi"}',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"]
+    r = httpx.post(
+        server + "/generate",
+        content=b"[" * 50_000 + b"]" * 50_000,
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    assert httpx.get(server + "/health_generate").status_code == 200

@@ -115,6 +115,15 @@ class EngineArgs:
     max_request_bytes: int = _opt(
         64 * 2**20, "Largest HTTP request body in bytes; larger ones get 413 (specrl's option)."
     )
+    max_request_prompts: int = _opt(4096, "Most prompts in one request (specrl's option).")
+    max_request_samples: int = _opt(
+        16384, "Most samples (prompts x n) in one request (specrl's option)."
+    )
+    max_request_tokens: int = _opt(
+        2**24,
+        "Most tokens one request may ask for: prompt + max_new_tokens, summed over its samples "
+        "(specrl's option).",
+    )
     # Memory and scheduling
     mem_fraction_static: Optional[float] = _opt(
         None,
@@ -284,7 +293,13 @@ class EngineArgs:
         _check_positive("max_prefill_tokens", self.max_prefill_tokens)
         _check_positive("page_size", self.page_size)
         _check_positive("stream_interval", self.stream_interval)
-        _check_positive("max_request_bytes", self.max_request_bytes)
+        for name in (
+            "max_request_bytes",
+            "max_request_prompts",
+            "max_request_samples",
+            "max_request_tokens",
+        ):
+            _check_positive(name, getattr(self, name))
         _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=True)
         for size in self.cuda_graph_bs or ():
             _check_positive("cuda_graph_bs", size)

@@ -18,6 +18,35 @@ InputIds = Union[list[int], list[list[int]], None]
 Params = Union[dict[str, Any], list[dict[str, Any]], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one call may ask for (--max-request-prompts/-samples/-tokens): a client cannot
+    take the whole engine with one request."""
+
+    prompts: int = 4096
+    samples: int = 16384
+    tokens: int = 2**24
+
+    def check(self, ids_list: list[list[int]], params: list[SamplingParams]) -> None:
+        samples = sum(sp.n for sp in params)
+        tokens = sum(sp.n * (len(ids) + sp.max_new_tokens) for ids, sp in zip(ids_list, params))
+        for what, count, limit, flag in (
+            ("prompts", len(ids_list), self.prompts, "--max-request-prompts"),
+            ("samples (prompts x n)", samples, self.samples, "--max-request-samples"),
+            (
+                "tokens (prompt + max_new_tokens per sample)",
+                tokens,
+                self.tokens,
+                "--max-request-tokens",
+            ),
+        ):
+            if count > limit:
+                raise ValueError(
+                    f"the request has {count} {what}, above the server's limit of {limit} "
+                    f"({flag}); split it into smaller requests"
+                )
+
+
 class RequestBuilder:
     """Checks what the engine can serve and builds its Req records (n per prompt).
 
@@ -35,7 +64,9 @@ class RequestBuilder:
         kv_headroom: int,
         page_size: int,
         random_seed: int,
+        limits: Optional[RequestLimits] = None,
     ) -> None:
+        self.limits = limits or RequestLimits()
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
@@ -104,6 +135,7 @@ class RequestBuilder:
             )
         rids = self._rids(rid, len(ids_list))
         params = [self._check_request(ids, sp) for ids, sp in zip(ids_list, params)]
+        self.limits.check(ids_list, params)
         reqs = []
         for ids, sp, base_rid in zip(ids_list, params, rids):
             for i in range(sp.n):
@@ -151,6 +183,14 @@ class RequestBuilder:
                 raise ValueError("prompt must be a string or a non-empty list of strings")
             if any(p == "" for p in prompts):
                 raise ValueError("prompt is empty; give at least one token of text")
+            for p in prompts:
+                try:
+                    p.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(
+                        f"prompt is not valid Unicode text ({e.reason} at character {e.start}, "
+                        "e.g. a lone surrogate escape); send UTF-8 text"
+                    ) from None
             longest = max(len(p) for p in prompts)
             if longest > self.context_len * self._max_token_chars:
                 raise ValueError(

@@ -54,6 +54,8 @@ async def json_body(request: Request) -> dict[str, Any]:
         body = json.loads(raw)
     except json.JSONDecodeError as e:
         raise BadRequest(f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise BadRequest("the JSON body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest(f"the JSON body must be an object, got {type(body).__name__}")
     return body
