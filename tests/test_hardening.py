@@ -57,8 +57,8 @@ def test_nan_detection_keeps_sampling(path, caplog):
         assert "NaN in the logits" in caplog.text
 
 
-@pytest.fixture(scope="module")
-def server(path):
+def start_server(path: str, *flags: str):
+    """A server process on a free port; returns (url, process)."""
     import socket
     import subprocess
     import sys
@@ -79,10 +79,9 @@ def server(path):
             str(port),
             "--max-total-tokens",
             "2048",
-            "--max-request-bytes",
-            "100000",
             "--log-level",
             "warning",
+            *flags,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -94,9 +93,61 @@ def server(path):
                 break
         except httpx.HTTPError:
             time.sleep(0.1)
+    return url, proc
+
+
+@pytest.fixture(scope="module")
+def server(path):
+    url, proc = start_server(path, "--max-request-bytes", "100000")
     yield url
     proc.terminate()
     proc.wait(timeout=30)
+
+
+def test_tokenizing_a_huge_prompt_blocks_nothing(make_model):
+    """A 1 MB prompt takes seconds to tokenize: meanwhile /health answers within 100 ms and
+    another request completes; then the prompt is refused (it cannot fit the KV cache)."""
+    import threading
+    import time
+
+    import httpx
+
+    url, proc = start_server(make_model("llama", max_position_embeddings=2**17))
+    try:
+        result = {}
+        thread = threading.Thread(
+            target=lambda: result.update(
+                r=httpx.post(
+                    url + "/generate", json={"text": "hello world " * 120_000}, timeout=120
+                )
+            )
+        )
+        start = time.perf_counter()
+        thread.start()
+        time.sleep(0.3)
+        latencies = []
+        client = httpx.Client()  # one client: creating one per call costs ~0.1 s by itself
+        while thread.is_alive() and len(latencies) < 5:
+            t = time.perf_counter()
+            assert client.get(url + "/health").status_code == 200
+            latencies.append(time.perf_counter() - t)
+            time.sleep(0.05)
+        small = client.post(
+            url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}}
+        )
+        assert small.status_code == 200 and thread.is_alive(), (
+            "the big prompt was too quick to tell"
+        )
+        thread.join()
+        latencies.sort()
+        # The median is the claim; the worst case leaves room for a loaded 2-core CI machine.
+        assert latencies[len(latencies) // 2] < 0.1 and latencies[-1] < 0.3, latencies
+        message = result["r"].json()["error"]["message"]
+        assert result["r"].status_code == 400 and "does not fit the context length" in message
+        assert time.perf_counter() - start > 0.5
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_a_client_that_disconnects_aborts_its_request(server):

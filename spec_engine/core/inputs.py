@@ -197,7 +197,7 @@ class RequestBuilder:
                     f"the prompt has {longest} characters, more than {self.context_len} tokens "
                     f"(the context length) can hold; shorten it"
                 )
-            return [self.tokenizer(p)["input_ids"] for p in prompts], single
+            return [self._encode(p) for p in prompts], single
         if not isinstance(input_ids, list) or not input_ids:
             raise ValueError(
                 "input_ids must be a non-empty list of token ids (or a list of such lists)"
@@ -215,6 +215,22 @@ class RequestBuilder:
                         f"input_ids has token id {t}, outside the vocabulary [0, {vocab})"
                     )
         return batch, single
+
+    def _encode(self, text: str) -> list[int]:
+        """Token ids of `text`. With a fast tokenizer the length is checked before the ids become
+        Python ints: converting a million of them would hold the GIL (and the event loop) for a
+        while, only to refuse the prompt."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return self.tokenizer(text)["input_ids"]
+        # encode_batch releases the GIL while it works (encode does not).
+        (encoding,) = backend.encode_batch([text])
+        if len(encoding) >= self.context_len:
+            raise ValueError(
+                f"the prompt has {len(encoding)} tokens, which does not fit the context length "
+                f"{self.context_len}; shorten it"
+            )
+        return encoding.ids
 
     def _check_request(self, ids: list[int], sp: SamplingParams) -> SamplingParams:
         """Refuse what the engine cannot serve; resolve max_new_tokens=None to what fits."""
