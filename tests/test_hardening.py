@@ -234,3 +234,20 @@ def test_request_caps_and_malformed_text(path, server):
     )
     assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
     assert httpx.get(server + "/health_generate").status_code == 200
+
+
+def test_non_finite_log_probs_are_a_500_naming_the_cause(path):
+    """A model that produces NaN (broken weights, no --enable-nan-detection) fails the request
+    with a 500 that says why: no NaN in a response, no misleading 400."""
+    from fastapi.testclient import TestClient
+
+    from spec_engine.server.http_server import create_app
+
+    with Engine(model_path=path, random_seed=0, max_total_tokens=1024) as engine:
+        with torch.no_grad():
+            engine.runner.model.lm_head.weight.data[7].fill_(float("nan"))
+        engine.runner.model.lm_head.refresh_derived()
+        client = TestClient(create_app(engine))
+        r = client.post("/generate", json={**REQUEST, "return_logprob": True})
+        assert r.status_code == 500 and "non-finite log-probs" in r.json()["error"]["message"]
+        assert client.get("/health").status_code == 200

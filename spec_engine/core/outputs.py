@@ -4,6 +4,8 @@ it."""
 from __future__ import annotations
 
 import base64
+import logging
+import math
 import time
 from array import array
 from dataclasses import dataclass
@@ -13,6 +15,12 @@ from transformers import PreTrainedTokenizerBase
 
 from spec_engine.core.request import Req
 from spec_engine.core.tokenizer import IncrementalDetokenizer, decode_text
+
+logger = logging.getLogger(__name__)
+
+
+class EngineFailure(RuntimeError):
+    """The engine failed a request (a 500 over HTTP, with this message)."""
 
 
 @dataclass
@@ -105,7 +113,14 @@ class RequestOutput:
         d = self.last
         fr = d.finish_reason
         if fr is not None and fr.get("status_code", 200) >= 500:
-            raise RuntimeError(f"request {self.req.input.rid} failed: {fr['message']}")
+            raise EngineFailure(f"request {self.req.input.rid} failed: {fr['message']}")
+        if not all(math.isfinite(lp) for lp in self.logprobs):
+            logger.error("request %s: non-finite log-probs from the model", self.req.input.rid)
+            raise EngineFailure(
+                f"request {self.req.input.rid} failed: the model produced non-finite log-probs "
+                "(NaN/Inf), so its tokens are meaningless; check the weights "
+                "(--enable-nan-detection samples around NaN logits)"
+            )
         meta: dict[str, Any] = {
             "id": self.req.input.rid,
             "finish_reason": fr,

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
+from spec_engine.core.outputs import EngineFailure
 from spec_engine.engine import Engine
 from spec_engine.server.admin_api import add_admin_routes
 from spec_engine.server.openai_api import add_openai_routes, token_text
@@ -96,6 +97,12 @@ def create_app(engine: Engine) -> FastAPI:
     async def valueerror_response(request: Request, exc: ValueError):
         status = 413 if isinstance(exc, PayloadTooLarge) else 400
         return error_response(str(exc), request, status)
+
+    @app.exception_handler(EngineFailure)
+    async def enginefailure_response(request: Request, exc: EngineFailure):
+        # The engine failed this request (its step raised, or it produced non-finite values):
+        # a 500 that says so, never a misleading 400.
+        return error_response(str(exc), request, 500)
 
     @app.exception_handler(RequestValidationError)
     async def validationerror_response(request: Request, exc: RequestValidationError):
