@@ -84,15 +84,32 @@ class DataSource:
         """Every prompt once, in file order (for evaluation); does not move the epoch position."""
         return [self._make_sample(record) for record in self.records]
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset}
+    def state_dict(self) -> dict[str, Any]:
+        """The position (epoch, offset into its order) and what the order is derived from: with
+        the same file, shuffle and seed, an epoch's permutation is recomputed on load."""
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "num_prompts": len(self.records),
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         epoch, offset = state["epoch"], state["offset"]
-        if not 0 <= offset <= len(self.records):
+        saved = (state.get("shuffle", self.shuffle), state.get("seed", self.seed))
+        if saved != (self.shuffle, self.seed):
             raise ValueError(
-                f"data source state offset {offset} is outside [0, {len(self.records)}]; "
-                f"was it saved for another prompt file than {self.path}?"
+                f"the checkpoint's prompt order was --rollout-shuffle {saved[0]} with "
+                f"--rollout-seed {saved[1]}, this run has {self.shuffle} and {self.seed}; resume "
+                "with the same flags"
+            )
+        count = state.get("num_prompts", len(self.records))
+        if count != len(self.records) or not 0 <= offset <= len(self.records):
+            raise ValueError(
+                f"the checkpoint was saved reading {count} prompts (offset {offset}), "
+                f"{self.path} has {len(self.records)}; resume with the prompt file it was "
+                "saved with"
             )
         self.epoch, self.offset = epoch, offset
         self._order = self._epoch_order(epoch)

@@ -66,8 +66,14 @@ def spec_metrics(samples: list[Sample]) -> dict[str, float]:
 
 
 class MetricsLogger:
-    """`log(step, metrics)` to `output_dir/metrics.jsonl` (one JSON object per call, with "step"),
-    and to wandb and/or tensorboard when asked. wandb runs offline unless WANDB_MODE is set."""
+    """`log(step, metrics)` to `output_dir/metrics.jsonl` (one JSON object per call, with "step"
+    and "rollout_id", both the step), and to wandb and/or tensorboard when asked. wandb runs
+    offline unless WANDB_MODE is set.
+
+    Resuming (`resume_step`, the first step this run logs): metrics.jsonl is appended to, never
+    truncated (readers take each step's last line: specrl.plots.read_metrics), wandb continues
+    run `wandb_run_id`, and tensorboard drops the events the interrupted run logged from
+    `resume_step` on, so its step axis continues."""
 
     def __init__(
         self,
@@ -77,11 +83,13 @@ class MetricsLogger:
         wandb_run_name: Optional[str] = None,
         config: Optional[dict[str, Any]] = None,
         use_tensorboard: bool = False,
+        wandb_run_id: Optional[str] = None,
+        resume_step: Optional[int] = None,
     ) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self._file = open(self.path, "w")  # one run per directory: a rerun starts the file afresh
+        self._file = open(self.path, "a")  # a resumed run adds to what the killed one wrote
         self._wandb_run = None
         self._tb_writer = None
         if use_wandb:
@@ -100,6 +108,8 @@ class MetricsLogger:
                 name=wandb_run_name,
                 dir=output_dir,
                 config=config,
+                id=wandb_run_id,
+                resume="allow" if wandb_run_id is not None else None,
             )
         if use_tensorboard:
             try:
@@ -110,7 +120,9 @@ class MetricsLogger:
                     "it: "
                     f"{self.path} is always written)"
                 ) from e
-            self._tb_writer = SummaryWriter(log_dir=os.path.join(output_dir, "tensorboard"))
+            self._tb_writer = SummaryWriter(
+                log_dir=os.path.join(output_dir, "tensorboard"), purge_step=resume_step
+            )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         values = {}
@@ -122,7 +134,11 @@ class MetricsLogger:
                     raise TypeError(f"metric {key!r} is {value!r}; metrics must be numbers")
             values[key] = float(value)
         # JSON has no NaN/inf; keep the line parseable and the key present.
-        record = {"step": step, **{k: (v if math.isfinite(v) else None) for k, v in values.items()}}
+        record = {
+            "step": step,
+            "rollout_id": step,
+            **{k: (v if math.isfinite(v) else None) for k, v in values.items()},
+        }
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._wandb_run is not None:

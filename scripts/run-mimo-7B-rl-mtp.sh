@@ -30,7 +30,8 @@ SGLANG_ARGS=(
 )
 RUN_ARGS=(
    --actor-num-nodes 1 --actor-num-gpus-per-node 4 --weight-sync-mode distributed
-   --output-dir "${OUT:-runs/mimo-7B-rl-mtp}" --save "${OUT:-runs/mimo-7B-rl-mtp}/hf-{rollout_id}" --save-interval 100
+   --output-dir "${OUT:-runs/mimo-7B-rl-mtp}" --save "${OUT:-runs/mimo-7B-rl-mtp}/ckpt" --load "${OUT:-runs/mimo-7B-rl-mtp}/ckpt" --save-interval 100
+   --save-hf "${OUT:-runs/mimo-7B-rl-mtp}/hf-{rollout_id}"  # rerun the same command to resume after a crash
 )
 python -m scripts.train "${MODEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" \
    "${SGLANG_ARGS[@]}" "${RUN_ARGS[@]}" "$@"

@@ -37,7 +37,8 @@ SGLANG_ARGS=(
 )
 RUN_ARGS=(
    --colocate --actor-num-nodes 1 --actor-num-gpus-per-node 1 --weight-sync-mode tensor
-   --output-dir "$OUT" --save "$OUT/hf-{rollout_id}" --save-interval 100
+   --output-dir "$OUT" --save "$OUT/ckpt" --load "$OUT/ckpt" --save-interval 100
+   --save-hf "$OUT/hf-{rollout_id}"  # rerun the same command to resume after a crash
 )
 python -m scripts.train "${MODEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" \
    "${SGLANG_ARGS[@]}" "${RUN_ARGS[@]}" "$@"

@@ -31,7 +31,8 @@ SGLANG_ARGS=(
 )
 RUN_ARGS=(
    --actor-num-nodes 1 --actor-num-gpus-per-node 4 --weight-sync-mode distributed
-   --output-dir "${OUT:-runs/qwen3-8B-eagle3}" --save "${OUT:-runs/qwen3-8B-eagle3}/hf-{rollout_id}" --save-interval 100
+   --output-dir "${OUT:-runs/qwen3-8B-eagle3}" --save "${OUT:-runs/qwen3-8B-eagle3}/ckpt" --load "${OUT:-runs/qwen3-8B-eagle3}/ckpt" --save-interval 100
+   --save-hf "${OUT:-runs/qwen3-8B-eagle3}/hf-{rollout_id}"  # rerun the same command to resume after a crash
 )
 python -m scripts.train "${MODEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${GRPO_ARGS[@]}" "${OPTIMIZER_ARGS[@]}" \
    "${SGLANG_ARGS[@]}" "${RUN_ARGS[@]}" "$@"

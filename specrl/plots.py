@@ -15,9 +15,16 @@ Series = list[tuple[int, float]]
 
 
 def read_metrics(path: str) -> list[dict[str, float | None]]:
-    """The rows of a metrics.jsonl, one per logged step."""
+    """The rows of a metrics.jsonl, one per rollout in rollout order. The file is only ever
+    appended to, so a run resumed from a checkpoint logs the rollouts after it again: the last
+    line of each rollout is the one that counts."""
+    rows: dict[int, dict[str, float | None]] = {}
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                rows[row.get("rollout_id", row["step"])] = row
+    return [rows[k] for k in sorted(rows)]
 
 
 def read_series(path: str, metric: str) -> Series:

@@ -73,13 +73,31 @@ class LauncherArgs:
     )
     save: str | None = _opt(
         None,
-        "Save a Hugging Face checkpoint here every --save-interval rollouts ({rollout_id} is "
-        "filled in).",
+        "Save a training checkpoint here every --save-interval rollouts and after the last one, "
+        "as Megatron-LM/slime lay it out: DIR/iter_{N:07d}/ (the policy through megatron-core's "
+        "dist_checkpointing: model, MTP layers, optimizer, every rank's RNG; plus the rollout "
+        "id, weight version and prompt position) and DIR/latest_checkpointed_iteration.txt.",
         metavar="DIR",
     )
     save_interval: int | None = _opt(
         None,
-        "Rollouts between checkpoints (the last rollout is always saved when --save is given).",
+        "Rollouts between checkpoints (--save and --save-hf; the last rollout is always saved).",
+    )
+    load: str | None = _opt(
+        None,
+        "Resume from the latest checkpoint in this --save directory (slime's `--load $SAVE "
+        "--save $SAVE`: rerunning the same command resumes; with nothing saved there yet the run "
+        "starts from --hf-checkpoint).",
+        metavar="DIR",
+    )
+    start_rollout_id: int | None = _opt(
+        None, "First rollout id to run (default: 0, or the one after the --load checkpoint)."
+    )
+    save_hf: str | None = _opt(
+        None,
+        "Also write a Hugging Face checkpoint (loadable by transformers and the engine) at every "
+        "save; {rollout_id} is filled in.",
+        metavar="PATH",
     )
     rollout_num_gpus: int = _opt(1, "Devices (CPU bundles without GPUs) for all engines together.")
     rollout_num_gpus_per_engine: int = _opt(
@@ -239,9 +257,16 @@ def check_launcher_flags(args: argparse.Namespace) -> None:
         )
     if args.save_interval is not None and args.save_interval <= 0:
         raise SystemExit(f"error: --save-interval must be positive, got {args.save_interval}")
-    if args.debug_rollout_only and args.save:
+    for flag in ("save", "save_hf", "load"):
+        if args.debug_rollout_only and getattr(args, flag):
+            raise SystemExit(
+                f"error: --{flag.replace('_', '-')} saves or restores the trained policy, and "
+                "--debug-rollout-only has no trainer"
+            )
+    if args.start_rollout_id is not None and not 0 <= args.start_rollout_id <= args.num_rollout:
         raise SystemExit(
-            "error: --save writes the trained policy, and --debug-rollout-only trains nothing"
+            f"error: --start-rollout-id {args.start_rollout_id} is outside [0, --num-rollout "
+            f"{args.num_rollout}]"
         )
     if args.bf16 and not args.dry_run and not torch.cuda.is_available():
         raise SystemExit(

@@ -113,6 +113,21 @@ class HFReference:
 
 
 @pytest.fixture(scope="session")
+def rl_task(make_model, tmp_path_factory) -> tuple[str, str]:
+    """(a tiny MiMo model with one MTP layer, the tiny task's prompts): what the RL-loop tests
+    run on."""
+    from transformers import AutoTokenizer
+
+    from rollout.tiny_task import write_tiny_task
+    from specrl.tiny_models import add_mimo_mtp
+
+    model = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=41), seed=42)
+    data = str(tmp_path_factory.mktemp("task") / "task.jsonl")
+    write_tiny_task(data, AutoTokenizer.from_pretrained(model), n=32)
+    return model, data
+
+
+@pytest.fixture(scope="session")
 def hf() -> HFReference:
     return HFReference()
 

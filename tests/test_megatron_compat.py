@@ -229,7 +229,9 @@ def test_dist_checkpointing_saves_and_loads_a_model_on_cpu(mp, tmp_path):
     model = _gpt()
     dist_checkpointing.save(model.sharded_state_dict(), str(tmp_path))
     other = _gpt()
-    assert not torch.equal(other.embedding.word_embeddings.weight, model.embedding.word_embeddings.weight)
+    assert not torch.equal(
+        other.embedding.word_embeddings.weight, model.embedding.word_embeddings.weight
+    )
     other.load_state_dict(dist_checkpointing.load(other.sharded_state_dict(), str(tmp_path)))
     for (name, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
         if isinstance(a, torch.Tensor):

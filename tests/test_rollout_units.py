@@ -176,7 +176,13 @@ def test_data_source_epochs_and_deterministic_shuffle(tmp_path, tokenizer):
         "0",
         "1",
     ]  # wraps into epoch 1
-    assert plain.state_dict() == {"epoch": 1, "offset": 2}
+    assert plain.state_dict() == {
+        "epoch": 1,
+        "offset": 2,
+        "shuffle": False,
+        "seed": 42,
+        "num_prompts": 5,
+    }
 
     def labels(source, n):
         return [s.label for s in source.get_prompts(n)]
@@ -193,6 +199,10 @@ def test_data_source_epochs_and_deterministic_shuffle(tmp_path, tokenizer):
     resumed = DataSource(path, tokenizer, label_key="label", shuffle=True, seed=3)
     resumed.load_state_dict(c.state_dict())
     assert labels(resumed, 8) == labels(c, 8)
+    with pytest.raises(ValueError, match="--rollout-shuffle True with --rollout-seed 3"):
+        DataSource(path, tokenizer, label_key="label", shuffle=True).load_state_dict(c.state_dict())
+    with pytest.raises(ValueError, match="saved reading 9 prompts"):
+        plain.load_state_dict({**c.state_dict(), "shuffle": False, "seed": 42, "num_prompts": 9})
 
     first = plain.all_prompts()[2]
     assert first.prompt == "q2" and first.metadata == {"i": 2}
@@ -494,8 +504,8 @@ def test_metrics_logger_resumes_without_losing_lines(tmp_path, monkeypatch):
 
     inits, writers = [], []
     wandb = types.ModuleType("wandb")
-    wandb.init = lambda **kw: inits.append(kw) or types.SimpleNamespace(
-        log=lambda *a, **k: None, finish=lambda: None
+    wandb.init = lambda **kw: (
+        inits.append(kw) or types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
     )
     tensorboard = types.ModuleType("torch.utils.tensorboard")
 

@@ -472,3 +472,25 @@ class TrainActor:
             self._join_gathers()
             return
         save_hf_checkpoint(self.hf_named_tensors(), path, like=self.args.hf_checkpoint)
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, directory: str, rollout_id: int) -> None:
+        """This rank's shards of model, optimizer and RNG (megatron's dist_checkpointing)."""
+        from trainer_bridge.checkpoint import save_checkpoint
+
+        save_checkpoint(self, directory, rollout_id)
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Restore what save_checkpoint wrote (the reference model stays --hf-checkpoint's);
+        returns the checkpoint's rollout id."""
+        from trainer_bridge.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory)
+
+    def warm_checkpoint_writer(self) -> None:
+        """Start megatron's checkpoint writer in the background now (see
+        trainer_bridge.checkpoint.warm_writer), so the first save does not wait for it."""
+        from trainer_bridge.checkpoint import warm_writer
+
+        warm_writer()

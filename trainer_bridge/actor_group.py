@@ -83,6 +83,17 @@ class TrainGroup:
     def save_hf(self, path: str) -> None:
         self._all("save_hf", path)
 
+    def save_checkpoint(self, directory: str, rollout_id: int) -> None:
+        """Every rank writes its shards into `directory` (megatron's dist_checkpointing)."""
+        self._all("save_checkpoint", directory, rollout_id)
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Every rank restores its shards; returns the checkpoint's rollout id."""
+        return self._all("load_checkpoint", directory)
+
+    def warm_checkpoint_writer(self) -> None:
+        self._all("warm_checkpoint_writer")
+
     def shutdown(self) -> None:
         """End the rank actors (their bundles stay with the placement group's owner)."""
         import ray

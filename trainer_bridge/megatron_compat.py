@@ -31,7 +31,8 @@ CPU = torch.device("cpu")
 # does CUDA_DEVICE_MAX_CONNECTIONS mean anything there, so those notices only matter on GPUs;
 # "full" is TransformerConfig's own default cuda_graph_scope; megatron's own layers call the
 # tp_group helper with tp_group=None and the collective torch deprecates (torch's wrapper issues
-# that one).
+# that one); dist_checkpointing loads through torch's ShardedTensor and load_state_dict, both
+# deprecated by torch.
 MEGATRON = r"megatron\.core\."
 KNOWN_WARNINGS = (
     (UserWarning, "Transformer Engine and Apex are not installed", MEGATRON, True),
@@ -45,6 +46,8 @@ KNOWN_WARNINGS = (
         r"torch\.distributed\.",
         False,
     ),
+    (FutureWarning, "Please use DTensor instead and we are deprecating", r"torch\.", False),
+    (FutureWarning, "`load_state_dict` is deprecated and will be removed", MEGATRON, False),
 )
 
 
@@ -140,6 +143,11 @@ def _set_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     torch.set_rng_state(state)
 
 
+def _synchronize(*args: Any, **kwargs: Any) -> None:
+    """torch.cuda.synchronize on CPU: nothing runs asynchronously, so there is nothing to wait
+    for."""
+
+
 def _clip_grad_by_total_norm_fp32(
     parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
 ) -> None:
@@ -191,6 +199,10 @@ def apply_cpu_shims() -> None:
     # placed with `device=torch.cuda.current_device()`, which raises on a CPU build. CPU is the
     # only device here, so every such placement means CPU.
     torch.cuda.current_device = _current_device
+    # dist_checkpointing's torch_dist writer stages tensors to host memory with non_blocking
+    # copies, then waits for them with torch.cuda.synchronize (raises on a CPU build); on CPU
+    # those copies are already done.
+    torch.cuda.synchronize = _synchronize
     # model_parallel_cuda_manual_seed / get_cuda_rng_tracker build a tracker of CUDA generator
     # states (torch.cuda.get_rng_state raises on CPU); both pick the class through this name.
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker

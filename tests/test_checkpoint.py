@@ -1,0 +1,317 @@
+"""--save / --load on CPU. The policy's checkpoint round-trips bitwise at TP 2 (two gloo ranks:
+saved, loaded, trained on exactly as the policy that never stopped). A run on Ray killed with
+SIGKILL (its whole session: launcher, Ray, engines, trainer ranks) during a rollout and again
+during a save, then rerun with the same command, resumes from the last complete checkpoint, in
+Megatron-LM's layout, with its weight version and its log intact. Bad directories and partial,
+corrupt or foreign checkpoints are refused before Ray starts, naming the path."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specrl import checkpoint as run_checkpoint
+from specrl.plots import read_metrics
+from tests.test_train_loop import base_args
+
+pytest.importorskip("ray")
+
+NUM_ROLLOUT = 4
+
+
+def run_argv(model: str, data: str, out: str) -> list[str]:
+    """The test loop's config (TP 2 colocated, MTP speculation, the MTP layer trained online) with
+    slime's resume pattern: the same directory to --load and --save."""
+    save = os.path.join(out, "ckpt")
+    argv = base_args(model, data, out) + [
+        "--lr",
+        "1e-3",
+        "--enable-mtp-training",
+        "--colocate",
+        "--tensor-model-parallel-size",
+        "2",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--ray-num-cpus",
+        "4",
+        "--sglang-speculative-algorithm",
+        "EAGLE",
+        "--sglang-speculative-num-steps",
+        "2",
+        "--sglang-speculative-eagle-topk",
+        "1",
+        "--sglang-cuda-graph-bs",
+        "1",
+        "2",
+        "4",
+        "8",
+        "--save",
+        save,
+        "--load",
+        save,
+        "--save-interval",
+        "2",
+        "--save-hf",
+        os.path.join(out, "hf", "{rollout_id}"),
+        "--check-weight-update-equal",  # the resumed engines hold the resumed weights
+    ]
+    argv[argv.index("--num-rollout") + 1] = str(NUM_ROLLOUT)
+    return argv
+
+
+def launch(argv: list[str], log: str) -> subprocess.Popen:
+    """scripts/train.py in a session of its own, so that killing the session kills the run."""
+    with open(log, "a") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "scripts.train", *argv],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={
+                **{k: v for k, v in os.environ.items() if not k.startswith("MASTER_")},
+                "PYTHONPATH": os.getcwd(),
+            },
+        )
+
+
+def session_pids(sid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+    return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid]
+
+
+def kill_run(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL the run's process group, as a crash or an OOM killer would; returns the session's
+    processes still alive 30 s later (Ray workers put themselves in groups of their own and leave
+    once their raylet is gone), after killing them so nothing outlives the test."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while session_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    lingering = session_pids(proc.pid)
+    for pid in lingering:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return lingering
+
+
+def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.05)
+
+
+def logged(out: str) -> int:
+    path = os.path.join(out, "metrics.jsonl")
+    return len(open(path).read().splitlines()) if os.path.exists(path) else 0
+
+
+def finish(argv: list[str], log: str) -> None:
+    proc = launch(argv, log)
+    assert proc.wait(timeout=400) == 0, open(log).read()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def task(rl_task):
+    return rl_task
+
+
+@pytest.fixture(scope="module")
+def killed_run(task, tmp_path_factory) -> str:
+    """The output directory of a run killed during rollout 2, rerun and killed while saving
+    rollout 3, then rerun to the end."""
+    out = str(tmp_path_factory.mktemp("killed") / "run")
+    argv, log = run_argv(*task, out), os.path.join(os.path.dirname(out), "log.txt")
+    save = os.path.join(out, "ckpt")
+
+    # Killed during rollout 2: rollout 1's checkpoint is complete (it is written before the
+    # rollout's metrics line).
+    proc = launch(argv, log)
+    wait_for(proc, lambda: logged(out) >= 2, "rollout 1's metrics")
+    lingering = kill_run(proc)
+    assert run_checkpoint.read_latest(save) == 1
+    # Rerun: resumes after rollout 1 and is killed while saving rollout 3's checkpoint.
+    proc = launch(argv, log)
+    partial = run_checkpoint.iter_dir(save, 3) + run_checkpoint.PARTIAL
+    wait_for(proc, lambda: os.path.isdir(partial), "a save of rollout 3")
+    lingering += kill_run(proc)
+    assert run_checkpoint.read_latest(save) == 1, "a killed save must leave the previous one latest"
+    with open(log, "a") as f:
+        f.write(f"lingering: {lingering}\n")
+    # The same command once more: resumes after rollout 1 again and finishes.
+    finish(argv, log)
+    return out
+
+
+def test_killed_twice_then_rerun_resumes_from_the_last_complete_checkpoint(killed_run):
+    out, save = killed_run, os.path.join(killed_run, "ckpt")
+    text = open(os.path.join(os.path.dirname(out), "log.txt")).read()
+    assert text.count("resuming from " + run_checkpoint.iter_dir(save, 1)) == 2, text[-3000:]
+    assert "lingering: []" in text, "processes of a killed run outlived it by 30 s"
+
+    # Megatron-LM's layout; the killed save's directory was replaced by the complete one.
+    assert sorted(os.listdir(save)) == ["iter_0000001", "iter_0000003", run_checkpoint.LATEST_FILE]
+    assert open(os.path.join(save, run_checkpoint.LATEST_FILE)).read() == "3"
+    last = run_checkpoint.iter_dir(save, 3)
+    assert len([f for f in os.listdir(last) if f.endswith(".distcp")]) >= 2  # both TP ranks'
+    common = torch.load(os.path.join(last, "common.pt"), weights_only=True)
+    assert common["iteration"] == 3 and common["specrl"]["tensor_model_parallel_size"] == 2
+    with open(os.path.join(last, run_checkpoint.ROLLOUT_STATE)) as f:
+        state = json.load(f)
+    assert state["weight_version"] == NUM_ROLLOUT
+    assert state["rollout"]["data_source"]["offset"] == NUM_ROLLOUT * 2  # 2 prompts a rollout
+    hf = load_file(os.path.join(out, "hf", "3", "model.safetensors"))
+    assert any("mtp_layers" in k for k in hf)  # the draft trained online is exported too
+
+    # Nothing lost from the log: the killed runs' lines are still there; the lines that count
+    # (the last per rollout id) cover every rollout once, generated by consecutive versions.
+    lines = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert len(lines) > NUM_ROLLOUT and all("rollout_id" in line for line in lines)
+    rows = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert [r["rollout_id"] for r in rows] == list(range(NUM_ROLLOUT))
+    assert [r["rollout/weight_version"] for r in rows] == list(range(NUM_ROLLOUT))
+    assert all(r["train/mtp_loss"] is not None and r["train/grad_norm"] > 0 for r in rows)
+
+
+def _round_trip_rank(rank: int, port: int, model: str, directory: str, out: str) -> None:
+    """One of two TP ranks: train, save, train on; then a fresh policy loads and trains on."""
+    from trainer_bridge.actor import TrainActor
+    from trainer_bridge.batch import TrainBatch
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+    from trainer_bridge.options import TrainerArgs
+
+    args = TrainerArgs(
+        hf_checkpoint=model, lr=1e-3, enable_mtp_training=True, tensor_model_parallel_size=2
+    )
+    batches = [
+        TrainBatch(
+            [[5, 6, 7, 8, 9, 10 + i, 11, 12]] * 4,
+            [5] * 4,
+            [1.0, 0.0, 1.0, 0.0],
+            n_samples_per_prompt=4,
+        )
+        for i in range(3)
+    ]
+    results = []
+    for resumed in (False, True):
+        actor = TrainActor(args, rank=rank, world_size=2, master_port=port + resumed)
+        if resumed:
+            assert actor.load_checkpoint(directory) == 0
+        else:
+            actor.train(batches[0])
+            actor.save_checkpoint(directory, 0)
+        metrics = [actor.train(b) for b in batches[1:]]
+        weights = {k: v for k, v in actor.gpt.state_dict().items() if torch.is_tensor(v)}
+        results.append(
+            ([{k: v for k, v in m.items() if "perf/" not in k} for m in metrics], weights)
+        )
+        destroy_model_parallel()
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_tp2_policy_round_trips_bitwise(task, tmp_path):
+    import torch.multiprocessing as mp
+
+    from trainer_bridge.megatron_compat import free_port
+
+    directory = tmp_path / "iter_0000000"
+    directory.mkdir()
+    mp.spawn(
+        _round_trip_rank,
+        args=(free_port(), task[0], str(directory), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
+    assert len(list(directory.glob("*.distcp"))) >= 2
+    for rank in range(2):
+        (metrics, weights), (resumed_metrics, resumed_weights) = torch.load(
+            tmp_path / f"rank{rank}.pt", weights_only=False
+        )
+        assert resumed_metrics == metrics  # MTP loss included: the draft's state is restored
+        assert [k for k in weights if not torch.equal(weights[k], resumed_weights[k])] == []
+
+
+def resolve_args(argv: list[str]) -> argparse.Namespace:
+    from specrl.train_options import parse_args
+
+    return parse_args(argv)
+
+
+def hf_config(model: str) -> dict:
+    with open(os.path.join(model, "config.json")) as f:
+        return json.load(f)
+
+
+def refused(argv: list[str], config: dict) -> str:
+    with pytest.raises(SystemExit) as e:
+        run_checkpoint.resolve(resolve_args(argv), config)
+    return str(e.value)
+
+
+def test_bad_directories_and_checkpoints_are_refused_naming_the_path(task, killed_run, tmp_path):
+    model, data = task
+    config = hf_config(model)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    message = refused(base_args(model, data, str(blocker / "out")), config)
+    assert f"--output-dir {blocker / 'out'} is not writable" in message
+    base = base_args(model, data, str(tmp_path / "out"))
+    assert f"--save {blocker}/ckpt is not writable" in refused(
+        base + ["--save", str(blocker / "ckpt")], config
+    )
+    empty = tmp_path / "empty"
+    assert f"--load {empty} holds no checkpoint" in refused(base + ["--load", str(empty)], config)
+
+    # A copy of the reference run's checkpoints to break in several ways.
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(killed_run, "ckpt"), ckpt)
+    load = base + ["--load", ckpt, "--tensor-model-parallel-size", "2"]
+    resume = run_checkpoint.resolve(resolve_args(load), config)
+    assert resume.rollout_id == 3 and resume.state["weight_version"] == NUM_ROLLOUT
+    at_tp1 = refused(base + ["--load", ckpt], config)
+    assert "saved at --tensor-model-parallel-size 2, this run uses 1" in at_tp1
+    other = {**config, "intermediate_size": config["intermediate_size"] * 2}
+    assert "holds another model than --hf-checkpoint (intermediate_size" in refused(load, other)
+    last = run_checkpoint.iter_dir(ckpt, 3)
+    shard = os.path.join(last, sorted(f for f in os.listdir(last) if f.endswith(".distcp"))[0])
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    assert f"{shard} is cut short" in refused(load, config)
+    os.remove(os.path.join(last, "common.pt"))
+    assert f"{last} is incomplete (no common.pt)" in refused(load, config)
+    shutil.rmtree(last)
+    assert f"names rollout 3, but {last} is missing" in refused(load, config)
+
+
+def test_a_bad_load_fails_before_ray_starts(task, tmp_path):
+    model, data = task
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.train",
+            *base_args(model, data, str(tmp_path / "out")),
+            "--load",
+            str(tmp_path / "nothing"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "holds no checkpoint" in proc.stderr
+    assert "starting Ray" not in proc.stdout and time.monotonic() - start < 60

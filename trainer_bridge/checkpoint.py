@@ -1,0 +1,211 @@
+"""The policy's training checkpoint as megatron-core writes it: `dist_checkpointing` (torch_dist
+backend), one directory per checkpoint, every rank writing its own shards.
+
+The state dict follows Megatron-LM's `generate_state_dict` (megatron/training/checkpointing.py,
+which megatron-core does not ship): `model` (the GPTModel, MTP layers included), `optimizer`
+(Adam's moments and step, sharded like the parameters), `rng_state` (every rank's Python, NumPy,
+torch and tracker states: one object per tensor-parallel rank holding the list of its
+data-parallel replicas' states), `iteration` (the rollout id, as in slime), `checkpoint_version`,
+and specrl's own `specrl` entry (the model's Hugging Face config, the tensor-parallel size and the
+optimizer step count), which the launcher reads back without megatron (`read_common`) to refuse a
+checkpoint of another model or TP size before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import threading
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from spec_engine.models.hf_config import ModelConfig
+from trainer_bridge.options import TrainerArgs
+
+
+class TrainActor(Protocol):
+    """What a checkpoint reads and restores of trainer_bridge.actor.TrainActor (which calls this
+    module, so it is described here rather than imported)."""
+
+    args: TrainerArgs
+    arch: ModelConfig
+    gpt: Any  # megatron's GPTModel
+    optimizer: Any  # megatron's MegatronOptimizer
+    dp_rank: int
+    dp_size: int
+    step: int
+
+
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
+COMMON_FILE = "common.pt"  # where dist_checkpointing keeps the non-sharded entries
+FORMAT = "specrl-torch_dist-v1"
+
+
+def _rng_state() -> dict[str, Any]:
+    """This rank's RNG states, under Megatron-LM's names."""
+    from megatron.core import tensor_parallel
+
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _rng_sharded_object(actor: TrainActor, states: list[dict[str, Any]]) -> Any:
+    """Megatron-LM's layout: one object per (pipeline, tensor) rank, replicated over data
+    parallelism, holding the data-parallel ranks' states in rank order."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    tp = actor.args.tensor_model_parallel_size
+    return ShardedObject(
+        "rng_state",
+        states,
+        (1, tp),
+        (0, parallel_state.get_tensor_model_parallel_rank()),
+        replica_id=actor.dp_rank,
+    )
+
+
+def _gather_dp(obj: Any, actor: TrainActor) -> list[Any]:
+    if actor.dp_size == 1:
+        return [obj]
+    from megatron.core import parallel_state
+
+    out: list[Any] = [None] * actor.dp_size
+    torch.distributed.all_gather_object(
+        out, obj, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+    )
+    return out
+
+
+def _state_dict(actor: TrainActor, rollout_id: int, loading: bool) -> dict[str, Any]:
+    model = actor.gpt.sharded_state_dict()
+    rng = [None] * actor.dp_size if loading else _gather_dp(_rng_state(), actor)
+    return {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": rollout_id,
+        "model": model,
+        "optimizer": actor.optimizer.sharded_state_dict(model, is_loading=loading),
+        "rng_state": _rng_sharded_object(actor, rng),
+        "specrl": {
+            "format": FORMAT,
+            "hf_config": dict(actor.arch.hf_config),
+            "tensor_model_parallel_size": actor.args.tensor_model_parallel_size,
+            "optimizer_step": actor.step,
+        },
+    }
+
+
+_warming: threading.Thread | None = None
+
+
+def warm_writer() -> None:
+    """The torch_dist writer's first save starts a helper process (a `spawn` multiprocessing
+    Manager, which re-imports the caller's main module: seconds on CPU, ~8 s in a test process);
+    starting it in a thread while the run starts up keeps that off the first save."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    global _warming
+    if _warming is None:
+        _warming = threading.Thread(
+            target=filesystem_async._get_write_results_queue, name="warm-ckpt-writer", daemon=True
+        )
+        _warming.start()
+
+
+def save_checkpoint(actor: TrainActor, directory: str, rollout_id: int) -> None:
+    """Every rank of the group writes its shards of model, optimizer and RNG into `directory`
+    (created by the caller, on a filesystem all ranks share)."""
+    from megatron.core import dist_checkpointing
+
+    if _warming is not None:
+        _warming.join()  # one writer process, not a second one started beside it
+    dist_checkpointing.save(_state_dict(actor, rollout_id, loading=False), directory)
+
+
+def load_checkpoint(actor: TrainActor, directory: str) -> int:
+    """Restore model, optimizer and RNG from `directory`; returns its rollout id. The launcher
+    has already checked the model and TP size (`check_common`); dist_checkpointing still refuses
+    a tensor whose global shape differs."""
+    from megatron.core import dist_checkpointing
+
+    common = read_common(directory)
+    check_common(common, actor.arch.hf_config, actor.args.tensor_model_parallel_size, directory)
+    template = _state_dict(actor, common["iteration"], loading=True)
+    state = dist_checkpointing.load(template, directory)
+    actor.gpt.load_state_dict(state["model"])
+    actor.optimizer.load_state_dict(state["optimizer"])
+    states = state["rng_state"]
+    _set_rng_state(states[actor.dp_rank])
+    actor.step = common["specrl"]["optimizer_step"]
+    return common["iteration"]
+
+
+def read_common(directory: str) -> dict[str, Any]:
+    """The non-sharded entries of a checkpoint (iteration, specrl's metadata), read with torch
+    alone. Raises ValueError naming the directory when it is not one of these checkpoints."""
+    path = os.path.join(directory, COMMON_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{directory} is not a complete megatron checkpoint (no {COMMON_FILE}): it was cut "
+            "short or is not a checkpoint; point --load at a directory with "
+            "latest_checkpointed_iteration.txt, or remove it"
+        )
+    try:
+        common = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign pickle: the message names the file
+        raise ValueError(f"{path} cannot be read ({e}); the checkpoint is corrupt") from e
+    meta = common.get("specrl") if isinstance(common, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(
+            f"{directory} was not written by specrl's --save (no {FORMAT!r} entry in "
+            f"{COMMON_FILE}); convert a Hugging Face model with --hf-checkpoint instead"
+        )
+    return common
+
+
+def check_common(
+    common: dict[str, Any], hf_config: dict[str, Any], tp_size: int, directory: str
+) -> None:
+    """Refuse a checkpoint of another model shape or tensor-parallel size, saying what to do."""
+    from trainer_bridge.model_provider import read_model_config
+
+    meta = common["specrl"]
+    saved, wanted = read_model_config(meta["hf_config"]), read_model_config(hf_config)
+    if saved != wanted:
+        diffs = [
+            f"{f.name} {getattr(saved, f.name)} vs {getattr(wanted, f.name)}"
+            for f in dataclasses.fields(saved)
+            if f.compare and getattr(saved, f.name) != getattr(wanted, f.name)
+        ]
+        raise ValueError(
+            f"{directory} holds another model than --hf-checkpoint ({', '.join(diffs)}); pass "
+            "the --hf-checkpoint the run started from, or a --load of this model"
+        )
+    if meta["tensor_model_parallel_size"] != tp_size:
+        raise ValueError(
+            f"{directory} was saved at --tensor-model-parallel-size "
+            f"{meta['tensor_model_parallel_size']}, this run uses {tp_size}: resume with "
+            f"--tensor-model-parallel-size {meta['tensor_model_parallel_size']}, or start a new "
+            "run from its Hugging Face export (--save-hf) as --hf-checkpoint"
+        )
