@@ -1,6 +1,9 @@
-"""The engine's control API: weight updates, memory release, pause, and what SGLang's
-server reports (server info, loads, weight version, profiling). Engine inherits it; every
-call runs on the scheduler thread between steps (`_call`)."""
+"""The engine's control API: weight updates, memory release, pause and profiling, with
+SGLang's request fields (io_struct's UpdateWeights*/InitWeightsUpdateGroup/... ReqInput).
+Engine inherits it; every call runs on the scheduler thread between steps (`_call`). A field
+SGLang has that specrl does not act on is accepted at its neutral value and refused otherwise
+with the reason. SGLang's extra fields come after the original parameters, which callers (the
+rollout's engine actor) pass by position."""
 
 from __future__ import annotations
 
@@ -8,21 +11,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
-from spec_engine.args.sglang_compat import SGLANG_FLAGS
-from spec_engine.version import __version__
+import torch
+
+from spec_engine.reports import EngineReports
 from spec_engine.weights.transport import FlattenedBucket, deserialize_shared
 
-# Server-info keys SGLang reports that no flag of either side sets (slime's external-engine
-# check and SGLang's router read them).
-_SERVER_INFO_CONSTANTS = {
-    "encoder_only": False,
-    "enable_return_routed_experts": False,
-    "moe_dp_size": 1,
-    "pp_size": 1,
-}
 
-
-class EngineControl:
+class EngineControl(EngineReports):
     """Mixed into Engine: needs its _call, args, scheduler, memory, updater, runner and
     weight_version."""
 
@@ -33,6 +28,9 @@ class EngineControl:
         flush_cache: bool = True,
         weight_version: Optional[str] = None,
         serialized_named_tensors: Optional[list[Union[str, bytes]]] = None,
+        abort_all_requests: bool = False,
+        disable_draft_model: Optional[bool] = None,
+        torch_empty_cache: bool = False,
     ) -> dict[str, Any]:
         """Load Hugging Face-named tensors (target, MTP layers, or `draft.`-prefixed external
         draft tensors). named_tensors: a list of (name, tensor) pairs, a dict, or with
@@ -41,6 +39,16 @@ class EngineControl:
         serialized_named_tensors: SGLang's form from a process on this machine, one
         MultiprocessingSerializer string per tensor-parallel rank (one here), whose tensors are
         shared, not copied (CUDA IPC; see weights.transport.serialize_shared)."""
+        if disable_draft_model:
+            raise ValueError(
+                "disable_draft_model: specrl updates the draft with the target (an MTP draft "
+                "shares the target's names); leave out the 'draft.'-prefixed tensors instead"
+            )
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError(
+                f"load_format must be null or 'flattened_bucket', got {load_format!r} (specrl "
+                "loads Hugging Face-named tensors; 'direct' parameter names are not supported)"
+            )
         if serialized_named_tensors is not None:
             if named_tensors is not None:
                 raise ValueError("give named_tensors or serialized_named_tensors, not both")
@@ -52,8 +60,6 @@ class EngineControl:
                     f"engine, and specrl engines have one; got {count}"
                 )
             named_tensors = deserialize_shared(serialized_named_tensors[0])
-        if load_format not in (None, "flattened_bucket"):
-            raise ValueError(f"load_format must be None or 'flattened_bucket', got {load_format!r}")
         if load_format == "flattened_bucket":
             buckets = named_tensors if isinstance(named_tensors, list) else [named_tensors]
             if not all(isinstance(b, (FlattenedBucket, dict)) for b in buckets):
@@ -68,6 +74,13 @@ class EngineControl:
                     b if isinstance(b, FlattenedBucket) else FlattenedBucket.from_dict(b)
                 ).unpack()
             ]
+        elif isinstance(named_tensors, dict) and set(named_tensors) == {
+            "flattened_tensor",
+            "metadata",
+        }:
+            raise ValueError(
+                "these tensors are a flattened bucket: send load_format 'flattened_bucket'"
+            )
         elif isinstance(named_tensors, dict):
             items = list(named_tensors.items())
         elif isinstance(named_tensors, (list, tuple)) and all(
@@ -76,7 +89,13 @@ class EngineControl:
             items = list(named_tensors)
         else:
             raise ValueError("named_tensors must be a dict or a list of (name, tensor) pairs")
-        return self._update_weights(lambda: self.updater.apply(items), flush_cache, weight_version)
+        return self._update_weights(
+            lambda: self.updater.apply(items),
+            flush_cache,
+            weight_version,
+            abort_all_requests,
+            torch_empty_cache,
+        )
 
     def init_weights_update_group(
         self,
@@ -85,10 +104,13 @@ class EngineControl:
         rank_offset: int,
         world_size: int,
         group_name: str = "weight_update_group",
-        backend: str = "gloo",
+        backend: Optional[str] = None,
     ) -> dict[str, Any]:
         """Join the trainer's process group (the trainer is rank 0) for
-        update_weights_from_distributed."""
+        update_weights_from_distributed. backend: "nccl" (SGLang's default, on CUDA) or
+        "gloo"; unset, the engine's device decides."""
+        if backend is None:
+            backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
         self._call(
             lambda: self.updater.init_group(
                 master_address, master_port, rank_offset, world_size, group_name, backend
@@ -96,7 +118,7 @@ class EngineControl:
         )
         return {
             "success": True,
-            "message": f"joined {group_name!r} as rank {rank_offset} of {world_size}",
+            "message": f"joined {group_name!r} ({backend}) as rank {rank_offset} of {world_size}",
         }
 
     def update_weights_from_distributed(
@@ -108,6 +130,8 @@ class EngineControl:
         flush_cache: bool = True,
         weight_version: Optional[str] = None,
         load_format: Optional[str] = None,
+        abort_all_requests: bool = False,
+        torch_empty_cache: bool = False,
     ) -> dict[str, Any]:
         """Receive one broadcast per named tensor from the group's rank 0, then load them
         (dtypes as torch dtypes or their names, "bfloat16"; load_format as SGLang: None)."""
@@ -120,6 +144,8 @@ class EngineControl:
             lambda: self.updater.from_distributed(names, dtypes, shapes, group_name),
             flush_cache,
             weight_version,
+            abort_all_requests,
+            torch_empty_cache,
         )
 
     def update_weights_from_disk(
@@ -129,33 +155,73 @@ class EngineControl:
         component: str = "target",
         flush_cache: bool = True,
         load_format: Optional[str] = None,
+        abort_all_requests: bool = False,
+        is_async: bool = False,
+        torch_empty_cache: bool = False,
+        keep_pause: bool = False,
+        recapture_cuda_graph: bool = False,
+        token_step: int = 0,
+        manifest: Optional[dict] = None,
     ) -> dict[str, Any]:
         """Load a Hugging Face checkpoint: into the target (and its MTP layers), or with
         component="draft" into the external draft. load_format: SGLang's auto, safetensors or pt
-        (the files present decide)."""
+        (the files present decide). keep_pause leaves generation paused after the update
+        (continue_generation resumes it); recapture_cuda_graph captures the graphs again
+        (never needed: updates copy into the tensors the graphs read); token_step (the trainer's
+        step) is accepted as a label SGLang keeps and specrl has no use for."""
         if load_format not in (None, "auto", "safetensors", "pt"):
             raise ValueError(
                 f"load_format {load_format!r} is not supported; specrl reads safetensors and "
                 "pytorch_model.bin checkpoints (auto, safetensors, pt)"
             )
+        if is_async:
+            raise ValueError(
+                "is_async: specrl updates weights synchronously (the call returns once they "
+                "serve); send false"
+            )
+        if manifest is not None:
+            raise ValueError(
+                "manifest: specrl reads the checkpoint's own index; send null (the whole "
+                "checkpoint is loaded)"
+            )
+
+        def load() -> int:
+            received = self.updater.from_disk(model_path, component)
+            if recapture_cuda_graph:
+                self.memory.recapture_graphs()
+            if keep_pause:
+                self.memory.pause("in_place")
+            return received
+
         return self._update_weights(
-            lambda: self.updater.from_disk(model_path, component), flush_cache, weight_version
-        )
+            load, flush_cache, weight_version, abort_all_requests, torch_empty_cache
+        ) | {"num_paused_requests": 0}
 
     def _update_weights(
-        self, load: Callable[[], int], flush_cache: bool, weight_version: Optional[str]
+        self,
+        load: Callable[[], int],
+        flush_cache: bool,
+        weight_version: Optional[str],
+        abort_all_requests: bool = False,
+        torch_empty_cache: bool = False,
     ) -> dict[str, Any]:
         def run() -> dict[str, Any]:
             self.memory.require_weights()
+            if abort_all_requests:
+                self.scheduler.abort_all("aborted for a weight update (abort_all_requests)")
             start = time.perf_counter()
             received = load()
             self.scheduler.weights_changed(flush=flush_cache)
             if weight_version is not None:
                 self.weight_version = weight_version
+            if torch_empty_cache:
+                _empty_device_cache(self.runner.device)
+            seconds = time.perf_counter() - start
             return {
                 "success": True,
+                "message": f"weights updated: {received} bytes in {seconds:.3f} s",
                 "bytes": received,
-                "seconds": time.perf_counter() - start,
+                "seconds": seconds,
                 "weight_version": self.weight_version,
             }
 
@@ -171,13 +237,20 @@ class EngineControl:
 
         return self._call(checksums)
 
-    def pause_generation(self, mode: str = "abort") -> None:
+    def pause_generation(self, mode: str = "abort") -> dict[str, str]:
         """Stop generating: abort (end requests), retract (re-queue them) or in_place (keep
         them)."""
         self._call(lambda: self.memory.pause(mode))
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
-    def continue_generation(self) -> None:
-        self._call(self.memory.unpause)
+    def continue_generation(self, torch_empty_cache: bool = True) -> dict[str, str]:
+        def run() -> None:
+            if torch_empty_cache:
+                _empty_device_cache(self.runner.device)
+            self.memory.unpause()
+
+        self._call(run)
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
         """Free weights and/or the KV cache (tags "weights", "kv_cache", "cuda_graph"; all by
@@ -192,57 +265,11 @@ class EngineControl:
         paused."""
         return self._call(self.memory.flush_cache)
 
-    def get_server_info(self) -> dict[str, Any]:
-        """SGLang's server info: the server args at top level (specrl's, and SGLang's own with
-        the values this engine runs at: tp_size 1, ...; the API key left out), sizes, the
-        weight version, and the scheduler's state in internal_states."""
-        sglang = {name: flag.default for name, flag in SGLANG_FLAGS.items()}
-        args = {k: v for k, v in self.args.to_dict().items() if k != "api_key"}
-        return {
-            **sglang,
-            **self.args.sglang_options,
-            **args,
-            **_SERVER_INFO_CONSTANTS,
-            "version": __version__,
-            "context_length": self.context_len,
-            "max_total_num_tokens": self.runner.max_total_tokens,
-            "weight_version": self.weight_version,
-            "internal_states": [self._call(self._internal_state)],
-        }
-
-    def get_load(self) -> dict[str, Any]:
-        """SGLang's /v1/loads: one entry per data-parallel rank (one here) and their sum."""
-        state = self._call(self._internal_state)
-        running, waiting = state["num_running_reqs"], state["num_waiting_reqs"]
-        load = {
-            "dp_rank": 0,
-            "num_running_reqs": running,
-            "num_waiting_reqs": waiting,
-            "num_total_reqs": running + waiting,
-            "num_used_tokens": state["num_used_tokens"],
-            "num_total_tokens": self.runner.max_total_tokens,
-            "token_usage": state["token_usage"],
-            "gen_throughput": state["last_gen_throughput"],
-        }
-        return {
-            "timestamp": time.time(),
-            "version": __version__,
-            "dp_rank_count": 1,
-            "loads": [load],
-            "aggregate": {
-                "total_running_reqs": running,
-                "total_waiting_reqs": waiting,
-                "total_reqs": running + waiting,
-                "avg_token_usage": load["token_usage"],
-                "total_throughput": load["gen_throughput"],
-            },
-        }
-
-    def get_weight_version(self) -> str:
-        return self.weight_version
-
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
-        """Relabel the loaded weights (SGLang's /update_weight_version)."""
+    def update_weight_version(
+        self, new_version: str, abort_all_requests: bool = True
+    ) -> dict[str, Any]:
+        """Relabel the loaded weights (SGLang's /update_weight_version; it aborts the requests in
+        flight unless abort_all_requests is false)."""
         if not isinstance(new_version, str) or not new_version:
             raise ValueError(f"new_version must be a non-empty string, got {new_version!r}")
 
@@ -252,46 +279,11 @@ class EngineControl:
             self.weight_version = new_version
 
         self._call(run)
-
-    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        """The first `truncate_size` values of a weight, flattened, as the engine holds it."""
-        if truncate_size < 0:
-            raise ValueError(f"truncate_size must be >= 0, got {truncate_size}")
-
-        def read() -> list:
-            self.memory.require_weights()
-            tensor = self.updater.tensor(name)
-            return tensor.reshape(-1)[:truncate_size].float().tolist()
-
-        return self._call(read)
-
-    def weights_checker(self, action: str) -> dict[str, Any]:
-        """slime's --check-weight-update-equal: "snapshot" the weights' checksums, "reset_tensors"
-        (fill every weight with NaN, so a partial update shows), "compare" with the snapshot."""
-
-        def run() -> dict[str, Any]:
-            self.memory.require_weights()
-            if action == "snapshot":
-                self._weight_snapshot = self.updater.checksums(None)
-                return {"success": True, "message": f"{len(self._weight_snapshot)} weights"}
-            if action == "reset_tensors":
-                self.updater.fill_weights(float("nan"))
-                self.scheduler.weights_changed(flush=True)
-                return {"success": True, "message": "weights reset to NaN"}
-            if action == "compare":
-                if self._weight_snapshot is None:
-                    raise ValueError("weights_checker compare needs a snapshot first")
-                current = self.updater.checksums(None)
-                differ = sorted(k for k, v in current.items() if self._weight_snapshot.get(k) != v)
-                return {
-                    "success": not differ,
-                    "message": f"{len(differ)} weights differ from the snapshot: {differ[:10]}",
-                }
-            raise ValueError(
-                f"weights_checker action must be snapshot, reset_tensors or compare, got {action!r}"
-            )
-
-        return self._call(run)
+        return {
+            "success": True,
+            "message": f"Weight version updated to {new_version}",
+            "new_version": new_version,
+        }
 
     def post_process_weights(
         self, restore_weights_before_load: bool = False, post_process_quantization: bool = False
@@ -300,8 +292,11 @@ class EngineControl:
         unquantized weights, so there is nothing to restore or re-quantize."""
         return {"success": True, "message": "unquantized weights: nothing to post-process"}
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+    def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> dict[str, Any]:
         self._call(lambda: self.updater.destroy_group(group_name))
+        return {"success": True, "message": f"left weight update group {group_name!r}"}
 
     def start_profile(
         self,
@@ -323,29 +318,9 @@ class EngineControl:
     def stop_profile(self) -> dict[str, Any]:
         return self._call(self._profiler_ctl.stop)
 
-    def _internal_state(self) -> dict[str, Any]:
-        s = self.scheduler
-        state = {
-            "num_used_tokens": s.allocator.total_tokens - s.available_tokens(),
-            "num_running_reqs": len(s.running),
-            "num_waiting_reqs": len(s.waiting),
-            "token_usage": round(1.0 - s.available_tokens() / s.allocator.total_tokens, 4),
-            "num_retractions": s.num_retractions,
-            "last_gen_throughput": s.last_gen_throughput,
-        }
-        if self.args.speculative_algorithm is not None:
-            state["avg_spec_accept_length"] = (
-                s.spec_emitted / s.spec_verify_ct if s.spec_verify_ct else None
-            )
-            state["spec_verify_ct"] = s.spec_verify_ct
-            state["spec_time_breakdown"] = dict(s.worker.timings.seconds)
-        return state
 
-    def get_model_info(self) -> dict[str, Any]:
-        return {
-            "model_path": self.args.model_path,
-            "tokenizer_path": None if self.tokenizer is None else self.args.tokenizer_path,
-            "is_generation": True,
-            "architecture": self.model_config.architecture,
-            "weight_version": self.weight_version,
-        }
+def _empty_device_cache(device: torch.device) -> None:
+    """SGLang's torch_empty_cache: hand cached CUDA blocks back to the driver (nothing to do
+    off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

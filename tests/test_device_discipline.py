@@ -109,7 +109,7 @@ def _distributed_update(engine: Engine, named: list[tuple[str, torch.Tensor]]) -
     tensors = dict(named)
     trainer = threading.Thread(target=broadcast_from_trainer, args=(port, tensors, ready))
     trainer.start()
-    engine.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="weights")
+    engine.init_weights_update_group("127.0.0.1", port, 1, 2, group_name="weights", backend="gloo")
     ready.set()
     engine.update_weights_from_distributed(
         list(tensors),

@@ -87,8 +87,9 @@ def test_loads_tokenize_server_info(served, path):
     engine, client = served
     load = client.get("/v1/loads", params={"include": "core,queues"}).json()
     assert load["loads"][0]["num_total_reqs"] == 0 and load["dp_rank_count"] == 1
-    assert load["loads"][0]["num_total_tokens"] == 2048
-    assert client.get("/get_load").json()["aggregate"]["total_reqs"] == 0
+    assert load["loads"][0]["max_total_num_tokens"] == 2048
+    assert load["loads"][0]["num_total_tokens"] == load["loads"][0]["num_used_tokens"]
+    assert client.get("/get_load").json()[0]["num_reqs"] == 0
     assert client.get("/v1/loads", params={"include": "bogus"}).status_code == 400
     tokens = client.post("/tokenize", json={"prompt": "The cat runs"}).json()
     assert tokens["tokens"] == engine.tokenizer("The cat runs")["input_ids"]
@@ -111,7 +112,7 @@ def test_metrics_and_request_log(served, caplog):
     text = client.get("/metrics").text
     line = next(x for x in text.splitlines() if x.startswith("sglang:generation_tokens_total"))
     assert float(line.split()[-1]) == before + 8
-    assert 'sglang:num_requests_total{finish_reason="length"' in text
+    assert "sglang:num_requests_total{" in text and "sglang:num_aborted_requests_total{" in text
     assert "sglang:e2e_request_latency_seconds_bucket" in text
     assert "sglang:num_running_reqs" in text
 

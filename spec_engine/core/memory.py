@@ -97,6 +97,13 @@ class MemoryController:
             for runner in self.runners:
                 runner.capture_graphs()
 
+    def recapture_graphs(self) -> None:
+        """Capture every graph again (SGLang's recapture_cuda_graph), unless graphs or what they
+        read are released: resuming captures them then."""
+        if not self.released:
+            for runner in self.runners:
+                runner.capture_graphs()
+
     def _kv_pools(self) -> list:
         """Each KV pool once (a self-draft runs on the target's)."""
         return list({id(r.kv_pool): r.kv_pool for r in self.runners}.values())

@@ -14,6 +14,9 @@ logger = logging.getLogger("spec_engine.requests")
 
 # e2e latency histogram buckets in seconds (SGLang's sglang:e2e_request_latency_seconds).
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+# /health_generate's probes carry rids with this prefix and are not counted (SGLang's
+# log_metrics=False for them).
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK_"
 
 
 @dataclass
@@ -29,8 +32,14 @@ class RequestStats:
     spec_emitted: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.log_requests:  # asked for: shown whatever --log-level says
+            logger.setLevel(logging.INFO)
+
     def record(self, req: Req) -> None:
         """A finished request: count it, and log one line with --log-requests."""
+        if req.input.rid.startswith(HEALTH_CHECK_RID_PREFIX):
+            return
         latency = time.perf_counter() - req.input.created_time
         kind = (req.finished_reason or {}).get("type", "unknown")
         with self._lock:

@@ -5,6 +5,7 @@ The weight-update and memory endpoints are http_server's CONTROL_METHODS."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,9 +13,6 @@ from fastapi.responses import JSONResponse, Response
 
 from spec_engine.engine import Engine
 from spec_engine.server.requests import BadRequest, json_body
-
-# What SGLang's /v1/loads?include= takes; everything specrl has is in "core" and "queues".
-LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 
 
 def add_admin_routes(app: FastAPI, engine: Engine) -> None:
@@ -25,15 +23,38 @@ def add_admin_routes(app: FastAPI, engine: Engine) -> None:
     async def server_info() -> dict:
         return await asyncio.to_thread(engine.get_server_info)
 
-    @app.get("/get_load")
     @app.get("/v1/loads")
-    async def loads(request: Request) -> dict:
-        include = request.query_params.get("include", "all")
-        unknown = [s for s in include.split(",") if s and s not in LOAD_SECTIONS]
-        if unknown:
-            sections = ", ".join(LOAD_SECTIONS)
-            raise BadRequest(f"unknown include section(s) {unknown}; use {sections}")
-        return await asyncio.to_thread(engine.get_load)
+    async def loads(request: Request) -> Any:
+        """SGLang's /v1/loads: ?include=core,queues,... (default all), ?dp_rank=0,
+        ?format=json|prometheus."""
+        query = request.query_params
+        include = [s.strip() for s in query.get("include", "all").split(",") if s.strip()]
+        if query.get("dp_rank", "0") != "0":
+            raise BadRequest(f"dp_rank {query['dp_rank']!r}: this server is one rank, dp_rank 0")
+        kind = query.get("format", "json")
+        if kind not in ("json", "prometheus"):
+            raise BadRequest(f"format must be json or prometheus, got {kind!r}")
+        result = await asyncio.to_thread(engine.get_load, include)
+        if kind == "prometheus":
+            return Response(_loads_text(result["loads"]), media_type="text/plain; version=0.0.4")
+        return result
+
+    @app.get("/get_load")
+    async def get_load() -> list:
+        """SGLang's legacy load shape, one entry per data-parallel rank."""
+        result = await asyncio.to_thread(engine.get_load, ["core"])
+        tic = time.perf_counter()
+        return [
+            {
+                "dp_rank": load["dp_rank"],
+                "num_reqs": load["num_total_reqs"],
+                "num_waiting_reqs": load["num_waiting_reqs"],
+                "num_tokens": load["num_total_tokens"],
+                "num_pending_tokens": load["num_total_tokens"] - load["num_used_tokens"],
+                "ts_tic": tic,
+            }
+            for load in result["loads"]
+        ]
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict:
@@ -43,14 +64,12 @@ def add_admin_routes(app: FastAPI, engine: Engine) -> None:
     async def update_weight_version(request: Request) -> dict:
         body = await json_body(request)
         _only(body, ("new_version", "abort_all_requests"))
-        version = body.get("new_version")
-        abort = body.get("abort_all_requests", False)
+        abort = body.get("abort_all_requests", True)
         if not isinstance(abort, bool):
             raise BadRequest(f"abort_all_requests must be true or false, got {abort!r}")
-        await asyncio.to_thread(engine.update_weight_version, version, abort)
-        return {"success": True, "message": f"weight version is {version}"}
+        return await asyncio.to_thread(engine.update_weight_version, body.get("new_version"), abort)
 
-    @app.post("/get_weights_by_name")
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> list:
         body = await json_body(request)
         _only(body, ("name", "truncate_size"))
@@ -68,8 +87,7 @@ def add_admin_routes(app: FastAPI, engine: Engine) -> None:
         _only(body, ("model", "prompt", "add_special_tokens"))
         tokenizer = _tokenizer(engine)
         prompt, special = body.get("prompt"), body.get("add_special_tokens", True)
-        if not isinstance(special, bool):
-            raise BadRequest(f"add_special_tokens must be true or false, got {special!r}")
+        _check_bool("add_special_tokens", special)
         single = isinstance(prompt, str)
         if not single and not (
             isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)
@@ -88,16 +106,28 @@ def add_admin_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request) -> dict:
+        """{"tokens": ids or a list of id lists, "skip_special_tokens": true} -> {"text": text
+        or a list of texts}."""
         body = await json_body(request)
-        _only(body, ("model", "tokens"))
+        _only(body, ("model", "tokens", "skip_special_tokens"))
         tokenizer = _tokenizer(engine)
-        tokens = body.get("tokens")
+        tokens, skip = body.get("tokens"), body.get("skip_special_tokens", True)
+        _check_bool("skip_special_tokens", skip)
+        batch = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
+        rows = tokens if batch else [tokens]
         vocab = engine.model_config.vocab_size
         if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens
+            isinstance(row, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in row)
+            for row in rows
         ):
-            raise BadRequest(f"tokens must be a list of token ids in [0, {vocab})")
-        return {"text": await asyncio.to_thread(tokenizer.decode, tokens)}
+            raise BadRequest(
+                f"tokens must be a list of token ids in [0, {vocab}), or a list of such lists"
+            )
+        texts = await asyncio.to_thread(
+            lambda: [tokenizer.decode(row, skip_special_tokens=skip) for row in rows]
+        )
+        return {"text": texts if batch else texts[0]}
 
     registry = None
     if engine.args.enable_metrics:
@@ -118,10 +148,37 @@ def add_admin_routes(app: FastAPI, engine: Engine) -> None:
         return Response(body, media_type=content_type)
 
 
+def _loads_text(loads: list[dict[str, Any]]) -> str:
+    """/v1/loads?format=prometheus: SGLang's gauges, sglang_<field> and sglang_<section>_<field>
+    (spec and disagg for the speculative and disaggregation sections)."""
+    prefixes = {"speculative": "spec", "disaggregation": "disagg"}
+    samples: dict[str, list[tuple[int, float]]] = {}
+    for load in loads:
+        rank = load["dp_rank"]
+        for key, value in load.items():
+            if isinstance(value, dict):
+                for sub, number in value.items():
+                    if isinstance(number, (int, float)):
+                        name = f"sglang_{prefixes.get(key, key)}_{sub}"
+                        samples.setdefault(name, []).append((rank, number))
+            elif isinstance(value, (int, float)) and key != "dp_rank":
+                samples.setdefault(f"sglang_{key}", []).append((rank, value))
+    lines = []
+    for name, values in samples.items():
+        lines.append(f"# TYPE {name} gauge")
+        lines += [f'{name}{{dp_rank="{rank}"}} {value}' for rank, value in values]
+    return "\n".join(lines) + "\n"
+
+
 def _only(body: dict[str, Any], keys: tuple[str, ...]) -> None:
     unknown = set(body) - set(keys)
     if unknown:
         raise BadRequest(f"unknown field(s) {sorted(unknown)}; allowed: {list(keys)}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {value!r}")
 
 
 def _tokenizer(engine: Engine) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import typing
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
 from spec_engine.core.outputs import EngineFailure
+from spec_engine.core.stats import HEALTH_CHECK_RID_PREFIX
 from spec_engine.engine import Engine
 from spec_engine.server.admin_api import add_admin_routes
 from spec_engine.server.openai_api import add_openai_routes, token_text
@@ -46,20 +48,32 @@ _GENERATE_KEYS = {
 # clients send by default), refused otherwise with the reason.
 _GENERATE_NEUTRAL = {
     "return_routed_experts": (False, "the model has no MoE layers to report routed experts for"),
+    "routed_experts_start_len": (0, "the model has no MoE layers to report routed experts for"),
     "return_hidden_states": (False, "hidden states are not returned by specrl"),
+    "return_entropy": (False, "entropies are not returned by specrl; use top_logprobs_num"),
     "custom_logit_processor": (
         None,
-        "custom logit processors are pickled code, and specrl does not run code from requests",
+        "custom logit processors run pickled code; specrl does not execute code from requests",
     ),
+    "input_embeds": (None, "specrl takes text or input_ids, not embeddings"),
+    "positional_embed_overrides": (None, "specrl takes text or input_ids, not embeddings"),
     "image_data": (None, "specrl serves text-only models"),
     "video_data": (None, "specrl serves text-only models"),
     "audio_data": (None, "specrl serves text-only models"),
+    "modalities": (None, "specrl serves text-only models"),
     "lora_path": (None, "specrl serves no LoRA adapters"),
+    "lora_id": (None, "specrl serves no LoRA adapters"),
     "session_params": (None, "sessions are not supported by specrl"),
     "bootstrap_host": (None, "specrl has no prefill/decode disaggregation"),
     "bootstrap_port": (None, "specrl has no prefill/decode disaggregation"),
     "bootstrap_room": (None, "specrl has no prefill/decode disaggregation"),
+    "bootstrap_pair_key": (None, "specrl has no prefill/decode disaggregation"),
     "data_parallel_rank": (None, "a specrl server is one data-parallel rank"),
+    "routed_dp_rank": (None, "a specrl server is one data-parallel rank"),
+    "priority": (None, "requests are served first come, first served (no priorities)"),
+    "extra_key": (None, "the prefix cache is shared by every request (no per-request salt)"),
+    "cache_salt": (None, "the prefix cache is shared by every request (no per-request salt)"),
+    "return_prompt_token_ids": (False, "prompt_token_ids are not returned; use /tokenize"),
     "token_ids_logprob": (
         None,
         "log-probs of chosen token ids are not supported; use top_logprobs_num",
@@ -116,10 +130,15 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        blocked = await asyncio.to_thread(engine.generation_blocked)
+        if blocked is not None:  # it would only wait: say why at once
+            return JSONResponse({"error": {"message": blocked}}, status_code=503)
         try:
             await asyncio.wait_for(
                 engine.async_generate(
-                    input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}
+                    input_ids=[0],
+                    sampling_params={"max_new_tokens": 1, "temperature": 0},
+                    rid=f"{HEALTH_CHECK_RID_PREFIX}{uuid.uuid4().hex}",
                 ),
                 HEALTH_TIMEOUT_S,
             )
@@ -167,8 +186,12 @@ def create_app(engine: Engine) -> FastAPI:
             )
         for key, (neutral, why) in _GENERATE_NEUTRAL.items():
             if key in body and body[key] not in (neutral, None):
-                raise BadRequest(f"{key}: {why}")
-        with_text = bool(body.get("return_text_in_logprobs", False))
+                raise BadRequest(f"{key}: {why} (got {body[key]!r:.80}; leave it out)")
+        with_text = body.get("return_text_in_logprobs", False)
+        if not isinstance(with_text, bool):
+            raise BadRequest(
+                f"return_text_in_logprobs must be true or false, got {with_text!r:.80}"
+            )
         kwargs = dict(
             prompt=body.get("text"),
             input_ids=body.get("input_ids"),
@@ -212,7 +235,10 @@ def create_app(engine: Engine) -> FastAPI:
         except TypeError as e:  # a required field is missing
             raise BadRequest(str(e)) from None
         result = await asyncio.to_thread(method, **body)
-        return result if isinstance(result, dict) else {"success": True}
+        if not isinstance(result, dict):
+            return {"success": True}
+        # SGLang answers a failed check (weights_checker compare) with its body and a 400.
+        return JSONResponse(result, status_code=400 if result.get("success") is False else 200)
 
     def tensors_from_text(body: dict) -> dict:
         """serialized_named_tensors: a list (SGLang's MultiprocessingSerializer strings, one per
@@ -243,7 +269,8 @@ def create_app(engine: Engine) -> FastAPI:
         async def handler(request: Request):
             return await control(request, method, keys, convert)
 
-        app.post(f"/{name}", name=name)(handler)
+        methods = ["GET", "POST"] if name in GET_OR_POST else ["POST"]
+        app.api_route(f"/{name}", methods=methods, name=name)(handler)
 
     for name in CONTROL_METHODS:
         control_endpoint(name)
@@ -301,6 +328,18 @@ CONTROL_METHODS = (
     "resume_memory_occupation",
     "start_profile",
     "stop_profile",
+)
+
+
+# Control endpoints SGLang serves on GET too (a body-less GET takes every default).
+GET_OR_POST = frozenset(
+    {
+        "weights_checker",
+        "release_memory_occupation",
+        "resume_memory_occupation",
+        "start_profile",
+        "stop_profile",
+    }
 )
 
 

@@ -26,7 +26,7 @@ class EngineCollector:
         labels = {"model_name": self.engine.args.served_model_name or ""}
         names, values = list(labels), list(labels.values())
         stats = self.engine.stats.snapshot()
-        load = self.engine.get_load()["loads"][0]
+        load = self.engine.get_load(["core"])["loads"][0]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, doc, labels=names)
@@ -42,7 +42,16 @@ class EngineCollector:
         yield gauge("sglang:num_queue_reqs", "Waiting requests.", load["num_waiting_reqs"])
         yield gauge("sglang:num_used_tokens", "KV tokens in use.", load["num_used_tokens"])
         yield gauge("sglang:token_usage", "Fraction of the KV pool in use.", load["token_usage"])
+        yield gauge(
+            "sglang:max_total_num_tokens", "KV pool size in tokens.", load["max_total_num_tokens"]
+        )
         yield gauge("sglang:gen_throughput", "Last decode step's tokens/s.", load["gen_throughput"])
+        yield gauge(
+            "sglang:cache_hit_rate",
+            "Prompt tokens served from the prefix cache.",
+            load["cache_hit_rate"],
+        )
+        yield gauge("sglang:utilization", "Load (SGLang's definition).", load["utilization"])
         verify = stats["spec_verify_ct"]
         yield gauge(
             "sglang:spec_accept_length",
@@ -55,12 +64,9 @@ class EngineCollector:
         yield counter(
             "sglang:cached_tokens", "Prompt tokens from the prefix cache.", stats["cached_tokens"]
         )
-        requests = CounterMetricFamily(
-            "sglang:num_requests", "Finished requests.", labels=[*names, "finish_reason"]
-        )
-        for kind, count in sorted(stats["requests"].items()):
-            requests.add_metric([*values, kind], count)
-        yield requests
+        finished = stats["requests"]
+        yield counter("sglang:num_requests", "Finished requests.", sum(finished.values()))
+        yield counter("sglang:num_aborted_requests", "Aborted requests.", finished.get("abort", 0))
         cumulative, buckets = 0, []
         for bound, count in zip([*map(str, LATENCY_BUCKETS), "+Inf"], stats["latency_counts"]):
             cumulative += count

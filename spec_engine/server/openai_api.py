@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Optional
 
 import jinja2
@@ -37,14 +37,16 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
         if model != model_name:
+            # OpenAI's (and SGLang's) error shape.
             return JSONResponse(
                 {
-                    "object": "error",
-                    "message": f"the model {model!r} does not exist; this server serves "
-                    f"{model_name!r}",
-                    "type": "NotFoundError",
-                    "param": "model",
-                    "code": 404,
+                    "error": {
+                        "message": f"The model {model!r} does not exist; this server serves "
+                        f"{model_name!r}",
+                        "type": "invalid_request_error",
+                        "param": "model",
+                        "code": "model_not_found",
+                    }
                 },
                 status_code=404,
             )
@@ -55,13 +57,16 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
         req = parse_model(CompletionRequest, await json_body(request))
         _refuse(best_of=req.best_of not in (None, 1), suffix=req.suffix is not None)
         prompt = req.prompt
+        if isinstance(prompt, list) and not prompt:
+            raise BadRequest(
+                "prompt is an empty list; send a string, a list of strings, token ids or a "
+                "list of token-id lists"
+            )
         as_text = isinstance(prompt, str) or (
             isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
         )
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise BadRequest(f"logprobs must be in [0, 20], got {req.logprobs}")
-        if req.echo and req.stream:
-            raise BadRequest("echo with stream is not supported by specrl; use stream=false")
         kwargs = dict(
             prompt=prompt if as_text else None,
             input_ids=None if as_text else prompt,
@@ -74,6 +79,11 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
         )
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        prompts = (
+            [prompt]
+            if isinstance(prompt, str) or not isinstance(prompt[0], (str, list))
+            else prompt
+        )
         if req.stream:
             stream = await engine.async_generate(stream=True, **kwargs)
             include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -81,19 +91,22 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
             def choice(
                 i: int, delta: str, finish: Optional[str], new: Optional[dict] = None
             ) -> dict:
-                logprobs = None if new is None else _completion_logprobs(engine, new)
+                logprobs = None
+                if new is not None:
+                    echoed = "input_token_logprobs" in new["meta_info"]
+                    logprobs = _completion_logprobs(engine, new, with_prompt=echoed)
                 return {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": finish}
 
+            def echo(i: int) -> str:
+                return _prompt_text(engine, prompts[i // req.n])
+
             return StreamingResponse(
-                _stream_events(stream, base, choice, include_usage, req.n),
+                _stream_events(
+                    stream, base, choice, include_usage, req.n, echo=echo if req.echo else None
+                ),
                 media_type="text/event-stream",
             )
         outs = _as_list(await engine.async_generate(**kwargs))
-        prompts = (
-            [prompt]
-            if isinstance(prompt, str) or not isinstance(prompt[0], (str, list))
-            else prompt
-        )
         choices = []
         for i, o in enumerate(outs):
             echoed = _prompt_text(engine, prompts[i // req.n]) if req.echo else ""
@@ -114,7 +127,6 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
     async def chat_completions(request: Request):
         req = parse_model(ChatCompletionRequest, await json_body(request))
         _refuse(
-            logit_bias=bool(req.logit_bias),
             response_format=req.response_format not in (None, {"type": "text"}),
             tools=bool(req.tools),
             tool_choice=req.tool_choice not in (None, "none"),
@@ -283,8 +295,11 @@ async def _stream_events(
     include_usage: bool,
     n: int,
     first: Optional[list[dict]] = None,
+    echo: Optional[Callable[[int], str]] = None,
 ) -> AsyncIterator[str]:
-    """SSE chunks of text deltas; `choice(index, delta, finish_reason)` shapes each choice."""
+    """SSE chunks of text deltas; `choice(index, delta, finish_reason, new)` shapes each choice.
+    With `echo`, each choice's first chunk starts with echo(index), its prompt (and, with
+    log-probs, the prompt's log-probs)."""
     for c in first or []:
         yield sse({**base, "choices": [c]})
     sent: dict[int, int] = {}
@@ -293,13 +308,16 @@ async def _stream_events(
     try:
         async for out in stream:
             i = out.get("index", 0)
+            echoing = echo is not None and i not in sent
             text = out["text"] or ""
             delta = text[sent.get(i, 0) :]
             sent[i] = len(text)
+            if echoing:
+                delta = echo(i) + delta
             finish = _finish(out)
             if finish is not None:
                 finals[i] = out
-            new = _new_logprobs(out, sent_tokens.get(i, 0))
+            new = _new_logprobs(out, sent_tokens.get(i, 0), with_prompt=echoing)
             if new is not None:
                 sent_tokens[i] = sent_tokens.get(i, 0) + len(
                     new["meta_info"]["output_token_logprobs"]
@@ -315,16 +333,21 @@ async def _stream_events(
     yield "data: [DONE]\n\n"
 
 
-def _new_logprobs(out: dict, sent: int) -> Optional[dict]:
+def _new_logprobs(out: dict, sent: int, with_prompt: bool = False) -> Optional[dict]:
     """The part of a cumulative streamed output whose token log-probs were not sent yet (None
-    without log-probs or new tokens)."""
+    without log-probs or new tokens); with_prompt adds the prompt's."""
     meta = out["meta_info"]
     entries = meta.get("output_token_logprobs")
-    if entries is None or len(entries) <= sent:
+    prompt = with_prompt and "input_token_logprobs" in meta
+    if entries is None or (len(entries) <= sent and not prompt):
         return None
     new = {"output_token_logprobs": entries[sent:]}
     if "output_top_logprobs" in meta:
         new["output_top_logprobs"] = meta["output_top_logprobs"][sent:]
+    if prompt:
+        for key in ("input_token_logprobs", "input_top_logprobs"):
+            if key in meta:
+                new[key] = meta[key]
     return {"meta_info": new}
 
 

@@ -1,5 +1,13 @@
 """Moving weights between processes: flattened buckets (one transfer per dtype), tensors shared
-by another process (CUDA IPC / shared-memory handles), and base64 text for HTTP."""
+by another process (CUDA IPC / shared-memory handles), and base64 text for HTTP.
+
+update_weights_from_tensor's serialized_named_tensors entries are read in two forms:
+SGLang's MultiprocessingSerializer (base64 of a ForkingPickler pickle: tensors shared, not
+copied) through a restricted unpickler (deserialize_shared), and serialize_tensors' torch.save
+text. A flattened bucket ({"flattened_tensor", "metadata"}) comes in either of SGLang's
+layouts, told apart by the flat tensor's dtype: uint8 with byte ranges and a dtype per entry
+(FlattenedTensorBucket with supports_multi_dtypes, what slime sends now), or the entries' own
+dtype with element ranges (older SGLang, one dtype per bucket)."""
 
 from __future__ import annotations
 
@@ -77,11 +85,10 @@ class FlattenedBucket:
                 )
                 for m in data["metadata"]
             ]
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(
                 "a flattened bucket needs 'flattened_tensor' and 'metadata' entries with name, "
-                "shape, "
-                f"start_idx, end_idx ({e!r})"
+                f"shape, start_idx, end_idx ({e!r})"
             ) from None
         bad = next(
             (m for m in metadata if any(d < 0 for d in m.shape) or not 0 <= m.start <= m.end), None
@@ -196,7 +203,7 @@ def deserialize_shared(data: str | bytes) -> Any:
     try:
         raw = base64.b64decode(data, validate=True) if isinstance(data, str) else data
         return _SharedTensorUnpickler(io.BytesIO(raw)).load()
-    except (ValueError, EOFError, pickle.UnpicklingError, TypeError) as e:
+    except Exception as e:  # whatever a malformed payload raises is the sender's error: a 400
         raise ValueError(
             f"serialized_named_tensors could not be decoded ({e}); send SGLang's "
             "MultiprocessingSerializer output (spec_engine.weights.transport.serialize_shared)"
@@ -248,6 +255,13 @@ class _SharedTensorUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _SGLANG_GLOBALS:
             return _SGLANG_GLOBALS[module, name]
+        if module == "multiprocessing.resource_sharer":
+            raise pickle.UnpicklingError(
+                f"refusing to unpickle {module}.{name}: the CPU tensors were shared by file "
+                "descriptor, which only the sender's child processes can open; call "
+                "torch.multiprocessing.set_sharing_strategy('file_system') in the sender (or "
+                "send CUDA tensors)"
+            )
         allowed = (
             (module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"))
             or (
@@ -263,5 +277,9 @@ class _SharedTensorUnpickler(pickle.Unpickler):
             or (module == "collections" and name == "OrderedDict")
         )
         if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in shared tensors")
+            raise pickle.UnpicklingError(
+                f"refusing to unpickle {module}.{name}: only torch tensors and storages, torch "
+                "dtypes and sizes, plain containers and SGLang's FlattenedTensorMetadata are "
+                "allowed in serialized_named_tensors"
+            )
         return super().find_class(module, name)

@@ -260,6 +260,10 @@ class WeightUpdater:
             raise ValueError(f"no weights named {unknown[:5]}")
         return {n: tensor_checksum(hf_tensor(*every[n])) for n in wanted}
 
+    def names(self) -> list[str]:
+        """Every weight's Hugging Face name (`draft.`-prefixed for an external draft)."""
+        return list(self._named_weights())
+
     def tensor(self, name: str) -> torch.Tensor:
         """One weight by its Hugging Face name (`draft.`-prefixed for an external draft)."""
         every = self._named_weights()
