@@ -116,15 +116,16 @@ class Engine(EngineControl):
         prompt: Prompt = None,
         sampling_params: Params = None,
         input_ids: InputIds = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
+        return_logprob: Union[bool, list[bool]] = False,
+        top_logprobs_num: Union[int, list[int]] = 0,
         stream: bool = False,
         rid: Union[str, list[str], None] = None,
-        logprob_start_len: int = -1,
+        logprob_start_len: Union[int, list[int]] = -1,
     ) -> Union[dict, list[dict], Iterator[dict]]:
         """Generate for one prompt (returns a dict) or a batch (a list, n samples per prompt in a
         row). With return_logprob, logprob_start_len >= 0 also scores the prompt from there
-        (meta_info.input_token_logprobs); max_new_tokens 0 only scores it.
+        (meta_info.input_token_logprobs); max_new_tokens 0 only scores it. For a batch, the
+        log-prob arguments may be lists with one value per prompt, as in SGLang.
 
         With stream=True returns an iterator of cumulative output dicts (batch items carry "index").
         """
@@ -170,11 +171,11 @@ class Engine(EngineControl):
         prompt: Prompt = None,
         sampling_params: Params = None,
         input_ids: InputIds = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
+        return_logprob: Union[bool, list[bool]] = False,
+        top_logprobs_num: Union[int, list[int]] = 0,
         stream: bool = False,
         rid: Union[str, list[str], None] = None,
-        logprob_start_len: int = -1,
+        logprob_start_len: Union[int, list[int]] = -1,
     ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """Async form of `generate`; with stream=True returns an async iterator."""
         # Tokenizing a long prompt takes seconds: off the event loop, which serves other requests.

@@ -41,9 +41,10 @@ def plain(target):
 
 
 def reference_greedy(model, params: dict, steps: int) -> list[int]:
-    """Greedy decoding with SGLang's penalty rules built from transformers' processors: the
-    repetition penalty over output tokens (HF's processor given only those), logit bias as a
-    one-token sequence bias, frequency/presence subtracted per output-token count."""
+    """Greedy decoding with SGLang's penalty rules built from transformers' processors:
+    frequency/presence subtracted per output-token count, then the repetition penalty over
+    output tokens (HF's processor given only those), then logit bias as a one-token sequence
+    bias."""
     out: list[int] = []
     bias = SequenceBiasLogitsProcessor({(int(t),): b for t, b in params["logit_bias"].items()})
     repetition = RepetitionPenaltyLogitsProcessor(params["repetition_penalty"])
@@ -51,11 +52,12 @@ def reference_greedy(model, params: dict, steps: int) -> list[int]:
         with torch.no_grad():
             logits = model(torch.tensor([PROMPT + out])).logits[:, -1].float()
         if out:
+            # SGLang's order: the additive penalties, then the repetition scaling.
             seen = torch.tensor([out])
-            logits = repetition(seen, logits)
             counts = torch.bincount(seen[0], minlength=logits.shape[-1]).float()
             logits = logits - params["frequency_penalty"] * counts
             logits = logits - params["presence_penalty"] * (counts > 0).float()
+            logits = repetition(seen, logits)
         logits = bias(torch.tensor([PROMPT + out]), logits)
         out.append(int(logits.argmax()))
     return out

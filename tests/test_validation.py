@@ -30,7 +30,7 @@ BAD_REQUESTS = [
     (dict(input_ids=[5, 6], sampling_params={"logit_bias": {"9999": 1}}), "logit_bias"),
     (dict(input_ids=[5, 6], sampling_params={"regex": "a+"}), "constrained decoding"),
     (dict(input_ids=[5, 6], sampling_params={"custom_params": [1]}), "custom_params"),
-    (dict(input_ids=[5, 6], return_logprob=True, logprob_start_len=2), "logprob_start_len"),
+    (dict(input_ids=[5, 6], return_logprob=True, logprob_start_len=3), "logprob_start_len"),
     (dict(input_ids=[5, 6], sampling_params=[{}, {}]), "sampling_params"),
     (dict(prompt="hi", input_ids=[5]), "exactly one"),
     (dict(input_ids=[5, 6], top_logprobs_num=-1), "top_logprobs_num"),

@@ -88,11 +88,11 @@ class RequestBuilder:
         prompt: Prompt,
         input_ids: InputIds,
         sampling_params: Params,
-        return_logprob: bool,
-        top_logprobs_num: int,
+        return_logprob: Union[bool, list[bool]],
+        top_logprobs_num: Union[int, list[int]],
         rid: Union[str, list[str], None],
         stream: bool,
-        logprob_start_len: int = -1,
+        logprob_start_len: Union[int, list[int]] = -1,
     ) -> tuple[list[Req], bool]:
         """Validate a call and expand it into requests (n per prompt); raises ValueError naming the
         field."""
@@ -106,38 +106,44 @@ class RequestBuilder:
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
-        if not isinstance(return_logprob, bool):
-            raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
-        if (
-            isinstance(top_logprobs_num, bool)
-            or not isinstance(top_logprobs_num, int)
-            or not 0 <= top_logprobs_num <= self.vocab_size
-        ):
-            raise ValueError(
-                f"top_logprobs_num must be an integer in [0, vocab size], got {top_logprobs_num!r}"
-            )
+        count = len(ids_list)
+        # As in SGLang, the log-prob fields may also be lists: one value per prompt.
+        return_logprobs = _per_prompt("return_logprob", return_logprob, count)
+        top_nums = _per_prompt("top_logprobs_num", top_logprobs_num, count)
+        start_lens = _per_prompt("logprob_start_len", logprob_start_len, count)
+        for value in return_logprobs:
+            if not isinstance(value, bool):
+                raise ValueError(f"return_logprob must be true or false, got {value!r}")
+        for value in top_nums:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"top_logprobs_num must be an integer, got {value!r}")
+            if not 0 <= value <= self.vocab_size:
+                raise ValueError(
+                    f"top_logprobs_num must be in [0, {self.vocab_size}] (the vocabulary), "
+                    f"got {value}"
+                )
+        for ids, value, want in zip(ids_list, start_lens, return_logprobs):
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise ValueError(
+                    "logprob_start_len must be -1 (no prompt log-probs) or a prompt position, "
+                    f"got {value!r}"
+                )
+            # As in SGLang, the start matters (and is checked) only with return_logprob; the
+            # prompt's length itself scores nothing.
+            if want and value > len(ids):
+                raise ValueError(
+                    f"logprob_start_len {value} is past the end of a {len(ids)}-token prompt; "
+                    "use 0 to score the whole prompt"
+                )
         if not isinstance(stream, bool):
             raise ValueError(f"stream must be true or false, got {stream!r}")
-        if (
-            isinstance(logprob_start_len, bool)
-            or not isinstance(logprob_start_len, int)
-            or logprob_start_len < -1
-        ):
-            raise ValueError(
-                "logprob_start_len must be -1 (no prompt log-probs) or a prompt position, got "
-                f"{logprob_start_len!r}"
-            )
-        too_short = [len(ids) for ids in ids_list if logprob_start_len >= len(ids)]
-        if too_short:
-            raise ValueError(
-                f"logprob_start_len {logprob_start_len} is not a position of a "
-                f"{too_short[0]}-token prompt; use 0 to score the whole prompt"
-            )
         rids = self._rids(rid, len(ids_list))
         params = [self._check_request(ids, sp) for ids, sp in zip(ids_list, params)]
         self.limits.check(ids_list, params)
         reqs = []
-        for ids, sp, base_rid in zip(ids_list, params, rids):
+        for ids, sp, base_rid, want, top_num, start in zip(
+            ids_list, params, rids, return_logprobs, top_nums, start_lens
+        ):
             for i in range(sp.n):
                 if sp.sampling_seed is not None:
                     seed = derive_seed(sp.sampling_seed, i)
@@ -153,10 +159,10 @@ class RequestBuilder:
                             origin_input_ids=tuple(ids),
                             sampling_params=sp,
                             seed=seed,
-                            return_logprob=return_logprob,
+                            return_logprob=want,
                             # As in SGLang, top log-probs come only with return_logprob.
-                            top_logprobs_num=top_logprobs_num if return_logprob else 0,
-                            logprob_start_len=logprob_start_len,
+                            top_logprobs_num=top_num if want else 0,
+                            logprob_start_len=start,
                             stream=stream,
                         )
                     )
@@ -279,3 +285,14 @@ class RequestBuilder:
         ):
             raise ValueError(f"rid must be a string per prompt ({count} expected), got {rid!r}")
         return rids
+
+
+def _per_prompt(name: str, value: Any, count: int) -> list[Any]:
+    """A field given once for every prompt, or as a list with one value per prompt."""
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(
+            f"{name} has {len(value)} entries for {count} prompts; give one per prompt"
+        )
+    return value

@@ -4,10 +4,10 @@ repetition, frequency and presence penalties and logit_bias, and slime's top-p r
 One function serves plain decoding and speculative verification, so speculation stays exact:
 a verify row is penalised with the tokens its request would have emitted up to that node (the
 output so far plus the draft path), exactly what plain decoding sees at that position. As in
-SGLang, the penalties count output tokens only (not the prompt): repetition divides positive
-logits and multiplies negative ones of every token seen; frequency subtracts
-penalty x count; presence subtracts penalty once per seen token; logit_bias adds its values.
-Reported log-probs come from the processed logits, as SGLang's do.
+SGLang, the penalties count output tokens only (not the prompt), in SGLang's order: frequency
+subtracts penalty x count and presence subtracts penalty once per seen token, then repetition
+divides the positive logits and multiplies the negative ones of every seen token, then
+logit_bias adds its values. Reported log-probs come from the processed logits, as SGLang's do.
 """
 
 from __future__ import annotations
@@ -37,21 +37,36 @@ def process_logits(
     device = logits.device
     for r in rows:
         sp, row = params[r], out[r]
-        if contexts[r]:
+        penalised = sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
+        if contexts[r] and penalised:
             seen, counts = torch.tensor(list(contexts[r]), dtype=torch.int64, device=device).unique(
                 return_counts=True
             )
-            values = row[seen]
+            # SGLang's order (its accumulated additive, then scaling penalties): frequency and
+            # presence subtract first, the repetition penalty then scales the result.
+            values = row[seen] - sp.frequency_penalty * counts - sp.presence_penalty
             if sp.repetition_penalty != 1.0:
                 penalty = sp.repetition_penalty
                 values = torch.where(values < 0, values * penalty, values / penalty)
-            values = values - sp.frequency_penalty * counts - sp.presence_penalty
             row[seen] = values
         if sp.logit_bias:
             ids = torch.tensor([int(t) for t in sp.logit_bias], dtype=torch.int64, device=device)
             bias = torch.tensor(list(sp.logit_bias.values()), dtype=row.dtype, device=device)
             row.index_add_(0, ids, bias)
     return out
+
+
+NONFINITE_LOGITS = (
+    "the model produced NaN/Inf logits for this request, so its tokens would be meaningless; "
+    "check the weights and the dtype (--enable-nan-detection samples around NaN logits, as "
+    "SGLang does)"
+)
+
+
+def nonfinite_rows(logits: torch.Tensor) -> list[int]:
+    """Rows holding NaN or +Inf (a broken forward; -Inf is a legitimate mask): one host sync."""
+    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
+    return bad.nonzero().flatten().tolist()
 
 
 def replace_nan(logits: torch.Tensor) -> torch.Tensor:

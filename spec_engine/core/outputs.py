@@ -167,22 +167,21 @@ class RequestOutput:
         return out
 
     def _input_logprobs(self, d: Delivery) -> dict[str, Any]:
-        """SGLang's input_token_logprobs from logprob_start_len on: (logprob, id, None), the
-        first prompt token's logprob None (nothing precedes it)."""
-        ids = self.req.input.origin_input_ids
-        start = self.req.input.logprob_start_len
+        """SGLang's input_token_logprobs: (logprob, id, None) for every prompt token from
+        logprob_start_len on, the first entry's logprob None (SGLang pads it whatever the
+        start)."""
+        ids = self.req.input.origin_input_ids[self.req.input.logprob_start_len :]
         logprobs = [None, *d.input_logprobs]
         out: dict[str, Any] = {
             "input_token_logprobs": [
-                (logprobs[i] if i < len(logprobs) else None, ids[i], None)
-                for i in range(start, len(ids))
+                (logprobs[k] if k < len(logprobs) else None, t, None) for k, t in enumerate(ids)
             ]
         }
         if d.input_top_logprobs is not None:
             tops = [None, *d.input_top_logprobs]
             out["input_top_logprobs"] = [
-                None if i >= len(tops) or tops[i] is None else [(lp, t, None) for lp, t in tops[i]]
-                for i in range(start, len(ids))
+                None if k >= len(tops) or tops[k] is None else [(lp, t, None) for lp, t in tops[k]]
+                for k in range(len(ids))
             ]
         return out
 

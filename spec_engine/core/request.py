@@ -49,7 +49,8 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     # slime's top-p replay: each output token's nucleus (core.logits_processor.top_p_replay).
     output_top_p_ids: list[list[int]] = field(default_factory=list)
-    # Log-probs of prompt tokens 1.. (token 0 has none), filled by prefill when asked for.
+    # With input log-probs asked for from prompt position s (logprob_start_len): the log-probs
+    # of prompt tokens s + 1, s + 2, ... (token s gets none, as in SGLang), filled by prefill.
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     finished_reason: Optional[dict[str, Any]] = None
@@ -88,6 +89,15 @@ class Req:
     @property
     def wants_input_logprobs(self) -> bool:
         return self.input.return_logprob and self.input.logprob_start_len >= 0
+
+    def positions_to_score(self) -> range:
+        """Prompt positions whose logits are still to be scored (position q's logits give the
+        log-prob of prompt token q + 1): the prefill must compute these, not take their KV
+        from the prefix cache."""
+        if not self.wants_input_logprobs:
+            return range(0)
+        first = self.input.logprob_start_len + len(self.input_logprobs)
+        return range(first, len(self.input.origin_input_ids) - 1)
 
     def max_new_tokens(self) -> int:
         assert self.input.sampling_params.max_new_tokens is not None, (
