@@ -23,7 +23,7 @@ from spec_engine.engine import Engine
 from spec_engine.launch_server import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
-SEEDS = REPO.parent / "shared" / "seeds"
+SEEDS = Path(__file__).resolve().parent / "data" / "sglang_seeds.txt"
 PROMPT = "The capital of France is"
 
 
@@ -58,15 +58,14 @@ def test_the_example_holds_every_seed_launch_command():
     """examples/sglang_seeds/commands.sh is the seeds' commands with only the hub names (and the
     module name) replaced."""
     seeds = []
-    for path in sorted(SEEDS.glob("*.txt")):
-        lines = path.read_text().splitlines()
-        for i, line in enumerate(lines):
-            if "sglang.launch_server" in line and "--" in line:
-                cmd = line
-                while cmd.rstrip().endswith("\\"):
-                    i += 1
-                    cmd = cmd.rstrip()[:-1] + " " + lines[i].strip()
-                seeds.append(cmd.split("sglang.launch_server", 1)[1].split())
+    lines = SEEDS.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "sglang.launch_server" in line and "--" in line and not line.startswith("#"):
+            cmd = line
+            while cmd.rstrip().endswith("\\"):
+                i += 1
+                cmd = cmd.rstrip()[:-1] + " " + lines[i].strip()
+            seeds.append(cmd.split("sglang.launch_server", 1)[1].split())
     assert len(seeds) == 12
 
     def hub_free(argv: list[str]) -> list[str]:
@@ -110,9 +109,7 @@ def test_every_seed_command_serves_generate_losslessly(seed_ckpt):
 def test_seed_logs_server_args_all_parse():
     """Every ServerArgs field printed in the seed logs, at its printed value, is a flag that
     parses (None values are left out, as SGLang prints unset options)."""
-    logs = []
-    for path in sorted(SEEDS.glob("*.txt")):
-        logs += re.findall(r"server_args=ServerArgs\((.*?)\)\n", path.read_text())
+    logs = re.findall(r"server_args=ServerArgs\((.*?)\)\n", SEEDS.read_text())
     assert len(logs) == 4
     for log in logs:
         values = eval(f"dict({log})")  # the seeds' own repr of ServerArgs
