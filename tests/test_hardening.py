@@ -236,18 +236,46 @@ def test_request_caps_and_malformed_text(path, server):
     assert httpx.get(server + "/health_generate").status_code == 200
 
 
-def test_non_finite_log_probs_are_a_500_naming_the_cause(path):
-    """A model that produces NaN (broken weights, no --enable-nan-detection) fails the request
-    with a 500 that says why: no NaN in a response, no misleading 400."""
+POISON = 9  # a token whose embedding row is set to NaN: only prompts holding it go wrong
+
+
+@pytest.mark.parametrize(
+    "spec", [{}, {"speculative_algorithm": "NGRAM"}], ids=["plain", "ngram-verify"]
+)
+def test_nan_logits_fail_only_their_request_with_a_500(path, spec):
+    """Without --enable-nan-detection, a request whose logits turn NaN (here: a NaN embedding
+    row for a token only its prompt holds) fails with a 500 naming the cause, whether or not it
+    asked for log-probs, on the plain and the speculative (verify) path; a request batched with
+    it gets exactly its solo output, and every KV slot is returned."""
+    import asyncio
+
     from fastapi.testclient import TestClient
 
+    from spec_engine.core.outputs import EngineFailure
     from spec_engine.server.http_server import create_app
 
-    with Engine(model_path=path, random_seed=0, max_total_tokens=1024) as engine:
+    healthy = dict(input_ids=[5, 6, 7, 8], sampling_params={"temperature": 0, "max_new_tokens": 8})
+    poisoned = dict(healthy, input_ids=[5, POISON, 7, 8])
+    with Engine(model_path=path, random_seed=0, max_total_tokens=1024, **spec) as engine:
+        solo = engine.generate(**healthy)["output_ids"]
         with torch.no_grad():
-            engine.runner.model.lm_head.weight.data[7].fill_(float("nan"))
-        engine.runner.model.lm_head.refresh_derived()
+            engine.runner.model.model.embed_tokens.weight.data[POISON].fill_(float("nan"))
+
+        async def both():
+            return await asyncio.gather(
+                engine.async_generate(**healthy),
+                engine.async_generate(**poisoned),
+                return_exceptions=True,
+            )
+
+        good, bad = asyncio.run(both())
+        assert good["output_ids"] == solo
+        assert isinstance(bad, EngineFailure) and "NaN/Inf logits" in str(bad)
         client = TestClient(create_app(engine))
-        r = client.post("/generate", json={**REQUEST, "return_logprob": True})
-        assert r.status_code == 500 and "non-finite log-probs" in r.json()["error"]["message"]
+        for logprob in (False, True):
+            r = client.post("/generate", json={**poisoned, "return_logprob": logprob})
+            assert r.status_code == 500 and "NaN/Inf logits" in r.json()["error"]["message"]
         assert client.get("/health").status_code == 200
+        engine.flush_cache()
+        report = engine.scheduler.memory_report()
+        assert report["free"] == report["total"]

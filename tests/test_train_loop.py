@@ -11,22 +11,14 @@ import sys
 
 import pytest
 
-from specrl.tiny_models import add_mimo_mtp
 from specrl.train_options import parse_args
 
 pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
-def task(make_model, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from rollout.tiny_task import write_tiny_task
-
-    model = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=41), seed=42)
-    data = str(tmp_path_factory.mktemp("task") / "task.jsonl")
-    write_tiny_task(data, AutoTokenizer.from_pretrained(model), n=32)
-    return model, data
+def task(rl_task):
+    return rl_task
 
 
 def base_args(model, data, out):
@@ -190,6 +182,35 @@ def test_debug_rollout_only_never_imports_megatron(task, tmp_path):
     assert all(
         "rollout/raw_reward" in r and not any(k.startswith("train/") for k in r) for r in rows
     )
+
+
+SHUTDOWN_AFTER_A_FAILED_STEP = """
+import ray
+import rollout.metrics
+def broken_close(self):
+    raise RuntimeError("disk gone")
+rollout.metrics.MetricsLogger.close = broken_close
+from scripts.train import main
+try:
+    main(sys.argv[1:])
+except RuntimeError as e:
+    assert "disk gone" in str(e), e
+    assert not ray.is_initialized(), "a failed shutdown step left Ray running"
+    print("shut down")
+else:
+    raise SystemExit("the failing close was not reported")
+"""
+
+
+def test_shutdown_completes_when_a_step_of_it_fails(task, tmp_path):
+    """A failure closing the metrics log is reported (logged and raised) and the engines and
+    Ray are still shut down."""
+    model, data = task
+    argv = base_args(model, data, str(tmp_path / "out")) + ["--debug-rollout-only"]
+    argv[argv.index("--num-rollout") + 1] = "1"
+    proc = run(argv, code=SHUTDOWN_AFTER_A_FAILED_STEP)
+    assert "shut down" in proc.stdout
+    assert "closing the metrics log failed" in proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """torch_native attention: PyTorch SDPA over K/V gathered from the paged pool (CPU and CUDA).
 
 Decode steps, verify steps and other short extends gather every request's K/V into one padded
-[batch, max_len] block (padding points at the zeroed dummy slot and is masked) and run a single
+[batch, max_len] block (padding points at the dummy slot 0, zeroed before each use, and is masked) and run a single
 SDPA call, with each KV head's query group laid along the query axis so grouped-query attention
 needs no K/V repetition. Long prefills loop over requests, since their query lengths differ
 widely and a padded score block would be large.
@@ -179,6 +179,11 @@ class TorchNativeBackend(AttentionBackend):
         v = v.view(-1, nkv, hd)
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         if isinstance(batch.attn_meta, _Padded):
+            # Masked keys point at the dummy slot 0, which padded rows just wrote. SDPA gives
+            # them weight 0, but 0 x NaN is NaN: a padded row that computed NaN or Inf (from a
+            # broken request it pads) would poison every request in the batch. Zero it.
+            pool.k_buffer[layer.layer_id][0].zero_()
+            pool.v_buffer[layer.layer_id][0].zero_()
             return self._forward_padded(q, layer, pool, batch.attn_meta)
         q = q.view(-1, nh, hd)
         out = torch.empty_like(q)

@@ -211,17 +211,17 @@ class Scheduler:
                 break
             if self.req_to_token.available_size() == 0:
                 break
-            # Prompt log-probs need the logits of every prompt position: no cached prefix.
-            scoring = req.wants_input_logprobs and not req.input_logprobs
-            prefix, node = self.tree_cache.match_prefix([] if scoring else req.fill_ids[:-1])
+            # Prompt log-probs need the logits of the positions they score: as in SGLang, the
+            # cached prefix stops at the first of them (logprob_start_len).
+            scored = req.positions_to_score()
+            reusable = scored.start if scored else req.seq_len - 1
+            prefix, node = self.tree_cache.match_prefix(req.fill_ids[:reusable])
             if self.worker.prefix_backoff and len(prefix):
                 prefix, node = self.tree_cache.match_prefix(
                     req.fill_ids[: len(prefix) - self.worker.prefix_backoff]
                 )
             prefix_len = len(prefix)
-            cacheable = (
-                req.seq_len - 1
-            ) // self.page_size * self.page_size - self.worker.prefix_backoff
+            cacheable = reusable // self.page_size * self.page_size - self.worker.prefix_backoff
             if prefix_len < cacheable and tuple(req.input.origin_input_ids) in prompts_in_batch:
                 continue  # an identical prompt is being prefilled: reuse its KV next step
             extend = req.seq_len - prefix_len
@@ -337,6 +337,13 @@ class Scheduler:
             before = len(req.output_ids)
             if req.max_new_tokens() == 0:  # prefill only: the prompt was scored
                 req.finished_reason = {"type": "length", "length": 0}
+            if i in result.failed and not req.finished:
+                logger.error("request %s failed: %s", req.input.rid, result.failed[i])
+                req.finished_reason = {
+                    "type": "abort",
+                    "message": result.failed[i],
+                    "status_code": 500,
+                }
             for j, token in enumerate([] if req.finished else result.tokens[i]):
                 req.output_ids.append(token)
                 if result.logprobs is not None:

@@ -9,12 +9,14 @@ tokens per request per decode step.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from spec_engine.core.logits_processor import (
+    NONFINITE_LOGITS,
+    nonfinite_rows,
     process_logits,
     replace_nan,
     top_p_replay,
@@ -40,6 +42,8 @@ class StepResult:
     drafted: Optional[list[int]] = None
     # slime's top-p replay: per request (empty when not asked), each emitted token's nucleus.
     top_p_ids: Optional[list[list[list[int]]]] = None
+    # Requests the model failed this step (non-finite logits): index -> why; they emit nothing.
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class ModelWorker:
@@ -83,10 +87,11 @@ class ModelWorker:
         for i, (r, s, e) in enumerate(zip(reqs, starts, ends)):
             input_ids.extend(r.fill_ids[s:e])
             positions.extend(range(s, e))
-            # Prompt log-probs: position p's logits score prompt token p + 1; `first` is the
-            # next position to score (a retracted request scored its prompt already).
-            first, last = len(r.input_logprobs), min(e, len(r.input.origin_input_ids) - 1)
-            if r.wants_input_logprobs and s <= first < last:
+            # Prompt log-probs: the positions still to score that this chunk computes (the
+            # scheduler reused no cached KV past the first of them).
+            todo = r.positions_to_score()
+            first, last = todo.start, min(e, todo.stop)
+            if s <= first < last:
                 scored.append((r, list(range(len(logits_rows), len(logits_rows) + last - first))))
                 logits_rows.extend(range(offset + first - s, offset + last - s))
             offset += e - s
@@ -144,7 +149,7 @@ class ModelWorker:
         """Log-probs (and top log-probs) of prompt tokens at each request's temperature."""
         for req, rows in scored:
             t = req.input.sampling_params.logit_scale
-            first = len(req.input_logprobs)
+            first = req.positions_to_score().start
             targets = self._tensor(
                 list(req.input.origin_input_ids[first + 1 : first + 1 + len(rows)])
             )
@@ -180,6 +185,9 @@ class ModelWorker:
         params = [r.input.sampling_params for r in reqs]
         if self.runner.args.enable_nan_detection:
             logits = replace_nan(logits)
+        else:
+            for j in nonfinite_rows(logits):
+                result.failed[rows[j]] = NONFINITE_LOGITS
         logits = process_logits(logits, params, [r.output_ids for r in reqs])
         sampled = self.sampler(
             logits, sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids)

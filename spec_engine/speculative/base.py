@@ -19,6 +19,8 @@ import torch
 
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.core.logits_processor import (
+    NONFINITE_LOGITS,
+    nonfinite_rows,
     process_logits,
     replace_nan,
     top_p_replay,
@@ -119,8 +121,11 @@ class SpecWorker(ModelWorker):
         )
         out = self.runner.forward(batch)
         logits = out.logits
+        bad_rows: set[int] = set()
         if self.runner.args.enable_nan_detection:
             logits = replace_nan(logits)
+        else:
+            bad_rows = set(nonfinite_rows(logits))
         logits = _process_tree_logits(logits, reqs, trees)
         banned = [
             [r.banned_tokens(self.eos_token_ids, d) for d in range(max(t.depths) + 1)]
@@ -146,6 +151,11 @@ class SpecWorker(ModelWorker):
             top_logprobs=top,
             drafted=[n - 1 for n in sizes],
             top_p_ids=top_p_ids,
+            # Only rows that produced an emitted token count: a rejected draft branch (say, a
+            # token whose embedding is broken) does not fail its request.
+            failed={
+                i: NONFINITE_LOGITS for i, a in enumerate(accepts) if bad_rows.intersection(a.rows)
+            },
         )
         return result, accepts, out
 
