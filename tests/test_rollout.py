@@ -91,7 +91,8 @@ def test_rollout_groups(rollout, tokenizer):
         assert s.status is (Status.COMPLETED if eos else Status.TRUNCATED)
         assert s.status is Status.COMPLETED or s.response_length == 6
     assert any(s.status is Status.TRUNCATED for s in samples)
-    assert manager.data_source.state_dict() == {"epoch": 0, "offset": 3}
+    position = {"shuffle": False, "seed": 42, "num_prompts": 16}
+    assert manager.data_source.state_dict() == {"epoch": 0, "offset": 3, **position}
     assert metrics["rollout/groups_submitted"] == 3 and metrics["rollout/groups_leftover"] == 0
     assert metrics["rollout/raw_reward"] == sum(s.reward for s in samples) / 12
     assert (
@@ -350,7 +351,11 @@ def test_eval(engine, tokenizer, tiny_data):
     assert [s.tokens for g in again["tiny"] for s in g] == [
         s.tokens for g in results["tiny"] for s in g
     ]
+    # eval leaves the training order alone
     assert manager.data_source.state_dict() == {
         "epoch": 0,
         "offset": 0,
-    }  # eval leaves the training order alone
+        "shuffle": False,
+        "seed": 42,
+        "num_prompts": 16,
+    }
