@@ -153,7 +153,7 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
         None, "the draft runs unquantized in the target's dtype", str
     ),
     "enable_multi_layer_eagle": _noop(
-        False, "an MTP draft with several layers runs the layers it has, one per draft step"
+        False, "not implemented yet: every draft step runs the first MTP layer (outputs stay exact)"
     ),
     "triton_attention_reduce_in_fp32": _noop(False, _NO_TRITON),
     "triton_attention_num_kv_splits": _noop(8, _NO_TRITON, int),
