@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
+from rollout.router import EngineDied
+
 
 class EngineActor:
     """Holds one `spec_engine.Engine`; its methods mirror the engine's (SGLang's names)."""
@@ -129,16 +131,38 @@ class EngineActor:
 
 
 class RayEngineHandle:
-    """Adapts an EngineActor's Ray handle to the router's engine interface (awaitable calls)."""
+    """Adapts an EngineActor's Ray handle to the router's engine interface (awaitable calls).
+    A dead actor's calls raise `rollout.router.EngineDied` (naming engine `index`), so the
+    router needs no Ray import to tell a dead engine from a failed request."""
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: Any, index: Optional[int] = None) -> None:
         self.actor = actor
+        self.index = index
 
     async def async_generate(self, **kwargs: Any) -> Any:
-        return await self.actor.async_generate.remote(**kwargs)
+        return await self._call("async_generate", **kwargs)
 
     async def abort_request(self, rid: str) -> None:
-        await self.actor.abort_request.remote(rid)
+        await self._call("abort_request", rid)
 
     async def get_server_info(self) -> dict[str, Any]:
-        return await self.actor.get_server_info.remote()
+        return await self._call("get_server_info")
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+
+        try:
+            return await getattr(self.actor, method).remote(*args, **kwargs)
+        except ray.exceptions.RayTaskError:
+            raise  # the call itself failed (a bad request): the actor lives on
+        except ray.exceptions.RayActorError as e:
+            raise EngineDied(self.index, actor_error_reason(e)) from e
+
+
+def actor_error_reason(error: BaseException) -> str:
+    """One line of a Ray actor error for a log line: Ray's own "The actor is dead because ..."
+    when it has one (killed, OOM, exited), else its first line (the rest is diagnostics)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    because = [line for line in lines if line.startswith("The actor is dead because")]
+    reason = (because or lines or [type(error).__name__])[0]
+    return reason if len(reason) <= 300 else reason[:297] + "..."

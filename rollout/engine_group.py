@@ -4,6 +4,7 @@
     engines.wait_until_up()
     manager = RolloutManager(rollout_args, engines.handles, tokenizer)
     trainer.push_weights(engines.actors, ...)
+    engines.restart(0)          # a fresh actor in place of a dead engine 0, in its bundle
     engines.shutdown()
 
 The caller reserves the bundles (specrl.placement.reserve_bundles) and passes the Ray actor
@@ -13,6 +14,7 @@ options that pin one engine to each.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,10 +33,28 @@ class EngineGroup:
     before are queued by Ray until then), so other actors can start meanwhile."""
 
     def __init__(self, engine_args: EngineArgs, placement: Sequence[dict[str, Any]]) -> None:
-        self.actors = [
-            ray.remote(EngineActor).options(**options).remote(**engine_args.to_dict())
-            for options in placement
-        ]
+        self.engine_args = engine_args
+        self.placement = list(placement)  # kept: a restarted engine takes its bundle again
+        self.actors = [self._start(options) for options in self.placement]
+
+    def _start(self, options: dict[str, Any]) -> Any:
+        return ray.remote(EngineActor).options(**options).remote(**self.engine_args.to_dict())
+
+    def restart(self, index: int) -> Any:
+        """Replace engine `index` by a fresh actor with the same options (so the same bundle),
+        started from the same engine args (the --hf-checkpoint weights, weight version "0");
+        blocks until it is up and returns it. The old actor is killed first in case it is
+        hung rather than dead, so its bundle is free for the new one."""
+        start = time.perf_counter()
+        ray.kill(self.actors[index], no_restart=True)
+        self.actors[index] = self._start(self.placement[index])
+        ray.get(self.actors[index].get_server_info.remote())
+        logger.info("engine %d started again in %.1f s", index, time.perf_counter() - start)
+        return self.actors[index]
+
+    def handle(self, index: int) -> RayEngineHandle:
+        """Engine `index` as the rollout router calls it."""
+        return RayEngineHandle(self.actors[index], index)
 
     def wait_until_up(self) -> None:
         """Blocks until every engine has loaded its model; raises the error of one that failed."""
@@ -43,7 +63,7 @@ class EngineGroup:
     @property
     def handles(self) -> list[RayEngineHandle]:
         """The engines as the rollout router calls them (awaitable)."""
-        return [RayEngineHandle(a) for a in self.actors]
+        return [self.handle(i) for i in range(len(self.actors))]
 
     def release_memory(self) -> None:
         """Weights and KV cache out of device memory, for a colocated trainer to use."""

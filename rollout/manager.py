@@ -180,7 +180,8 @@ class RolloutManager:
             )
         results = await asyncio.gather(*pending, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
-        for error in errors:
+        # Once each: every group of an engine that died (and was not restarted) has its error.
+        for error in {(type(e), str(e)): e for e in errors}.values():
             logger.error("a leftover group failed while being aborted", exc_info=error)
         if errors and raise_errors:
             raise errors[0]

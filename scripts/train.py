@@ -19,23 +19,26 @@ import time
 from collections.abc import Callable, Sequence
 
 import ray
+from ray.exceptions import RayActorError
 from transformers import AutoTokenizer
 
 from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
 from rollout.engine_group import EngineGroup
 from rollout.manager import Groups, RolloutManager
 from rollout.metrics import MetricsLogger, rollout_metrics
+from rollout.router import EngineDied
 from spec_engine.models.hf_config import ModelConfig
 from specrl import checkpoint as run_checkpoint
 from specrl.checkpoint import Resume
 from specrl.console import quiet_known_noise, setup_logging
+from specrl.fault_tolerance import EngineRestarter, EngineRestartsExhausted, fatal_message
 from specrl.placement import Placements, create_placements, init_ray
 from specrl.plots import write_run_plots
 from specrl.progress import RolloutProgress
 from specrl.summary import rollout_line, summarize
 from specrl.train_batch import to_train_batch
 from specrl.train_options import check_checkpoints, parse_args
-from trainer_bridge.actor_group import TrainGroup
+from trainer_bridge.actor_group import TrainerDied, TrainGroup
 
 logger = logging.getLogger("specrl.train")
 
@@ -92,6 +95,9 @@ def _run(args: argparse.Namespace, resume: Resume | None, teardown: contextlib.E
             )
     if args.start_rollout_id is not None:
         start_rollout_id = args.start_rollout_id
+    restarter = None
+    if args.use_fault_tolerance and engines.actors:
+        restarter = install_restarter(args, engines, trainer, manager, lambda: weight_version)
     metrics_log = MetricsLogger(
         args.output_dir,
         use_wandb=args.use_wandb,
@@ -111,6 +117,8 @@ def _run(args: argparse.Namespace, resume: Resume | None, teardown: contextlib.E
     )
     for rollout_id in range(start_rollout_id, args.num_rollout):
         step_start = time.perf_counter()
+        restarts_before = restarter.used if restarter is not None else 0
+        redone_before = manager.router.requests_redone if restarter is not None else 0
         if args.load_debug_rollout_data is not None:
             groups, metrics = load_rollout(args.load_debug_rollout_data, rollout_id)
         else:
@@ -141,10 +149,35 @@ def _run(args: argparse.Namespace, resume: Resume | None, teardown: contextlib.E
 
         if engines.actors and is_due(opts.rollout.eval_interval, rollout_id):
             metrics.update(manager.eval(rollout_id)[1])
+        if restarter is not None:  # this rollout's (and its evaluation's) restarts
+            metrics["rollout/engine_restarts"] = restarter.used - restarts_before
+            metrics["rollout/requests_redone"] = manager.router.requests_redone - redone_before
         metrics["perf/step_time"] = time.perf_counter() - step_start
         metrics_log.log(rollout_id, metrics)
         logger.info(rollout_line(rollout_id, args.num_rollout, metrics))
     return metrics_log.path
+
+
+def install_restarter(
+    args: argparse.Namespace,
+    engines: EngineGroup,
+    trainer: TrainGroup | None,
+    manager: RolloutManager,
+    weight_version: Callable[[], int],
+) -> EngineRestarter:
+    """--use-fault-tolerance: the rollout router replaces a dead engine by a fresh one holding
+    the policy's current weights (`weight_version()` when it restarts)."""
+    push = None
+    if trainer is not None:
+
+        def push(actor: object) -> None:
+            trainer.push_weights(
+                [actor], args.options.sync, str(weight_version()), args.output_dir, args.colocate
+            )
+
+    restarter = EngineRestarter(engines, args.max_engine_restarts, push)
+    manager.router.restart_engine = restarter
+    return restarter
 
 
 def save(
@@ -217,7 +250,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\n".join(resolved))
         return
     quiet_known_noise()
-    metrics_path = train(args, resume)
+    try:
+        metrics_path = train(args, resume)
+    except (EngineDied, EngineRestartsExhausted, TrainerDied, RayActorError) as e:
+        # An actor is gone (Ray has logged its story): say which, and where to resume from.
+        logger.debug("the run ended on a dead actor", exc_info=True)
+        raise SystemExit(fatal_message(e, args)) from None
     plots = write_run_plots(metrics_path, os.path.join(args.output_dir, "plots"))
     print(summarize(metrics_path, plots))
 

@@ -122,6 +122,19 @@ class LauncherArgs:
     use_wandb: bool = _opt(False, "Log to wandb (offline unless WANDB_MODE is set).")
     wandb_project: str | None = _opt(None, "wandb project.")
     use_tensorboard: bool = _opt(False, "Log to tensorboard under --output-dir.")
+    use_fault_tolerance: bool = _opt(
+        False,
+        "Restart an engine that dies during a rollout or an evaluation (slime's flag): a fresh "
+        "engine in the same bundle is given the policy's current weights and version, and the "
+        "requests the dead one held are sent again (same rid, params and seed). Without it, or "
+        "past --max-engine-restarts, a dead engine ends the run, naming the last checkpoint. A "
+        "dead trainer rank always ends the run.",
+    )
+    max_engine_restarts: int = _opt(
+        3,
+        "Most engine restarts over the whole run with --use-fault-tolerance (a resumed run "
+        "counts afresh); the next engine death ends the run.",
+    )
     dry_run: bool = _opt(False, "Check the flags, print the resolved options and exit.")
     ray_num_cpus: int | None = _opt(None, "CPUs of the local Ray (default: all).")
 
@@ -254,6 +267,10 @@ def check_launcher_flags(args: argparse.Namespace) -> None:
             f"error: --rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: "
             "engines run on one device each for now; use 1 and raise --rollout-num-gpus "
             "for more engines"
+        )
+    if args.max_engine_restarts < 0:
+        raise SystemExit(
+            f"error: --max-engine-restarts must be >= 0, got {args.max_engine_restarts}"
         )
     if args.save_interval is not None and args.save_interval <= 0:
         raise SystemExit(f"error: --save-interval must be positive, got {args.save_interval}")

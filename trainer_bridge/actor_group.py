@@ -19,12 +19,27 @@ from trainer_bridge.options import TrainerArgs
 from trainer_bridge.weight_sync import WeightSyncConfig
 
 
+class TrainerDied(Exception):
+    """A trainer rank's process is gone: the megatron group cannot go on without it."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"trainer rank {rank} died ({reason})")
+        self.rank = rank
+
+
 def _address_and_port() -> tuple[str, int]:
     import ray
 
     from trainer_bridge.megatron_compat import free_port
 
     return ray.util.get_node_ip_address(), free_port()
+
+
+def _first_line(error: BaseException) -> str:
+    """Ray's "The actor is dead because ..." line when there is one, else the first line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    because = [line for line in lines if line.startswith("The actor is dead because")]
+    return (because or lines or [type(error).__name__])[0][:300]
 
 
 class TrainGroup:
@@ -58,9 +73,24 @@ class TrainGroup:
         ray.get([a.ready.remote() for a in self.actors])
 
     def _all(self, method: str, *args: Any) -> Any:
+        return self._wait([getattr(a, method).remote(*args) for a in self.actors])
+
+    def _wait(self, refs: list[Any]) -> Any:
+        """Rank 0's result of one call on every rank. Results are taken as they come, so a rank
+        that died is reported at once, not after the others time out waiting for it in a
+        collective."""
         import ray
 
-        return ray.get([getattr(a, method).remote(*args) for a in self.actors])[0]
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayTaskError:
+                raise  # the call failed inside a live rank (it may wrap an engine's death)
+            except ray.exceptions.RayActorError as e:
+                raise TrainerDied(refs.index(ready[0]), _first_line(e)) from e
+        return ray.get(refs[0])
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
         return self._all("train", batch)

@@ -1,0 +1,307 @@
+"""Actor failure (--use-fault-tolerance): the router has a dead engine replaced once and redoes
+only the requests it lost; the launcher restarts a killed engine actor mid-rollout and the run
+completes; without fault tolerance, past --max-engine-restarts, or when a trainer rank dies, the
+run exits non-zero naming the checkpoint to resume from."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rollout.router import EngineDied, RequestAborted, Router
+from specrl.checkpoint import LATEST_FILE, iter_dir
+from specrl.fault_tolerance import (
+    EngineRestarter,
+    EngineRestartsExhausted,
+    fatal_message,
+    last_checkpoint,
+)
+from tests.test_train_loop import base_args
+
+# ---------------------------------------------------------------- router (fake engines)
+
+
+class DyingEngine:
+    """Answers input [0] at once; every other request waits until `die()`, then is lost."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict]] = []
+        self.dead = asyncio.Event()
+
+    async def async_generate(self, **kwargs):
+        self.sent.append((kwargs["rid"], kwargs))
+        if kwargs["input_ids"] != [0]:
+            await self.dead.wait()
+        if self.dead.is_set():
+            raise EngineDied(0, "killed")
+        return {"engine": "dying", "rid": kwargs["rid"], "input_ids": kwargs["input_ids"]}
+
+    async def abort_request(self, rid):
+        raise EngineDied(0, "killed")
+
+
+class LiveEngine:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sent: list[tuple[str, dict]] = []
+
+    async def async_generate(self, **kwargs):
+        self.sent.append((kwargs["rid"], kwargs))
+        await asyncio.sleep(0.001)
+        return {"engine": self.name, "rid": kwargs["rid"], "input_ids": kwargs["input_ids"]}
+
+    async def abort_request(self, rid):
+        pass
+
+
+async def _route(router: Router, i: int):
+    with router.lease(f"r{i}") as engine:
+        return await engine.async_generate(
+            input_ids=[i], sampling_params={"temperature": 1.0, "sampling_seed": 100 + i}
+        )
+
+
+def test_router_restarts_a_dead_engine_once_and_redoes_only_its_unfinished_requests():
+    dying, other, fresh = DyingEngine(), LiveEngine("other"), LiveEngine("fresh")
+    router = Router([dying, other])
+    restarts = []
+
+    async def restart(index, error):
+        restarts.append((index, str(error)))
+        await asyncio.sleep(0.01)  # the lost requests all wait for this one restart
+        return fresh
+
+    router.restart_engine = restart
+
+    async def run():
+        # Round robin over two idle engines: r0, r2, r4 go to the dying engine.
+        tasks = [asyncio.ensure_future(_route(router, i)) for i in range(6)]
+        while len(dying.sent) < 3 or not tasks[0].done():
+            await asyncio.sleep(0)
+        dying.dead.set()  # r0 has finished; r2 and r4 are lost
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert restarts == [(0, "engine 0 died (killed)")]
+    assert [rid for rid, _ in dying.sent] == ["r0", "r2", "r4"]  # r0 was not sent again
+    assert results[0]["engine"] == "dying"
+    assert [r["input_ids"] for r in results] == [[i] for i in range(6)]
+    assert [r["rid"] for r in results] == [f"r{i}" for i in range(6)]
+    redone = {rid: kw for e in (other, fresh) for rid, kw in e.sent if rid in ("r2", "r4")}
+    assert sorted(redone) == ["r2", "r4"]  # each once, with its rid, prompt and seed
+    for rid, kwargs in redone.items():
+        i = int(rid[1:])
+        assert kwargs["sampling_params"]["sampling_seed"] == 100 + i
+    assert router.requests_redone == 2
+    assert router.engines[0] is fresh and router.outstanding == [0, 0]
+
+
+def test_router_without_restart_or_past_it_fails_the_requests():
+    # No restart callback: the engine's death is the request's error.
+    router = Router([DyingEngine()])
+    router.engines[0].dead.set()
+    with pytest.raises(EngineDied, match="engine 0 died"):
+        asyncio.run(_route(router, 1))
+
+    # A restart that gives up: every lost request gets its error, from one attempt.
+    router = Router([DyingEngine()])
+    calls = []
+
+    async def give_up(index, error):
+        calls.append(index)
+        raise EngineRestartsExhausted(f"{error}, and no restarts are left")
+
+    router.restart_engine = give_up
+
+    async def run():
+        tasks = [asyncio.ensure_future(_route(router, i)) for i in (1, 2, 3)]
+        await asyncio.sleep(0.01)
+        router.engines[0].dead.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    errors = asyncio.run(run())
+    assert calls == [0]
+    assert all(isinstance(e, EngineRestartsExhausted) for e in errors)
+
+
+def test_a_request_aborted_while_its_engine_restarts_is_not_redone():
+    dying, fresh = DyingEngine(), LiveEngine("fresh")
+    router = Router([dying])
+
+    async def restart(index, error):
+        await router.abort_all()  # the rollout is full meanwhile: leftovers are aborted
+        return fresh
+
+    router.restart_engine = restart
+
+    async def run():
+        task = asyncio.ensure_future(_route(router, 1))
+        await asyncio.sleep(0.01)
+        dying.dead.set()
+        return await asyncio.gather(task, return_exceptions=True)
+
+    (error,) = asyncio.run(run())
+    assert isinstance(error, RequestAborted) and fresh.sent == []
+
+
+# ---------------------------------------------------------------- the launcher's restarter
+
+
+class FakeGroup:
+    def __init__(self) -> None:
+        self.restarted: list[int] = []
+
+    def restart(self, index):
+        self.restarted.append(index)
+        return f"actor{index}"
+
+    def handle(self, index):
+        return f"handle{index}"
+
+
+def test_restarter_pushes_current_weights_and_stops_at_the_limit():
+    group, pushed = FakeGroup(), []
+    restarter = EngineRestarter(group, limit=1, push_weights=pushed.append)
+    assert asyncio.run(restarter(1, EngineDied(1, "killed"))) == "handle1"
+    assert group.restarted == [1] and pushed == ["actor1"] and restarter.used == 1
+    with pytest.raises(EngineRestartsExhausted, match=r"--max-engine-restarts 1\)"):
+        asyncio.run(restarter(0, EngineDied(0, "killed")))
+    assert group.restarted == [1]
+
+
+def test_fatal_message_names_the_last_checkpoint(tmp_path):
+    save = str(tmp_path / "ckpt")
+    args = argparse.Namespace(save=save, load=save, use_fault_tolerance=False)
+    assert "holds no checkpoint yet" in last_checkpoint(args)
+    os.makedirs(iter_dir(save, 3))
+    with open(os.path.join(save, LATEST_FILE), "w") as f:
+        f.write("3")
+    message = fatal_message(EngineDied(0, "killed"), args)
+    assert message == (
+        f"error: engine 0 died (killed) (add --use-fault-tolerance to restart dead engines); "
+        f"the last checkpoint is {save}/iter_0000003: rerun the same command with --load {save} "
+        "to resume"
+    )
+    unsaved = argparse.Namespace(save=None, load=None, use_fault_tolerance=True)
+    assert "no checkpoint was saved (--save not set)" in fatal_message(
+        EngineDied(0, "killed"), unsaved
+    )
+
+
+def test_max_engine_restarts_must_not_be_negative():
+    from specrl.train_options import parse_args
+
+    argv = ["--hf-checkpoint", "m", "--rollout-batch-size", "1", "--num-rollout", "1"]
+    with pytest.raises(SystemExit, match="--max-engine-restarts must be >= 0, got -1"):
+        parse_args([*argv, "--output-dir", "o", "--max-engine-restarts", "-1"])
+    assert parse_args([*argv, "--output-dir", "o"]).max_engine_restarts == 3
+
+
+# ---------------------------------------------------------------- Ray
+
+
+def test_a_dead_trainer_rank_is_reported_at_once():
+    ray = pytest.importorskip("ray")
+    from tests.dying_rank import Rank
+    from trainer_bridge.actor_group import TrainerDied, TrainGroup
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": repo}},  # the workers import tests.dying_rank
+    )
+    try:
+        group = TrainGroup.__new__(TrainGroup)  # its ranks only: no megatron
+        group.actors = [ray.remote(Rank).options(num_cpus=0).remote() for _ in range(2)]
+        start = time.perf_counter()
+        refs = [a.work.remote(r) for r, a in enumerate(group.actors)]
+        with pytest.raises(TrainerDied, match="trainer rank 1 died"):
+            group._wait(refs)
+        assert time.perf_counter() - start < 30
+    finally:
+        ray.shutdown()
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("MASTER_")},
+            "PYTHONPATH": os.getcwd(),
+        },
+    )
+
+
+def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_completes(rl_task, tmp_path):
+    """--debug-rollout-only, one engine, its actor killed mid-request during rollout 0."""
+    model, data = rl_task
+    out = str(tmp_path / "run")
+    proc = _run(
+        base_args(model, data, out)
+        + [
+            "--debug-rollout-only",
+            "--use-fault-tolerance",
+            "--custom-generate-function-path",
+            "tests.engine_killer.generate_then_kill_engine",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["rollout_id"] for r in rows] == [0, 1]
+    assert [r["rollout/engine_restarts"] for r in rows] == [1, 0]
+    assert rows[0]["rollout/requests_redone"] >= 1 and rows[1]["rollout/requests_redone"] == 0
+    assert all(r["rollout/raw_reward"] is not None for r in rows)
+    assert "engine 0 died (" in proc.stderr and "restarting it" in proc.stderr
+    assert "engine 0 restarted in" in proc.stderr
+    assert "2 restart(s) left (--max-engine-restarts 3)" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "error,flags,what",
+    [
+        (
+            EngineDied(0, "killed"),
+            [],
+            "engine 0 died (killed) (add --use-fault-tolerance to restart dead engines)",
+        ),
+        (
+            EngineRestartsExhausted("engine 1 died (killed), and the run has used its 0"),
+            ["--use-fault-tolerance", "--max-engine-restarts", "0"],
+            "engine 1 died (killed), and the run has used its 0",
+        ),
+    ],
+)
+def test_a_fatal_actor_death_exits_non_zero_naming_the_checkpoint(
+    error, flags, what, rl_task, tmp_path, monkeypatch
+):
+    """What main() makes of an actor death that train() reports (the Ray side of it is the
+    killed-engine run above and the dead-rank test)."""
+    import scripts.train
+
+    def dies(args, resume):
+        raise error
+
+    monkeypatch.setattr(scripts.train, "train", dies)
+    for name in ("setup_logging", "quiet_known_noise"):  # keep pytest's logging as it is
+        monkeypatch.setattr(scripts.train, name, lambda: None)
+    model, data = rl_task
+    argv = base_args(model, data, str(tmp_path)) + ["--debug-rollout-only", *flags]
+    with pytest.raises(SystemExit) as exit_:
+        scripts.train.main(argv)
+    assert str(exit_.value) == (
+        f"error: {what}; no checkpoint was saved (--save not set): a rerun starts from "
+        "--hf-checkpoint"
+    )
