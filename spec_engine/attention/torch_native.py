@@ -1,10 +1,10 @@
 """torch_native attention: PyTorch SDPA over K/V gathered from the paged pool (CPU and CUDA).
 
 Decode steps, verify steps and other short extends gather every request's K/V into one padded
-[batch, max_len] block (padding points at the dummy slot 0, zeroed before each use, and is masked) and run a single
-SDPA call, with each KV head's query group laid along the query axis so grouped-query attention
-needs no K/V repetition. Long prefills loop over requests, since their query lengths differ
-widely and a padded score block would be large.
+[batch, max_len] block (padding points at the dummy slot 0, zeroed before each use, and is
+masked) and run a single SDPA call, with each KV head's query group laid along the query axis so
+grouped-query attention needs no K/V repetition. Long prefills loop over requests, since their
+query lengths differ widely and a padded score block would be large.
 """
 
 from __future__ import annotations
