@@ -82,6 +82,8 @@ def fill_from_output(sample: Sample, output: dict[str, Any]) -> Sample:
                 "spec_draft_token_num",
             )
         }
+        # 1.0: the engine's acceptance alarm was up for the weights that generated it.
+        sample.spec_info["spec_accept_alarm"] = float(meta.get("spec_accept_alarm", False))
     return sample
 
 

@@ -21,7 +21,9 @@ def rollout_metrics(
 
     rollout/spec_accept_length is SGLang's count, tokens emitted per verify pass (accepted draft
     tokens plus the bonus token), summed over samples before dividing; spec_accept_rate is
-    accepted / drafted tokens. Both are absent without speculative decoding.
+    accepted / drafted tokens (both absent when no sample verified); spec_accept_alarm is 1.0
+    when the engine's acceptance alarm was up for any sample's weights. All are absent without
+    speculative decoding.
     """
     samples = [s for group in groups for s in group]
     metrics = sample_metrics(samples, "rollout")
@@ -54,15 +56,22 @@ def sample_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
 
 def spec_metrics(samples: list[Sample]) -> dict[str, float]:
     infos = [s.spec_info for s in samples if s.spec_info]
-    verify = sum(i["spec_verify_ct"] for i in infos)
-    if not verify:
+    if not infos:
         return {}
-    accepted = sum(i["spec_accept_token_num"] for i in infos)
-    drafted = sum(i["spec_draft_token_num"] for i in infos)
-    return {
-        "rollout/spec_accept_length": (accepted + verify) / verify,
-        "rollout/spec_accept_rate": accepted / drafted if drafted else 0.0,
+    # 1.0 when any sample came from weights under which the engine's accept length had
+    # collapsed (spec_engine.core.accept_alarm; engines without the field count as 0). Also
+    # when no sample verified: with --speculative-on-collapse disable a whole rollout can run
+    # plainly, and that is when the alarm matters most.
+    metrics = {
+        "rollout/spec_accept_alarm": max(float(i.get("spec_accept_alarm", 0.0)) for i in infos)
     }
+    verify = sum(i["spec_verify_ct"] for i in infos)
+    if verify:
+        accepted = sum(i["spec_accept_token_num"] for i in infos)
+        drafted = sum(i["spec_draft_token_num"] for i in infos)
+        metrics["rollout/spec_accept_length"] = (accepted + verify) / verify
+        metrics["rollout/spec_accept_rate"] = accepted / drafted if drafted else 0.0
+    return metrics
 
 
 class MetricsLogger:

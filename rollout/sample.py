@@ -36,7 +36,8 @@ class Sample:
     """One prompt + response. `tokens` holds prompt and response ids; the response is the last
     `response_length` of them, and `loss_mask` / `rollout_log_probs` have one entry per
     response token. `spec_info` (speculative decoding only) holds the engine's per-request
-    counters: spec_verify_ct, spec_accept_length, spec_accept_token_num, spec_draft_token_num."""
+    counters: spec_verify_ct, spec_accept_length, spec_accept_token_num, spec_draft_token_num,
+    and spec_accept_alarm (1.0: the engine's acceptance alarm was up for its weights)."""
 
     group_index: Optional[int] = None
     index: Optional[int] = None

@@ -288,6 +288,7 @@ class Engine(EngineControl):
 
     def _make_callback(self, index: int, channel: Channel) -> Callable[[Req, bool], None]:
         def on_output(req: Req, finished: bool) -> None:
+            alarm = self.scheduler.alarm  # read on the scheduler thread, which calls this
             delivered = channel.put(
                 Delivery.of(
                     index,
@@ -295,6 +296,7 @@ class Engine(EngineControl):
                     finished,
                     self.weight_version,
                     self.args.speculative_algorithm is not None,
+                    alarm is not None and alarm.up,
                 )
             )
             if finished:

@@ -52,6 +52,7 @@ SCHEDULE_POLICIES = ("fcfs",)
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 NGRAM_DEFAULT_DRAFT_TOKENS = 12
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ON_COLLAPSE_CHOICES = ("warn", "disable")  # spec_engine.core.accept_alarm's modes
 
 # Auto chunked-prefill budgets: SGLang's default on large GPUs, and a smaller one for CPU
 # where a 2048-token chunk already keeps the cores busy for a while.
@@ -211,6 +212,20 @@ class EngineArgs:
     speculative_ngram_capacity: int = _opt(
         10_000_000, "NGRAM: maximum nodes in the n-gram cache (it is cleared when full)."
     )
+    # Acceptance alarm (spec_engine.core.accept_alarm): the draft falls behind a weight update
+    speculative_on_collapse: str = _opt(
+        "warn",
+        "When the accept length under new weights falls below --speculative-collapse-threshold x "
+        "the best of earlier weights: warn (a warning, spec_accept_alarm in outputs), or disable "
+        "(also decode without speculation until the next weight update; same outputs).",
+        choices=ON_COLLAPSE_CHOICES,
+    )
+    speculative_collapse_threshold: float = _opt(
+        0.5, "The acceptance alarm's fraction of the best accept length, in (0, 1)."
+    )
+    speculative_collapse_min_verify_steps: int = _opt(
+        64, "Verify steps new weights take before their accept length is judged (noise guard)."
+    )
     # Kernels
     attention_backend: Optional[str] = _opt(
         None,
@@ -286,6 +301,7 @@ class EngineArgs:
         )
         _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         _check_choice("log_level", self.log_level, LOG_LEVELS)
+        _check_choice("speculative_on_collapse", self.speculative_on_collapse, ON_COLLAPSE_CHOICES)
         check_sglang_options(self.sglang_options)
         _check_positive("context_length", self.context_length, allow_none=True)
         _check_positive("max_total_tokens", self.max_total_tokens, allow_none=True)
@@ -298,6 +314,7 @@ class EngineArgs:
             "max_request_prompts",
             "max_request_samples",
             "max_request_tokens",
+            "speculative_collapse_min_verify_steps",
         ):
             _check_positive(name, getattr(self, name))
         _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=True)
@@ -312,10 +329,10 @@ class EngineArgs:
                 "--chunked-prefill-size must be positive or -1 (disabled), got "
                 f"{self.chunked_prefill_size}"
             )
-        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(
-                f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"
-            )
+        for name in ("mem_fraction_static", "speculative_collapse_threshold"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < value < 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1), got {value}")
         if self.schedule_conservativeness <= 0:
             raise ValueError(
                 "--schedule-conservativeness must be positive, got "

@@ -42,10 +42,18 @@ class Delivery:
     # Prompt log-probs (complete once the prompt is prefilled) when asked for.
     input_logprobs: Optional[list[float]] = None
     input_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
+    # Whether the acceptance alarm (core.accept_alarm) is up for the weights that produced it.
+    accept_alarm: bool = False
 
     @classmethod
     def of(
-        cls, index: int, req: Req, finished: bool, weight_version: str, speculative: bool = False
+        cls,
+        index: int,
+        req: Req,
+        finished: bool,
+        weight_version: str,
+        speculative: bool = False,
+        accept_alarm: bool = False,
     ) -> Delivery:
         start = req.delivered
         return cls(
@@ -66,6 +74,7 @@ class Delivery:
             input_top_logprobs=list(req.input_top_logprobs)
             if req.wants_input_logprobs and req.input.top_logprobs_num
             else None,
+            accept_alarm=accept_alarm,
         )
 
 
@@ -141,6 +150,8 @@ class RequestOutput:
                     "spec_accept_token_num": accepted,
                     "spec_draft_token_num": drafted,
                     "spec_accept_rate": accepted / drafted if drafted else 0.0,
+                    # specrl's: acceptance collapsed after a weight update (core.accept_alarm).
+                    "spec_accept_alarm": d.accept_alarm,
                 }
             )
         if self.req.input.return_logprob:

@@ -72,6 +72,10 @@ class Req:
     spec_verify_ct: int = 0
     spec_emitted: int = 0
     spec_drafted: int = 0
+    # Decoded without speculation (acceptance alarm, --speculative-on-collapse disable): the
+    # draft's KV and state lag behind its tokens, so it decodes plainly until it finishes or a
+    # retraction's prefill rebuilds them (see Scheduler._decode_groups).
+    draft_stale: bool = False
 
     @property
     def fill_ids(self) -> list[int]:

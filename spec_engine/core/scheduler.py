@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from spec_engine.args.engine_args import EngineArgs
+from spec_engine.core.accept_alarm import AcceptAlarm
 from spec_engine.core.request import Req
 from spec_engine.core.worker import ModelWorker, StepResult
 from spec_engine.mem.radix_cache import RadixCache
@@ -72,6 +73,17 @@ class Scheduler:
         # Bumped when weights change and cached KV is dropped; KV from an older epoch is never
         # shared.
         self.weight_epoch = 0
+        # Accept length per weight update, with speculation only (core.accept_alarm).
+        self.alarm: Optional[AcceptAlarm] = (
+            AcceptAlarm(
+                args.speculative_collapse_threshold,
+                args.speculative_collapse_min_verify_steps,
+                args.speculative_on_collapse,
+                args.weight_version,
+            )
+            if args.speculative_algorithm is not None
+            else None
+        )
 
     # ------------------------------------------------------------ public
 
@@ -116,14 +128,50 @@ class Scheduler:
         elif self.running:
             self._ensure_decode_room()
             start = time.perf_counter()
-            result = self.worker.decode(self.running)
-            n = self._process_outputs(self.running, result)
+            n = 0
+            for reqs, speculate in self._decode_groups():
+                if speculate:
+                    verify_ct, emitted = self.spec_verify_ct, self.spec_emitted
+                    n += self._process_outputs(reqs, self.worker.decode(reqs))
+                    if self.alarm is not None:
+                        self.alarm.record(
+                            self.spec_verify_ct - verify_ct, self.spec_emitted - emitted
+                        )
+                else:
+                    for req in reqs:
+                        req.draft_stale = True
+                    n += self._process_outputs(reqs, self.worker.decode_plain(reqs))
             self.last_gen_throughput = n / max(time.perf_counter() - start, 1e-9)
             self.new_token_ratio = max(
                 self.min_ratio,
                 self.new_token_ratio
                 - (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS,
             )
+
+    def _decode_groups(self) -> list[tuple[list[Req], bool]]:
+        """The running requests split into those that speculate this step and those that decode
+        plainly (each group one forward). Plain: all of them while a `disable` acceptance alarm
+        is up, and afterwards those that decoded plainly before (`draft_stale`): a plain step
+        writes no draft KV and leaves a feature draft's next-round state (spec_state) at an
+        older position, so they keep decoding plainly until they finish, rather than resyncing
+        the draft (a draft extend over the plain tokens would need the target's features for
+        them, which a plain step does not keep). Requests admitted after the update speculate
+        at once, so speculation never waits for the old ones to drain."""
+        if self.alarm is None:
+            return [(self.running, True)]
+        if not self.alarm.speculating:
+            return [(self.running, False)]
+        plain = [r for r in self.running if r.draft_stale]
+        if not plain:
+            return [(self.running, True)]
+        spec = [r for r in self.running if not r.draft_stale]
+        return [(g, speculate) for g, speculate in ((spec, True), (plain, False)) if g]
+
+    def weights_updated(self, weight_version: str) -> None:
+        """A weight update (target or draft) is in under `weight_version`: acceptance is
+        measured afresh and speculation, if an alarm stopped it, resumes for new requests."""
+        if self.alarm is not None:
+            self.alarm.weights_updated(weight_version)
 
     def abort(self, rid: str, message: str = "aborted by request") -> int:
         """Abort every request with this rid (or whose n-sample parent has it); returns how many."""
@@ -240,6 +288,7 @@ class Scheduler:
                 break
             self.tree_cache.inc_lock_ref(node)
             req.kv_epoch = self.weight_epoch
+            req.draft_stale = False  # the worker's prefill rebuilds the draft's KV and state
             req.req_pool_idx = self.req_to_token.alloc()
             self.req_to_token.write(req.req_pool_idx, 0, prefix)
             req.prefix_len = req.kv_len = prefix_len
@@ -296,9 +345,18 @@ class Scheduler:
 
     # ------------------------------------------------------------ decode memory
 
+    def _decode_kv_demand(self) -> int:
+        """KV the next decode step allocates: a plain group needs only its one token each."""
+        return sum(
+            self.worker.decode_kv_demand(reqs)
+            if speculate
+            else self.worker.decode_plain_kv_demand(reqs)
+            for reqs, speculate in self._decode_groups()
+        )
+
     def _ensure_decode_room(self) -> None:
         retracted: list[Req] = []
-        while self.worker.decode_kv_demand(self.running) > self.available_tokens():
+        while self._decode_kv_demand() > self.available_tokens():
             if self.chunked is not None:
                 # A prompt half-way through chunked prefill has made the least progress.
                 victim, self.chunked = self.chunked, None

@@ -145,6 +145,15 @@ class ModelWorker:
         self._sample_into(result, logits, reqs, range(len(reqs)))
         return result
 
+    def decode_plain_kv_demand(self, reqs: Sequence[Req]) -> int:
+        """KV tokens the next `decode_plain` of `reqs` will allocate."""
+        return ModelWorker.decode_kv_demand(self, reqs)
+
+    def decode_plain(self, reqs: Sequence[Req]) -> StepResult:
+        """One token per request without speculation, whatever the worker: the target's KV
+        and sampling as plain decoding (a speculative worker's draft state is left behind)."""
+        return ModelWorker.decode(self, reqs)
+
     def _score_prompt(self, logits: torch.Tensor, scored: list[tuple[Req, list[int]]]) -> None:
         """Log-probs (and top log-probs) of prompt tokens at each request's temperature."""
         for req, rows in scored:
