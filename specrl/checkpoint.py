@@ -18,6 +18,7 @@ checkpoint loadable, and a `.partial` directory is never read.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_bridge.checkpoint import check_common, read_common
+from trainer_bridge.checkpoint import check_common, check_same_model, read_common
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +165,43 @@ def resolve(args: argparse.Namespace, hf_config: dict[str, Any]) -> Resume | Non
         ):
             if directory:
                 check_writable(directory, flag, create=not args.dry_run)
+        if args.ref_load is not None:
+            trainer = dataclasses.replace(
+                args.options.trainer,
+                ref_load=resolve_ref_load(args, hf_config),
+            )
+            args.options = args.options._replace(trainer=trainer)
         return _find_resume(args, hf_config)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def resolve_ref_load(args: argparse.Namespace, hf_config: dict[str, Any]) -> str:
+    """--ref-load as the directory the trainer reads: the latest complete checkpoint of a --save
+    directory, one iter_NNNNNNN/ directory, or a Hugging Face checkpoint of the same model."""
+    path = args.ref_load
+    loss = args.options.loss
+    if not (loss.use_kl_loss or loss.kl_coef):
+        logger.warning("--ref-load %s is not used: no --use-kl-loss or --kl-coef", path)
+    if not os.path.isdir(path):
+        raise ValueError(f"--ref-load {path} is not a directory")
+    latest = read_latest(path)
+    directory = iter_dir(path, latest) if latest is not None else path
+    if os.path.isfile(os.path.join(directory, MEGATRON_FILES[0])):
+        check_complete(directory)
+        check_common(read_common(directory), hf_config, args.tensor_model_parallel_size, directory)
+        return directory
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ValueError(
+            f"--ref-load {path} is neither a --save directory, a checkpoint of one, nor a Hugging "
+            "Face checkpoint (no config.json); point it at one of these"
+        )
+    with open(config) as f:
+        check_same_model(
+            json.load(f), hf_config, path, "give a Hugging Face checkpoint of the policy's model"
+        )
+    return path
 
 
 def check_writable(directory: str, flag: str, create: bool = True) -> None:

@@ -122,10 +122,16 @@ class TrainActor:
         self.gpt = model
         self.ref = None
         if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
-            # The reference policy for the KL term: the starting checkpoint, frozen.
+            # The reference policy for the KL term, frozen: --ref-load, else the starting
+            # checkpoint (so a resumed run keeps the reference it started with).
             self.ref = build_gpt_model(args.hf_checkpoint, params_dtype=dtype, device=self.device)
             self.ref.eval().requires_grad_(False)
-            load_mcore_state_dict(self.ref, model.state_dict())
+            if args.ref_load is None:
+                load_mcore_state_dict(self.ref, model.state_dict())
+            else:
+                from trainer_bridge.checkpoint import load_reference
+
+                load_reference(self.ref, args.ref_load)
         self.step = 0
         self._pusher: Optional[WeightPusher] = None
         self._pusher_key: Any = None

@@ -161,6 +161,20 @@ def load_checkpoint(actor: TrainActor, directory: str) -> int:
     return common["iteration"]
 
 
+def load_reference(gpt: Any, directory: str) -> None:
+    """--ref-load, resolved by the launcher to a directory: the model part of one of these
+    checkpoints (optimizer and RNG are not read), or a Hugging Face checkpoint."""
+    if not os.path.isfile(os.path.join(directory, COMMON_FILE)):
+        from trainer_bridge.convert import load_hf_weights
+
+        load_hf_weights(gpt, directory)
+        return
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, directory)
+    gpt.load_state_dict(state["model"])
+
+
 def read_common(directory: str) -> dict[str, Any]:
     """The non-sharded entries of a checkpoint (iteration, specrl's metadata), read with torch
     alone. Raises ValueError naming the directory when it is not one of these checkpoints."""
@@ -184,14 +198,14 @@ def read_common(directory: str) -> dict[str, Any]:
     return common
 
 
-def check_common(
-    common: dict[str, Any], hf_config: dict[str, Any], tp_size: int, directory: str
+def check_same_model(
+    saved_config: dict[str, Any], hf_config: dict[str, Any], directory: str, fix: str
 ) -> None:
-    """Refuse a checkpoint of another model shape or tensor-parallel size, saying what to do."""
+    """Refuse weights (Hugging Face config `saved_config`, in `directory`) of another model shape
+    than --hf-checkpoint's `hf_config`, naming what differs and `fix`."""
     from trainer_bridge.model_provider import read_model_config
 
-    meta = common["specrl"]
-    saved, wanted = read_model_config(meta["hf_config"]), read_model_config(hf_config)
+    saved, wanted = read_model_config(saved_config), read_model_config(hf_config)
     if saved != wanted:
         diffs = [
             f"{f.name} {getattr(saved, f.name)} vs {getattr(wanted, f.name)}"
@@ -199,9 +213,21 @@ def check_common(
             if f.compare and getattr(saved, f.name) != getattr(wanted, f.name)
         ]
         raise ValueError(
-            f"{directory} holds another model than --hf-checkpoint ({', '.join(diffs)}); pass "
-            "the --hf-checkpoint the run started from, or a --load of this model"
+            f"{directory} holds another model than --hf-checkpoint ({', '.join(diffs)}); {fix}"
         )
+
+
+def check_common(
+    common: dict[str, Any], hf_config: dict[str, Any], tp_size: int, directory: str
+) -> None:
+    """Refuse a checkpoint of another model shape or tensor-parallel size, saying what to do."""
+    meta = common["specrl"]
+    check_same_model(
+        meta["hf_config"],
+        hf_config,
+        directory,
+        "pass the --hf-checkpoint the run started from, or a checkpoint of this model",
+    )
     if meta["tensor_model_parallel_size"] != tp_size:
         raise ValueError(
             f"{directory} was saved at --tensor-model-parallel-size "

@@ -61,6 +61,15 @@ class TrainerArgs:
     mtp_loss_scaling_factor: float = field(
         default=0.2, metadata={"help": "Weight of the MTP loss."}
     )
+    ref_load: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "The KL reference model (slime's flag): a --save directory (the policy of its "
+            "latest checkpoint), one iter_NNNNNNN/ directory of it, or a Hugging Face checkpoint "
+            "of the same model. Default: --hf-checkpoint's weights. Used with --use-kl-loss or "
+            "--kl-coef."
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "tensor_model_parallel_size"):

@@ -1,0 +1,93 @@
+"""--ref-load (slime's flag): the KL reference model from a --save directory (the policy of its
+latest checkpoint) or a Hugging Face checkpoint; resolved and checked before anything starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specrl import checkpoint as run_checkpoint
+from specrl.train_options import parse_args
+
+pytest.importorskip("megatron.core")
+
+TOKENS = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+@pytest.fixture(scope="module")
+def models(make_model) -> tuple[str, str, str]:
+    """(the policy's checkpoint, another of the same shape, one of another shape)."""
+    return (
+        make_model("qwen2", num_layers=2, seed=61),
+        make_model("qwen2", num_layers=2, seed=62),
+        make_model("qwen2", num_layers=2, seed=61, intermediate_size=48),
+    )
+
+
+def resolved(model: str, ref_load: str, out: str, *flags: str) -> str:
+    args = parse_args(
+        ["--hf-checkpoint", model, "--prompt-data", "x.jsonl", "--rollout-batch-size", "2"]
+        + ["--num-rollout", "1", "--output-dir", out, "--ref-load", ref_load, *flags]
+    )
+    with open(f"{model}/config.json") as f:
+        run_checkpoint.resolve(args, json.load(f))
+    return args.options.trainer.ref_load
+
+
+def actor(model: str, ref_load: str | None = None, lr: float = 1e-2):
+    from trainer_bridge.actor import TrainActor
+    from trainer_bridge.loss import LossConfig
+    from trainer_bridge.options import TrainerArgs
+
+    return TrainActor(
+        TrainerArgs(hf_checkpoint=model, lr=lr, ref_load=ref_load),
+        LossConfig(use_kl_loss=True, kl_loss_coef=0.1),
+        temperature=1.0,
+    )
+
+
+def batch():
+    from trainer_bridge.batch import TrainBatch
+
+    return TrainBatch(TOKENS, [4, 4], [1.0, 0.0], n_samples_per_prompt=2)
+
+
+def test_ref_load_reads_a_save_directory_or_a_hugging_face_checkpoint(models, tmp_path, hf):
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+
+    policy, other, _ = models
+    save, out = str(tmp_path / "save"), str(tmp_path / "out")
+    trained = actor(policy)
+    trained.train(batch())  # the saved policy differs from --hf-checkpoint's weights
+    run_checkpoint.save(save, 3, lambda d: trained.save_checkpoint(d, 3), {"weight_version": 1})
+    saved_logps = trained.compute_log_probs(batch())
+    destroy_model_parallel()
+
+    assert resolved(policy, save, out, "--use-kl-loss") == run_checkpoint.iter_dir(save, 3)
+    a = actor(policy, run_checkpoint.iter_dir(save, 3))
+    assert a.compute_log_probs(batch(), reference=True) == saved_logps
+    assert a.compute_log_probs(batch()) != saved_logps  # the policy is --hf-checkpoint's
+    destroy_model_parallel()
+
+    assert resolved(policy, other, out, "--use-kl-loss") == other
+    b = actor(policy, other)
+    got = b.compute_log_probs(batch(), reference=True)
+    destroy_model_parallel()
+    for tokens, logps in zip(TOKENS, got):
+        logits = hf.model(other)(torch.tensor([tokens])).logits[0].float()
+        want = torch.log_softmax(logits, -1)[torch.arange(3, 7), torch.tensor(tokens[4:])]
+        assert torch.allclose(torch.tensor(logps), want, atol=1e-4), (logps, want)
+
+
+def test_a_bad_ref_load_is_refused_naming_it(models, tmp_path):
+    policy, _, other_shape = models
+    out = str(tmp_path / "out")
+    with pytest.raises(SystemExit, match="is not a directory"):
+        resolved(policy, str(tmp_path / "missing"), out, "--use-kl-loss")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="neither a --save directory"):
+        resolved(policy, str(tmp_path / "empty"), out, "--use-kl-loss")
+    with pytest.raises(SystemExit, match=r"holds another model than --hf-checkpoint \(interm"):
+        resolved(policy, other_shape, out, "--use-kl-loss")
