@@ -36,6 +36,19 @@ class EngineActor:
     async def abort_request(self, rid: str) -> None:
         self.engine.abort_request(rid)
 
+    async def health_generate(self) -> None:
+        """A one-token generation, as SGLang's /health_generate (the launcher's health checks;
+        its rid keeps it out of the engine's request counts)."""
+        import uuid
+
+        from spec_engine.core.stats import HEALTH_CHECK_RID_PREFIX
+
+        await self.engine.async_generate(
+            input_ids=[0],
+            sampling_params={"max_new_tokens": 1, "temperature": 0},
+            rid=f"{HEALTH_CHECK_RID_PREFIX}{uuid.uuid4().hex}",
+        )
+
     async def update_weights_from_tensor(
         self,
         named_tensors: Any = None,

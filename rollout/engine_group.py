@@ -36,6 +36,9 @@ class EngineGroup:
         self.engine_args = engine_args
         self.placement = list(placement)  # kept: a restarted engine takes its bundle again
         self.actors = [self._start(options) for options in self.placement]
+        # Engines being restarted (until their weights are pushed): not health-checked, since
+        # they cannot answer before they are up.
+        self.restarting: set[int] = set()
 
     def _start(self, options: dict[str, Any]) -> Any:
         return ray.remote(EngineActor).options(**options).remote(**self.engine_args.to_dict())

@@ -32,6 +32,7 @@ from specrl import checkpoint as run_checkpoint
 from specrl.checkpoint import Resume
 from specrl.console import quiet_known_noise, setup_logging
 from specrl.fault_tolerance import EngineRestarter, EngineRestartsExhausted, fatal_message
+from specrl.health import HealthMonitor
 from specrl.placement import Placements, create_placements, init_ray
 from specrl.plots import write_run_plots
 from specrl.progress import RolloutProgress
@@ -95,9 +96,17 @@ def _run(args: argparse.Namespace, resume: Resume | None, teardown: contextlib.E
             )
     if args.start_rollout_id is not None:
         start_rollout_id = args.start_rollout_id
-    restarter = None
+    restarter, checked = None, contextlib.nullcontext
     if args.use_fault_tolerance and engines.actors:
         restarter = install_restarter(args, engines, trainer, manager, lambda: weight_version)
+        monitor = HealthMonitor(
+            engines,
+            args.rollout_health_check_interval,
+            args.rollout_health_check_timeout,
+            args.rollout_health_check_first_wait,
+        )
+        teardown.callback(_logged, "stopping the health checks", monitor.stop)
+        checked = monitor.active  # only while rollouts run: pushes may hold an engine
     metrics_log = MetricsLogger(
         args.output_dir,
         use_wandb=args.use_wandb,
@@ -122,7 +131,7 @@ def _run(args: argparse.Namespace, resume: Resume | None, teardown: contextlib.E
         if args.load_debug_rollout_data is not None:
             groups, metrics = load_rollout(args.load_debug_rollout_data, rollout_id)
         else:
-            with progress.rollout(rollout_id, opts.rollout.rollout_batch_size):
+            with progress.rollout(rollout_id, opts.rollout.rollout_batch_size), checked():
                 groups, metrics = manager.generate(rollout_id)
         if args.save_debug_rollout_data is not None:
             save_debug_rollout_data(args.save_debug_rollout_data, rollout_id, groups)
@@ -148,7 +157,8 @@ def _run(args: argparse.Namespace, resume: Resume | None, teardown: contextlib.E
                 save(args, trainer, rollout_id, weight_version, manager, wandb_run_id)
 
         if engines.actors and is_due(opts.rollout.eval_interval, rollout_id):
-            metrics.update(manager.eval(rollout_id)[1])
+            with checked():
+                metrics.update(manager.eval(rollout_id)[1])
         if restarter is not None:  # this rollout's (and its evaluation's) restarts
             metrics["rollout/engine_restarts"] = restarter.used - restarts_before
             metrics["rollout/requests_redone"] = manager.router.requests_redone - redone_before

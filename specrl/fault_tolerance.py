@@ -71,9 +71,13 @@ class EngineRestarter:
         return handle
 
     def _restart(self, index: int) -> RayEngineHandle:
-        actor = self.engines.restart(index)
-        if self.push_weights is not None:
-            self.push_weights(actor)
+        self.engines.restarting.add(index)
+        try:
+            actor = self.engines.restart(index)
+            if self.push_weights is not None:
+                self.push_weights(actor)
+        finally:
+            self.engines.restarting.discard(index)
         return self.engines.handle(index)
 
 

@@ -135,6 +135,21 @@ class LauncherArgs:
         "Most engine restarts over the whole run with --use-fault-tolerance (a resumed run "
         "counts afresh); the next engine death ends the run.",
     )
+    rollout_health_check_interval: float = _opt(
+        30.0,
+        "With --use-fault-tolerance, seconds between health checks of every engine during a "
+        "rollout (a one-token generation, SGLang's /health_generate; slime's flag).",
+    )
+    rollout_health_check_timeout: float = _opt(
+        30.0,
+        "Seconds an engine has to answer a health check; past it the engine is taken as hung, "
+        "killed and restarted (slime's flag).",
+    )
+    rollout_health_check_first_wait: float = _opt(
+        300.0,
+        "Seconds after start before the first health check (slime's flag: time for a large "
+        "model's first requests to compile).",
+    )
     dry_run: bool = _opt(False, "Check the flags, print the resolved options and exit.")
     ray_num_cpus: int | None = _opt(None, "CPUs of the local Ray (default: all).")
 
@@ -272,6 +287,13 @@ def check_launcher_flags(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"error: --max-engine-restarts must be >= 0, got {args.max_engine_restarts}"
         )
+    for flag, least in (("interval", 0), ("timeout", 0), ("first_wait", None)):
+        value = getattr(args, f"rollout_health_check_{flag}")
+        if not (value > least if least is not None else value >= 0):
+            raise SystemExit(
+                f"error: --rollout-health-check-{flag.replace('_', '-')} must be "
+                f"{'positive' if least is not None else '>= 0'}, got {value}"
+            )
     if args.save_interval is not None and args.save_interval <= 0:
         raise SystemExit(f"error: --save-interval must be positive, got {args.save_interval}")
     for flag in ("save", "save_hf", "load"):

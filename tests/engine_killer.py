@@ -1,10 +1,12 @@
-"""A --custom-generate-function-path for tests/test_fault_tolerance.py (test-only, kept out of
-the package): it kills the engine actor serving sample KILL_AT right after sending that sample's
-request, as a crash of the engine's process would, once per run."""
+"""--custom-generate-function-paths for tests/test_fault_tolerance.py (test-only, kept out of
+the package): right after sending sample KILL_AT's request, once per run, kill the engine actor
+serving it (as a crash of its process would), or stop its process (SIGSTOP: hung, not dead)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from typing import Any
 
 import ray
@@ -25,4 +27,18 @@ async def generate_then_kill_engine(
     request = asyncio.ensure_future(generate(args, sample, sampling_params, engine))
     await asyncio.sleep(0)  # the request is on its way to the actor
     ray.kill(engine.handle.actor)  # engine: the routed Lease; handle: its RayEngineHandle
+    return await request
+
+
+async def generate_then_hang_engine(
+    args: Any, sample: Sample, sampling_params: dict[str, Any], engine: Any
+) -> Sample:
+    if sample.index != KILL_AT or sample.index in _killed:
+        return await generate(args, sample, sampling_params, engine)
+    _killed.add(sample.index)
+    actor = engine.handle.actor
+    pid = await actor.__ray_call__.remote(lambda self: os.getpid())
+    request = asyncio.ensure_future(generate(args, sample, sampling_params, engine))
+    await asyncio.sleep(0)
+    os.kill(pid, signal.SIGSTOP)  # the launcher's health check must notice; ray.kill ends it
     return await request

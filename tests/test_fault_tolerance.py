@@ -23,6 +23,7 @@ from specrl.fault_tolerance import (
     fatal_message,
     last_checkpoint,
 )
+from specrl.health import EngineHung, HealthMonitor
 from tests.test_train_loop import base_args
 
 # ---------------------------------------------------------------- router (fake engines)
@@ -157,6 +158,7 @@ def test_a_request_aborted_while_its_engine_restarts_is_not_redone():
 class FakeGroup:
     def __init__(self) -> None:
         self.restarted: list[int] = []
+        self.restarting: set[int] = set()
 
     def restart(self, index):
         self.restarted.append(index)
@@ -168,9 +170,13 @@ class FakeGroup:
 
 def test_restarter_pushes_current_weights_and_stops_at_the_limit():
     group, pushed = FakeGroup(), []
-    restarter = EngineRestarter(group, limit=1, push_weights=pushed.append)
+    restarter = EngineRestarter(
+        group, limit=1, push_weights=lambda a: pushed.append((a, set(group.restarting)))
+    )
     assert asyncio.run(restarter(1, EngineDied(1, "killed"))) == "handle1"
-    assert group.restarted == [1] and pushed == ["actor1"] and restarter.used == 1
+    # Not health-checked until its weights are pushed.
+    assert group.restarted == [1] and pushed == [("actor1", {1})] and restarter.used == 1
+    assert group.restarting == set()
     with pytest.raises(EngineRestartsExhausted, match=r"--max-engine-restarts 1\)"):
         asyncio.run(restarter(0, EngineDied(0, "killed")))
     assert group.restarted == [1]
@@ -242,6 +248,78 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess:
             "PYTHONPATH": os.getcwd(),
         },
     )
+
+
+# ---------------------------------------------------------------- health checks
+
+
+def _until(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_health_checks_kill_a_hung_engine_only_while_a_rollout_runs():
+    engines = argparse.Namespace(actors=["e0", "e1", "e2", "e3"], restarting={3})
+    checked, killed = [], []
+
+    def check(actor: str, timeout: float) -> None:
+        checked.append(actor)
+        if actor == "e1":
+            raise EngineHung(f"no answer within {timeout} s")
+        if actor == "e2":
+            raise RuntimeError("a check that fails otherwise is logged, and checks go on")
+
+    monitor = HealthMonitor(engines, 0.01, 2.0, 0.0, check=check, kill=killed.append)
+    time.sleep(0.1)
+    assert checked == []  # no rollout running: engines may be busy with a push on purpose
+    with monitor.active():
+        _until(lambda: len(killed) >= 2)
+    monitor.stop()
+    assert set(killed) == {"e1"} and monitor.killed == len(killed)
+    assert checked.count("e2") >= 2 and "e3" not in checked  # e3 is starting again
+    waiting = HealthMonitor(engines, 0.01, 2.0, 60.0, check=check, kill=killed.append)
+    with waiting.active():
+        time.sleep(0.1)
+    waiting.stop()
+    assert waiting.killed == 0  # --rollout-health-check-first-wait not over
+
+
+@pytest.mark.parametrize(
+    "flag,value,needle",
+    [
+        ("--rollout-health-check-interval", "0", "interval must be positive, got 0.0"),
+        ("--rollout-health-check-timeout", "-1", "timeout must be positive, got -1.0"),
+        ("--rollout-health-check-first-wait", "-5", "first-wait must be >= 0, got -5.0"),
+    ],
+)
+def test_health_check_flags_are_checked(flag, value, needle, capsys):
+    from specrl.train_options import parse_args
+
+    argv = base_args("m", "d.jsonl", "out") + [flag, value]
+    with pytest.raises(SystemExit, match=needle):
+        parse_args(argv)
+
+
+def test_a_hung_engine_is_killed_restarted_and_the_run_completes(rl_task, tmp_path):
+    """--debug-rollout-only, one engine whose process is stopped (SIGSTOP: hung, not dead)
+    mid-request during rollout 0; the health check kills it and the router restarts it."""
+    model, data = rl_task
+    out = str(tmp_path / "run")
+    proc = _run(
+        base_args(model, data, out)
+        + ["--debug-rollout-only", "--use-fault-tolerance"]
+        + ["--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "2"]
+        + ["--rollout-health-check-first-wait", "0"]
+        + ["--custom-generate-function-path", "tests.engine_killer.generate_then_hang_engine"]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["rollout/engine_restarts"] for r in rows] == [1, 0]
+    assert "engine 0 is hung (no answer to a one-token generation within 2.0 s)" in proc.stderr
+    assert "engine 0 restarted in" in proc.stderr
 
 
 def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_completes(rl_task, tmp_path):
