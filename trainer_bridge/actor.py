@@ -45,6 +45,7 @@ class TrainActor:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from trainer_bridge.checkpoint import load_reference
         from trainer_bridge.convert import load_hf_weights, load_mcore_state_dict
         from trainer_bridge.megatron_compat import free_port, init_model_parallel
         from trainer_bridge.model_provider import build_gpt_model, read_model_config, trainer_device
@@ -122,15 +123,12 @@ class TrainActor:
         self.gpt = model
         self.ref = None
         if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
-            # The reference policy for the KL term, frozen: --ref-load, else the starting
-            # checkpoint (so a resumed run keeps the reference it started with).
+            # The KL term's frozen reference: --ref-load, else the checkpoint the run started from.
             self.ref = build_gpt_model(args.hf_checkpoint, params_dtype=dtype, device=self.device)
             self.ref.eval().requires_grad_(False)
             if args.ref_load is None:
                 load_mcore_state_dict(self.ref, model.state_dict())
             else:
-                from trainer_bridge.checkpoint import load_reference
-
                 load_reference(self.ref, args.ref_load)
         self.step = 0
         self._pusher: Optional[WeightPusher] = None
