@@ -1,7 +1,7 @@
 """Tiny random Hugging Face checkpoints and a locally trained tokenizer (no hub access).
 
-Targets (Llama, Qwen2, Qwen3), MiMo MTP layers, EAGLE-2/EAGLE-3 drafts; the command line is
-`python scripts/make_tiny_model.py --out DIR [--arch llama|qwen2|qwen3]`.
+Targets (Llama, Qwen2, Qwen3, GLM-4.5 MoE), MiMo MTP layers, EAGLE-2/EAGLE-3 drafts; the command
+line is `python scripts/make_tiny_model.py --out DIR [--arch llama|qwen2|qwen3|glm4_moe]`.
 The checkpoint is written by transformers' own `save_pretrained` (config.json + safetensors),
 the tokenizer is a byte-level BPE trained with `tokenizers` on a generated corpus, with a
 ChatML chat template. Tests and examples use the same functions.
@@ -35,6 +35,25 @@ def corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
             words.append(f"{rng.randint(0, 999)} + {rng.randint(0, 999)} = {rng.randint(0, 1998)}")
         lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ""]))
     return lines
+
+
+# GLM-4.5 (Glm4MoeForCausalLM) at tiny size: every routing feature on (grouped top-k with 2 of 8
+# experts from the best of 2 groups, a shared expert, scaling) plus partial rotary and q/k/v
+# biases; `extra_config` overrides any of it (use_qk_norm, num_nextn_predict_layers, ...).
+GLM4_MOE_TINY: dict[str, Any] = dict(
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    partial_rotary_factor=0.5,
+    attention_bias=True,
+    use_qk_norm=True,
+)
 
 
 def build_tokenizer(out_dir: str, vocab_size: int = 512) -> Any:
@@ -84,10 +103,14 @@ def build_checkpoint(
     bos_token_id: int = 1,
     eos_token_id: int = 2,
     dtype: str = "float32",
+    extra_config: dict[str, Any] | None = None,
 ) -> str:
-    """Save a random model of the given family with `save_pretrained` (safetensors), in `dtype`."""
+    """Save a random model of the given family with `save_pretrained` (safetensors), in `dtype`;
+    `extra_config`: more config keys (for glm4_moe, over GLM4_MOE_TINY)."""
     import torch
     from transformers import (
+        Glm4MoeConfig,
+        Glm4MoeForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         Qwen2Config,
@@ -100,6 +123,7 @@ def build_checkpoint(
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
     }
     if arch not in families:
         raise ValueError(f"--arch must be one of {', '.join(families)}, got {arch!r}")
@@ -122,12 +146,65 @@ def build_checkpoint(
         kwargs["head_dim"] = head_dim
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
+    if arch == "glm4_moe":
+        kwargs.update(GLM4_MOE_TINY)
+    kwargs.update(extra_config or {})
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
     model = model_cls._from_config(config, dtype=getattr(torch, dtype))
+    if arch == "glm4_moe":
+        _randomize_router_bias(model)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **save_kwargs)
+    if arch == "glm4_moe" and getattr(config, "num_nextn_predict_layers", 0):
+        _add_glm4_moe_mtp_layers(out_dir, config, model_cls, dtype)
     return out_dir
+
+
+def _randomize_router_bias(model: Any) -> None:
+    """transformers initialises e_score_correction_bias to zeros; a random one makes expert
+    selection (biased scores) differ from expert weighting (unbiased), as in trained models."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias.normal_(0.0, 0.1)
+
+
+def _add_glm4_moe_mtp_layers(out_dir: str, config: Any, model_cls: Any, dtype: str) -> None:
+    """Append GLM-4.5's MTP layers (`model.layers.{N + i}.*`: a MoE decoder layer plus
+    enorm/hnorm/eh_proj/shared_head.norm), which transformers' class does not build: the layer
+    tensors come from the same class built with N + num_nextn_predict_layers layers."""
+    import copy
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    n, extra = config.num_hidden_layers, config.num_nextn_predict_layers
+    bigger = copy.deepcopy(config)
+    bigger.num_hidden_layers = n + extra
+    with tempfile.TemporaryDirectory() as tmp:
+        model_cls._from_config(bigger, dtype=getattr(torch, dtype)).save_pretrained(tmp)
+        more = load_file(os.path.join(tmp, "model.safetensors"))
+    weights_path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(weights_path)
+    tensors.update(
+        {
+            k: v
+            for k, v in more.items()
+            if k.startswith("model.layers.") and int(k.split(".")[2]) >= n
+        }
+    )
+    h, g = config.hidden_size, torch.Generator().manual_seed(n)
+    for i in range(n, n + extra):
+        prefix = f"model.layers.{i}."
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"{prefix}{norm}.weight"] = torch.ones(h, dtype=getattr(torch, dtype))
+        tensors[f"{prefix}eh_proj.weight"] = _random((h, 2 * h), 0.1, g).to(getattr(torch, dtype))
+    save_file(tensors, weights_path, metadata={"format": "pt"})
 
 
 def _draft_config(

@@ -17,7 +17,8 @@ from specrl.tiny_models import build_checkpoint, build_tokenizer
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 # Feature coverage per family: llama has llama3 rope scaling, GQA and an untied head; qwen2 has
-# q/k/v biases and tied embeddings; qwen3 has q/k norms and head_dim != hidden / heads.
+# q/k/v biases and tied embeddings; qwen3 has q/k norms and head_dim != hidden / heads; the GLM
+# ones have MoE MLPs.
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(
         arch="llama",
@@ -31,6 +32,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
     ),
     "qwen2": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3", head_dim=32),
+    # GLM-4.5 MoE (specrl.tiny_models.GLM4_MOE_TINY): q/k/v biases, partial rotary, grouped
+    # sigmoid routing with a correction bias, shared expert, a dense first layer; one variant with
+    # q/k norms and an MTP layer in the checkpoint, one without q/k norms or top-k renormalising.
+    "glm4_moe": dict(
+        arch="glm4_moe", num_layers=3, head_dim=32, extra_config={"num_nextn_predict_layers": 1}
+    ),
+    "glm4_moe_no_qk_norm": dict(
+        arch="glm4_moe",
+        extra_config={"use_qk_norm": False, "norm_topk_prob": False, "num_nextn_predict_layers": 0},
+    ),
 }
 
 

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (neox layout) with default, linear and llama3 frequency scaling."""
+"""Rotary position embeddings (neox layout) with default, linear and llama3 frequency scaling,
+on the whole head or on its leading `rotary_dim` dims (partial rotary, GLM-4.5)."""
 
 from __future__ import annotations
 
@@ -39,10 +40,16 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: Optional[dict[str, Any]]
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: Optional[dict[str, Any]],
+        rotary_dim: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
@@ -50,7 +57,7 @@ class RotaryEmbedding(nn.Module):
 
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos_sin is None or self._cos_sin[0].device != device:
-            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+            inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling)
             positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
             freqs = torch.outer(positions, inv_freq)
             self._cos_sin = (freqs.cos().to(device), freqs.sin().to(device))
@@ -63,10 +70,21 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._tables(positions.device)
         cos = cos.index_select(0, positions).unsqueeze(1)
         sin = sin.index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.rotary_dim == self.head_dim:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _rotate_partial(q, cos, sin, self.rotary_dim), _rotate_partial(
+            k, cos, sin, self.rotary_dim
+        )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _rotate_partial(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int
+) -> torch.Tensor:
+    # transformers' partial rotary: neox rotation of the leading dims, the rest passed through.
+    return torch.cat((_rotate(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)

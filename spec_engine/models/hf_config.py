@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MiMoForCausalLM": "qwen2",  # Qwen2 trunk + model.mtp_layers.*
+    "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5: MoE MLPs after the first dense layers
     # Draft-only formats (SGLang's names); refused as targets.
     "LlamaForCausalLMEagle": "llama",
     "LlamaForCausalLMEagle3": "llama",
@@ -30,10 +31,30 @@ MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mimo": "MiMoForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # A config directory or config.json path, a config dict, or a transformers PretrainedConfig.
 ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (GLM-4.5 / DeepSeek-V3 style): sigmoid router with a selection
+    bias, grouped top-k, shared experts; the first `first_k_dense_replace` layers stay dense."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per routed expert
+    num_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.first_k_dense_replace
 
 
 @dataclass
@@ -67,7 +88,15 @@ class ModelConfig:
     eagle_aux_layer_ids: Optional[list[int]] = None
     # Rows of the rotary tables; the runner raises it above max_position_embeddings for drafts.
     rope_max_positions: Optional[int] = None
+    # Rotary on the first head_dim * partial_rotary_factor dims of each head (GLM), rest passed.
+    partial_rotary_factor: float = 1.0
+    moe: Optional[MoEConfig] = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that rotary embeddings rotate."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def is_draft(self) -> bool:
@@ -148,6 +177,18 @@ class ModelConfig:
         hidden = cfg["hidden_size"]
         rope_theta, rope_scaling = rope_from_config(cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
+        glm = family == "glm4_moe"
+        head_dim = cfg.get("head_dim") or hidden // heads
+        partial = float(
+            (cfg.get("rope_parameters") or {}).get(
+                "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)
+            )
+        )
+        if int(head_dim * partial) % 2:
+            raise ValueError(
+                f"partial_rotary_factor={partial} leaves an odd number of rotary dims of "
+                f"head_dim={head_dim}"
+            )
         return cls(
             architecture=arch,
             family=family,
@@ -157,30 +198,32 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Qwen3 follow
-            # attention_bias.
+            # attention_bias; GLM-4.5's attention_bias is q/k/v only (o_proj never has one).
             qkv_bias=True if family == "qwen2" else attention_bias,
-            o_bias=False if family == "qwen2" else attention_bias,
+            o_bias=False if family in ("qwen2", "glm4_moe") else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family == "qwen3" or (glm and bool(cfg.get("use_qk_norm", False))),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=list(
                 eos_token_ids if eos_token_ids is not None else _as_list(cfg.get("eos_token_id"))
             ),
             num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0)
-            if arch == "MiMoForCausalLM"
+            if arch in ("MiMoForCausalLM", "Glm4MoeForCausalLM")
             else 0,
             draft_vocab_size=cfg.get("draft_vocab_size"),
             target_hidden_size=cfg.get("target_hidden_size"),
             eagle_aux_layer_ids=(cfg.get("eagle_config") or {}).get(
                 "eagle_aux_hidden_state_layer_ids"
             ),
+            partial_rotary_factor=partial,
+            moe=moe_from_config(cfg) if glm else None,
             hf_config=cfg,
         )
 
@@ -196,6 +239,40 @@ def _as_list(value: Any) -> list[int]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+def moe_from_config(cfg: dict[str, Any]) -> MoEConfig:
+    """The MoE fields of a GLM-4.5 (Glm4MoeConfig) config.json, refusing what is not run."""
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    n_group = int(cfg.get("n_group") or 1)
+    moe = MoEConfig(
+        num_experts=experts,
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        n_group=n_group,
+        topk_group=int(cfg.get("topk_group") or 1),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+    )
+    if experts < 1 or experts % n_group or experts // n_group < 2:
+        # Group scores are the sum of each group's two best experts (transformers' router).
+        raise ValueError(
+            f"n_routed_experts={experts} must split into n_group={n_group} groups of at least "
+            "2 experts"
+        )
+    if not 1 <= moe.topk_group <= n_group or not 1 <= moe.top_k <= experts:
+        raise ValueError(
+            f"topk_group={moe.topk_group} must be in [1, n_group={n_group}] and "
+            f"num_experts_per_tok={moe.top_k} in [1, n_routed_experts={experts}]"
+        )
+    if moe.top_k > moe.topk_group * (experts // n_group):
+        raise ValueError(
+            f"num_experts_per_tok={moe.top_k} exceeds the experts of topk_group={moe.topk_group} "
+            "groups"
+        )
+    return moe
+
+
 def rope_from_config(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
     """Rope theta and scaling (None for default rope) from transformers-5 `rope_parameters` or the
     older keys."""
@@ -206,6 +283,7 @@ def rope_from_config(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any
     else:
         theta = cfg.get("rope_theta", 10000.0)
         params = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else {}
+    params.pop("partial_rotary_factor", None)  # ModelConfig.partial_rotary_factor
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(

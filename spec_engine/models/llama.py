@@ -25,7 +25,9 @@ from spec_engine.weights.loader import WeightSlot
 
 def make_rotary(config: ModelConfig) -> RotaryEmbedding:
     positions = config.rope_max_positions or config.max_position_embeddings
-    return RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling)
+    return RotaryEmbedding(
+        config.head_dim, positions, config.rope_theta, config.rope_scaling, config.rotary_dim
+    )
 
 
 class LlamaAttention(nn.Module):
@@ -85,7 +87,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, input_norm: bool = True
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        input_norm: bool = True,
+        mlp: Optional[nn.Module] = None,
     ) -> None:
         super().__init__()
         # EAGLE-2 drafts have no input norm on their first layer (its input is already mixed by fc).
@@ -94,7 +101,8 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.self_attn = LlamaAttention(config, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        # A MoE model passes its own MLP (models/glm4_moe.py); dense models use SwiGLU.
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
 
     def forward(
         self,
@@ -123,10 +131,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         rotary = make_rotary(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+            self.make_layer(config, i, rotary) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.capture_layers = tuple(capture_layers)
+
+    def make_layer(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
+        """Decoder layer `layer_id` (subclasses swap the MLP)."""
+        return LlamaDecoderLayer(config, layer_id, rotary)
 
     def forward(
         self,
@@ -153,10 +165,12 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama, Qwen2, Qwen3 (and MiMo's trunk) causal LMs; the differences come from ModelConfig."""
 
+    model_cls: type[LlamaModel] = LlamaModel
+
     def __init__(self, config: ModelConfig, capture_layers: Sequence[int] = ()) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, capture_layers)
+        self.model = self.model_cls(config, capture_layers)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
@@ -220,12 +234,18 @@ class LlamaForCausalLM(nn.Module):
 
 
 def decoder_layer_spec(
-    c: ModelConfig, src: str, dst: str, attn_in: Optional[int] = None, input_norm: bool = True
+    c: ModelConfig,
+    src: str,
+    dst: str,
+    attn_in: Optional[int] = None,
+    input_norm: bool = True,
+    dense_mlp: bool = True,
 ) -> dict[str, WeightSlot]:
-    """Weight slots of one decoder layer: Hugging Face names under `src`, parameters under `dst`."""
+    """Weight slots of one decoder layer: Hugging Face names under `src`, parameters under `dst`
+    (without the MLP's when `dense_mlp` is False: a MoE layer adds its own)."""
     q = c.num_attention_heads * c.head_dim
     kv = c.num_key_value_heads * c.head_dim
-    h, inter = c.hidden_size, c.intermediate_size
+    h = c.hidden_size
     d_in = attn_in or h
     attn, mlp = dst + "self_attn.", dst + "mlp."
     spec: dict[str, WeightSlot] = {}
@@ -247,18 +267,27 @@ def decoder_layer_spec(
     if c.qk_norm:
         spec[f"{src}self_attn.q_norm.weight"] = WeightSlot(attn + "q_norm.weight", (c.head_dim,))
         spec[f"{src}self_attn.k_norm.weight"] = WeightSlot(attn + "k_norm.weight", (c.head_dim,))
-    for name, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
-        spec[f"{src}mlp.{name}.weight"] = WeightSlot(mlp + "gate_up_proj.weight", (inter, h), rows)
-        if c.mlp_bias:
-            spec[f"{src}mlp.{name}.bias"] = WeightSlot(mlp + "gate_up_proj.bias", (inter,), rows)
-    spec[f"{src}mlp.down_proj.weight"] = WeightSlot(mlp + "down_proj.weight", (h, inter))
-    if c.mlp_bias:
-        spec[f"{src}mlp.down_proj.bias"] = WeightSlot(mlp + "down_proj.bias", (h,))
+    if dense_mlp:
+        spec.update(dense_mlp_spec(c, f"{src}mlp.", mlp))
     if input_norm:
         spec[f"{src}input_layernorm.weight"] = WeightSlot(dst + "input_layernorm.weight", (h,))
     spec[f"{src}post_attention_layernorm.weight"] = WeightSlot(
         dst + "post_attention_layernorm.weight", (h,)
     )
+    return spec
+
+
+def dense_mlp_spec(c: ModelConfig, src: str, dst: str) -> dict[str, WeightSlot]:
+    """Slots of a SwiGLU MLP (gate/up fused into gate_up_proj): names under `src`, params `dst`."""
+    h, inter = c.hidden_size, c.intermediate_size
+    spec: dict[str, WeightSlot] = {}
+    for name, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
+        spec[f"{src}{name}.weight"] = WeightSlot(dst + "gate_up_proj.weight", (inter, h), rows)
+        if c.mlp_bias:
+            spec[f"{src}{name}.bias"] = WeightSlot(dst + "gate_up_proj.bias", (inter,), rows)
+    spec[f"{src}down_proj.weight"] = WeightSlot(dst + "down_proj.weight", (h, inter))
+    if c.mlp_bias:
+        spec[f"{src}down_proj.bias"] = WeightSlot(dst + "down_proj.bias", (h,))
     return spec
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from spec_engine.models.glm4_moe import Glm4MoeForCausalLM
 from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.llama import LlamaForCausalLM
 from spec_engine.models.llama_eagle import LlamaForCausalLMEagle
@@ -15,6 +16,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MiMoForCausalLM": LlamaForCausalLM,  # the trunk; its MTP layers are mtp_class's
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "LlamaForCausalLMEagle": LlamaForCausalLMEagle,
     "LlamaForCausalLMEagle3": LlamaForCausalLMEagle3,
 }
