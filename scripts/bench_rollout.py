@@ -10,7 +10,9 @@ same prompts), the mean accept length (tokens per verify, SGLang's count), and t
 decode step split into draft, verify and bookkeeping. Drafts are random checkpoints of the
 right shape (EAGLE-2, EAGLE-3, MiMo MTP), so their acceptance is near 1 and they measure the
 overhead; STANDALONE with the target as its own draft accepts every token (the upper bound);
-NGRAM runs on prompts that repeat a pattern, as code or templated text does.
+NGRAM runs on prompts that repeat a pattern, as code or templated text does; ngram-adaptive is
+NGRAM with --speculative-adaptive (per step, speculate or decode plainly by the measured cost
+model; the table gives the share of decode steps that speculated).
 --forced-acceptance makes every draft token accepted (sampling at temperature 1 with
 --speculative-accept-threshold-single 1e-9: lossy, a speed measurement only), which is what a
 perfect draft would give: the engine's speculative speedup at full acceptance, against plain
@@ -38,7 +40,7 @@ from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 if TYPE_CHECKING:
     from spec_engine import Engine
 
-ALGORITHMS = ("baseline", "eagle", "eagle3", "mtp", "standalone-self", "ngram")
+ALGORITHMS = ("baseline", "eagle", "eagle3", "mtp", "standalone-self", "ngram", "ngram-adaptive")
 # Model shapes to benchmark at (random weights): Llama-3.1-8B's config.
 PRESETS = {
     "llama-3.1-8b": dict(
@@ -99,6 +101,15 @@ def configs(
             models["llama"],
             dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=tokens),
         ),
+        # --speculative-adaptive: per step, NGRAM or plain decoding, by the measured cost model.
+        "ngram-adaptive": (
+            models["llama"],
+            dict(
+                speculative_algorithm="NGRAM",
+                speculative_num_draft_tokens=tokens,
+                speculative_adaptive=True,
+            ),
+        ),
     }
 
 
@@ -151,6 +162,7 @@ def run(
         for r in range(args.repeats):
             worker = engine.scheduler.worker
             before = spec_time_breakdown(engine)
+            modes_before = adaptive_steps(engine)
             steps_before = getattr(worker, "verify_steps", 0)
             verify_before = engine.scheduler.spec_verify_ct
             emitted_before = engine.scheduler.spec_emitted
@@ -166,12 +178,19 @@ def run(
                 emitted = engine.scheduler.spec_emitted - emitted_before
                 steps = getattr(worker, "verify_steps", 0) - steps_before
                 spent = {k: v - before.get(k, 0.0) for k, v in spec_time_breakdown(engine).items()}
+                spec_steps, plain_steps = (
+                    a - b for a, b in zip(adaptive_steps(engine), modes_before)
+                )
                 state = {
                     "accept_length": round(emitted / verifies, 3) if verifies else None,
                     "ms_per_step": {
                         k.removesuffix("_s"): round(1000 * v / steps, 2) for k, v in spent.items()
                     }
                     if steps
+                    else None,
+                    # --speculative-adaptive: the share of decode steps that speculated.
+                    "speculative_step_share": round(spec_steps / (spec_steps + plain_steps), 3)
+                    if spec_steps + plain_steps
                     else None,
                 }
         tokens = sum(len(o["output_ids"]) for o in outs)
@@ -233,6 +252,12 @@ def device_hbm_gbs(device: str) -> float | None:
 def spec_time_breakdown(engine: Engine) -> dict[str, float]:
     """Seconds drafting, verifying and in bookkeeping so far (none without speculation)."""
     return engine.get_server_info()["internal_states"][0].get("spec_time_breakdown", {})
+
+
+def adaptive_steps(engine: Engine) -> tuple[int, int]:
+    """Decode steps run speculating and plainly so far (--speculative-adaptive; else zeros)."""
+    report = engine.get_server_info()["internal_states"][0].get("spec_adaptive")
+    return (report["speculative_steps"], report["plain_steps"]) if report else (0, 0)
 
 
 def main() -> None:
@@ -358,7 +383,9 @@ def main() -> None:
         for batch in args.batch_sizes:
             row = {
                 "algorithm": name,
-                **run(path, kwargs, batch, args, args.vocab_size, repetitive=name == "ngram"),
+                **run(
+                    path, kwargs, batch, args, args.vocab_size, repetitive=name.startswith("ngram")
+                ),
             }
             results.append(row)
             print(json.dumps(row), flush=True)
@@ -374,16 +401,18 @@ def main() -> None:
         print("forced acceptance: every draft token accepted (lossy; speed of a perfect draft)")
     print(
         "| algorithm | batch | tokens/s | decode tokens/s | vs baseline | accept length | "
-        "draft / verify / bookkeeping ms per step |"
+        "draft / verify / bookkeeping ms per step | speculative steps |"
     )
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
     for r in results:
         speed = f"{r['tokens_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
         ms = r["ms_per_step"]
         split = f"{ms['draft']} / {ms['verify']} / {ms['bookkeeping']}" if ms else "-"
+        share = r["speculative_step_share"]
         print(
             f"| {r['algorithm']} | {r['batch']} | {r['tokens_per_s']} | "
-            f"{r['decode_tokens_per_s']} | {speed} | {r['accept_length'] or '-'} | {split} |"
+            f"{r['decode_tokens_per_s']} | {speed} | {r['accept_length'] or '-'} | {split} | "
+            f"{'-' if share is None else f'{100 * share:.0f}%'} |"
         )
     hbm = args.hbm_gbs or device_hbm_gbs(args.device)
     one = next((r for r in results if r["algorithm"] == "baseline" and r["batch"] == 1), None)

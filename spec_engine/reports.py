@@ -155,6 +155,8 @@ class EngineReports:
             state["spec_verify_ct"] = s.spec_verify_ct
             state["spec_time_breakdown"] = dict(s.worker.timings.seconds)
             state["spec_accept_alarm"] = s.alarm.report()
+            if s.adaptive is not None:
+                state["spec_adaptive"] = s.adaptive.report()
         return state
 
     def get_model_info(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from spec_engine.args.sglang_compat import (
     check_sglang_options,
     given_options,
 )
+from spec_engine.args.spec_checks import check_adaptive, check_ngram
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -212,6 +213,13 @@ class EngineArgs:
     speculative_ngram_capacity: int = _opt(
         10_000_000, "NGRAM: maximum nodes in the n-gram cache (it is cleared when full)."
     )
+    speculative_adaptive: bool = _opt(
+        False,
+        "Choose per decode step whether to speculate, from the running batch size and a cost "
+        "model measured online (time per plain and per speculative step per batch-size bucket, "
+        "accept length): speculate when it is expected to emit more tokens/s. NGRAM only; the "
+        "tree flags stay the depth used when speculating.",
+    )
     # Acceptance alarm (spec_engine.core.accept_alarm): the draft falls behind a weight update
     speculative_on_collapse: str = _opt(
         "warn",
@@ -360,6 +368,7 @@ class EngineArgs:
             "speculative_num_draft_tokens",
             "speculative_token_map",
         )
+        check_adaptive(self)
         if self.speculative_algorithm is None:
             given = [f for f in spec_flags if getattr(self, f) is not None]
             if given:
@@ -377,34 +386,7 @@ class EngineArgs:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be in (0, 1] (1.0 is lossless), got {value}"
                 )
-        for name in (
-            "speculative_ngram_min_match_window_size",
-            "speculative_ngram_max_match_window_size",
-            "speculative_ngram_min_bfs_breadth",
-            "speculative_ngram_max_bfs_breadth",
-            "speculative_ngram_branch_length",
-            "speculative_ngram_capacity",
-        ):
-            _check_positive(name, getattr(self, name))
-        if (
-            self.speculative_ngram_min_match_window_size
-            > self.speculative_ngram_max_match_window_size
-        ):
-            raise ValueError(
-                "--speculative-ngram-min-match-window-size exceeds "
-                "--speculative-ngram-max-match-window-size"
-            )
-        if self.speculative_ngram_min_bfs_breadth > self.speculative_ngram_max_bfs_breadth:
-            raise ValueError(
-                "--speculative-ngram-min-bfs-breadth exceeds --speculative-ngram-max-bfs-breadth"
-            )
-        if self.speculative_ngram_max_match_window_size >= self.speculative_ngram_branch_length:
-            raise ValueError(
-                "--speculative-ngram-branch-length must exceed "
-                "--speculative-ngram-max-match-window-size "
-                f"({self.speculative_ngram_branch_length} <= "
-                f"{self.speculative_ngram_max_match_window_size})"
-            )
+        check_ngram(self)
         if self.speculative_token_map is not None and self.speculative_algorithm != "EAGLE":
             raise ValueError(
                 "--speculative-token-map (FR-Spec) works with --speculative-algorithm EAGLE only"

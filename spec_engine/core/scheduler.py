@@ -19,6 +19,7 @@ from typing import Optional
 
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.core.accept_alarm import AcceptAlarm
+from spec_engine.core.adaptive import SpecCostModel
 from spec_engine.core.request import Req
 from spec_engine.core.worker import ModelWorker, StepResult
 from spec_engine.mem.radix_cache import RadixCache
@@ -84,6 +85,8 @@ class Scheduler:
             if args.speculative_algorithm is not None
             else None
         )
+        # --speculative-adaptive: per step, speculate or decode plainly (core.adaptive).
+        self.adaptive = SpecCostModel() if args.speculative_adaptive else None
 
     # ------------------------------------------------------------ public
 
@@ -130,17 +133,21 @@ class Scheduler:
             start = time.perf_counter()
             n = 0
             for reqs, speculate in self._decode_groups():
+                verify_ct, emitted = self.spec_verify_ct, self.spec_emitted
+                began = time.perf_counter()
                 if speculate:
-                    verify_ct, emitted = self.spec_verify_ct, self.spec_emitted
-                    n += self._process_outputs(reqs, self.worker.decode(reqs))
-                    if self.alarm is not None:
-                        self.alarm.record(
-                            self.spec_verify_ct - verify_ct, self.spec_emitted - emitted
-                        )
+                    result = self.worker.decode(reqs)
                 else:
-                    for req in reqs:
-                        req.draft_stale = True
-                    n += self._process_outputs(reqs, self.worker.decode_plain(reqs))
+                    for req in reqs:  # (a draft without state, NGRAM's, is never stale)
+                        req.draft_stale = not self.worker.plain_steps_keep_draft
+                    result = self.worker.decode_plain(reqs)
+                seconds = time.perf_counter() - began  # the tokens are on the host: synchronized
+                n += self._process_outputs(reqs, result)
+                verify_ct, emitted = self.spec_verify_ct - verify_ct, self.spec_emitted - emitted
+                if speculate and self.alarm is not None:
+                    self.alarm.record(verify_ct, emitted)
+                if self.adaptive is not None:
+                    self.adaptive.observe(speculate, len(reqs), seconds, verify_ct, emitted)
             self.last_gen_throughput = n / max(time.perf_counter() - start, 1e-9)
             self.new_token_ratio = max(
                 self.min_ratio,
@@ -156,11 +163,14 @@ class Scheduler:
         older position, so they keep decoding plainly until they finish, rather than resyncing
         the draft (a draft extend over the plain tokens would need the target's features for
         them, which a plain step does not keep). Requests admitted after the update speculate
-        at once, so speculation never waits for the old ones to drain."""
+        at once, so speculation never waits for the old ones to drain. With
+        --speculative-adaptive (NGRAM: no draft state) the cost model picks the whole batch's."""
         if self.alarm is None:
             return [(self.running, True)]
         if not self.alarm.speculating:
             return [(self.running, False)]
+        if self.adaptive is not None:  # NGRAM only: any request may switch at any step
+            return [(self.running, self.adaptive.speculate(len(self.running)))]
         plain = [r for r in self.running if r.draft_stale]
         if not plain:
             return [(self.running, True)]

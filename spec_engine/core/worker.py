@@ -67,6 +67,12 @@ class ModelWorker:
         return 0
 
     @property
+    def plain_steps_keep_draft(self) -> bool:
+        """Whether the worker may speculate again after `decode_plain` steps (no draft state a
+        plain step leaves behind)."""
+        return True
+
+    @property
     def prefix_backoff(self) -> int:
         """Tokens to recompute at the end of a cached prefix (0: the cache is exact)."""
         return 0

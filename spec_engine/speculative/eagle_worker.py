@@ -78,6 +78,11 @@ class EagleWorker(SpecWorker):
         return super().decode_headroom() + self._scratch_size(1) + self.page_size
 
     @property
+    def plain_steps_keep_draft(self) -> bool:
+        # A plain step writes no draft KV and leaves spec_state at an older position.
+        return False
+
+    @property
     def prefix_backoff(self) -> int:
         # A feature draft's KV at position p depends on token p + 1, which a cached prefix does
         # not key: recompute the cached prefix's last page so that position is this request's.
