@@ -249,7 +249,7 @@ def is_due(interval: int | None, rollout_id: int, num_rollout: int | None = None
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    resolved = check_checkpoints(args)
+    resolved = check_checkpoints(args) + args.compat_notes
     setup_logging()
     resume = run_checkpoint.resolve(args, ModelConfig.load(args.hf_checkpoint).hf_config)
     if resume is not None:

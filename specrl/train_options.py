@@ -23,6 +23,7 @@ from spec_engine.args.dataclass_cli import HelpFormatter, add_dataclass_args, da
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.args.resolve import resolve_engine_config
 from spec_engine.models.hf_config import ModelConfig
+from specrl.slime_compat import SlimeCompatArgs, check_model_shape, check_slime_options
 from trainer_bridge.loss import LossConfig
 from trainer_bridge.options import TrainerArgs, check_mtp_num_layers
 from trainer_bridge.weight_sync import WeightSyncConfig
@@ -46,6 +47,12 @@ SGLANG_ONLY = {
     "tp_size": "--rollout-num-gpus-per-engine",
     "enable_memory_saver": "--colocate",
     "dp_size": "--rollout-num-gpus (one engine per device)",
+}
+# slime's own --sglang-* launcher flags, and why specrl needs none.
+SLIME_SGLANG = {
+    "router_ip": "requests are routed in-process (rollout.router), no external router",
+    "router_port": "requests are routed in-process (rollout.router), no external router",
+    "server_concurrency": "each engine takes --sglang-max-running-requests requests at once",
 }
 USAGE = (
     "python -m scripts.train --hf-checkpoint DIR --rollout-batch-size N --num-rollout N "
@@ -152,6 +159,11 @@ class LauncherArgs:
     )
     dry_run: bool = _opt(False, "Check the flags, print the resolved options and exit.")
     ray_num_cpus: int | None = _opt(None, "CPUs of the local Ray (default: all).")
+    num_steps_per_rollout: int | None = _opt(
+        None,
+        "Optimizer steps per rollout (slime's flag): sets --global-batch-size to "
+        "--rollout-batch-size x --n-samples-per-prompt / N.",
+    )
 
 
 class Options(NamedTuple):
@@ -174,13 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     rollout_config.add_cli_args(parser)
     engine_config.add_cli_args(parser, prefix=ENGINE_PREFIX, exclude=LAUNCHER_OWNED)
     add_dataclass_args(parser, LauncherArgs, "launcher")
+    add_dataclass_args(
+        parser, SlimeCompatArgs, "slime / Megatron-LM flags for run scripts (no-ops or refused)"
+    )
     return parser
 
 
 def check_engine_flags(argv: Sequence[str]) -> None:
     """Refuse launcher-owned and unknown --sglang-* flags with a message naming the right one.
     A unique prefix of a flag counts as that flag (argparse's abbreviations, as in SGLang)."""
-    known = sorted(set(engine_config.field_names()) | set(LAUNCHER_OWNED))
+    known = sorted(set(engine_config.field_names()) | set(LAUNCHER_OWNED) | set(SLIME_SGLANG))
     for arg in argv:
         if not arg.startswith("--" + ENGINE_PREFIX) and not arg.startswith("--sglang_"):
             continue
@@ -195,6 +210,8 @@ def check_engine_flags(argv: Sequence[str]) -> None:
             raise SystemExit(
                 f"error: {flag} is set by the launcher; use {LAUNCHER_OWNED[name]} instead"
             )
+        if name in SLIME_SGLANG:
+            raise SystemExit(f"error: {flag} (slime's) is not supported: {SLIME_SGLANG[name]}")
         if name in SGLANG_ONLY:
             raise SystemExit(
                 f"error: {flag} is not an engine flag in specrl; use {SGLANG_ONLY[name]}"
@@ -213,6 +230,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.load_debug_rollout_data is not None:
         args.debug_train_only = True  # as in slime: saved rollouts need no engines
     check_launcher_flags(args)
+    args.compat_notes = check_slime_options(args)
+    if args.num_steps_per_rollout is not None:
+        args.global_batch_size = steps_to_global_batch(args)
     try:  # every options class validates itself now, before any engine or trainer starts
         args.options = Options(
             dataclass_from_args(TrainerArgs, args),
@@ -238,6 +258,7 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
     Raises SystemExit naming the flag to change."""
     try:
         target = ModelConfig.from_pretrained(args.hf_checkpoint)
+        check_model_shape(args, target)
         check_mtp_num_layers(args.mtp_num_layers, target.num_mtp_layers, args.hf_checkpoint)
         lines = [
             f"model: {args.hf_checkpoint} ({target.architecture}, {target.num_hidden_layers} "
@@ -268,6 +289,22 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
             f"{engine.speculative_num_draft_tokens} draft tokens"
         )
     return lines
+
+
+def steps_to_global_batch(args: argparse.Namespace) -> int:
+    """slime's --num-steps-per-rollout as the --global-batch-size it implies."""
+    steps, samples = args.num_steps_per_rollout, args.rollout_batch_size * args.n_samples_per_prompt
+    if steps <= 0 or samples % steps:
+        raise SystemExit(
+            f"error: --num-steps-per-rollout {steps} must be positive and divide the rollout's "
+            f"{samples} samples (--rollout-batch-size x --n-samples-per-prompt)"
+        )
+    if args.global_batch_size is not None and args.global_batch_size != samples // steps:
+        raise SystemExit(
+            f"error: --num-steps-per-rollout {steps} means --global-batch-size {samples // steps}, "
+            f"but --global-batch-size {args.global_batch_size} is given; give one of the two"
+        )
+    return samples // steps
 
 
 def check_launcher_flags(args: argparse.Namespace) -> None:

@@ -63,6 +63,7 @@ def test_train_help_lists_each_flag_once_with_defaults_and_required_flags():
         "engine options (--sglang-*):",
         "SGLang flags without a specrl option (accepted so SGLang command lines run unchanged):",
         "launcher:",
+        "slime / Megatron-LM flags for run scripts (no-ops or refused):",
     ]
 
 

@@ -1,0 +1,212 @@
+"""slime and Megatron-LM launcher flags that scripts/train.py has no option for, so that slime's
+run scripts (MODEL_ARGS, PERF_ARGS, MISC_ARGS...) parse unchanged: each is a logged no-op, or is
+refused when given a value specrl cannot honour, naming why and what to use instead. None is an
+"unrecognized argument".
+
+Megatron's model-shape flags are no-ops because the trainer builds megatron's config from
+--hf-checkpoint's config.json; `check_model_shape` still refuses one that contradicts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class SlimeFlag:
+    default: Any
+    reason: str
+    # Values accepted besides the default (as no-ops); None: every value is a logged no-op.
+    allowed: Optional[tuple[Any, ...]] = None
+    type: Any = str  # the value's type when `default` is None
+
+    @property
+    def value_type(self) -> Any:
+        return self.type if self.default is None else type(self.default)
+
+
+def _noop(default: Any, reason: str, type: Any = str) -> SlimeFlag:
+    return SlimeFlag(default, reason, None, type)
+
+
+def _only(default: Any, reason: str, *allowed: Any, type: Any = str) -> SlimeFlag:
+    return SlimeFlag(default, reason, allowed, type)
+
+
+_SHAPE = "the model's shape comes from --hf-checkpoint's config.json (checked against it)"
+_FROM_CONFIG = "read from --hf-checkpoint's config.json"
+_NO_RECOMPUTE = "specrl's trainer does not recompute activations (no memory saving flag yet)"
+_KERNELS = "specrl's trainer runs megatron-core's local layer spec; no kernel choice"
+_NO_PP = "pipeline parallelism is not implemented; use --tensor-model-parallel-size and DP"
+_NO_EP = "MoE training is not implemented (the engine serves GLM-4.5 MoE; the trainer is dense)"
+_WANDB = "wandb runs offline under --output-dir with --wandb-project; other wandb options unused"
+_LOAD = (
+    "--load resumes a run whole (policy, optimizer, RNG, data position); to start a new run from "
+    "a checkpoint's weights, export them with --save-hf and pass that as --hf-checkpoint"
+)
+
+SLIME_FLAGS: dict[str, SlimeFlag] = {
+    # Megatron model shape (slime's scripts/models/*.sh)
+    "num_layers": _noop(None, _SHAPE, int),
+    "hidden_size": _noop(None, _SHAPE, int),
+    "ffn_hidden_size": _noop(None, _SHAPE, int),
+    "num_attention_heads": _noop(None, _SHAPE, int),
+    "num_query_groups": _noop(None, _SHAPE, int),
+    "kv_channels": _noop(None, _SHAPE, int),
+    "group_query_attention": _noop(False, _FROM_CONFIG),
+    "vocab_size": _noop(None, _FROM_CONFIG, int),
+    "make_vocab_size_divisible_by": _noop(None, _FROM_CONFIG, int),
+    "max_position_embeddings": _noop(None, _FROM_CONFIG, int),
+    "seq_length": _noop(None, _FROM_CONFIG + "; responses are bounded by rollout lengths", int),
+    "position_embedding_type": _noop(None, _FROM_CONFIG),
+    "use_rotary_position_embeddings": _noop(False, _FROM_CONFIG),
+    "rotary_base": _noop(None, _FROM_CONFIG, float),
+    "rotary_percent": _noop(None, _FROM_CONFIG, float),
+    "normalization": _noop(None, _FROM_CONFIG),
+    "norm_epsilon": _noop(None, _FROM_CONFIG, float),
+    "swiglu": _noop(False, _FROM_CONFIG),
+    "disable_bias_linear": _noop(False, _FROM_CONFIG),
+    "add_qkv_bias": _noop(False, _FROM_CONFIG),
+    "qk_layernorm": _noop(False, _FROM_CONFIG),
+    "untie_embeddings_and_output_weights": _noop(False, _FROM_CONFIG),
+    # Megatron numerics and kernels
+    "attention_dropout": _only(
+        0.0, "specrl trains without dropout (RL needs the rollout's distribution); only 0"
+    ),
+    "hidden_dropout": _only(0.0, "specrl trains without dropout; only 0"),
+    "accumulate_allreduce_grads_in_fp32": _noop(
+        False, "gradients are always reduced in float32 (megatron's grad_reduce_in_fp32)"
+    ),
+    "attention_softmax_in_fp32": _noop(False, "attention softmax runs in float32 already"),
+    "attention_backend": _noop(None, _KERNELS),
+    "transformer_impl": _noop(None, _KERNELS),
+    "recompute_granularity": _noop(None, _NO_RECOMPUTE),
+    "recompute_method": _noop(None, _NO_RECOMPUTE),
+    "recompute_num_layers": _noop(None, _NO_RECOMPUTE, int),
+    "use_distributed_optimizer": _noop(
+        False, "Adam's state is kept whole on every data-parallel rank (no ZeRO sharding)"
+    ),
+    "sequence_parallel": _noop(
+        False,
+        "sequence parallelism needs Transformer Engine norms, which specrl does not use; tensor "
+        "parallelism runs without it (same results, more activation memory)",
+    ),
+    "pipeline_model_parallel_size": _only(1, _NO_PP, 1, type=int),
+    "context_parallel_size": _only(1, "context parallelism is not implemented", 1, type=int),
+    "expert_model_parallel_size": _only(1, _NO_EP, 1, type=int),
+    "expert_tensor_parallel_size": _only(1, _NO_EP, 1, type=int),
+    "megatron_to_hf_mode": _noop(None, "specrl converts with its own converter (bit-exact)"),
+    # Optimizer and schedule
+    "optimizer": _only("adam", "specrl's trainer runs Adam (megatron's optimizer)", "adam"),
+    "lr_decay_style": _only("constant", "the learning rate is constant", "constant"),
+    "lr_warmup_iters": _only(0, "the learning rate is constant (no warm-up)", 0, type=int),
+    "min_lr": _noop(None, "the learning rate is constant (--lr)", float),
+    "use_dynamic_batch_size": _noop(
+        False, "micro-batches hold --micro-batch-size sequences (no token-budget packing)"
+    ),
+    "max_tokens_per_gpu": _noop(None, "micro-batches hold --micro-batch-size sequences", int),
+    "balance_data": _noop(False, "samples are split over data-parallel ranks in order"),
+    "log_probs_chunk_size": _noop(None, "log-probs are computed per micro-batch", int),
+    "loss_type": _only(
+        "policy_loss", "specrl trains the policy loss only (no SFT loss)", "policy_loss"
+    ),
+    "use_rollout_logprobs": _only(
+        False,
+        "the trainer recomputes the old policy's log-probs (slime's default); the rollout's are "
+        "used by --use-tis",
+    ),
+    # Checkpoints
+    "no_load_optim": _only(False, _LOAD),
+    "no_load_rng": _only(False, _LOAD),
+    "finetune": _only(False, _LOAD),
+    "no_save_optim": _only(False, "a --save checkpoint always holds the optimizer (to resume)"),
+    # Rollout and placement
+    "num_epoch": _only(
+        None, "give --num-rollout (prompts x epochs / --rollout-batch-size)", type=int
+    ),
+    "partial_rollout": _only(
+        False, "groups left over when a rollout is full are aborted and dropped, not continued"
+    ),
+    "buffer_filter_path": _only(
+        None, "no rollout buffer filters; see --dynamic-sampling-filter-path"
+    ),
+    "rollout_global_dataset": _noop(False, "the launcher always owns the prompt data"),
+    "disable_rollout_global_dataset": _only(False, "the launcher always owns the prompt data"),
+    "use_slime_router": _noop(False, "requests are routed in-process (rollout.router)"),
+    "keep_old_actor": _only(False, "the trainer keeps no second copy of the policy"),
+    "offload": _noop(
+        False, "with --colocate engines release weights and KV around each train step"
+    ),
+    "offload_train": _noop(False, "the trainer stays on its device"),
+    "offload_rollout": _noop(
+        False, "with --colocate engines release weights and KV around each train step"
+    ),
+    "dump_details": _only(None, "use --save-debug-rollout-data for the rollouts"),
+    # Logging
+    "wandb_group": _noop(None, _WANDB),
+    "wandb_team": _noop(None, _WANDB),
+    "wandb_key": _noop(None, _WANDB),
+    "wandb_host": _noop(None, _WANDB),
+    "disable_wandb_random_suffix": _noop(False, _WANDB),
+}
+
+SlimeCompatArgs = dataclasses.make_dataclass(
+    "SlimeCompatArgs",
+    [
+        (
+            name,
+            Optional[flag.value_type],
+            dataclasses.field(
+                default=flag.default,
+                metadata={
+                    "help": ("[no-op] " if flag.allowed is None else "[refused otherwise] ")
+                    + flag.reason
+                    + "."
+                },
+            ),
+        )
+        for name, flag in SLIME_FLAGS.items()
+    ],
+    frozen=True,
+)
+SlimeCompatArgs.__doc__ = "slime / Megatron-LM flags kept for drop-in run scripts."
+
+
+def check_slime_options(args: argparse.Namespace) -> list[str]:
+    """Refuse what cannot be honoured (SystemExit naming the flag, why, what to use); return one
+    log line per accepted no-op that was given."""
+    lines = []
+    for name, flag in SLIME_FLAGS.items():
+        value = getattr(args, name, flag.default)
+        if value == flag.default:
+            continue
+        cli = f"--{name.replace('_', '-')}"
+        given = cli if value is True else f"{cli} {value!r}"
+        if flag.allowed is not None and value not in flag.allowed:
+            raise SystemExit(f"error: {given} is not supported: {flag.reason}")
+        if flag.allowed is None:
+            lines.append(f"{given} has no effect in specrl: {flag.reason}")
+    return lines
+
+
+def check_model_shape(args: argparse.Namespace, config: Any) -> None:
+    """Megatron's shape flags, when given, must match --hf-checkpoint's config (a ModelConfig)."""
+    shape = {
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "ffn_hidden_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": config.num_key_value_heads,
+        "kv_channels": config.head_dim,
+    }
+    for name, want in shape.items():
+        given = getattr(args, name, None)
+        if given is not None and given != want:
+            raise SystemExit(
+                f"error: --{name.replace('_', '-')} {given} contradicts {args.hf_checkpoint} "
+                f"({want}); specrl takes the model's shape from its config.json: drop the flag "
+                "or point --hf-checkpoint at the model it describes"
+            )
