@@ -39,7 +39,10 @@ _ONE_DEVICE = (
     "an engine runs on one device; for more throughput run more engines (scripts/train.py "
     "--rollout-num-gpus, or several servers behind a router)"
 )
-_NO_MOE = "specrl's engine runs dense models only (no MoE layers)"
+_NO_MOE = (
+    "specrl's MoE layers (GLM-4.5) run their experts in one module on one device: no expert "
+    "parallelism or fused MoE kernels"
+)
 _NO_MLA = "specrl's engine has no MLA attention models"
 _NO_TRITON = "specrl has no Triton attention kernels (see --attention-backend)"
 _NO_COMPILE = (
@@ -66,8 +69,8 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     ),
     "trust_remote_code": _noop(
         False,
-        "specrl runs only its own model classes (Llama, Qwen2, Qwen3, MiMo); no checkpoint code "
-        "is executed",
+        "specrl runs only its own model classes (Llama, Qwen2, Qwen3, MiMo, GLM-4.5 MoE); no "
+        "checkpoint code is executed",
     ),
     "revision": _refuse(None, _NO_HUB + "; check out the revision yourself and pass its path"),
     "download_dir": _noop(None, _NO_HUB),
