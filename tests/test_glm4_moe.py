@@ -183,8 +183,3 @@ def test_engine_names_every_device_and_runs_bfloat16(glm):
     assert gate.weight.dtype == torch.float32
     assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
     assert all(lp <= 0.0 for o in outs for lp, _, _ in o["meta_info"]["output_token_logprobs"])
-
-
-def test_mtp_drafting_is_refused_until_glm_mtp_layers_run(glm):
-    with pytest.raises(ValueError, match="no MTP layers specrl can draft with"):
-        Engine(model_path=glm, speculative_algorithm="EAGLE")

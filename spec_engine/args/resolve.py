@@ -38,7 +38,7 @@ class DraftKind(enum.Enum):
 
     EAGLE = "EAGLE"  # EAGLE-2 draft (LlamaForCausalLMEagle) over target features
     EAGLE3 = "EAGLE3"  # EAGLE-3 draft over three captured target layers
-    MTP = "MTP"  # the target's own multi-token-prediction layers (MiMo)
+    MTP = "MTP"  # the target's own multi-token-prediction layers (MiMo, GLM-4.5)
     STANDALONE = "STANDALONE"  # a small LM drafting from tokens alone
 
     @property

@@ -5,10 +5,12 @@ RMSNorm (`use_qk_norm`), rotary on the leading head_dim * partial_rotary_factor 
 expressed by ModelConfig, so LlamaAttention runs it. MLP: dense SwiGLU in the first
 `first_k_dense_replace` layers, layers/moe.SparseMoE after. The checkpoint's multi-token-
 prediction layers (`model.layers.{num_hidden_layers + i}.*`, num_nextn_predict_layers) are
-accepted and not loaded: no MTP draft runs them yet.
+accepted here; the first is the MTP draft's (models/glm4_moe_nextn.py).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from torch import nn
 
@@ -63,7 +65,7 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         for i in range(c.num_hidden_layers):
             spec.update(glm4_moe_layer_spec(c, i, f"model.layers.{i}."))
         for i in range(c.num_hidden_layers, c.num_hidden_layers + c.num_mtp_layers):
-            # Accepted so a full GLM-4.5 checkpoint loads; not used until an MTP draft runs them.
+            # The first belongs to the MTP draft (models/glm4_moe_nextn.py); the trunk accepts all.
             spec.update(
                 {
                     name: WeightSlot(None, slot.shape, optional=True)
@@ -73,10 +75,14 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         return spec
 
 
-def glm4_moe_layer_spec(c: ModelConfig, layer_id: int, dst: str) -> dict[str, WeightSlot]:
-    """Slots of decoder layer `layer_id` (names `model.layers.{layer_id}.*`) under `dst`."""
+def glm4_moe_layer_spec(
+    c: ModelConfig, layer_id: int, dst: str, moe: Optional[bool] = None
+) -> dict[str, WeightSlot]:
+    """Slots of decoder layer `layer_id` (names `model.layers.{layer_id}.*`) under `dst`; its MLP
+    is the MoE when `moe` says so (None: as the config places MoE layers)."""
     src = f"model.layers.{layer_id}."
-    moe = c.moe.is_moe_layer(layer_id)
+    if moe is None:
+        moe = c.moe.is_moe_layer(layer_id)
     spec = decoder_layer_spec(c, src, dst, dense_mlp=not moe)
     if moe:
         m = c.moe
@@ -97,7 +103,7 @@ def glm4_moe_mtp_layer_spec(c: ModelConfig, layer_id: int) -> dict[str, WeightSl
     """Slots of a GLM-4.5 MTP layer as checkpoints name it (SGLang's glm4_moe_nextn layout): a
     decoder layer plus enorm/hnorm/eh_proj and a shared head (embedding and head optional)."""
     src, h = f"model.layers.{layer_id}.", c.hidden_size
-    spec = glm4_moe_layer_spec(c, layer_id, src)
+    spec = glm4_moe_layer_spec(c, layer_id, src, moe=True)  # SGLang: is_nextn layers are MoE
     spec.update(
         {
             f"{src}enorm.weight": WeightSlot(src + "enorm.weight", (h,)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from spec_engine.models.glm4_moe import Glm4MoeForCausalLM
+from spec_engine.models.glm4_moe_nextn import Glm4MoeNextN
 from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.llama import LlamaForCausalLM
 from spec_engine.models.llama_eagle import LlamaForCausalLMEagle
@@ -21,7 +22,10 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLMEagle3": LlamaForCausalLMEagle3,
 }
 # Targets whose checkpoints carry multi-token-prediction layers, and the module that runs them.
-_MTP_CLASSES: dict[str, type[nn.Module]] = {"MiMoForCausalLM": MiMoMTP}
+_MTP_CLASSES: dict[str, type[nn.Module]] = {
+    "MiMoForCausalLM": MiMoMTP,
+    "Glm4MoeForCausalLM": Glm4MoeNextN,
+}
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:

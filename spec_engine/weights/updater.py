@@ -1,13 +1,14 @@
 """WeightUpdater: new weights into a running engine — target and draft, from tensors, a
 torch.distributed broadcast, or disk — plus checksums and memory release/resume of weights.
 
-Names are Hugging Face names. The target's go to the target; MiMo's `model.mtp_layers.*` go
-to the MTP draft; an external draft (EAGLE, EAGLE-3, STANDALONE) is addressed with a `draft.`
-prefix on its own checkpoint names (e.g. `draft.fc.weight`), or with `component="draft"` on
-disk updates. EAGLE-2 and MTP drafts use the target's embedding and head tensors themselves, so
-a target update reaches them; derived copies (CPU-packed weights, the FR-Spec head, EAGLE-3's
-id map) are rebuilt after every update. Every tensor of a request is checked (known name,
-shape, dtype) before any is copied: a bad request leaves all weights as they were.
+Names are Hugging Face names. The target's go to the target; MTP layers (MiMo's
+`model.mtp_layers.*`, GLM-4.5's next-n `model.layers.{N}.*`) go to the MTP draft; an external
+draft (EAGLE, EAGLE-3, STANDALONE) is addressed with a `draft.` prefix on its own checkpoint
+names (e.g. `draft.fc.weight`), or with `component="draft"` on disk updates. EAGLE-2 and MTP
+drafts use the target's embedding and head tensors themselves, so a target update reaches them;
+derived copies (CPU-packed weights, the FR-Spec head, EAGLE-3's id map) are rebuilt after every
+update. Every tensor of a request is checked (known name, shape, dtype) before any is copied: a
+bad request leaves all weights as they were.
 """
 
 from __future__ import annotations
