@@ -52,27 +52,13 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
 
     model_cls = Glm4MoeModel
 
-    def hf_weight_spec(self) -> dict[str, WeightSlot]:
-        c = self.config
-        h = c.hidden_size
-        spec = {
-            "model.embed_tokens.weight": WeightSlot("model.embed_tokens.weight", (c.vocab_size, h)),
-            "model.norm.weight": WeightSlot("model.norm.weight", (h,)),
-            "lm_head.weight": WeightSlot(
-                "lm_head.weight", (c.vocab_size, h), optional=c.tie_word_embeddings
-            ),
-        }
-        for i in range(c.num_hidden_layers):
-            spec.update(glm4_moe_layer_spec(c, i, f"model.layers.{i}."))
-        for i in range(c.num_hidden_layers, c.num_hidden_layers + c.num_mtp_layers):
-            # The first belongs to the MTP draft (models/glm4_moe_nextn.py); the trunk accepts all.
-            spec.update(
-                {
-                    name: WeightSlot(None, slot.shape, optional=True)
-                    for name, slot in glm4_moe_mtp_layer_spec(c, i).items()
-                }
-            )
-        return spec
+    def layer_weight_spec(self, layer_id: int) -> dict[str, WeightSlot]:
+        return glm4_moe_layer_spec(self.config, layer_id, f"model.layers.{layer_id}.")
+
+    def mtp_weight_spec(self, index: int) -> dict[str, WeightSlot]:
+        # Next-n layers follow the trunk's; the first is the MTP draft's
+        # (models/glm4_moe_nextn.py).
+        return glm4_moe_mtp_layer_spec(self.config, self.config.num_hidden_layers + index)
 
 
 def glm4_moe_layer_spec(

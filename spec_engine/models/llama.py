@@ -221,16 +221,25 @@ class LlamaForCausalLM(nn.Module):
             ),
         }
         for i in range(c.num_hidden_layers):
-            spec.update(decoder_layer_spec(c, f"model.layers.{i}.", f"model.layers.{i}."))
+            spec.update(self.layer_weight_spec(i))
         for i in range(c.num_mtp_layers):
-            # MiMo's MTP layers belong to the MTP draft (models/mimo.py); the trunk accepts them.
+            # MTP layers belong to the MTP draft (mtp_class); the trunk accepts and skips them.
             spec.update(
                 {
                     name: WeightSlot(None, slot.shape, optional=True)
-                    for name, slot in mtp_layer_spec(c, i, "").items()
+                    for name, slot in self.mtp_weight_spec(i).items()
                 }
             )
         return spec
+
+    def layer_weight_spec(self, layer_id: int) -> dict[str, WeightSlot]:
+        """Slots of decoder layer `layer_id` (a family with other layers overrides this)."""
+        prefix = f"model.layers.{layer_id}."
+        return decoder_layer_spec(self.config, prefix, prefix)
+
+    def mtp_weight_spec(self, index: int) -> dict[str, WeightSlot]:
+        """Checkpoint names and shapes of MTP layer `index` (MiMo's `model.mtp_layers.*`)."""
+        return mtp_layer_spec(self.config, index, "")
 
 
 def decoder_layer_spec(
