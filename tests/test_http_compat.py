@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import io
 import logging
 import os
 import pickle
 import shutil
-import sys
 import threading
 import time
-import types
 from datetime import timedelta
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import pytest
@@ -30,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from spec_engine import Engine, EngineArgs
 from spec_engine.server.http_server import create_app
 from spec_engine.weights.loader import tensor_checksum
+from tests.slime_wire import install_fake_sglang, slime_payload
 from trainer_bridge.megatron_compat import free_port
 
 testclient = pytest.importorskip("fastapi.testclient")
@@ -292,54 +289,6 @@ def test_pause_continue_and_flush(served):
 
 
 # ------------------------------------------------------------------ weight updates
-
-
-def install_fake_sglang(monkeypatch) -> type:
-    """sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata under its real name (for
-    this test only), so the pickle names the class exactly as slime's does."""
-    names = [
-        "sglang",
-        "sglang.srt",
-        "sglang.srt.weight_sync",
-        "sglang.srt.weight_sync.tensor_bucket",
-    ]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-
-    @dataclasses.dataclass
-    class FlattenedTensorMetadata:
-        name: str
-        shape: torch.Size
-        dtype: torch.dtype
-        start_idx: int
-        end_idx: int
-        numel: int
-
-    FlattenedTensorMetadata.__module__ = names[-1]
-    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
-    sys.modules[names[-1]].FlattenedTensorMetadata = FlattenedTensorMetadata
-    return FlattenedTensorMetadata
-
-
-def slime_payload(
-    named: dict[str, torch.Tensor], meta_cls: type, byte_offsets: bool = True
-) -> tuple[str, torch.Tensor]:
-    """One rank's entry as slime sends it: MultiprocessingSerializer.serialize({"flattened_tensor",
-    "metadata"}, output_str=True). byte_offsets: SGLang's multi-dtype FlattenedTensorBucket (a
-    uint8 tensor, byte ranges); else the older one-dtype bucket (element ranges). Also the
-    flattened tensor: the sender keeps it alive while the engine reads its shared memory."""
-    chunks, metadata, offset = [], [], 0
-    for name, tensor in named.items():
-        flat = tensor.contiguous().flatten()
-        flat = flat.view(torch.uint8) if byte_offsets else flat
-        end = offset + flat.numel()
-        metadata.append(meta_cls(name, tensor.shape, tensor.dtype, offset, end, flat.numel()))
-        chunks.append(flat)
-        offset = end
-    flat = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    buffer = io.BytesIO()
-    ForkingPickler(buffer).dump({"flattened_tensor": flat, "metadata": metadata})
-    return base64.b64encode(buffer.getvalue()).decode(), flat
 
 
 def test_update_from_tensor_in_slimes_formats(served, paths, tmp_path, monkeypatch):

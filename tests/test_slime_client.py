@@ -7,14 +7,11 @@ runs it; oracles: transformers and a fresh engine."""
 from __future__ import annotations
 
 import base64
-import dataclasses
-import io
 import socket
 import subprocess
 import sys
 import threading
 import time
-import types
 from array import array
 from typing import Any
 
@@ -22,6 +19,7 @@ import pytest
 import torch
 
 from specrl.tiny_models import add_mimo_mtp
+from tests.slime_wire import install_fake_sglang, slime_payload
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -242,54 +240,6 @@ def test_distillation_scoring(server, trunk):
     torch.testing.assert_close(got, expected[:, 0], atol=1e-4, rtol=0)
 
 
-def _sglang_metadata_class(monkeypatch) -> type:
-    """sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata under its real name, so the
-    pickle names the class exactly as slime's does (sglang itself is not installed)."""
-    names = [
-        "sglang",
-        "sglang.srt",
-        "sglang.srt.weight_sync",
-        "sglang.srt.weight_sync.tensor_bucket",
-    ]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-
-    @dataclasses.dataclass
-    class FlattenedTensorMetadata:
-        name: str
-        shape: torch.Size
-        dtype: torch.dtype
-        start_idx: int
-        end_idx: int
-        numel: int
-
-    FlattenedTensorMetadata.__module__ = names[-1]
-    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
-    sys.modules[names[-1]].FlattenedTensorMetadata = FlattenedTensorMetadata
-    return FlattenedTensorMetadata
-
-
-def slime_flattened_bucket(named: dict[str, torch.Tensor], metadata_cls: type) -> str:
-    """FlattenedTensorBucket (multi-dtype, byte offsets) serialised as slime does:
-    MultiprocessingSerializer.serialize({"flattened_tensor", "metadata"}, output_str=True)."""
-    from multiprocessing.reduction import ForkingPickler
-
-    chunks, metadata, offset = [], [], 0
-    for name, tensor in named.items():
-        flat = tensor.contiguous().flatten().view(torch.uint8)
-        metadata.append(
-            metadata_cls(
-                name, tensor.shape, tensor.dtype, offset, offset + flat.numel(), flat.numel()
-            )
-        )
-        chunks.append(flat)
-        offset += flat.numel()
-    flat = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def test_weight_update_as_slime_sends_it(server, mimo, make_model, monkeypatch):
     """pause_generation -> flush_cache -> update_weights_from_tensor (flattened bucket, one
     string per TP rank) -> continue_generation; the new weights serve (greedy equals a fresh
@@ -299,13 +249,13 @@ def test_weight_update_as_slime_sends_it(server, mimo, make_model, monkeypatch):
     from spec_engine.engine import Engine
 
     torch.multiprocessing.set_sharing_strategy("file_system")
-    metadata_cls = _sglang_metadata_class(monkeypatch)
+    metadata_cls = install_fake_sglang(monkeypatch)
     new = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=31), seed=32)
     named = load_file(f"{new}/model.safetensors")
     post(server, "/pause_generation", {})
     assert httpx.get(server + "/flush_cache").status_code == 200
     payload = {
-        "serialized_named_tensors": [slime_flattened_bucket(named, metadata_cls)],
+        "serialized_named_tensors": [slime_payload(named, metadata_cls)[0]],
         "load_format": "flattened_bucket",
         "flush_cache": False,
         "weight_version": "1",
@@ -320,7 +270,7 @@ def test_weight_update_as_slime_sends_it(server, mimo, make_model, monkeypatch):
     assert served["output_ids"] == expected["output_ids"]
     assert served["meta_info"]["weight_version"] == "1"
     # An empty bucket (a rank with nothing to send) is a no-op.
-    payload["serialized_named_tensors"] = [slime_flattened_bucket({}, metadata_cls)]
+    payload["serialized_named_tensors"] = [slime_payload({}, metadata_cls)[0]]
     payload["weight_version"] = "2"
     assert post(server, "/update_weights_from_tensor", payload)["success"] is True
     assert post(server, "/generate", request)["output_ids"] == expected["output_ids"]
