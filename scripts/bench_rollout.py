@@ -138,6 +138,7 @@ def run(
         random_seed=0,
         disable_radix_cache=True,
         disable_cuda_graph=args.disable_cuda_graph,
+        enable_deterministic_inference=args.enable_deterministic_inference,
         attention_backend=args.attention_backend,
         context_length=args.context_length,
         max_running_requests=max(args.batch_sizes),
@@ -294,6 +295,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant engines (what it costs: docs/benchmarks/deterministic_cpu.md)",
+    )
     parser.add_argument(
         "--disable-cuda-graph",
         action="store_true",

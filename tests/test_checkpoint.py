@@ -2,7 +2,8 @@
 saved, loaded, trained on exactly as the policy that never stopped). A run on Ray killed with
 SIGKILL (its whole session: launcher, Ray, engines, trainer ranks) during a rollout and again
 during a save, then rerun with the same command, resumes from the last complete checkpoint, in
-Megatron-LM's layout, with its weight version and its log intact. Bad directories and partial,
+Megatron-LM's layout, with its weight version and its log intact, and ends with the same weights
+and metrics, bit for bit, as a run never killed. Bad directories and partial,
 corrupt or foreign checkpoints are refused before Ray starts, naming the path."""
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def run_argv(model: str, data: str, out: str) -> list[str]:
         "--save-hf",
         os.path.join(out, "hf", "{rollout_id}"),
         "--check-weight-update-equal",  # the resumed engines hold the resumed weights
+        # Batch-invariant engines: a request's samples do not depend on what it was batched
+        # with, so a resumed run can be compared with an uninterrupted one bit for bit.
+        "--sglang-enable-deterministic-inference",
     ]
     argv[argv.index("--num-rollout") + 1] = str(NUM_ROLLOUT)
     return argv
@@ -155,6 +159,32 @@ def killed_run(task, tmp_path_factory) -> str:
     # The same command once more: resumes after rollout 1 again and finishes.
     finish(argv, log)
     return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(task, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("uninterrupted") / "run")
+    finish(run_argv(*task, out), os.path.join(os.path.dirname(out), "log.txt"))
+    return out
+
+
+def test_a_killed_and_resumed_run_ends_as_one_never_killed(killed_run, uninterrupted_run):
+    """Item 2 of resuming: the same final weights (policy and online-trained MTP layer) and the
+    same metrics for every rollout, bit for bit."""
+    final = [
+        load_file(os.path.join(o, "hf", "3", "model.safetensors"))
+        for o in (killed_run, uninterrupted_run)
+    ]
+    assert final[0].keys() == final[1].keys() and any("mtp_layers" in k for k in final[0])
+    assert [k for k in final[0] if not torch.equal(final[0][k], final[1][k])] == []
+
+    def kept(row: dict) -> dict:  # timings differ between any two runs
+        return {k: v for k, v in row.items() if not k.startswith("perf/") and "time" not in k}
+
+    rows = [read_metrics(os.path.join(o, "metrics.jsonl")) for o in (killed_run, uninterrupted_run)]
+    assert len(rows[0]) == len(rows[1]) == NUM_ROLLOUT
+    for resumed, straight in zip(*rows):
+        assert kept(resumed) == kept(straight), resumed["rollout_id"]
 
 
 def test_killed_twice_then_rerun_resumes_from_the_last_complete_checkpoint(killed_run):

@@ -156,6 +156,14 @@ class EngineArgs:
     disable_radix_cache: bool = _opt(
         False, "Disable the prefix (radix) cache: no KV sharing between requests."
     )
+    enable_deterministic_inference: bool = _opt(
+        False,
+        "Batch-invariant numerics (SGLang's flag): a request's tokens and log-probs do not depend "
+        "on what it is batched with or on prefix-cache hits, so a rerun with the same requests "
+        "and seeds repeats bit for bit. Matmuls run on fixed-size row blocks and attention is "
+        "computed with fixed-order reductions in torch_native (the backend this selects); slower "
+        "(see docs/benchmarks/deterministic_cpu.md).",
+    )
     random_seed: Optional[int] = _opt(
         None,
         "Seed for sampling; with the same seed and requests, sampled outputs repeat exactly (auto: "

@@ -155,6 +155,14 @@ def resolve_auto(
         else:
             dtype = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
     backend = attention_backend(args.attention_backend, device, dtype, head_dim)
+    if args.enable_deterministic_inference and backend != "torch_native":
+        if args.attention_backend == "flashinfer":
+            raise ValueError(
+                "--enable-deterministic-inference needs batch-invariant attention, which specrl "
+                "implements in torch_native only: drop --attention-backend flashinfer or pass "
+                "--attention-backend torch_native"
+            )
+        backend = "torch_native"
     chunk = args.chunked_prefill_size
     if chunk is None:
         chunk = CHUNKED_PREFILL_CUDA if device == "cuda" else CHUNKED_PREFILL_CPU
@@ -220,8 +228,25 @@ def resolve_speculative(
     algo = args.speculative_algorithm
     if algo is None:
         return args
+    if args.enable_deterministic_inference and algo != "NGRAM" and not args.disable_radix_cache:
+        # Measured: sampled tokens of a request that hit the prefix cache can differ from a
+        # full prefill's (the draft proposes other tokens; each output is a valid sample).
+        logger.warning(
+            "--enable-deterministic-inference with speculative decoding turns the prefix cache "
+            "off (as --disable-radix-cache): after a cache hit the draft's proposals, and so "
+            "sampled tokens, are not yet bit-identical to a full prefill's"
+        )
+        args = dataclasses.replace(args, disable_radix_cache=True)
     path = args.speculative_draft_model_path
     if algo == "NGRAM":
+        if args.enable_deterministic_inference:
+            raise ValueError(
+                "--enable-deterministic-inference cannot hold with --speculative-algorithm NGRAM: "
+                "its drafts come from an n-gram cache shared by all requests, so a request's "
+                "draft trees (and with them its sampled tokens and log-prob bits) depend on the "
+                "other requests. Use EAGLE, EAGLE3, NEXTN or STANDALONE, whose drafts are per "
+                "request, or no speculation"
+            )
         if path is not None:
             raise ValueError(
                 "--speculative-algorithm NGRAM uses no draft model; drop "

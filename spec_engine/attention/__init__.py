@@ -18,9 +18,14 @@ def flashinfer_installed() -> bool:
 
 
 def make_backend(
-    name: str, device: torch.device, config: ModelConfig, dtype: torch.dtype
+    name: str,
+    device: torch.device,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
-    """The `--attention-backend` for one model (FlashInfer plans need its head geometry)."""
+    """The `--attention-backend` for one model (FlashInfer plans need its head geometry);
+    `batch_invariant` (--enable-deterministic-inference) exists in torch_native only."""
     if name == "flashinfer":
         from spec_engine.attention.flashinfer import FlashInferBackend  # CUDA-only dependency
 
@@ -34,4 +39,4 @@ def make_backend(
         )
     from spec_engine.attention.torch_native import TorchNativeBackend
 
-    return TorchNativeBackend(device)
+    return TorchNativeBackend(device, batch_invariant)

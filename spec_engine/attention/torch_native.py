@@ -5,6 +5,13 @@ Decode steps, verify steps and other short extends gather every request's K/V in
 masked) and run a single SDPA call, with each KV head's query group laid along the query axis so
 grouped-query attention needs no K/V repetition. Long prefills loop over requests, since their
 query lengths differ widely and a padded score block would be large.
+
+Batch-invariant mode (--enable-deterministic-inference): SDPA's result for a query row depends
+on how many query rows and keys the call has (its kernel tiles them), so a token's attention
+would change with what it is batched with, and after a prefix-cache hit (fewer query rows).
+Instead every batch takes the padded path and attention is computed as explicit products and
+sums, whose reductions run over the head dim and the key axis in a fixed order: a row's result
+is the same for any batch, any number of queries and any padded key width.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ if TYPE_CHECKING:
 SHORT_EXTEND = 32
 # The smallest key width of a graph (see graph_kv_width).
 MIN_GRAPH_KEYS = 64
+# Batch-invariant attention materialises [queries, keys, heads, head_dim] products; this bounds
+# the elements of one chunk of queries.
+INVARIANT_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -46,15 +56,18 @@ class TorchNativeBackend(AttentionBackend):
     # SDPA attends over every key of the static block, so graphs come per key-width bucket.
     bucketed_graph_widths = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, batch_invariant: bool = False) -> None:
         self.device = device
+        self.batch_invariant = batch_invariant
         # Graph metadata buffers by (queries per row, kv width), sized by the first (largest)
         # capture; every captured size uses a view, as the graph runner's input buffers do.
         self._graph_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.mode.is_decode() or (
-            batch.batch_size > 1 and max(batch.extend_seq_lens_cpu) <= SHORT_EXTEND
+        if (
+            self.batch_invariant
+            or batch.mode.is_decode()
+            or (batch.batch_size > 1 and max(batch.extend_seq_lens_cpu) <= SHORT_EXTEND)
         ):
             batch.attn_meta = self._batched(batch)
             return
@@ -184,6 +197,8 @@ class TorchNativeBackend(AttentionBackend):
             # broken request it pads) would poison every request in the batch. Zero it.
             pool.k_buffer[layer.layer_id][0].zero_()
             pool.v_buffer[layer.layer_id][0].zero_()
+            if self.batch_invariant:
+                return self._forward_invariant(q, layer, pool, batch.attn_meta)
             return self._forward_padded(q, layer, pool, batch.attn_meta)
         q = q.view(-1, nh, hd)
         out = torch.empty_like(q)
@@ -241,3 +256,30 @@ class TorchNativeBackend(AttentionBackend):
         if p.out_rows is not None:
             out = out.index_select(0, p.out_rows)
         return out.to(q.dtype)
+
+    def _forward_invariant(
+        self, q: torch.Tensor, layer: Attention, pool, p: _Padded
+    ) -> torch.Tensor:
+        """The padded block's attention with batch-invariant reductions (module docstring)."""
+        nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        group = nh // nkv
+        b, nq, dtype = p.batch, p.queries, q.dtype
+        # [B, 1, L, nkv, 1, hd]: broadcast over query rows and each KV head's query group.
+        k_all = pool.k_buffer[layer.layer_id].index_select(0, p.kv_idx).view(b, 1, -1, nkv, 1, hd)
+        v_all = pool.v_buffer[layer.layer_id].index_select(0, p.kv_idx).view(b, 1, -1, nkv, 1, hd)
+        q = q.view(-1, nh, hd)
+        if p.q_rows is not None:
+            q = q.index_select(0, p.q_rows)
+        q = (q.view(b, nq, 1, nkv, group, hd) * layer.scaling).to(k_all.dtype)
+        width = k_all.shape[2]
+        step = max(1, INVARIANT_CHUNK_ELEMENTS // (b * width * nh * hd))
+        chunks = []
+        for start in range(0, nq, step):
+            scores = (q[:, start : start + step] * k_all).sum(-1)  # [B, c, L, nkv, group]
+            keep = p.mask[:, start : start + step, :, None, None]
+            probs = scores.masked_fill(~keep, float("-inf")).softmax(dim=2)
+            chunks.append((probs[..., None] * v_all).sum(2))  # [B, c, nkv, group, hd]
+        out = torch.cat(chunks, dim=1).reshape(b * nq, nh * hd)
+        if p.out_rows is not None:
+            out = out.index_select(0, p.out_rows)
+        return out.to(dtype)

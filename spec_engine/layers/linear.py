@@ -6,6 +6,9 @@ torch.compile uses on CPU): 1.3-3x faster than MKL's F.linear for 1-64 rows here
 large LM heads. It is derived state, rebuilt by `refresh_derived` whenever the weight changes
 (weights.copy_weights calls it), and it is a torch-internal op, used only where this torch
 build has it.
+
+With `batch_invariant` set (--enable-deterministic-inference) the matmul runs on fixed-size row
+blocks (layers/batch_invariant.py).
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spec_engine.layers.batch_invariant import row_blocked
+
 _CPU_PACKING = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_reorder_linear_weight"
 )
 
 
 class Linear(nn.Module):
+    batch_invariant = False  # set per instance by batch_invariant.set_batch_invariant
+
     def __init__(
         self,
         in_features: int,
@@ -46,6 +53,11 @@ class Linear(nn.Module):
             self._packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return row_blocked(self._matmul, x)
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -11,21 +11,25 @@ Experts are plain tensors (no fused kernel): eagerly, a loop over the experts th
 tokens; while a graph is being captured (a CUDA graph, or the CPU emulation's capture guard), a
 loop over every expert with the routing weights as a dense [tokens, experts] matrix, so nothing
 reads values back to the host and every shape is static. Both give the same sums per token.
+With `batch_invariant` set (--enable-deterministic-inference) the matmuls and activations are
+layers/batch_invariant.py's.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from spec_engine.layers import batch_invariant as bi
 from spec_engine.layers.linear import Linear
 from spec_engine.weights.loader import WeightSlot
 
 
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up fused (the shared experts)."""
+
+    batch_invariant = False
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -35,11 +39,13 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(bi.silu(gate, self.batch_invariant) * up)
 
 
 class MoEGate(nn.Module):
     """Sigmoid router with grouped top-k and a selection-only correction bias."""
+
+    batch_invariant = False
 
     def __init__(
         self,
@@ -70,7 +76,8 @@ class MoEGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (top-k weights [T, k] float32, expert ids [T, k] int64)."""
-        scores = F.linear(x.float(), self.weight).sigmoid()
+        invariant = self.batch_invariant
+        scores = bi.sigmoid(bi.linear(x.float(), self.weight, invariant=invariant), invariant)
         choice = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
         if self.topk_group < self.n_group:
@@ -91,6 +98,8 @@ class Experts(nn.Module):
     two 2-D parameters ([E * 2I, H] and [E * H, I]), so every Hugging Face per-expert tensor is a
     row range (weights/loader.py copies and updates it in place)."""
 
+    batch_invariant = False
+
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts, self.hidden_size = num_experts, hidden_size
@@ -102,10 +111,12 @@ class Experts(nn.Module):
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         inter, h = self.intermediate_size, self.hidden_size
-        gate, up = F.linear(x, self.w13_weight[e * 2 * inter : (e + 1) * 2 * inter]).split(
-            inter, dim=-1
+        invariant = self.batch_invariant
+        w13 = self.w13_weight[e * 2 * inter : (e + 1) * 2 * inter]
+        gate, up = bi.linear(x, w13, invariant=invariant).split(inter, dim=-1)
+        return bi.linear(
+            bi.silu(gate, invariant) * up, self.w2_weight[e * h : (e + 1) * h], invariant=invariant
         )
-        return F.linear(F.silu(gate) * up, self.w2_weight[e * h : (e + 1) * h])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; weights, ids: [T, k] -> the weighted sum of each token's experts [T, H]."""

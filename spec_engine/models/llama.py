@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spec_engine.forward_batch import ForwardBatch
+from spec_engine.layers import batch_invariant as bi
 from spec_engine.layers.attention import Attention
 from spec_engine.layers.linear import Linear
 from spec_engine.layers.norm import RMSNorm
@@ -72,6 +72,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    batch_invariant = False  # --enable-deterministic-inference (layers/batch_invariant.py)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -82,7 +84,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(bi.silu(gate, self.batch_invariant) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -18,6 +18,7 @@ from torch import nn
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.attention import make_backend
 from spec_engine.forward_batch import ForwardBatch
+from spec_engine.layers.batch_invariant import set_batch_invariant
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
 from spec_engine.models.hf_config import ModelConfig
@@ -48,8 +49,14 @@ class RunnerBase:
         self.device = kv_pool.device
         self.dtype = kv_pool.dtype
         self.graph_pool = graph_pool
+        if args.enable_deterministic_inference:
+            set_batch_invariant(model)
         self.attn_backend = make_backend(
-            args.attention_backend, self.device, model_config, self.dtype
+            args.attention_backend,
+            self.device,
+            model_config,
+            self.dtype,
+            batch_invariant=args.enable_deterministic_inference,
         )
         self.graphs: list[GraphRunner] = []
         if graph_specs:

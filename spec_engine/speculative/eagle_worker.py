@@ -209,12 +209,20 @@ class EagleWorker(SpecWorker):
         f_hidden = hidden.repeat_interleave(k, dim=0) if hidden is not None else None
         f_path = torch.empty(b * k, 0, dtype=torch.int64, device=self.device)
         prefix_idx, prefix_ok = self._prefix_indices(reqs, prefix_lens)
+        row_lens = prefix_lens.repeat_interleave(k)
         offset = k
         for step in range(1, self.steps):
             own = scratch[(step - 1) * b * k : step * b * k]
-            kv_idx = torch.cat((prefix_idx, f_path, own[:, None]), dim=1)
-            kv_ok = torch.cat(
-                (prefix_ok, torch.ones(b * k, step, dtype=torch.bool, device=self.device)), dim=1
+            # A row's draft keys follow its own prefix, not the batch's longest: where a key sits
+            # on the key axis must not depend on the batch (batch-invariant attention sums the
+            # keys in axis order).
+            cols = row_lens[:, None] + torch.arange(step, device=self.device)[None, :]
+            padding = torch.zeros(b * k, step, dtype=torch.int64, device=self.device)
+            kv_idx = torch.cat((prefix_idx, padding), dim=1).scatter(
+                1, cols, torch.cat((f_path, own[:, None]), dim=1)
+            )
+            kv_ok = torch.cat((prefix_ok, padding.bool()), dim=1).scatter(
+                1, cols, torch.ones_like(cols, dtype=torch.bool)
             )
             batch = ForwardBatch(
                 mode=ForwardMode.DECODE,
