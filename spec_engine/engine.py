@@ -76,6 +76,8 @@ class Engine(EngineControl):
             self.runner.req_to_token_pool,
             args.page_size,
             disable=args.disable_radix_cache,
+            next_token_keys=self.config.draft_kind is not None
+            and self.config.draft_kind.uses_target_features,
         )
         worker = create_worker(self.config, self.runner, tree_cache.alloc_slots, eos_ids)
         self.scheduler = Scheduler(args, worker, tree_cache, eos_ids, decode_tail)

@@ -62,3 +62,21 @@ def test_disabled_radix_cache_shares_nothing():
     cache = RadixCache(alloc, ReqToTokenPool(2, 16, CPU), page_size=1, disable=True)
     slots, node = cache.match_prefix([1, 2, 3])
     assert len(slots) == 0 and node is cache.root
+
+
+def test_next_token_keys_share_a_position_only_when_its_next_token_agrees():
+    """Feature drafts (EAGLE, EAGLE-3, MTP) write KV at position p from token p + 1: a cached
+    slot is reused only by a sequence that agrees on both; a last position is never cached."""
+    alloc = PageAllocator(num_tokens=64, page_size=1, device=CPU)
+    cache = RadixCache(alloc, ReqToTokenPool(4, 64, CPU), page_size=1, next_token_keys=True)
+    a = alloc.alloc([0], [5], [0])
+    tokens = [1, 2, 3, 4, 5, 6]  # positions 0..4 computed; token 5 at position 5 is next
+    assert cache.insert(cache.keyed(tokens), a) == 0
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7])[0].tolist() == a.tolist()
+    # Branching after token 3: position 2 (token 3) was cached with next token 4, not 9.
+    assert cache.match_prefix([1, 2, 3, 9, 9])[0].tolist() == a[:2].tolist()
+    # The same prompt again: its last position's key needs the token sampled after it.
+    assert cache.match_prefix([1, 2, 3])[0].tolist() == a[:2].tolist()
+    unigram = RadixCache(alloc, ReqToTokenPool(4, 64, CPU), page_size=1)
+    unigram.insert(tokens[:5], a)
+    assert len(unigram.match_prefix([1, 2, 3, 9, 9])[0]) == 3

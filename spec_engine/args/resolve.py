@@ -228,15 +228,6 @@ def resolve_speculative(
     algo = args.speculative_algorithm
     if algo is None:
         return args
-    if args.enable_deterministic_inference and algo != "NGRAM" and not args.disable_radix_cache:
-        # Measured: sampled tokens of a request that hit the prefix cache can differ from a
-        # full prefill's (the draft proposes other tokens; each output is a valid sample).
-        logger.warning(
-            "--enable-deterministic-inference with speculative decoding turns the prefix cache "
-            "off (as --disable-radix-cache): after a cache hit the draft's proposals, and so "
-            "sampled tokens, are not yet bit-identical to a full prefill's"
-        )
-        args = dataclasses.replace(args, disable_radix_cache=True)
     path = args.speculative_draft_model_path
     if algo == "NGRAM":
         if args.enable_deterministic_inference:

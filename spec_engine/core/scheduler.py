@@ -274,12 +274,8 @@ class Scheduler:
             scored = req.positions_to_score()
             reusable = scored.start if scored else req.seq_len - 1
             prefix, node = self.tree_cache.match_prefix(req.fill_ids[:reusable])
-            if self.worker.prefix_backoff and len(prefix):
-                prefix, node = self.tree_cache.match_prefix(
-                    req.fill_ids[: len(prefix) - self.worker.prefix_backoff]
-                )
             prefix_len = len(prefix)
-            cacheable = reusable // self.page_size * self.page_size - self.worker.prefix_backoff
+            cacheable = (reusable - self.tree_cache.key_shift) // self.page_size * self.page_size
             if prefix_len < cacheable and tuple(req.input.origin_input_ids) in prompts_in_batch:
                 continue  # an identical prompt is being prefilled: reuse its KV next step
             extend = req.seq_len - prefix_len

@@ -72,11 +72,6 @@ class ModelWorker:
         plain step leaves behind)."""
         return True
 
-    @property
-    def prefix_backoff(self) -> int:
-        """Tokens to recompute at the end of a cached prefix (0: the cache is exact)."""
-        return 0
-
     def prefill(self, reqs: Sequence[Req]) -> StepResult:
         """Compute KV for each request's next `extend_len` tokens; sample where the prompt ends."""
         return self._prefill(reqs)[0]

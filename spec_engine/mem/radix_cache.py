@@ -4,6 +4,15 @@ Keys are cut to whole pages, so the tree only ever owns whole pages. A request o
 nodes on the path to its `last_node` through a lock (lock_ref > 0 means not evictable), and
 owns outright the slots from `prefix_len` to `kv_len` in its row of the request-to-token table.
 With `disable=True` nothing is shared and the request-level calls just free.
+
+With `next_token_keys` (drafts that read the target's features: EAGLE, EAGLE-3, MTP) position p
+is keyed by (token p, token p + 1), SGLang's bigram keys: such a draft's KV at position p is
+computed from token p + 1, so two sequences may share that slot only when both tokens agree.
+Keyed by token p alone, a request whose prompt ends where a cached sequence goes on (the same
+prompt sampled again, or a prompt that branches off a cached one) was given the cached slot and
+with it a draft entry built from another next token: not wrong outputs, but other draft
+proposals (lower acceptance; and sampled tokens that depend on which request cached first).
+A sequence's last position has no next token yet, so it is never shared.
 """
 
 from __future__ import annotations
@@ -59,11 +68,14 @@ class RadixCache:
         req_to_token: ReqToTokenPool,
         page_size: int,
         disable: bool = False,
+        next_token_keys: bool = False,
     ) -> None:
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.page_size = page_size
         self.disable = disable
+        # Tokens of lookahead a position's key holds (1 with next-token keys).
+        self.key_shift = 1 if next_token_keys else 0
         self.reset()
 
     def reset(self) -> None:
@@ -95,17 +107,23 @@ class RadixCache:
 
     # ------------------------------------------------------------ tree operations
 
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached prefix of `key` (whole pages): its KV slots and its last node."""
+    def match_prefix(self, tokens: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of `tokens` (whole pages): its KV slots and its last node."""
         if self.disable:
             return _EMPTY.to(self.allocator.device), self.root
+        key = self.keyed(tokens)
         node, _, values = self._descend(key[: len(key) // self.page_size * self.page_size])
         value = torch.cat(values) if values else _EMPTY.to(self.allocator.device)
         return value, node
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Insert key -> slots; returns how many leading tokens were already cached (the caller
-        still owns its own slots for those and must free the ones that are not the tree's)."""
+    def keyed(self, tokens: list[int]) -> list:
+        """The tree's key of a token sequence: one entry per position that can be cached."""
+        return list(zip(tokens, tokens[1:])) if self.key_shift else tokens
+
+    def insert(self, key: list, value: torch.Tensor) -> int:
+        """Insert key (see `keyed`) -> slots; returns how many leading positions were already
+        cached (the caller still owns its own slots for those and must free the ones that are not
+        the tree's)."""
         assert len(key) % self.page_size == 0 and len(key) == len(value)
         node, matched, _ = self._descend(key)
         if matched < len(key):
@@ -201,14 +219,14 @@ class RadixCache:
         `insert` is False: KV computed with weights that have since changed is not shared)."""
         if self.disable or not insert:
             return
-        aligned = req.kv_len // self.page_size * self.page_size
+        aligned = self._cacheable(req)
         if aligned <= req.prefix_len:
             return
-        key = req.fill_ids[:aligned]
+        tokens = req.fill_ids[: aligned + self.key_shift]
         slots = self.req_to_token.read(req.req_pool_idx, aligned)
-        already = self.insert(key, slots)
+        already = self.insert(self.keyed(tokens), slots)
         self.allocator.free(slots[req.prefix_len : already])
-        new_slots, node = self.match_prefix(key)
+        new_slots, node = self.match_prefix(tokens)
         assert len(new_slots) == aligned, "radix cache lost a just-inserted prefix"
         self.req_to_token.write(req.req_pool_idx, req.prefix_len, new_slots[req.prefix_len :])
         self.inc_lock_ref(node)
@@ -226,8 +244,9 @@ class RadixCache:
             self.allocator.free(slots[req.prefix_len :])
             self.dec_lock_ref(req.last_node)
         else:
-            aligned = req.kv_len // self.page_size * self.page_size
-            already = self.insert(req.fill_ids[:aligned], slots[:aligned])
+            aligned = max(self._cacheable(req), req.prefix_len)
+            tokens = req.fill_ids[: aligned + self.key_shift]
+            already = self.insert(self.keyed(tokens), slots[:aligned])
             self.allocator.free(slots[req.prefix_len : already])
             self.allocator.free(slots[aligned:])
             self.dec_lock_ref(req.last_node)
@@ -235,6 +254,12 @@ class RadixCache:
         req.req_pool_idx, req.last_node, req.prefix_len, req.kv_len = None, None, 0, 0
 
     # ------------------------------------------------------------ helpers
+
+    def _cacheable(self, req: HoldsKV) -> int:
+        """Positions of `req` the tree can hold: computed, with their key's tokens known, in
+        whole pages."""
+        known = min(req.kv_len, len(req.fill_ids) - self.key_shift)
+        return known // self.page_size * self.page_size
 
     def _edge(self, key: list[int]) -> tuple[int, ...]:
         return tuple(key[: self.page_size])

@@ -82,12 +82,6 @@ class EagleWorker(SpecWorker):
         # A plain step writes no draft KV and leaves spec_state at an older position.
         return False
 
-    @property
-    def prefix_backoff(self) -> int:
-        # A feature draft's KV at position p depends on token p + 1, which a cached prefix does
-        # not key: recompute the cached prefix's last page so that position is this request's.
-        return self.page_size if self.features else 0
-
     def decode_kv_demand(self, reqs: Sequence[Req]) -> int:
         scratch = -(-self._scratch_size(len(reqs)) // self.page_size) * self.page_size
         return self.verify_kv_demand(reqs, [self.num_draft_tokens] * len(reqs)) + scratch
