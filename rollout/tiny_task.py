@@ -26,7 +26,7 @@ import json
 import os
 import random
 import string
-from typing import Any
+from typing import Any, Optional
 
 PROMPT_FORMAT = "copy: {letter}"
 
@@ -57,20 +57,34 @@ def tiny_task_letters(tokenizer: Any, num_letters: int = 4) -> list[str]:
 
 
 def write_tiny_task(
-    path: str, tokenizer: Any, n: int = 256, num_letters: int = 4, seed: int = 0
+    path: str,
+    tokenizer: Any,
+    n: int = 256,
+    num_letters: int = 4,
+    seed: int = 0,
+    drift_at: Optional[int] = None,
 ) -> list[str]:
     """Write `n` prompts {"input": "copy: <letter>", "label": "<letter>"} as JSONL (labels
     cycle over the letters in a seeded random order); returns the letters used.
-    Train with --input-key input --label-key label --rm-type tiny."""
+    Train with --input-key input --label-key label --rm-type tiny.
+
+    `drift_at`: the drift variant. From that record on, the rewarded letter is the next one of
+    the task's letters (cyclically) while the prompt stays the same ("copy: b" now rewards
+    "c..."), so a policy that learned the first half must move its outputs. Read the file in
+    order (no --rollout-shuffle) and the shift comes at rollout drift_at / --rollout-batch-size."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if drift_at is not None and not 0 <= drift_at <= n:
+        raise ValueError(f"drift_at must be in [0, n={n}], got {drift_at}")
     letters = tiny_task_letters(tokenizer, num_letters)
     labels = [letters[i % len(letters)] for i in range(n)]
     random.Random(seed).shuffle(labels)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        for letter in labels:
-            f.write(
-                json.dumps({"input": PROMPT_FORMAT.format(letter=letter), "label": letter}) + "\n"
-            )
+        for i, letter in enumerate(labels):
+            rewarded = letter
+            if drift_at is not None and i >= drift_at:
+                rewarded = letters[(letters.index(letter) + 1) % len(letters)]
+            record = {"input": PROMPT_FORMAT.format(letter=letter), "label": rewarded}
+            f.write(json.dumps(record) + "\n")
     return letters

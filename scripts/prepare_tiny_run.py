@@ -20,10 +20,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="Supervised warm-up steps.")
     parser.add_argument("--response-len", type=int, default=4, help="Tokens per warm-up response.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--drift-at",
+        type=int,
+        default=None,
+        help="The drift task: from this prompt on, the rewarded letter shifts to the next one "
+        "(rollout.tiny_task.write_tiny_task).",
+    )
     args = parser.parse_args()
     setup_logging()
     quiet_known_noise()
-    print(prepare(args.out, steps=args.steps, response_len=args.response_len, seed=args.seed))
+    print(
+        prepare(
+            args.out,
+            steps=args.steps,
+            response_len=args.response_len,
+            seed=args.seed,
+            drift_at=args.drift_at,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -2,21 +2,29 @@
 # The tiny CPU run: GRPO with MTP speculation (trained online) on a 2-core machine in minutes.
 #   bash scripts/run-tiny-cpu.sh [extra scripts/train.py flags...]
 #   OUT=dir chooses the output directory; MTP_TRAINING=0 keeps the MTP draft layer frozen.
+#   TASK=drift runs the drift task: from prompt DRIFT_AT (default 60, i.e. rollout 16) on, the
+#   rewarded letter shifts (the prompts are read in order), so the policy has to move
+#   (docs/benchmarks/drift_mtp_cpu.md).
 # Builds a tokenizer, a random Qwen2+MTP (MiMo-style) model, the tiny task and a supervised warm-up
 # (scripts/prepare_tiny_run.py, once per $OUT), then runs scripts/train.py: a line per rollout and
 # a closing summary on stdout, metrics in $OUT/metrics.jsonl, plots in $OUT/plots/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-runs/tiny-cpu}
+TASK=${TASK:-copy}
+case "$TASK" in
+  copy) OUT=${OUT:-runs/tiny-cpu}; TASK_FLAGS=(--rollout-shuffle); PREPARE_FLAGS=() ;;
+  drift) OUT=${OUT:-runs/tiny-cpu-drift}; TASK_FLAGS=(); PREPARE_FLAGS=(--drift-at "${DRIFT_AT:-60}") ;;
+  *) echo "TASK=$TASK: use copy (the default) or drift" >&2; exit 2 ;;
+esac
 MTP_FLAGS=()
 if [ "${MTP_TRAINING:-1}" != 0 ]; then MTP_FLAGS=(--enable-mtp-training); fi
 if [ ! -d "$OUT/assets/warm" ]; then
-  python -m scripts.prepare_tiny_run --out "$OUT/assets" --steps 400
+  python -m scripts.prepare_tiny_run --out "$OUT/assets" --steps 400 "${PREPARE_FLAGS[@]}"
 fi
 python -m scripts.train \
   --hf-checkpoint "$OUT/assets/warm" --output-dir "$OUT" --num-rollout 30 \
   --prompt-data "$OUT/assets/task.jsonl" --input-key input --label-key label --rm-type tiny \
-  --rollout-batch-size 4 --n-samples-per-prompt 8 --rollout-max-response-len 4 --rollout-shuffle \
+  --rollout-batch-size 4 --n-samples-per-prompt 8 --rollout-max-response-len 4 "${TASK_FLAGS[@]}" \
   --lr 2e-3 --micro-batch-size 32 --check-weight-update-equal --ray-num-cpus 2 \
   --sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2 --sglang-speculative-eagle-topk 1 \
   --sglang-max-total-tokens 8192 --sglang-max-running-requests 32 \

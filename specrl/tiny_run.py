@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from typing import Any
+from typing import Any, Optional
 
 from rollout.tiny_task import PROMPT_FORMAT, write_tiny_task
 from specrl.tiny_models import add_mimo_mtp, build_tiny_model
@@ -47,8 +47,10 @@ def prepare(
     response_len: int = 4,
     lr: float = 3e-3,
     seed: int = 0,
+    drift_at: Optional[int] = None,
 ) -> str:
-    """Build the assets under `out`; returns the warmed-up checkpoint's path."""
+    """Build the assets under `out`; returns the warmed-up checkpoint's path. `drift_at`: the
+    task's drift variant (rollout.tiny_task.write_tiny_task); the warm-up is the same."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -61,7 +63,9 @@ def prepare(
     build_tiny_model(base, arch="qwen2", num_layers=2, seed=seed)
     add_mimo_mtp(base, seed=seed + 1)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    letters = write_tiny_task(os.path.join(out, "task.jsonl"), tokenizer, n=256, seed=seed)
+    letters = write_tiny_task(
+        os.path.join(out, "task.jsonl"), tokenizer, n=256, seed=seed, drift_at=drift_at
+    )
     args = TrainerArgs(
         hf_checkpoint=base,
         lr=lr,

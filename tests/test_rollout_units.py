@@ -576,6 +576,22 @@ def test_tiny_task_file(tmp_path, tokenizer):
     assert all(shares[letter] > 0.02 for letter in letters)  # a random policy succeeds now and then
 
 
+def test_tiny_task_drift_shifts_the_rewarded_letter(tmp_path, tokenizer):
+    path = tmp_path / "drift.jsonl"
+    letters = write_tiny_task(str(path), tokenizer, n=12, num_letters=3, drift_at=5)
+    plain = tmp_path / "plain.jsonl"
+    write_tiny_task(str(plain), tokenizer, n=12, num_letters=3)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    before = [json.loads(line) for line in plain.read_text().splitlines()]
+    assert [r["input"] for r in records] == [r["input"] for r in before]  # same prompts, order
+    assert records[:5] == before[:5]
+    for r in records[5:]:
+        prompted = r["input"].removeprefix("copy: ")
+        assert r["label"] == letters[(letters.index(prompted) + 1) % 3]
+    with pytest.raises(ValueError, match="drift_at must be in"):
+        write_tiny_task(str(path), tokenizer, n=12, drift_at=13)
+
+
 def test_user_functions_get_every_launcher_flag():
     """As in slime, custom functions see the launcher's flags (--hf-checkpoint, --sglang-*),
     with the rollout options as RolloutArgs checked them."""

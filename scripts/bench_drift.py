@@ -1,0 +1,109 @@
+"""Frozen vs online-trained MTP draft on the tiny drift task (docs/benchmarks/drift_mtp_cpu.md).
+
+    python -m scripts.bench_drift --root runs/drift-bench --seeds 1 2 3
+
+Prepares the drift task's assets once (scripts/run-tiny-cpu.sh TASK=drift, the rewarded letter
+shifting at rollout --drift-rollout), then per seed runs the same command twice, with the MTP
+layer trained online and frozen (MTP_TRAINING=0), and writes the accept length and reward per
+window (before the shift, just after, late) as a Markdown table, the per-rollout values as JSON,
+and the seed-mean curves as SVG charts (specrl.plots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+
+from specrl.plots import read_metrics, svg
+
+MODES = {"online": "1", "frozen": "0"}  # MTP_TRAINING
+PROMPTS_PER_ROLLOUT = 4  # run-tiny-cpu.sh's --rollout-batch-size
+METRICS = {"accept": "rollout/spec_accept_length", "reward": "rollout/raw_reward"}
+
+
+def tiny_run(out: str, env: dict[str, str], *flags: str) -> None:
+    log = out + ".log"
+    os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+    with open(log, "w") as f:
+        done = subprocess.run(
+            ["bash", "scripts/run-tiny-cpu.sh", *flags],
+            env={**os.environ, "OUT": out, "TASK": "drift", **env},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+    if done.returncode:
+        raise SystemExit(f"{out}: run-tiny-cpu.sh failed (rc {done.returncode}), see {log}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--root", default="runs/drift-bench")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--num-rollout", type=int, default=60)
+    parser.add_argument("--drift-rollout", type=int, default=30, help="rollouts before the shift")
+    parser.add_argument("--out", default="docs/benchmarks", help="where the JSON and SVGs go")
+    args = parser.parse_args()
+    drift_at = str(args.drift_rollout * PROMPTS_PER_ROLLOUT)
+    assets = os.path.join(args.root, "assets-run")
+    tiny_run(assets, {"DRIFT_AT": drift_at}, "--num-rollout", "1")
+    rows: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
+    for seed in args.seeds:
+        for mode, training in MODES.items():
+            out = os.path.join(args.root, f"{mode}-{seed}")
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(os.path.join(assets, "assets"), os.path.join(out, "assets"))
+            env = {"MTP_TRAINING": training, "DRIFT_AT": drift_at}
+            flags = ("--num-rollout", str(args.num_rollout), "--rollout-seed", str(seed))
+            tiny_run(out, env, *flags)
+            rows[mode].append(read_metrics(os.path.join(out, "metrics.jsonl")))
+
+    d, n = args.drift_rollout, args.num_rollout
+    windows = {
+        f"1-{d} (before)": (0, d),
+        f"{d + 1}-{d + 10} (just after)": (d, d + 10),
+        f"{d + 11}-{n} (late)": (d + 10, n),
+    }
+    head = [f"{m} {w}" for m in METRICS for w in windows]
+    table = ["| draft | seed | " + " | ".join(head) + " |", "|---|---:|" + "---:|" * len(head)]
+    summary = {}
+    for mode, runs in rows.items():
+        cells = {(m, w): [] for m in METRICS for w in windows}
+        for seed, run in zip(args.seeds, runs):
+            for (m, w), values in cells.items():
+                a, b = windows[w]
+                values.append(statistics.mean(r[METRICS[m]] for r in run[a:b]))
+            table.append(
+                f"| {mode} | {seed} | " + " | ".join(f"{v[-1]:.2f}" for v in cells.values()) + " |"
+            )
+        means = {k: statistics.mean(v) for k, v in cells.items()}
+        table.append(
+            f"| **{mode}** | mean | " + " | ".join(f"**{v:.2f}**" for v in means.values()) + " |"
+        )
+        summary[mode] = {f"{m} {w}": v for (m, w), v in means.items()}
+    print("\n".join(table))
+
+    os.makedirs(args.out, exist_ok=True)
+    per_rollout = {
+        f"{mode}-{seed}": [{k: r.get(k) for k in ("rollout_id", *METRICS.values())} for r in run]
+        for mode, runs in rows.items()
+        for seed, run in zip(args.seeds, runs)
+    }
+    with open(os.path.join(args.out, "drift_mtp_cpu.json"), "w") as f:
+        json.dump({"summary": summary, "per_rollout": per_rollout}, f, indent=1)
+    for m, metric in METRICS.items():
+        series = {
+            mode: [(i + 1, statistics.mean(run[i][metric] for run in runs)) for i in range(n)]
+            for mode, runs in rows.items()
+        }
+        with open(os.path.join(args.out, f"drift_mtp_cpu_{m}.svg"), "w") as f:
+            f.write(svg(series, f"{metric} (mean of {len(args.seeds)} seeds)"))
+
+
+if __name__ == "__main__":
+    main()
