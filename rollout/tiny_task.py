@@ -28,6 +28,8 @@ import random
 import string
 from typing import Any, Optional
 
+from rollout.rewards.tiny import VARY
+
 PROMPT_FORMAT = "copy: {letter}"
 
 
@@ -68,10 +70,11 @@ def write_tiny_task(
     cycle over the letters in a seeded random order); returns the letters used.
     Train with --input-key input --label-key label --rm-type tiny.
 
-    `drift_at`: the drift variant. From that record on, the rewarded letter is the next one of
-    the task's letters (cyclically) while the prompt stays the same ("copy: b" now rewards
-    "c..."), so a policy that learned the first half must move its outputs. Read the file in
-    order (no --rollout-shuffle) and the shift comes at rollout drift_at / --rollout-batch-size."""
+    `drift_at`: the drift variant. From that record on the label is "<letter>/vary": the
+    response must also stop repeating itself (rollout.rewards.tiny), which the warm-up taught the
+    policy to do, so the rewarded continuation changes mid-run and a draft that learned the
+    first half's outputs goes stale. Read the file in order (no --rollout-shuffle) and the shift
+    comes at rollout drift_at / --rollout-batch-size."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if drift_at is not None and not 0 <= drift_at <= n:
@@ -82,9 +85,7 @@ def write_tiny_task(
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         for i, letter in enumerate(labels):
-            rewarded = letter
-            if drift_at is not None and i >= drift_at:
-                rewarded = letters[(letters.index(letter) + 1) % len(letters)]
+            rewarded = letter + VARY if drift_at is not None and i >= drift_at else letter
             record = {"input": PROMPT_FORMAT.format(letter=letter), "label": rewarded}
             f.write(json.dumps(record) + "\n")
     return letters

@@ -2,11 +2,11 @@
 
     python -m scripts.bench_drift --root runs/drift-bench --seeds 1 2 3
 
-Prepares the drift task's assets once (scripts/run-tiny-cpu.sh TASK=drift, the rewarded letter
-shifting at rollout --drift-rollout), then per seed runs the same command twice, with the MTP
-layer trained online and frozen (MTP_TRAINING=0), and writes the accept length and reward per
-window (before the shift, just after, late) as a Markdown table, the per-rollout values as JSON,
-and the seed-mean curves as SVG charts (specrl.plots).
+Prepares the drift task's assets once (scripts/run-tiny-cpu.sh TASK=drift: from rollout
+--drift-rollout on, responses must stop repeating their first token), then per seed runs the
+same command twice, with the MTP layer trained online and frozen (MTP_TRAINING=0), and writes
+the accept length and reward per window (before the shift, just after, late) as a Markdown
+table, the per-rollout values as JSON, and the seed-mean curves as SVG charts (specrl.plots).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 # The tiny CPU run: GRPO with MTP speculation (trained online) on a 2-core machine in minutes.
 #   bash scripts/run-tiny-cpu.sh [extra scripts/train.py flags...]
 #   OUT=dir chooses the output directory; MTP_TRAINING=0 keeps the MTP draft layer frozen.
-#   TASK=drift runs the drift task: from prompt DRIFT_AT (default 60, i.e. rollout 16) on, the
-#   rewarded letter shifts (the prompts are read in order), so the policy has to move
-#   (docs/benchmarks/drift_mtp_cpu.md).
+#   TASK=drift runs the drift task: from prompt DRIFT_AT (default 60, i.e. rollout 16) on, a
+#   response must also stop repeating its first token, as the warm-up taught (the prompts are
+#   read in order), so the policy's continuations change (docs/benchmarks/drift_mtp_cpu.md).
 # Builds a tokenizer, a random Qwen2+MTP (MiMo-style) model, the tiny task and a supervised warm-up
 # (scripts/prepare_tiny_run.py, once per $OUT), then runs scripts/train.py: a line per rollout and
 # a closing summary on stdout, metrics in $OUT/metrics.jsonl, plots in $OUT/plots/.

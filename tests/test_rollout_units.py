@@ -576,20 +576,24 @@ def test_tiny_task_file(tmp_path, tokenizer):
     assert all(shares[letter] > 0.02 for letter in letters)  # a random policy succeeds now and then
 
 
-def test_tiny_task_drift_shifts_the_rewarded_letter(tmp_path, tokenizer):
+def test_tiny_task_drift_asks_for_varied_responses_mid_run(tmp_path, tokenizer):
     path = tmp_path / "drift.jsonl"
-    letters = write_tiny_task(str(path), tokenizer, n=12, num_letters=3, drift_at=5)
+    write_tiny_task(str(path), tokenizer, n=12, num_letters=3, drift_at=5)
     plain = tmp_path / "plain.jsonl"
     write_tiny_task(str(plain), tokenizer, n=12, num_letters=3)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     before = [json.loads(line) for line in plain.read_text().splitlines()]
     assert [r["input"] for r in records] == [r["input"] for r in before]  # same prompts, order
     assert records[:5] == before[:5]
-    for r in records[5:]:
-        prompted = r["input"].removeprefix("copy: ")
-        assert r["label"] == letters[(letters.index(prompted) + 1) % 3]
+    assert [r["label"] for r in records[5:]] == [r["label"] + "/vary" for r in before[5:]]
     with pytest.raises(ValueError, match="drift_at must be in"):
         write_tiny_task(str(path), tokenizer, n=12, drift_at=13)
+    args = argparse.Namespace()
+    assert tiny_rm(args, make_sample(response=" bird bird bird", label="b")) == 1.0
+    assert tiny_rm(args, make_sample(response=" bird bird bird", label="b/vary")) == 0.0
+    assert tiny_rm(args, make_sample(response=" bird cat bird", label="b/vary")) == 1.0
+    assert tiny_rm(args, make_sample(response=" cat dog", label="b/vary")) == 0.0
+    assert tiny_rm(args, make_sample(response="bbbb", label="b/vary")) == 0.0
 
 
 def test_user_functions_get_every_launcher_flag():
