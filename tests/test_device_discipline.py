@@ -66,6 +66,28 @@ def test_engine_names_every_device(models, name):  # noqa: F811
     assert not guard.violations, "\n".join(guard.violations)
 
 
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("plain", "bfloat16"), ("mtp", "float32"), ("eagle-tree-paged", "bfloat16")],
+)
+def test_deterministic_inference_names_every_device(models, name, dtype):  # noqa: F811
+    """--enable-deterministic-inference's own paths (row-blocked matmuls, explicit attention,
+    SiLU from exp) under the guard, in both CPU dtypes."""
+    path, kwargs = (models["target"], {}) if name == "plain" else spec_args(models, name)
+    guard = DeviceGuard()
+    with guarded_engine_threads(guard):
+        with Engine(
+            model_path=path,
+            random_seed=0,
+            dtype=dtype,
+            enable_deterministic_inference=True,
+            **GRAPHS,
+            **kwargs,
+        ) as engine:
+            _exercise(engine)
+    assert not guard.violations, "\n".join(guard.violations)
+
+
 def test_weight_updates_and_memory_name_every_device(models, tmp_path):  # noqa: F811
     path, kwargs = spec_args(models, "eagle3-draft-vocab")
     guard = DeviceGuard()
