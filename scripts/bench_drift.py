@@ -20,7 +20,7 @@ import subprocess
 
 from specrl.plots import read_metrics, svg
 
-MODES = {"online": "1", "frozen": "0"}  # MTP_TRAINING
+MODES = {"online": "1", "frozen": "0"}  # MTP_TRAINING; "online-fast" (--draft-lr) is optional
 PROMPTS_PER_ROLLOUT = 4  # run-tiny-cpu.sh's --rollout-batch-size
 METRICS = {"accept": "rollout/spec_accept_length", "reward": "rollout/raw_reward"}
 
@@ -48,18 +48,27 @@ def main() -> None:
     parser.add_argument("--num-rollout", type=int, default=60)
     parser.add_argument("--drift-rollout", type=int, default=30, help="rollouts before the shift")
     parser.add_argument("--out", default="docs/benchmarks", help="where the JSON and SVGs go")
+    parser.add_argument(
+        "--draft-lr",
+        type=float,
+        default=None,
+        help="also run the online draft with this --draft-lr (mode online-fast)",
+    )
     args = parser.parse_args()
+    modes = {mode: (training, ()) for mode, training in MODES.items()}
+    if args.draft_lr is not None:
+        modes["online-fast"] = ("1", ("--draft-lr", str(args.draft_lr)))
     drift_at = str(args.drift_rollout * PROMPTS_PER_ROLLOUT)
     assets = os.path.join(args.root, "assets-run")
     tiny_run(assets, {"DRIFT_AT": drift_at}, "--num-rollout", "1")
-    rows: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
+    rows: dict[str, list[list[dict]]] = {mode: [] for mode in modes}
     for seed in args.seeds:
-        for mode, training in MODES.items():
+        for mode, (training, extra) in modes.items():
             out = os.path.join(args.root, f"{mode}-{seed}")
             shutil.rmtree(out, ignore_errors=True)
             shutil.copytree(os.path.join(assets, "assets"), os.path.join(out, "assets"))
             env = {"MTP_TRAINING": training, "DRIFT_AT": drift_at}
-            flags = ("--num-rollout", str(args.num_rollout), "--rollout-seed", str(seed))
+            flags = ("--num-rollout", str(args.num_rollout), "--rollout-seed", str(seed), *extra)
             tiny_run(out, env, *flags)
             rows[mode].append(read_metrics(os.path.join(out, "metrics.jsonl")))
 

@@ -61,6 +61,14 @@ class TrainerArgs:
     mtp_loss_scaling_factor: float = field(
         default=0.2, metadata={"help": "Weight of the MTP loss."}
     )
+    draft_lr: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "Learning rate of the draft trained online (the MTP layers, with "
+            "--enable-mtp-training): a draft may need to move faster than the policy to keep up "
+            "with it. Default: --lr. Not with --bf16."
+        },
+    )
     ref_load: Optional[str] = field(
         default=None,
         metadata={
@@ -81,6 +89,20 @@ class TrainerArgs:
             raise ValueError(f"--global-batch-size must be positive, got {self.global_batch_size}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.draft_lr is not None:
+            if self.draft_lr < 0:
+                raise ValueError(f"--draft-lr must be >= 0, got {self.draft_lr}")
+            if not self.enable_mtp_training:
+                raise ValueError(
+                    "--draft-lr sets the learning rate of the draft trained online; add "
+                    "--enable-mtp-training (the MTP layers are the draft specrl trains)"
+                )
+            if self.bf16:
+                raise ValueError(
+                    "--draft-lr with --bf16 is not implemented: specrl scales the MTP layers' "
+                    "update on the model's parameters, and with --bf16 the optimizer steps "
+                    "float32 master copies of them; drop one of the two flags"
+                )
 
 
 def check_mtp_num_layers(requested: Optional[int], in_checkpoint: int, checkpoint: str) -> None:
