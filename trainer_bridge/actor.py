@@ -20,6 +20,7 @@ from torch import Tensor
 
 from trainer_bridge import loss as losses
 from trainer_bridge.batch import TrainBatch
+from trainer_bridge.draft_training import DraftLearningRate, set_trainable
 from trainer_bridge.loss import LossConfig
 from trainer_bridge.options import TrainerArgs, check_mtp_num_layers
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
@@ -94,37 +95,27 @@ class TrainActor:
         self.device = trainer_device()
         model = build_gpt_model(args.hf_checkpoint, params_dtype=dtype, device=self.device)
         load_hf_weights(model, args.hf_checkpoint)
-        if self.arch.num_mtp_layers and not args.enable_mtp_training:
-            model.mtp.requires_grad_(False)  # a frozen draft: pushed unchanged every step
-        elif self.arch.num_mtp_layers > 1:
-            # Only the first MTP layer drafts (and gets a loss); the others must not decay under
-            # weight decay.
-            for layer in model.mtp.layers[1:]:
-                layer.requires_grad_(False)
+        set_trainable(model, self.arch.num_mtp_layers, args.enable_mtp_training)
         self.model = DistributedDataParallel(
             config=model.config,
             module=model,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
         )
-        optimizer_config = OptimizerConfig(
-            optimizer="adam",
-            lr=args.lr,
-            min_lr=args.lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            clip_grad=args.clip_grad,
-            bf16=args.bf16,
-            params_dtype=dtype,
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=args.lr,
+                min_lr=args.lr,
+                weight_decay=args.weight_decay,
+                adam_beta1=args.adam_beta1,
+                adam_beta2=args.adam_beta2,
+                clip_grad=args.clip_grad,
+                bf16=args.bf16,
+                params_dtype=dtype,
+            ),
+            [self.model],
         )
-        self.optimizer = get_megatron_optimizer(optimizer_config, [self.model])
-        # --draft-lr: Adam's update (decoupled weight decay included) is linear in the learning
-        # rate and its moments do not depend on it, so scaling the MTP layers' update by
-        # draft_lr / lr after each step is that step at draft_lr. One parameter group keeps the
-        # checkpoint layout and the clipping norm as they are without the flag.
-        self._draft_scale = None
-        if args.draft_lr is not None and args.draft_lr != args.lr and self.arch.num_mtp_layers:
-            self._draft_scale = args.draft_lr / args.lr
+        self.draft_lr = DraftLearningRate(model, args.lr, args.draft_lr)
         self.gpt = model
         self.ref = None
         if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
@@ -402,16 +393,8 @@ class TrainActor:
                 sums[k] = sums.get(k, 0.0) + float(v) * weight
         self.model.finish_grad_sync()
         sums = self._dp_mean(sums)
-        draft = (
-            [p for p in self.gpt.mtp.parameters() if p.requires_grad]
-            if self._draft_scale is not None
-            else []
-        )
-        before = [p.detach().clone() for p in draft]
-        ok, grad_norm, _ = self.optimizer.step()
-        with torch.no_grad():
-            for p, p0 in zip(draft, before):
-                p.copy_(p0 + (p - p0) * self._draft_scale)
+        with self.draft_lr.step():
+            ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError(
                 f"optimizer step {self.step} failed (grad norm {grad_norm}); lower --lr or check "
