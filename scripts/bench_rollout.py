@@ -25,6 +25,7 @@ decode steps per second.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -141,7 +142,10 @@ def run(
         enable_deterministic_inference=args.enable_deterministic_inference,
         attention_backend=args.attention_backend,
         context_length=args.context_length,
-        max_running_requests=max(args.batch_sizes),
+        # One engine per batch size: its KV cache and CUDA graphs sized for that batch alone, so
+        # an 8B model's engines start in seconds and never hold more memory than they use.
+        max_running_requests=batch,
+        cuda_graph_bs=None if args.disable_cuda_graph else [batch],
         **kwargs,
     ) as engine:
         weight_bytes = engine.runner.weight_bytes()
@@ -195,6 +199,11 @@ def run(
                     else None,
                 }
         tokens = sum(len(o["output_ids"]) for o in outs)
+    del engine
+    # The next engine's KV cache is sized from free device memory: release this one's first.
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     decode_s = max(best - prefill_s, 1e-9)
     return {
         "batch": batch,
@@ -352,7 +361,9 @@ def main() -> None:
         or (
             cached(
                 os.path.join(root, "llama"),
-                lambda d: build_checkpoint(d, arch="llama", dtype=save, **shape),
+                lambda d: build_checkpoint(
+                    d, arch="llama", dtype=save, init_device=args.device, **shape
+                ),
             )
             if wanted - {"mtp"}
             else ""
@@ -375,7 +386,8 @@ def main() -> None:
         models["mimo"] = cached(
             os.path.join(root, "mimo"),
             lambda d: add_mimo_mtp(
-                build_checkpoint(d, arch="qwen2", dtype=save, **shape), std=0.02
+                build_checkpoint(d, arch="qwen2", dtype=save, init_device=args.device, **shape),
+                std=0.02,
             ),
         )
     table = configs(models, args.steps, args.topk, args.draft_tokens)

@@ -193,6 +193,7 @@ def main() -> None:
             d,
             arch="llama",
             dtype=args.dtype,
+            init_device=args.device,
             vocab_size=args.vocab_size,
             hidden_size=args.hidden_size,
             intermediate_size=args.intermediate_size or int(args.hidden_size * 2.7),
@@ -228,12 +229,14 @@ def main() -> None:
             lambda: engine.update_weights_from_tensor(buckets, load_format="flattened_bucket"),
             args.repeats,
         )
-        shareable = [(n, t if cuda else t.share_memory_()) for n, t in named]
-        handles = [(n, reduce_tensor(t)) for n, t in shareable]
-        results["ipc_handles"] = best(
-            lambda: engine.update_weights_from_tensor(handles), args.repeats
-        )
         if not cuda:
+            # In-process shared memory. CUDA IPC handles open only in another process (on an
+            # H200 this process's own failed with "invalid device context"): colocated_process
+            # below measures them.
+            handles = [(n, reduce_tensor(t.share_memory_())) for n, t in named]
+            results["ipc_handles"] = best(
+                lambda: engine.update_weights_from_tensor(handles), args.repeats
+            )
             results["distributed_gloo"] = gloo_update(engine, tensors, args.repeats)
         results["disk"] = best(lambda: engine.update_weights_from_disk(path), args.repeats)
         if not cuda:

@@ -106,6 +106,12 @@ class Engine(EngineControl):
         self._lock = threading.Lock()
         self._inflight: set[str] = set()  # rids of requests not finished yet
         self._closed = False
+        device = self.runner.device
+        self._cuda_index: Optional[int] = (
+            (device.index if device.index is not None else torch.cuda.current_device())
+            if device.type == "cuda"
+            else None
+        )
         self._thread = threading.Thread(
             target=self._loop, name="spec-engine-scheduler", daemon=True
         )
@@ -325,6 +331,10 @@ class Engine(EngineControl):
         return self._post(fn).result()
 
     def _loop(self) -> None:
+        if self._cuda_index is not None:
+            # This thread's CUDA calls (IPC handles of colocated pushes among them) must target
+            # the engine's device, not the thread's default device 0.
+            torch.cuda.set_device(self._cuda_index)
         while True:
             try:
                 if not self._run_commands():

@@ -104,9 +104,11 @@ def build_checkpoint(
     eos_token_id: int = 2,
     dtype: str = "float32",
     extra_config: dict[str, Any] | None = None,
+    init_device: str = "cpu",
 ) -> str:
     """Save a random model of the given family with `save_pretrained` (safetensors), in `dtype`;
-    `extra_config`: more config keys (for glm4_moe, over GLM4_MOE_TINY)."""
+    `extra_config`: more config keys (for glm4_moe, over GLM4_MOE_TINY); `init_device`: where the
+    random weights are drawn ("cuda" builds an 8B model in seconds rather than minutes)."""
     import torch
     from transformers import (
         Glm4MoeConfig,
@@ -151,7 +153,8 @@ def build_checkpoint(
     kwargs.update(extra_config or {})
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
-    model = model_cls._from_config(config, dtype=getattr(torch, dtype))
+    with torch.device(init_device):
+        model = model_cls._from_config(config, dtype=getattr(torch, dtype))
     if arch == "glm4_moe":
         _randomize_router_bias(model)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

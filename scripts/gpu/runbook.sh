@@ -2,6 +2,8 @@
 # The GPU runbook (docs/gpu.md): on a CUDA machine, from the repository root, one step at a time
 # (each fits a 10-minute call) or all of them:
 #   bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all
+#   bash scripts/gpu/runbook.sh lease   every step but loop in one 10-minute device call, each
+#                                       under its own time limit (the device tool's 15 minutes)
 # Results (logs, JSON, summary.md naming the device) go to $OUT (the device tool's), else to
 # docs/benchmarks/gpu_<device>/ to commit. Archives made by scripts/gpu/pack.sh in .gpu_pack/ are
 # unpacked first (a machine without internet); with internet, `pip install -e ".[gpu]"` instead.
@@ -81,6 +83,35 @@ step_summary() {
   python3 -m scripts.gpu.summarize "$RESULTS" 2>&1 | tee "$RESULTS/summary.md"
 }
 
+step_lease() {  # one call: each step time-limited, the most telling first; <= 8 files to $OUT
+  local out=${OUT:-}
+  RESULTS=/tmp/specrl-results
+  mkdir -p "$RESULTS"
+  step_env
+  timeout 160 python3 -m pytest tests/test_gpu.py -m gpu -k "not flashinfer" -q -rs \
+    -p no:cacheprovider 2>&1 | tee "$RESULTS/pytest_gpu.txt"
+  timeout 140 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --algorithms baseline --batch-sizes 1 8 32 64 128 256 --input-len 128 \
+    --output-len 128 --context-length 512 --repeats 2 --work-dir "$WORK" \
+    --json "$RESULTS/decode.json" 2>&1 | tee "$RESULTS/decode.txt"
+  timeout 100 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --algorithms baseline eagle3 --batch-sizes 1 32 --steps 3 --topk 1 \
+    --forced-acceptance --input-len 128 --output-len 128 --context-length 512 --repeats 2 \
+    --work-dir "$WORK" --json "$RESULTS/eagle3.json" 2>&1 | tee "$RESULTS/eagle3.txt"
+  timeout 60 python3 -m scripts.bench_weight_sync --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --repeats 2 --work-dir "$WORK" --json "$RESULTS/weight_sync.json" 2>&1 \
+    | tee "$RESULTS/weight_sync.txt"
+  timeout 50 python3 -m pytest tests/test_gpu.py -m gpu -k flashinfer -q -rs \
+    -p no:cacheprovider 2>&1 | tee "$RESULTS/pytest_flashinfer.txt"
+  step_summary
+  if [ -n "$out" ]; then
+    tar -C "$RESULTS" -czf "$out/all.tar.gz" .
+    for f in env.txt pytest_gpu.txt decode.json eagle3.json weight_sync.json summary.md; do
+      [ -e "$RESULTS/$f" ] && cp "$RESULTS/$f" "$out/"
+    done
+  fi
+}
+
 setup
 case "${1:-all}" in
   env) step_env ;;
@@ -91,6 +122,7 @@ case "${1:-all}" in
   loop) step_loop ;;
   summary) step_summary ;;
   all) step_env; step_tests; step_decode; step_eagle3; step_weights; step_loop; step_summary ;;
-  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all" >&2
+  lease) step_lease ;;
+  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease" >&2
      exit 2 ;;
 esac

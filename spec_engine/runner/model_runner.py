@@ -10,6 +10,7 @@ import torch
 
 from spec_engine.args.resolve import EngineConfig
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
+from spec_engine.layers.norm import use_fused_rmsnorm
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
 from spec_engine.models.hf_config import ModelConfig
@@ -47,6 +48,12 @@ class ModelRunner(RunnerBase):
             args.model_path,
             capture_layers=config.capture_layers,
         )
+        if (
+            device.type == "cuda"
+            and args.attention_backend == "flashinfer"
+            and not args.enable_deterministic_inference
+        ):
+            use_fused_rmsnorm(model)
         self.max_total_tokens = kv_pool_tokens(config, model, dtype)
         target = config.target
         kv_pool = KVPool(
