@@ -94,6 +94,7 @@ def resolve_engine_config(args: EngineArgs, cuda_available: bool) -> EngineConfi
         cuda_available=cuda_available,
         checkpoint_dtype=target.torch_dtype,
         head_dim=target.head_dim,
+        mla=target.mla is not None,
     )
     context_len = context_length(target, args)
     path = args.speculative_draft_model_path
@@ -136,6 +137,7 @@ def resolve_auto(
     cuda_available: bool,
     checkpoint_dtype: Optional[str],
     head_dim: Optional[int] = None,
+    mla: bool = False,
 ) -> EngineArgs:
     """Return a copy of `args` with every `auto`/None default replaced by a concrete value
     (`head_dim`: the target's, which decides whether FlashInfer has kernels for it)."""
@@ -154,7 +156,7 @@ def resolve_auto(
             dtype = "float32"
         else:
             dtype = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
-    backend = attention_backend(args.attention_backend, device, dtype, head_dim)
+    backend = attention_backend(args.attention_backend, device, dtype, head_dim, mla)
     if args.enable_deterministic_inference and backend != "torch_native":
         if args.attention_backend == "flashinfer":
             raise ValueError(
@@ -186,7 +188,11 @@ def resolve_auto(
 
 
 def attention_backend(
-    requested: Optional[str], device: str, dtype: str, head_dim: Optional[int]
+    requested: Optional[str],
+    device: str,
+    dtype: str,
+    head_dim: Optional[int],
+    mla: bool = False,
 ) -> str:
     """The attention backend that runs: flashinfer where it can (CUDA, installed, 16-bit,
     head_dim it has kernels for), else torch_native. A requested backend that cannot run here,
@@ -196,6 +202,8 @@ def attention_backend(
         why_not = "no CUDA device"
     elif not flashinfer_installed():
         why_not = "flashinfer-python is not installed (pip install 'specrl[gpu]')"
+    elif mla:
+        why_not = "specrl's flashinfer backend has no MLA kernels (DeepSeek-V3)"
     elif head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
         why_not = f"flashinfer has no kernels for head_dim {head_dim}"
     elif dtype not in ("bfloat16", "float16"):

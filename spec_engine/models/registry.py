@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from spec_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from spec_engine.models.glm4_moe import Glm4MoeForCausalLM
 from spec_engine.models.glm4_moe_nextn import Glm4MoeNextN
 from spec_engine.models.hf_config import ModelConfig
@@ -18,6 +19,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MiMoForCausalLM": LlamaForCausalLM,  # the trunk; its MTP layers are mtp_class's
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLMEagle": LlamaForCausalLMEagle,
     "LlamaForCausalLMEagle3": LlamaForCausalLMEagle3,
 }

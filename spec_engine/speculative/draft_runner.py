@@ -16,11 +16,10 @@ import torch
 from spec_engine.args.resolve import DraftKind, EngineConfig
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.linear import Linear
-from spec_engine.mem.kv_pool import KVPool
 from spec_engine.models.registry import model_class, mtp_class
 from spec_engine.runner.base import RunnerBase
 from spec_engine.runner.graph_runner import GraphSpec
-from spec_engine.runner.model_runner import ModelRunner
+from spec_engine.runner.model_runner import ModelRunner, new_kv_pool
 from spec_engine.weights.loader import build_model
 
 
@@ -71,14 +70,8 @@ class DraftRunner(RunnerBase):
         kv_pool = (
             target.kv_pool
             if self.shares_target
-            else KVPool(
-                target.max_total_tokens,
-                args.page_size,
-                layers,
-                draft.num_key_value_heads,
-                draft.head_dim,
-                target.dtype,
-                target.device,
+            else new_kv_pool(
+                draft, target.max_total_tokens, args.page_size, layers, target.dtype, target.device
             )
         )
         super().__init__(
