@@ -26,9 +26,10 @@ from spec_engine.args.engine_args import (
     NGRAM_DEFAULT_DRAFT_TOKENS,
     EngineArgs,
 )
+from spec_engine.args.spec_checks import check_multi_layer_eagle
 from spec_engine.attention import flashinfer_installed
 from spec_engine.models.hf_config import ModelConfig
-from spec_engine.models.registry import model_class
+from spec_engine.models.registry import model_class, multi_layer_mtp
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +235,11 @@ def resolve_speculative(
     """Fill the auto speculative values (SGLang's defaults) and refuse combinations that cannot
     work, naming the flag to change. Returns `args` unchanged without speculation."""
     algo = args.speculative_algorithm
+    if algo in (None, "NGRAM") and args.enable_multi_layer_eagle:
+        raise ValueError(
+            "--enable-multi-layer-eagle drafts with the target's MTP layers: use it with "
+            "--speculative-algorithm EAGLE or NEXTN"
+        )
     if algo is None:
         return args
     path = args.speculative_draft_model_path
@@ -307,6 +313,8 @@ def resolve_speculative(
             f"candidates at the first step and {topk}x{topk} at each later one); lower it or "
             "raise --speculative-num-steps / --speculative-eagle-topk"
         )
+    multi_layer = path is None and multi_layer_mtp(target)
+    check_multi_layer_eagle(args, multi_layer, target.num_mtp_layers, steps, topk)
     if draft is not None:
         _check_draft(DraftKind(algo), target, draft, context_len)
         if DraftKind(algo) is DraftKind.STANDALONE and draft.vocab_size != target.vocab_size:
