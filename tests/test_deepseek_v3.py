@@ -189,6 +189,20 @@ def test_step_k_runs_mtp_layer_k(bigrams):
 
 
 @pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
+        ({"qk_rope_head_dim": 7}, "must be even"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "'longrope'"),
+    ],
+)
+def test_config_refuses_what_is_not_run(variants, change, needle):
+    cfg = ModelConfig.from_pretrained(variants["no_q_lora"]).hf_config
+    with pytest.raises(ValueError, match=needle):
+        ModelConfig.from_dict({**cfg, **change})
+
+
+@pytest.mark.parametrize(
     "spec,needle",
     [
         (dict(speculative_num_steps=3, speculative_eagle_topk=1), "at most 2"),

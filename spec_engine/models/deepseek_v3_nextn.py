@@ -66,7 +66,7 @@ class DeepseekV3NextN(nn.Module):
         if not 1 <= num_layers <= config.num_mtp_layers:
             raise ValueError(
                 f"{config.architecture} has {config.num_mtp_layers} MTP layers "
-                f"(num_nextn_predict_layers); {num_layers} cannot be drafted with"
+                f"(num_nextn_predict_layers); cannot draft with {num_layers}"
             )
         self.config = config
         self.layers = nn.ModuleList(DeepseekV3NextNLayer(config, i) for i in range(num_layers))

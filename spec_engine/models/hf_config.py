@@ -344,9 +344,22 @@ def rope_from_config(
 
 def _mla_geometry(cfg: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3's config with the fields the shared reader expects: its KV cache is one
-    latent head per token (num_key_value_heads 1, head_dim = latent + rope key), and its dense
-    layers' width is intermediate_size as usual."""
-    cache_dim = int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])
+    latent head per token (num_key_value_heads 1, head_dim = latent + rope key). Router
+    variants other than V3's (older configs name them) are refused."""
+    for key, value in (
+        ("scoring_func", "sigmoid"),
+        ("topk_method", "noaux_tc"),
+        ("moe_layer_freq", 1),
+    ):
+        if cfg.get(key, value) != value:
+            raise ValueError(
+                f"DeepSeek config with {key}={cfg[key]!r} is not supported; specrl runs "
+                f"DeepSeek-V3's router ({key}={value!r})"
+            )
+    rope = int(cfg["qk_rope_head_dim"])
+    if rope % 2:
+        raise ValueError(f"qk_rope_head_dim={rope} must be even (rope rotates pairs of dims)")
+    cache_dim = int(cfg["kv_lora_rank"]) + rope
     return {**cfg, "num_key_value_heads": 1, "head_dim": cache_dim}
 
 
@@ -354,8 +367,6 @@ def mla_from_config(cfg: dict[str, Any], rope_scaling: Optional[dict[str, Any]])
     """The MLA fields of a DeepseekV3Config, with the softmax scale transformers and SGLang use:
     qk_head_dim ** -0.5, times yarn_get_mscale(factor, mscale_all_dim) ** 2 under YaRN."""
     nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
-    if rope % 2:
-        raise ValueError(f"qk_rope_head_dim={rope} must be even (rope rotates pairs)")
     scale = (nope + rope) ** -0.5
     if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
         m = yarn_mscale(float(rope_scaling["factor"]), float(rope_scaling["mscale_all_dim"]))

@@ -180,37 +180,38 @@ class EagleWorker(SpecWorker):
         logits, nxt = self.draft.forward(batch, hidden)
         if not self.features:
             return
-        later = []
+        feats = nxt
         if self.multi_layer:
             rows = self._tensor(last)
-            later = self._later_levels(batch, rows, logits[rows], nxt)
             logits, nxt = logits[rows], nxt[rows]
         probs, top_ids = torch.softmax(logits, -1).topk(self.topk, dim=-1)
         top_ids = self.draft.to_target_ids(top_ids)
+        later = self._later_levels(batch, rows, top_ids[:, 0], feats) if self.multi_layer else []
         for i, e in enumerate(entries):
             if e.keep_state:
                 levels = [(p[i], c[i]) for p, c in later] if self.multi_layer else None
                 e.req.spec_state = DraftState(probs[i], top_ids[i], nxt[i], levels)
 
     def _later_levels(
-        self, batch: ForwardBatch, last: torch.Tensor, logits: torch.Tensor, feats: torch.Tensor
+        self, batch: ForwardBatch, last: torch.Tensor, top1: torch.Tensor, feats: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Multi-layer MTP's draft extend after layer 0: layer k runs over the same positions
-        with each token k further on (the sequence shifted left, the last token the previous
-        layer's top-1 at the request's last position) and the previous layer's features, as
-        SGLang's forward_draft_extend does. Returns each layer's (probs, ids) [B, topk] there."""
+        """Multi-layer MTP's draft extend after layer 0 (`top1`: its choice at each request's
+        last row, `feats`: its output at every row): layer k runs over the same positions with
+        each token k further on (the sequence shifted left, the last token the previous layer's
+        top-1) and the previous layer's features, as SGLang's forward_draft_extend does.
+        Returns each later layer's (probs, ids) [B, topk] at the last rows."""
         levels = []
         ids = batch.input_ids
         for layer in range(1, self.draft.mtp_layers):
-            top1 = self.draft.to_target_ids(logits.argmax(-1))
             # Rolling the flat batch left shifts every request's tokens; the token that crossed
             # from the next request lands on a last position, which top1 overwrites.
             ids = torch.roll(ids, -1).index_copy(0, last, top1)
             step = dataclasses.replace(batch, input_ids=ids, attn_meta=None)
-            all_logits, feats = self.draft.forward(step, feats, layer=layer)
-            logits = all_logits[last]
-            probs, top_ids = torch.softmax(logits, -1).topk(self.topk, dim=-1)
-            levels.append((probs, self.draft.to_target_ids(top_ids)))
+            logits, feats = self.draft.forward(step, feats, layer=layer)
+            probs, top_ids = torch.softmax(logits[last], -1).topk(self.topk, dim=-1)
+            top_ids = self.draft.to_target_ids(top_ids)
+            levels.append((probs, top_ids))
+            top1 = top_ids[:, 0]
         return levels
 
     def _draft_trees(self, reqs: Sequence[Req], scratch: torch.Tensor | None) -> list[DraftTree]:
