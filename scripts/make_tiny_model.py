@@ -1,6 +1,6 @@
 """Build a tiny random Hugging Face checkpoint and a locally trained tokenizer (no hub access).
 
-    python scripts/make_tiny_model.py --out /tmp/tiny-llama [--arch llama|qwen2|qwen3|glm4_moe]
+    python scripts/make_tiny_model.py --out /tmp/tiny-llama [--arch llama|qwen2|...|deepseek_v3]
 
 The builders live in `specrl.tiny_models` (tests and examples use them too).
 """
@@ -17,7 +17,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "glm4_moe"])
+    parser.add_argument(
+        "--arch", default="llama", choices=["llama", "qwen2", "qwen3", "glm4_moe", "deepseek_v3"]
+    )
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=512)

@@ -1,7 +1,7 @@
 """Tiny random Hugging Face checkpoints and a locally trained tokenizer (no hub access).
 
-Targets (Llama, Qwen2, Qwen3, GLM-4.5 MoE), MiMo MTP layers, EAGLE-2/EAGLE-3 drafts; the command
-line is `python scripts/make_tiny_model.py --out DIR [--arch llama|qwen2|qwen3|glm4_moe]`.
+Targets (Llama, Qwen2, Qwen3, GLM-4.5 MoE, DeepSeek-V3), MiMo MTP layers, EAGLE-2/EAGLE-3
+drafts; the command line is `python scripts/make_tiny_model.py --out DIR [--arch ...]`.
 The checkpoint is written by transformers' own `save_pretrained` (config.json + safetensors),
 the tokenizer is a byte-level BPE trained with `tokenizers` on a generated corpus, with a
 ChatML chat template. Tests and examples use the same functions.
@@ -53,6 +53,28 @@ GLM4_MOE_TINY: dict[str, Any] = dict(
     partial_rotary_factor=0.5,
     attention_bias=True,
     use_qk_norm=True,
+)
+
+
+# DeepSeek-V3 (DeepseekV3ForCausalLM) at tiny size: MLA with a query bottleneck (q_lora_rank
+# None drops it), interleaved rope on 8 of each head's 24 query/key dims, and GLM's routing.
+DEEPSEEK_V3_TINY: dict[str, Any] = dict(
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    head_dim=8,  # transformers' rotary reads head_dim: DeepSeek sets it to qk_rope_head_dim
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=0,
 )
 
 
@@ -111,6 +133,8 @@ def build_checkpoint(
     random weights are drawn ("cuda" builds an 8B model in seconds rather than minutes)."""
     import torch
     from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
         Glm4MoeConfig,
         Glm4MoeForCausalLM,
         LlamaConfig,
@@ -126,6 +150,7 @@ def build_checkpoint(
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
+        "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
     }
     if arch not in families:
         raise ValueError(f"--arch must be one of {', '.join(families)}, got {arch!r}")
@@ -150,17 +175,20 @@ def build_checkpoint(
         kwargs["rope_scaling"] = rope_scaling
     if arch == "glm4_moe":
         kwargs.update(GLM4_MOE_TINY)
+    if arch == "deepseek_v3":
+        # MLA expands its keys to every head; transformers' DeepSeek needs kv heads == heads.
+        kwargs.update(DEEPSEEK_V3_TINY, num_key_value_heads=num_heads)
     kwargs.update(extra_config or {})
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
     with torch.device(init_device):
         model = model_cls._from_config(config, dtype=getattr(torch, dtype))
-    if arch == "glm4_moe":
+    if arch in ("glm4_moe", "deepseek_v3"):
         _randomize_router_bias(model)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **save_kwargs)
-    if arch == "glm4_moe" and getattr(config, "num_nextn_predict_layers", 0):
-        _add_glm4_moe_mtp_layers(out_dir, config, model_cls, dtype)
+    if arch in ("glm4_moe", "deepseek_v3") and getattr(config, "num_nextn_predict_layers", 0):
+        _add_nextn_layers(out_dir, config, model_cls, dtype, copies=arch == "deepseek_v3")
     return out_dir
 
 
@@ -176,10 +204,14 @@ def _randomize_router_bias(model: Any) -> None:
                 gate.e_score_correction_bias.normal_(0.0, 0.1)
 
 
-def _add_glm4_moe_mtp_layers(out_dir: str, config: Any, model_cls: Any, dtype: str) -> None:
-    """Append GLM-4.5's MTP layers (`model.layers.{N + i}.*`: a MoE decoder layer plus
-    enorm/hnorm/eh_proj/shared_head.norm), which transformers' class does not build: the layer
-    tensors come from the same class built with N + num_nextn_predict_layers layers."""
+def _add_nextn_layers(
+    out_dir: str, config: Any, model_cls: Any, dtype: str, copies: bool = False
+) -> None:
+    """Append GLM-4.5's or DeepSeek-V3's MTP layers (`model.layers.{N + i}.*`: a MoE decoder
+    layer plus enorm/hnorm/eh_proj/shared_head.norm), which transformers' classes do not build:
+    the layer tensors come from the same class built with N + num_nextn_predict_layers layers.
+    `copies`: also write the embedding and head copies DeepSeek-V3 checkpoints carry
+    (`embed_tokens`, `shared_head.head`)."""
     import copy
     import tempfile
 
@@ -207,6 +239,9 @@ def _add_glm4_moe_mtp_layers(out_dir: str, config: Any, model_cls: Any, dtype: s
         for norm in ("enorm", "hnorm", "shared_head.norm"):
             tensors[f"{prefix}{norm}.weight"] = torch.ones(h, dtype=getattr(torch, dtype))
         tensors[f"{prefix}eh_proj.weight"] = _random((h, 2 * h), 0.1, g).to(getattr(torch, dtype))
+        if copies:
+            tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+            tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     save_file(tensors, weights_path, metadata={"format": "pt"})
 
 

@@ -198,6 +198,11 @@ class EngineArgs:
     speculative_accept_threshold_acc: float = _opt(
         1.0, "Scale the acceptance test by 1/this (1.0 = lossless; lower accepts more, lossy)."
     )
+    enable_multi_layer_eagle: bool = _opt(
+        False,
+        "MTP with several next-n layers (DeepSeek-V3): draft step k runs MTP layer k, as SGLang's "
+        "multi-layer EAGLE (a chain: topk 1, steps <= the layers); off, every step runs layer 0.",
+    )
     speculative_token_map: Optional[str] = _opt(
         None,
         "FR-Spec: a .pt tensor of hot token ids restricting the EAGLE draft head (verification "

@@ -26,9 +26,10 @@ from spec_engine.args.engine_args import (
     NGRAM_DEFAULT_DRAFT_TOKENS,
     EngineArgs,
 )
+from spec_engine.args.spec_checks import check_multi_layer_eagle
 from spec_engine.attention import flashinfer_installed
 from spec_engine.models.hf_config import ModelConfig
-from spec_engine.models.registry import model_class
+from spec_engine.models.registry import model_class, multi_layer_mtp
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ def resolve_engine_config(args: EngineArgs, cuda_available: bool) -> EngineConfi
         cuda_available=cuda_available,
         checkpoint_dtype=target.torch_dtype,
         head_dim=target.head_dim,
+        mla=target.mla is not None,
     )
     context_len = context_length(target, args)
     path = args.speculative_draft_model_path
@@ -136,6 +138,7 @@ def resolve_auto(
     cuda_available: bool,
     checkpoint_dtype: Optional[str],
     head_dim: Optional[int] = None,
+    mla: bool = False,
 ) -> EngineArgs:
     """Return a copy of `args` with every `auto`/None default replaced by a concrete value
     (`head_dim`: the target's, which decides whether FlashInfer has kernels for it)."""
@@ -154,7 +157,7 @@ def resolve_auto(
             dtype = "float32"
         else:
             dtype = checkpoint_dtype if checkpoint_dtype in ("float16", "bfloat16") else "bfloat16"
-    backend = attention_backend(args.attention_backend, device, dtype, head_dim)
+    backend = attention_backend(args.attention_backend, device, dtype, head_dim, mla)
     if args.enable_deterministic_inference and backend != "torch_native":
         if args.attention_backend == "flashinfer":
             raise ValueError(
@@ -186,7 +189,11 @@ def resolve_auto(
 
 
 def attention_backend(
-    requested: Optional[str], device: str, dtype: str, head_dim: Optional[int]
+    requested: Optional[str],
+    device: str,
+    dtype: str,
+    head_dim: Optional[int],
+    mla: bool = False,
 ) -> str:
     """The attention backend that runs: flashinfer where it can (CUDA, installed, 16-bit,
     head_dim it has kernels for), else torch_native. A requested backend that cannot run here,
@@ -196,6 +203,8 @@ def attention_backend(
         why_not = "no CUDA device"
     elif not flashinfer_installed():
         why_not = "flashinfer-python is not installed (pip install 'specrl[gpu]')"
+    elif mla:
+        why_not = "specrl's flashinfer backend has no MLA kernels (DeepSeek-V3)"
     elif head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
         why_not = f"flashinfer has no kernels for head_dim {head_dim}"
     elif dtype not in ("bfloat16", "float16"):
@@ -226,6 +235,11 @@ def resolve_speculative(
     """Fill the auto speculative values (SGLang's defaults) and refuse combinations that cannot
     work, naming the flag to change. Returns `args` unchanged without speculation."""
     algo = args.speculative_algorithm
+    if algo in (None, "NGRAM") and args.enable_multi_layer_eagle:
+        raise ValueError(
+            "--enable-multi-layer-eagle drafts with the target's MTP layers: use it with "
+            "--speculative-algorithm EAGLE or NEXTN"
+        )
     if algo is None:
         return args
     path = args.speculative_draft_model_path
@@ -299,6 +313,8 @@ def resolve_speculative(
             f"candidates at the first step and {topk}x{topk} at each later one); lower it or "
             "raise --speculative-num-steps / --speculative-eagle-topk"
         )
+    multi_layer = path is None and multi_layer_mtp(target)
+    check_multi_layer_eagle(args, multi_layer, target.num_mtp_layers, steps, topk)
     if draft is not None:
         _check_draft(DraftKind(algo), target, draft, context_len)
         if DraftKind(algo) is DraftKind.STANDALONE and draft.vocab_size != target.vocab_size:

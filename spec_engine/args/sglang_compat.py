@@ -43,7 +43,10 @@ _NO_MOE = (
     "specrl's MoE layers (GLM-4.5) run their experts in one module on one device: no expert "
     "parallelism or fused MoE kernels"
 )
-_NO_MLA = "specrl's engine has no MLA attention models"
+_NO_MLA = (
+    "specrl runs MLA (DeepSeek-V3) one way: absorbed, over the latent KV cache, with "
+    "torch_native attention (no FlashInfer or FlashMLA MLA kernels)"
+)
 _NO_TRITON = "specrl has no Triton attention kernels (see --attention-backend)"
 _NO_COMPILE = (
     "specrl does not torch.compile its models; its CUDA graphs (--cuda-graph-bs, "
@@ -154,9 +157,6 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     ),
     "speculative_draft_model_quantization": _refuse(
         None, "the draft runs unquantized in the target's dtype", str
-    ),
-    "enable_multi_layer_eagle": _noop(
-        False, "not implemented yet: every draft step runs the first MTP layer (outputs stay exact)"
     ),
     "triton_attention_reduce_in_fp32": _noop(False, _NO_TRITON),
     "triton_attention_num_kv_splits": _noop(8, _NO_TRITON, int),

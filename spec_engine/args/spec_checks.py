@@ -1,5 +1,5 @@
-"""Checks of EngineArgs' NGRAM and --speculative-adaptive options (split from engine_args to
-keep that module small); each error names the flag."""
+"""Checks of EngineArgs' NGRAM, --speculative-adaptive and --enable-multi-layer-eagle options
+(split from engine_args to keep that module small); each error names the flag."""
 
 from __future__ import annotations
 
@@ -58,4 +58,35 @@ def check_adaptive(args: Any) -> None:
             f"{args.speculative_algorithm}: EAGLE (EAGLE-2, MTP), EAGLE3 and STANDALONE drafts "
             "keep state (draft KV, the target's features) that a plain decode step does not "
             "advance, so switching per step is not implemented for them yet"
+        )
+
+
+def check_multi_layer_eagle(
+    args: Any, multi_layer_mtp: bool, num_mtp_layers: int, steps: int, topk: int
+) -> None:
+    """--enable-multi-layer-eagle needs an MTP draft whose module runs several layers
+    (`multi_layer_mtp`), a chain (SGLang's multi-layer worker drafts top-1 per layer) and no
+    more steps than layers (step k runs layer k)."""
+    if not args.enable_multi_layer_eagle:
+        return
+    if args.speculative_algorithm is None or args.speculative_draft_model_path is not None:
+        raise ValueError(
+            "--enable-multi-layer-eagle drafts with the target's MTP layers: use it with "
+            "--speculative-algorithm EAGLE or NEXTN and no --speculative-draft-model-path"
+        )
+    if not multi_layer_mtp:
+        raise ValueError(
+            "--enable-multi-layer-eagle is implemented for DeepSeek-V3 MTP layers only; drop it "
+            "(every draft step then runs the first MTP layer)"
+        )
+    if topk != 1:
+        raise ValueError(
+            f"--enable-multi-layer-eagle drafts a chain (one token per MTP layer); set "
+            f"--speculative-eagle-topk 1, not {topk}"
+        )
+    if steps > num_mtp_layers:
+        raise ValueError(
+            f"--enable-multi-layer-eagle runs MTP layer k at draft step k, and the target has "
+            f"{num_mtp_layers} (num_nextn_predict_layers): lower --speculative-num-steps {steps} "
+            f"to at most {num_mtp_layers}, or drop the flag to run layer 0 at every step"
         )

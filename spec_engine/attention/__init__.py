@@ -27,6 +27,11 @@ def make_backend(
     """The `--attention-backend` for one model (FlashInfer plans need its head geometry);
     `batch_invariant` (--enable-deterministic-inference) exists in torch_native only."""
     if name == "flashinfer":
+        if config.mla is not None:
+            raise ValueError(
+                f"{config.architecture} uses MLA attention, which specrl runs with "
+                "--attention-backend torch_native only (its FlashInfer backend has no MLA kernels)"
+            )
         from spec_engine.attention.flashinfer import FlashInferBackend  # CUDA-only dependency
 
         return FlashInferBackend(

@@ -187,9 +187,9 @@ class TorchNativeBackend(AttentionBackend):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         pool = batch.kv_pool
-        nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        nh, nkv, hd, vd = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
         k = k.view(-1, nkv, hd)
-        v = v.view(-1, nkv, hd)
+        v = v.view(-1, nkv, vd)
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         if isinstance(batch.attn_meta, _Padded):
             # Masked keys point at the dummy slot 0, which padded rows just wrote. SDPA gives
@@ -201,7 +201,7 @@ class TorchNativeBackend(AttentionBackend):
                 return self._forward_invariant(q, layer, pool, batch.attn_meta)
             return self._forward_padded(q, layer, pool, batch.attn_meta)
         q = q.view(-1, nh, hd)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[0], nh, vd)
         for start, q_len, slots, mask in batch.attn_meta:
             qi = q[start : start + q_len].transpose(0, 1)
             if slots is None:
@@ -222,10 +222,10 @@ class TorchNativeBackend(AttentionBackend):
                     qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True
                 )
             out[start : start + q_len] = oi.transpose(0, 1)
-        return out.view(-1, nh * hd)
+        return out.view(-1, nh * vd)
 
     def _forward_padded(self, q: torch.Tensor, layer: Attention, pool, p: _Padded) -> torch.Tensor:
-        nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        nh, nkv, hd, vd = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
         group = nh // nkv
         b, nq = p.batch, p.queries
         k_all = (
@@ -237,7 +237,7 @@ class TorchNativeBackend(AttentionBackend):
         v_all = (
             pool.v_buffer[layer.layer_id]
             .index_select(0, p.kv_idx)
-            .view(b, -1, nkv, hd)
+            .view(b, -1, nkv, vd)
             .transpose(1, 2)
         )
         q = q.view(-1, nh, hd)
@@ -252,7 +252,7 @@ class TorchNativeBackend(AttentionBackend):
         )
         mask = p.mask[:, None].expand(b, group, nq, -1).reshape(b, 1, group * nq, -1)
         out = F.scaled_dot_product_attention(qg, k_all, v_all, attn_mask=mask, scale=layer.scaling)
-        out = out.view(b, nkv, group, nq, hd).permute(0, 3, 1, 2, 4).reshape(b * nq, nh * hd)
+        out = out.view(b, nkv, group, nq, vd).permute(0, 3, 1, 2, 4).reshape(b * nq, nh * vd)
         if p.out_rows is not None:
             out = out.index_select(0, p.out_rows)
         return out.to(q.dtype)
@@ -261,12 +261,12 @@ class TorchNativeBackend(AttentionBackend):
         self, q: torch.Tensor, layer: Attention, pool, p: _Padded
     ) -> torch.Tensor:
         """The padded block's attention with batch-invariant reductions (module docstring)."""
-        nh, nkv, hd = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        nh, nkv, hd, vd = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
         group = nh // nkv
         b, nq, dtype = p.batch, p.queries, q.dtype
         # [B, 1, L, nkv, 1, hd]: broadcast over query rows and each KV head's query group.
         k_all = pool.k_buffer[layer.layer_id].index_select(0, p.kv_idx).view(b, 1, -1, nkv, 1, hd)
-        v_all = pool.v_buffer[layer.layer_id].index_select(0, p.kv_idx).view(b, 1, -1, nkv, 1, hd)
+        v_all = pool.v_buffer[layer.layer_id].index_select(0, p.kv_idx).view(b, 1, -1, nkv, 1, vd)
         q = q.view(-1, nh, hd)
         if p.q_rows is not None:
             q = q.index_select(0, p.q_rows)
@@ -279,7 +279,7 @@ class TorchNativeBackend(AttentionBackend):
             keep = p.mask[:, start : start + step, :, None, None]
             probs = scores.masked_fill(~keep, float("-inf")).softmax(dim=2)
             chunks.append((probs[..., None] * v_all).sum(2))  # [B, c, nkv, group, hd]
-        out = torch.cat(chunks, dim=1).reshape(b * nq, nh * hd)
+        out = torch.cat(chunks, dim=1).reshape(b * nq, nh * vd)
         if p.out_rows is not None:
             out = out.index_select(0, p.out_rows)
         return out.to(dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -9,7 +11,18 @@ from spec_engine.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """`v_head_dim` (default head_dim) and `scaling` (default head_dim ** -0.5) differ for MLA,
+    whose values are the leading v_head_dim columns of each cached key."""
+
+    def __init__(
+        self,
+        layer_id: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: Optional[int] = None,
+        scaling: Optional[float] = None,
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -20,7 +33,8 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scaling = head_dim**-0.5
+        self.v_head_dim = v_head_dim or head_dim
+        self.scaling = head_dim**-0.5 if scaling is None else scaling
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch

@@ -1,5 +1,5 @@
-"""Rotary position embeddings (neox layout) with default, linear and llama3 frequency scaling,
-on the whole head or on its leading `rotary_dim` dims (partial rotary, GLM-4.5)."""
+"""Rotary position embeddings (neox layout) with default, linear, llama3 and YaRN frequency
+scaling, on the whole head or on its leading `rotary_dim` dims (partial rotary, GLM-4.5)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,52 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, factor, scaling)
     raise ValueError(f"rope type {kind!r} is not supported")
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, dim: int, theta: float, factor: float, scaling: dict[str, Any]
+) -> torch.Tensor:
+    # transformers' _compute_yarn_parameters: interpolated frequencies below the correction
+    # range, extrapolated ones above it, a linear ramp between.
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+    old_ctx = float(scaling["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
+    extrapolation = 1 - ramp
+    return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def rope_attention_factor(scaling: Optional[dict[str, Any]]) -> float:
+    """The factor YaRN multiplies cos and sin by (transformers' attention_factor): given, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else
+    mscale(factor); 1 for every other rope type."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale()
 
 
 class RotaryEmbedding(nn.Module):
@@ -60,7 +105,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling)
             positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
             freqs = torch.outer(positions, inv_freq)
-            self._cos_sin = (freqs.cos().to(device), freqs.sin().to(device))
+            factor = rope_attention_factor(self.scaling)
+            self._cos_sin = ((freqs.cos() * factor).to(device), (freqs.sin() * factor).to(device))
         return self._cos_sin
 
     def forward(

@@ -52,8 +52,49 @@ class KVPool:
         self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
         self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every distinct storage buffer (what copying or filling whole slots must touch once)."""
+        return self.k_buffer + self.v_buffer
+
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+class MLAKVPool(KVPool):
+    """The latent cache of MLA models (SGLang's MLATokenToKVPool): per layer one buffer
+    [num_slots, 1, latent + rope key]. The values are the latent itself, so `v_buffer` holds
+    views of its leading `v_dim` columns: no second copy is stored."""
+
+    def __init__(
+        self,
+        num_tokens: int,
+        page_size: int,
+        num_layers: int,
+        cache_dim: int,
+        v_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.v_dim = v_dim
+        super().__init__(num_tokens, page_size, num_layers, 1, cache_dim, dtype, device)
+
+    def allocate(self) -> None:
+        self.k_buffer = [
+            torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.num_layers)
+        ]
+        for buf in self.k_buffer:
+            buf[: self.page_size].zero_()
+        self.v_buffer = [buf[..., : self.v_dim] for buf in self.k_buffer]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # v is k's latent part (the caller passes that view), already written with k.
+        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
+
+    def buffers(self) -> list[torch.Tensor]:
+        # v_buffer views k_buffer: copying slots through both would copy twice, and a chain of
+        # overlapping moves (speculative/base.py) would then read already-moved rows.
+        return list(self.k_buffer)
 
 
 class ReqToTokenPool:

@@ -7,8 +7,8 @@ next-n layer with is_nextn=True), then shared_head.norm over output + residual; 
 output is both what the LM head reads and the next step's feature. Embedding and head are the
 target's, as SGLang's EAGLE worker shares them (set_embed_and_head): the checkpoint's copies
 `embed_tokens` and `shared_head.head` are accepted by the target's spec and not loaded, as
-SGLang's loader skips them. Every draft step uses this first next-n layer (multi-layer MTP is
-not implemented).
+SGLang's loader skips them. Every draft step uses this first next-n layer
+(--enable-multi-layer-eagle is implemented for DeepSeek-V3's, models/deepseek_v3_nextn.py).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ the same way. Each side refuses what it cannot run on top of what is refused her
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MiMoForCausalLM": "qwen2",  # Qwen2 trunk + model.mtp_layers.*
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5: MoE MLPs after the first dense layers
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # MLA attention + the same MoE
     # Draft-only formats (SGLang's names); refused as targets.
     "LlamaForCausalLMEagle": "llama",
     "LlamaForCausalLMEagle3": "llama",
@@ -32,8 +34,13 @@ MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "mimo": "MiMoForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+# Architectures whose checkpoints carry next-n (MTP) layers counted by num_nextn_predict_layers.
+MTP_ARCHITECTURES = ("MiMoForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# YaRN is implemented for DeepSeek-V3's decoupled rope only (its mscale also scales the softmax).
+YARN_FAMILIES = ("deepseek_v3",)
 # A config directory or config.json path, a config dict, or a transformers PretrainedConfig.
 ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any], Any]
 
@@ -55,6 +62,31 @@ class MoEConfig:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id >= self.first_k_dense_replace
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: queries through an optional low-rank bottleneck,
+    keys and values expanded per head from one shared `kv_lora_rank` latent, plus a
+    `qk_rope_head_dim` rope key shared by every head (decoupled rope)."""
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale(mscale_all_dim) squared
+    rope_interleave: bool
+    attention_bias: bool
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Elements one token's cache entry holds per layer: the latent, then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass
@@ -91,6 +123,8 @@ class ModelConfig:
     # Rotary on the first head_dim * partial_rotary_factor dims of each head (GLM), rest passed.
     partial_rotary_factor: float = 1.0
     moe: Optional[MoEConfig] = None
+    # MLA models (DeepSeek-V3): the KV cache holds one latent "head" of mla.cache_dim per token.
+    mla: Optional[MLAConfig] = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -158,6 +192,8 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        if family == "deepseek_v3":
+            cfg = _mla_geometry(cfg)
         if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
             raise ValueError(
                 f"{arch} with sliding-window attention is not supported; use a config with "
@@ -175,9 +211,10 @@ class ModelConfig:
                 f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
             )
         hidden = cfg["hidden_size"]
-        rope_theta, rope_scaling = rope_from_config(cfg)
+        rope_theta, rope_scaling = rope_from_config(cfg, yarn=family in YARN_FAMILIES)
         attention_bias = bool(cfg.get("attention_bias", False))
         glm = family == "glm4_moe"
+        moe = family in ("glm4_moe", "deepseek_v3")
         head_dim = cfg.get("head_dim") or hidden // heads
         partial = float(
             (cfg.get("rope_parameters") or {}).get(
@@ -215,7 +252,7 @@ class ModelConfig:
                 eos_token_ids if eos_token_ids is not None else _as_list(cfg.get("eos_token_id"))
             ),
             num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0)
-            if arch in ("MiMoForCausalLM", "Glm4MoeForCausalLM")
+            if arch in MTP_ARCHITECTURES
             else 0,
             draft_vocab_size=cfg.get("draft_vocab_size"),
             target_hidden_size=cfg.get("target_hidden_size"),
@@ -223,13 +260,16 @@ class ModelConfig:
                 "eagle_aux_hidden_state_layer_ids"
             ),
             partial_rotary_factor=partial,
-            moe=moe_from_config(cfg) if glm else None,
+            moe=moe_from_config(cfg) if moe else None,
+            mla=mla_from_config(cfg, rope_scaling) if family == "deepseek_v3" else None,
             hf_config=cfg,
         )
 
     @property
     def kv_elements_per_token(self) -> int:
         """Elements of K and V that one token occupies across all layers."""
+        if self.mla is not None:  # one latent + rope key per token and layer, no separate V
+            return self.num_hidden_layers * self.mla.cache_dim
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
 
@@ -273,9 +313,11 @@ def moe_from_config(cfg: dict[str, Any]) -> MoEConfig:
     return moe
 
 
-def rope_from_config(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+def rope_from_config(
+    cfg: dict[str, Any], yarn: bool = False
+) -> tuple[float, Optional[dict[str, Any]]]:
     """Rope theta and scaling (None for default rope) from transformers-5 `rope_parameters` or the
-    older keys."""
+    older keys; `yarn`: the family implements YaRN scaling."""
     params = cfg.get("rope_parameters")
     if params is not None:
         params = dict(params)
@@ -285,11 +327,63 @@ def rope_from_config(cfg: dict[str, Any]) -> tuple[float, Optional[dict[str, Any
         params = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else {}
     params.pop("partial_rotary_factor", None)  # ModelConfig.partial_rotary_factor
     rope_type = params.pop("rope_type", params.pop("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    supported = SUPPORTED_ROPE_TYPES + (("yarn",) if yarn else ())
+    if rope_type not in supported:
         raise ValueError(
-            f"rope type {rope_type!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"rope type {rope_type!r} is not supported for this model; supported: "
+            f"{', '.join(supported)}"
         )
     if rope_type == "default":
         return float(theta), None
+    if rope_type == "yarn" and params.get("factor") is None:
+        # transformers: DeepSeek-style configs derive the factor from the context extension.
+        old_ctx = params["original_max_position_embeddings"]
+        params["factor"] = cfg["max_position_embeddings"] / old_ctx
     return float(theta), {"rope_type": rope_type, **params}
+
+
+def _mla_geometry(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's config with the fields the shared reader expects: its KV cache is one
+    latent head per token (num_key_value_heads 1, head_dim = latent + rope key). Router
+    variants other than V3's (older configs name them) are refused."""
+    for key, value in (
+        ("scoring_func", "sigmoid"),
+        ("topk_method", "noaux_tc"),
+        ("moe_layer_freq", 1),
+    ):
+        if cfg.get(key, value) != value:
+            raise ValueError(
+                f"DeepSeek config with {key}={cfg[key]!r} is not supported; specrl runs "
+                f"DeepSeek-V3's router ({key}={value!r})"
+            )
+    rope = int(cfg["qk_rope_head_dim"])
+    if rope % 2:
+        raise ValueError(f"qk_rope_head_dim={rope} must be even (rope rotates pairs of dims)")
+    cache_dim = int(cfg["kv_lora_rank"]) + rope
+    return {**cfg, "num_key_value_heads": 1, "head_dim": cache_dim}
+
+
+def mla_from_config(cfg: dict[str, Any], rope_scaling: Optional[dict[str, Any]]) -> MLAConfig:
+    """The MLA fields of a DeepseekV3Config, with the softmax scale transformers and SGLang use:
+    qk_head_dim ** -0.5, times yarn_get_mscale(factor, mscale_all_dim) ** 2 under YaRN."""
+    nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    scale = (nope + rope) ** -0.5
+    if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
+        m = yarn_mscale(float(rope_scaling["factor"]), float(rope_scaling["mscale_all_dim"]))
+        scale *= m * m
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(cfg["v_head_dim"]),
+        softmax_scale=scale,
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+    )
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention magnitude correction (DeepSeek's yarn_get_mscale)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

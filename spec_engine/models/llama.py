@@ -131,12 +131,16 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, capture_layers: Sequence[int] = ()) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        rotary = make_rotary(config)
+        rotary = self.make_rotary(config)
         self.layers = nn.ModuleList(
             self.make_layer(config, i, rotary) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.capture_layers = tuple(capture_layers)
+
+    def make_rotary(self, config: ModelConfig) -> RotaryEmbedding:
+        """The rotary embedding every layer shares (MLA models rotate their rope dims only)."""
+        return make_rotary(config)
 
     def make_layer(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
         """Decoder layer `layer_id` (subclasses swap the MLP)."""

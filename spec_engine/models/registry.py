@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from spec_engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from spec_engine.models.deepseek_v3_nextn import DeepseekV3NextN
 from spec_engine.models.glm4_moe import Glm4MoeForCausalLM
 from spec_engine.models.glm4_moe_nextn import Glm4MoeNextN
 from spec_engine.models.hf_config import ModelConfig
@@ -18,6 +20,7 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MiMoForCausalLM": LlamaForCausalLM,  # the trunk; its MTP layers are mtp_class's
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLMEagle": LlamaForCausalLMEagle,
     "LlamaForCausalLMEagle3": LlamaForCausalLMEagle3,
 }
@@ -25,7 +28,10 @@ _MODEL_CLASSES: dict[str, type[nn.Module]] = {
 _MTP_CLASSES: dict[str, type[nn.Module]] = {
     "MiMoForCausalLM": MiMoMTP,
     "Glm4MoeForCausalLM": Glm4MoeNextN,
+    "DeepseekV3ForCausalLM": DeepseekV3NextN,
 }
+# MTP modules that run several next-n layers, one per draft step (--enable-multi-layer-eagle).
+_MULTI_LAYER_MTP = (DeepseekV3NextN,)
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
@@ -42,3 +48,8 @@ def mtp_class(config: ModelConfig) -> type[nn.Module]:
             f"{', '.join(_MTP_CLASSES)}"
         )
     return cls
+
+
+def multi_layer_mtp(config: ModelConfig) -> bool:
+    """Whether the target's MTP module can run a different next-n layer at each draft step."""
+    return _MTP_CLASSES.get(config.architecture) in _MULTI_LAYER_MTP

@@ -12,7 +12,7 @@ from spec_engine.args.resolve import EngineConfig
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.norm import use_fused_rmsnorm
 from spec_engine.mem.allocator import PageAllocator
-from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
+from spec_engine.mem.kv_pool import KVPool, MLAKVPool, ReqToTokenPool
 from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.registry import model_class
 from spec_engine.runner.base import RunnerBase
@@ -56,14 +56,8 @@ class ModelRunner(RunnerBase):
             use_fused_rmsnorm(model)
         self.max_total_tokens = kv_pool_tokens(config, model, dtype)
         target = config.target
-        kv_pool = KVPool(
-            self.max_total_tokens,
-            args.page_size,
-            target.num_hidden_layers,
-            target.num_key_value_heads,
-            target.head_dim,
-            dtype,
-            device,
+        kv_pool = new_kv_pool(
+            target, self.max_total_tokens, args.page_size, target.num_hidden_layers, dtype, device
         )
         table = ReqToTokenPool(
             self.max_running_requests, self.context_len + config.extra_positions, device
@@ -145,6 +139,31 @@ class ModelRunner(RunnerBase):
         if not batch.capture_hidden:
             hidden, aux = at_rows, (None if aux is None else aux if rows is None else aux[rows])
         return ForwardOutput(logits, hidden, aux)
+
+
+def new_kv_pool(
+    config: ModelConfig,
+    num_tokens: int,
+    page_size: int,
+    num_layers: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVPool:
+    """The KV pool `config`'s attention reads: per-head K/V, or MLA's latent cache."""
+    if config.mla is not None:
+        m = config.mla
+        return MLAKVPool(
+            num_tokens, page_size, num_layers, m.cache_dim, m.kv_lora_rank, dtype, device
+        )
+    return KVPool(
+        num_tokens,
+        page_size,
+        num_layers,
+        config.num_key_value_heads,
+        config.head_dim,
+        dtype,
+        device,
+    )
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:

@@ -49,7 +49,7 @@ class SelfCheckBatches:
         self._rows: set[int] = set()
         self.context = self._alloc(self.CONTEXT)
         for pool in pools:
-            for buf in pool.k_buffer + pool.v_buffer:
+            for buf in pool.buffers():
                 # Drawn on the host (the generator is a CPU one), then moved into the pool.
                 values = torch.randn(buf[self.context].shape, generator=self.gen, device="cpu")
                 buf[self.context] = values.to(device=buf.device, dtype=buf.dtype)

@@ -180,7 +180,7 @@ class SpecWorker(ModelWorker):
         if src:
             src_t, dst_t = torch.stack(src), torch.stack(dst)
             pool = self.runner.kv_pool
-            for buf in pool.k_buffer + pool.v_buffer:
+            for buf in pool.buffers():
                 buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
         if free:
             self.runner.allocator.free(torch.cat(free))

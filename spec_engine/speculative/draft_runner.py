@@ -16,11 +16,10 @@ import torch
 from spec_engine.args.resolve import DraftKind, EngineConfig
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.linear import Linear
-from spec_engine.mem.kv_pool import KVPool
 from spec_engine.models.registry import model_class, mtp_class
 from spec_engine.runner.base import RunnerBase
 from spec_engine.runner.graph_runner import GraphSpec
-from spec_engine.runner.model_runner import ModelRunner
+from spec_engine.runner.model_runner import ModelRunner, new_kv_pool
 from spec_engine.weights.loader import build_model
 
 
@@ -32,6 +31,8 @@ class DraftRunner(RunnerBase):
         # The target drafting for itself runs its own model on its own KV cache: the draft's KV
         # at a position would equal the target's there.
         self.shares_target = config.self_draft
+        # --enable-multi-layer-eagle: draft step k runs MTP layer k (its own layer of the pool).
+        self.mtp_layers = args.speculative_num_steps if args.enable_multi_layer_eagle else 1
         if self.shares_target:
             model = target.model
         else:
@@ -43,6 +44,7 @@ class DraftRunner(RunnerBase):
                 target.device,
                 config.draft_checkpoint,
                 only_known=kind is DraftKind.MTP,
+                **({"num_layers": self.mtp_layers} if self.mtp_layers > 1 else {}),
             )
         self.model = model  # before RunnerBase sets it: refresh() below reads it
         if kind is DraftKind.STANDALONE:
@@ -67,18 +69,12 @@ class DraftRunner(RunnerBase):
             )
         self.refresh()
         # An MTP draft is one layer of the target's shape (every other draft is all of its config).
-        layers = 1 if kind is DraftKind.MTP else draft.num_hidden_layers
+        layers = self.mtp_layers if kind is DraftKind.MTP else draft.num_hidden_layers
         kv_pool = (
             target.kv_pool
             if self.shares_target
-            else KVPool(
-                target.max_total_tokens,
-                args.page_size,
-                layers,
-                draft.num_key_value_heads,
-                draft.head_dim,
-                target.dtype,
-                target.device,
+            else new_kv_pool(
+                draft, target.max_total_tokens, args.page_size, layers, target.dtype, target.device
             )
         )
         super().__init__(
@@ -103,7 +99,9 @@ class DraftRunner(RunnerBase):
         """Draft tree steps (topk rows per request, own KV indices), the STANDALONE root step,
         and the draft extend over a round's accepted tokens (up to steps + 1 per request)."""
         args = config.args
-        if args.disable_cuda_graph or args.disable_draft_cuda_graph:
+        # Multi-layer MTP extends read every row's features (the next layer's input), which
+        # the captured draft graphs do not return: its draft runs eagerly.
+        if args.disable_cuda_graph or args.disable_draft_cuda_graph or self.mtp_layers > 1:
             return []
         features = self.kind.uses_target_features
         own = config.draft.hidden_size if features else None
@@ -176,22 +174,30 @@ class DraftRunner(RunnerBase):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, hidden: Optional[torch.Tensor]
+        self, batch: ForwardBatch, hidden: Optional[torch.Tensor], layer: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (draft-vocabulary logits at batch.logits_indices (all rows if None), the
-        features for the next draft step at the same rows)."""
-        outs = self._replay(batch, hidden)
-        return self._forward(batch, hidden) if outs is None else (outs[0], outs[1])
+        features for the next draft step at the same rows). `layer`: the MTP layer to run
+        (multi-layer MTP, which has no draft graphs)."""
+        outs = None if layer else self._replay(batch, hidden)
+        return self._forward(batch, hidden, layer=layer) if outs is None else (outs[0], outs[1])
 
     def _forward(
-        self, batch: ForwardBatch, hidden: Optional[torch.Tensor] = None, metadata: bool = True
+        self,
+        batch: ForwardBatch,
+        hidden: Optional[torch.Tensor] = None,
+        metadata: bool = True,
+        layer: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._prepare(batch, metadata)
         ids = batch.input_ids
         embeds = self.embed(
             ids if self.embed_limit is None else ids.clamp(max=self.embed_limit - 1)
         )
-        to_logits, to_next = self.model.draft_forward(embeds, batch.positions, batch, hidden)
+        extra = {"layer": layer} if layer else {}
+        to_logits, to_next = self.model.draft_forward(
+            embeds, batch.positions, batch, hidden, **extra
+        )
         if batch.logits_indices is not None:
             to_logits, to_next = to_logits[batch.logits_indices], to_next[batch.logits_indices]
         logits = self.head(to_logits).float()

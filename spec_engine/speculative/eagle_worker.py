@@ -15,8 +15,10 @@ accepted tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -38,6 +40,8 @@ class DraftState:
     probs: torch.Tensor  # [topk] draft probabilities
     ids: torch.Tensor  # [topk] target token ids
     hidden: torch.Tensor  # [H] feature for the next draft step
+    # Multi-layer MTP: the later levels' (probs, ids), level k from MTP layer k.
+    later: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
 
 
 @dataclass
@@ -67,6 +71,9 @@ class EagleWorker(SpecWorker):
         self.features = draft.kind.uses_target_features
         # EAGLE-3 reads the target layers the target model captures (EngineConfig.capture_layers).
         self.aux_features = draft.kind is DraftKind.EAGLE3
+        # --enable-multi-layer-eagle: every level of the chain comes from the draft extend, level
+        # k from MTP layer k (SGLang's MultiLayerEagleWorker); no draft decode steps run.
+        self.multi_layer = draft.mtp_layers > 1
 
     # ---------------------------------------------------------------- memory
 
@@ -167,16 +174,45 @@ class EagleWorker(SpecWorker):
             seq_lens_cpu=ends,
             extend_seq_lens_cpu=lens,
             extend_prefix_lens_cpu=[e.start for e in entries],
-            logits_indices=self._tensor(last),
+            # Multi-layer MTP feeds every row's output to the next layer.
+            logits_indices=None if self.multi_layer else self._tensor(last),
         )
         logits, nxt = self.draft.forward(batch, hidden)
         if not self.features:
             return
+        feats = nxt
+        if self.multi_layer:
+            rows = self._tensor(last)
+            logits, nxt = logits[rows], nxt[rows]
         probs, top_ids = torch.softmax(logits, -1).topk(self.topk, dim=-1)
         top_ids = self.draft.to_target_ids(top_ids)
+        later = self._later_levels(batch, rows, top_ids[:, 0], feats) if self.multi_layer else []
         for i, e in enumerate(entries):
             if e.keep_state:
-                e.req.spec_state = DraftState(probs[i], top_ids[i], nxt[i])
+                levels = [(p[i], c[i]) for p, c in later] if self.multi_layer else None
+                e.req.spec_state = DraftState(probs[i], top_ids[i], nxt[i], levels)
+
+    def _later_levels(
+        self, batch: ForwardBatch, last: torch.Tensor, top1: torch.Tensor, feats: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Multi-layer MTP's draft extend after layer 0 (`top1`: its choice at each request's
+        last row, `feats`: its output at every row): layer k runs over the same positions with
+        each token k further on (the sequence shifted left, the last token the previous layer's
+        top-1) and the previous layer's features, as SGLang's forward_draft_extend does.
+        Returns each later layer's (probs, ids) [B, topk] at the last rows."""
+        levels = []
+        ids = batch.input_ids
+        for layer in range(1, self.draft.mtp_layers):
+            # Rolling the flat batch left shifts every request's tokens; the token that crossed
+            # from the next request lands on a last position, which top1 overwrites.
+            ids = torch.roll(ids, -1).index_copy(0, last, top1)
+            step = dataclasses.replace(batch, input_ids=ids, attn_meta=None)
+            logits, feats = self.draft.forward(step, feats, layer=layer)
+            probs, top_ids = torch.softmax(logits[last], -1).topk(self.topk, dim=-1)
+            top_ids = self.draft.to_target_ids(top_ids)
+            levels.append((probs, top_ids))
+            top1 = top_ids[:, 0]
+        return levels
 
     def _draft_trees(self, reqs: Sequence[Req], scratch: torch.Tensor | None) -> list[DraftTree]:
         b, k = len(reqs), self.topk
@@ -203,35 +239,17 @@ class EagleWorker(SpecWorker):
         f_hidden = hidden.repeat_interleave(k, dim=0) if hidden is not None else None
         f_path = torch.empty(b * k, 0, dtype=torch.int64, device=self.device)
         prefix_idx, prefix_ok = self._prefix_indices(reqs, prefix_lens)
-        row_lens = prefix_lens.repeat_interleave(k)
         offset = k
         for step in range(1, self.steps):
             own = scratch[(step - 1) * b * k : step * b * k]
-            # A row's draft keys follow its own prefix, not the batch's longest: where a key sits
-            # on the key axis must not depend on the batch (batch-invariant attention sums the
-            # keys in axis order).
-            cols = row_lens[:, None] + torch.arange(step, device=self.device)[None, :]
-            padding = torch.zeros(b * k, step, dtype=torch.int64, device=self.device)
-            kv_idx = torch.cat((prefix_idx, padding), dim=1).scatter(
-                1, cols, torch.cat((f_path, own[:, None]), dim=1)
-            )
-            kv_ok = torch.cat((prefix_ok, padding.bool()), dim=1).scatter(
-                1, cols, torch.ones_like(cols, dtype=torch.bool)
-            )
-            batch = ForwardBatch(
-                mode=ForwardMode.DECODE,
-                input_ids=f_tokens.reshape(-1),
-                positions=(pos_base + step).repeat_interleave(k),
-                out_cache_loc=own,
-                req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]).repeat_interleave(k),
-                seq_lens=kv_ok.sum(1),
-                seq_lens_cpu=[0] * (b * k),
-                kv_indices=kv_idx,
-                kv_mask=kv_ok,
-            )
-            logits, nxt = self.draft.forward(batch, f_hidden)
-            p, c = torch.softmax(logits, -1).topk(k, dim=-1)
-            c = self.draft.to_target_ids(c)
+            if self.multi_layer:
+                p = torch.stack([r.spec_state.later[step - 1][0] for r in reqs])
+                c = torch.stack([r.spec_state.later[step - 1][1] for r in reqs])
+                nxt = None
+            else:
+                p, c, nxt = self._draft_step(
+                    reqs, step, own, (f_tokens, f_hidden, f_path), (prefix_idx, prefix_ok), pos_base
+                )
             child_scores = (f_scores[:, :, None] * p.view(b, k, k)).reshape(b, k * k)
             child_tokens = c.view(b, k * k)
             scores_l.append(child_scores)
@@ -253,6 +271,49 @@ class EagleWorker(SpecWorker):
             torch.cat(depth_l),
             self.num_draft_tokens,
         )
+
+    def _draft_step(
+        self,
+        reqs: Sequence[Req],
+        step: int,
+        own: torch.Tensor,
+        frontier: tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor],
+        prefix: tuple[torch.Tensor, torch.Tensor],
+        pos_base: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """One tree level: the frontier's (tokens, features, draft-KV path) rows run the draft at
+        depth `step`, writing their KV at `own`. Returns the children's probs and target ids
+        [B * topk, topk] and the rows' next features."""
+        b, k = len(reqs), self.topk
+        f_tokens, f_hidden, f_path = frontier
+        prefix_idx, prefix_ok = prefix
+        row_lens = prefix_ok.sum(1)
+        # A row's draft keys follow its own prefix, not the batch's longest: where a key sits
+        # on the key axis must not depend on the batch (batch-invariant attention sums the
+        # keys in axis order).
+        cols = row_lens[:, None] + torch.arange(step, device=self.device)[None, :]
+        padding = torch.zeros(b * k, step, dtype=torch.int64, device=self.device)
+        kv_idx = torch.cat((prefix_idx, padding), dim=1).scatter(
+            1, cols, torch.cat((f_path, own[:, None]), dim=1)
+        )
+        kv_ok = torch.cat((prefix_ok, padding.bool()), dim=1).scatter(
+            1, cols, torch.ones_like(cols, dtype=torch.bool)
+        )
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=f_tokens.reshape(-1),
+            positions=(pos_base + step).repeat_interleave(k),
+            out_cache_loc=own,
+            req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]).repeat_interleave(k),
+            seq_lens=kv_ok.sum(1),
+            seq_lens_cpu=[0] * (b * k),
+            kv_indices=kv_idx,
+            kv_mask=kv_ok,
+        )
+        logits, nxt = self.draft.forward(batch, f_hidden)
+        p, c = torch.softmax(logits, -1).topk(k, dim=-1)
+        c = self.draft.to_target_ids(c)
+        return p, c, nxt
 
     def _root_step(
         self, reqs: Sequence[Req], roots: list[int]
