@@ -23,7 +23,14 @@ from spec_engine.args.resolve import resolve_engine_config
 from spec_engine.args.sglang_compat import check_sglang_options
 from spec_engine.control import EngineControl
 from spec_engine.core.channel import Channel
-from spec_engine.core.inputs import InputIds, Params, Prompt, RequestBuilder, RequestLimits
+from spec_engine.core.inputs import (
+    InputIds,
+    Params,
+    Prompt,
+    RequestBuilder,
+    RequestLimits,
+    routing_refusal,
+)
 from spec_engine.core.memory import MemoryController
 from spec_engine.core.outputs import Delivery, RequestOutput
 from spec_engine.core.profiling import Profiler
@@ -92,6 +99,7 @@ class Engine(EngineControl):
             RequestLimits(
                 args.max_request_prompts, args.max_request_samples, args.max_request_tokens
             ),
+            routing_refusal(self.model_config.moe is not None, args.enable_return_routed_experts),
         )
         draft = getattr(worker, "draft", None)
         self.updater = WeightUpdater(self.runner.model, self.runner.device, draft)
@@ -129,11 +137,16 @@ class Engine(EngineControl):
         stream: bool = False,
         rid: Union[str, list[str], None] = None,
         logprob_start_len: Union[int, list[int]] = -1,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> Union[dict, list[dict], Iterator[dict]]:
         """Generate for one prompt (returns a dict) or a batch (a list, n samples per prompt in a
         row). With return_logprob, logprob_start_len >= 0 also scores the prompt from there
         (meta_info.input_token_logprobs); max_new_tokens 0 only scores it. For a batch, the
         log-prob arguments may be lists with one value per prompt, as in SGLang.
+        return_routed_experts (with --enable-return-routed-experts, MoE models) adds SGLang's
+        meta_info.routed_experts: base64 of int32 [prompt + output - 1 - routed_experts_start_len,
+        num_hidden_layers, num_experts_per_tok], each token's experts (0 in dense layers).
 
         With stream=True returns an iterator of cumulative output dicts (batch items carry "index").
         """
@@ -146,6 +159,8 @@ class Engine(EngineControl):
             rid,
             stream,
             logprob_start_len,
+            return_routed_experts,
+            routed_experts_start_len,
         )
         channel = Channel(self._thread.is_alive)
         outputs = self._submit(reqs, channel)
@@ -184,6 +199,8 @@ class Engine(EngineControl):
         stream: bool = False,
         rid: Union[str, list[str], None] = None,
         logprob_start_len: Union[int, list[int]] = -1,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """Async form of `generate`; with stream=True returns an async iterator."""
         # Tokenizing a long prompt takes seconds: off the event loop, which serves other requests.
@@ -197,6 +214,8 @@ class Engine(EngineControl):
             rid,
             stream,
             logprob_start_len,
+            return_routed_experts,
+            routed_experts_start_len,
         )
         channel = Channel(self._thread.is_alive, asyncio.get_running_loop())
         outputs = self._submit(reqs, channel)

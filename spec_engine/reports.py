@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 # check and SGLang's router read them).
 _SERVER_INFO_CONSTANTS = {
     "encoder_only": False,
-    "enable_return_routed_experts": False,
     "moe_dp_size": 1,
     "pp_size": 1,
     "status": "ready",

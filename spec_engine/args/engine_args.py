@@ -306,6 +306,11 @@ class EngineArgs:
         "Check the logits of every step for NaN: log a warning and sample as if those logits "
         "were -1e5 (SGLang's behaviour).",
     )
+    enable_return_routed_experts: bool = _opt(
+        False,
+        "MoE models: record each token's top-k experts per layer, so requests may ask for them "
+        "(return_routed_experts; slime's --use-rollout-routing-replay).",
+    )
     # SGLang flags without a specrl option, given a value other than SGLang's default
     # (spec_engine.args.sglang_compat: logged as no-ops, or refused).
     sglang_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})

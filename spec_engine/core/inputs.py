@@ -47,6 +47,21 @@ class RequestLimits:
                 )
 
 
+def routing_refusal(moe: bool, enabled: bool) -> Optional[str]:
+    """Why requests may not ask for routed experts, naming the fix (None: they may)."""
+    if not moe:
+        return (
+            "the model has no MoE layers to report routed experts for (routing replay needs a "
+            "MoE model such as GLM-4.5); leave it out"
+        )
+    if not enabled:
+        return (
+            "start the engine with --enable-return-routed-experts (slime's "
+            "--use-rollout-routing-replay sets it) to return routed experts"
+        )
+    return None
+
+
 class RequestBuilder:
     """Checks what the engine can serve and builds its Req records (n per prompt).
 
@@ -65,8 +80,11 @@ class RequestBuilder:
         page_size: int,
         random_seed: int,
         limits: Optional[RequestLimits] = None,
+        routing_refusal: Optional[str] = None,
     ) -> None:
         self.limits = limits or RequestLimits()
+        # Why return_routed_experts cannot be served (None: it can).
+        self.routing_refusal = routing_refusal
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
@@ -93,6 +111,8 @@ class RequestBuilder:
         rid: Union[str, list[str], None],
         stream: bool,
         logprob_start_len: Union[int, list[int]] = -1,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
     ) -> tuple[list[Req], bool]:
         """Validate a call and expand it into requests (n per prompt); raises ValueError naming the
         field."""
@@ -135,6 +155,7 @@ class RequestBuilder:
                     f"logprob_start_len {value} is past the end of a {len(ids)}-token prompt; "
                     "use 0 to score the whole prompt"
                 )
+        self._check_routing(ids_list, return_routed_experts, routed_experts_start_len)
         if not isinstance(stream, bool):
             raise ValueError(f"stream must be true or false, got {stream!r}")
         rids = self._rids(rid, len(ids_list))
@@ -164,10 +185,32 @@ class RequestBuilder:
                             top_logprobs_num=top_num if want else 0,
                             logprob_start_len=start,
                             stream=stream,
+                            return_routed_experts=return_routed_experts,
+                            routed_experts_start_len=routed_experts_start_len,
                         )
                     )
                 )
         return reqs, single and len(reqs) == 1
+
+    def _check_routing(self, ids_list: list[list[int]], want: bool, start: int) -> None:
+        """SGLang's fields: return_routed_experts a bool, routed_experts_start_len in
+        [0, prompt tokens] (the rows then cover [start, prompt + output - 1))."""
+        if not isinstance(want, bool):
+            raise ValueError(f"return_routed_experts must be true or false, got {want!r:.80}")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(
+                f"routed_experts_start_len must be a non-negative integer, got {start!r:.80}"
+            )
+        if not want:
+            return
+        if self.routing_refusal is not None:
+            raise ValueError(f"return_routed_experts: {self.routing_refusal}")
+        shortest = min(len(ids) for ids in ids_list)
+        if start > shortest:
+            raise ValueError(
+                f"routed_experts_start_len {start} is past the end of a {shortest}-token prompt; "
+                "use at most the prompt's length (0: the whole sequence)"
+            )
 
     def _tokenize(self, prompt: Prompt, input_ids: InputIds) -> tuple[list[list[int]], bool]:
         if (prompt is None) == (input_ids is None):

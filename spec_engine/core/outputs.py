@@ -11,6 +11,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from spec_engine.core.request import Req
@@ -44,6 +45,8 @@ class Delivery:
     input_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
     # Whether the acceptance alarm (core.accept_alarm) is up for the weights that produced it.
     accept_alarm: bool = False
+    # With return_routed_experts, at the finish: [tokens, layers, top_k] int32 (Req's).
+    routed_experts: Optional[torch.Tensor] = None
 
     @classmethod
     def of(
@@ -75,6 +78,7 @@ class Delivery:
             if req.wants_input_logprobs and req.input.top_logprobs_num
             else None,
             accept_alarm=accept_alarm,
+            routed_experts=req.routed_experts if finished else None,
         )
 
 
@@ -172,6 +176,13 @@ class RequestOutput:
                 offsets.append(len(flat))
             meta["top_p_token_ids"] = _b64_int32(flat)
             meta["top_p_token_offsets"] = _b64_int32(offsets)
+        if d.routed_experts is not None:
+            # SGLang's wire format (its detokenizer's): the int32 array's bytes in base64,
+            # rows [routed_experts_start_len, prompt + output - 1), then layers, then top-k.
+            meta["routed_experts"] = base64.b64encode(d.routed_experts.numpy().tobytes()).decode(
+                "ascii"
+            )
+            meta["routed_experts_start_len"] = self.req.input.routed_experts_start_len
         out = {"text": self._text(), "output_ids": list(self.ids), "meta_info": meta}
         if index is not None:
             out["index"] = index

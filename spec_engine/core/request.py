@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 from spec_engine.core.sampling_params import SamplingParams
 
 # How many trailing tokens are decoded to look for a stop string, beyond its length in chars:
@@ -31,6 +33,10 @@ class ReqInput:
     # (-1: none, SGLang's default for generation).
     logprob_start_len: int = -1
     stream: bool = False
+    # Routing replay (--enable-return-routed-experts): report each token's experts from
+    # this position on (SGLang's routed_experts_start_len).
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     created_time: float = field(default_factory=time.perf_counter)
 
 
@@ -54,6 +60,8 @@ class Req:
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     finished_reason: Optional[dict[str, Any]] = None
+    # With return_routed_experts, set at the finish: [tokens, layers, top_k] int32 on the CPU.
+    routed_experts: Optional[torch.Tensor] = None
     # KV state: positions [0, kv_len) have KV at req_to_token[req_pool_idx, :kv_len];
     # [0, prefix_len) of those belong to the prefix cache, locked through last_node.
     req_pool_idx: Optional[int] = None

@@ -429,6 +429,7 @@ class Scheduler:
                 self.spec_emitted += emitted
             if req.finished:
                 self._trim_kv(req)
+                self._keep_routing(req)
                 self._release_kv(req)
                 self._notify(req, True)
             elif (
@@ -439,6 +440,15 @@ class Scheduler:
         if any(r.finished for r in reqs):
             self.running = [r for r in self.running if not r.finished]
         return added
+
+    def _keep_routing(self, req: Req) -> None:
+        """SGLang's rows: every token whose KV exists at the finish (the prompt and the output but
+        the last token), from routed_experts_start_len; a failed request's KV may be partial."""
+        if req.input.return_routed_experts and "status_code" not in req.finished_reason:
+            slots = self.req_to_token.read(
+                req.req_pool_idx, req.seq_len - 1, start=req.input.routed_experts_start_len
+            )
+            req.routed_experts = self.worker.runner.routing.read(slots)
 
     def _trim_kv(self, req: Req) -> None:
         """A speculative step can compute KV past the token a request stopped at: free it."""

@@ -17,6 +17,9 @@ layers/batch_invariant.py's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Optional
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -147,6 +150,10 @@ def _capturing(x: torch.Tensor) -> bool:
 class SparseMoE(nn.Module):
     """Routed experts plus always-on shared experts, over flat tokens [T, hidden]."""
 
+    # Given each forward's expert ids [T, k] when routed experts are returned
+    # (layers/routing_capture.py sets it on the target's trunk layers).
+    routing_sink: Optional[Callable[[torch.Tensor], None]] = None
+
     def __init__(
         self,
         hidden_size: int,
@@ -178,6 +185,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self.routing_sink is not None:
+            self.routing_sink(ids)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -11,6 +11,7 @@ import torch
 from spec_engine.args.resolve import EngineConfig
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.norm import use_fused_rmsnorm
+from spec_engine.layers.routing_capture import RoutingCapture, attach_routing_capture
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import KVPool, MLAKVPool, ReqToTokenPool
 from spec_engine.models.hf_config import ModelConfig
@@ -63,6 +64,12 @@ class ModelRunner(RunnerBase):
             self.max_running_requests, self.context_len + config.extra_positions, device
         )
         allocator = PageAllocator(self.max_total_tokens, args.page_size, device)
+        # Before the graphs are captured: they write the routing store.
+        self.routing = (
+            routing_capture(target, model, self.max_total_tokens, device)
+            if args.enable_return_routed_experts
+            else None
+        )
         graph_pool = new_pool(device) if not args.disable_cuda_graph else None
         super().__init__(
             args,
@@ -132,7 +139,14 @@ class ModelRunner(RunnerBase):
         self, batch: ForwardBatch, features: Optional[torch.Tensor] = None, metadata: bool = True
     ) -> ForwardOutput:
         self._prepare(batch, metadata)
-        hidden, aux = self.model(batch.input_ids, batch.positions, batch)
+        if self.routing is None:
+            hidden, aux = self.model(batch.input_ids, batch.positions, batch)
+        else:
+            self.routing.bind(batch.out_cache_loc)
+            try:
+                hidden, aux = self.model(batch.input_ids, batch.positions, batch)
+            finally:
+                self.routing.bind(None)
         rows = batch.logits_indices
         at_rows = hidden if rows is None else hidden[rows]
         logits = self.model.compute_logits(at_rows)
@@ -164,6 +178,24 @@ def new_kv_pool(
         dtype,
         device,
     )
+
+
+def routing_capture(
+    target: ModelConfig, model: torch.nn.Module, num_slots: int, device: torch.device
+) -> RoutingCapture:
+    """The routed-expert store of --enable-return-routed-experts; refused for a dense model."""
+    if target.moe is None:
+        raise ValueError(
+            f"--enable-return-routed-experts: {target.architecture} has no MoE layers to report "
+            "routed experts for; drop the flag (routing replay needs a MoE model, e.g. GLM-4.5)"
+        )
+    capture = RoutingCapture(num_slots, target.num_hidden_layers, target.moe.top_k, device)
+    if attach_routing_capture(model, capture, target.num_hidden_layers) == 0:
+        raise ValueError(
+            f"--enable-return-routed-experts: found no MoE layer (model.layers.N.mlp) in "
+            f"{target.architecture}; drop the flag"
+        )
+    return capture
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:

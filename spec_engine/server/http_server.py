@@ -43,12 +43,12 @@ _GENERATE_KEYS = {
     "rid",
     "return_text_in_logprobs",
     "log_metrics",
+    "return_routed_experts",
+    "routed_experts_start_len",
 }
 # SGLang GenerateReqInput fields specrl has no use for: accepted at their neutral value (what
 # clients send by default), refused otherwise with the reason.
 _GENERATE_NEUTRAL = {
-    "return_routed_experts": (False, "the model has no MoE layers to report routed experts for"),
-    "routed_experts_start_len": (0, "the model has no MoE layers to report routed experts for"),
     "return_hidden_states": (False, "hidden states are not returned by specrl"),
     "return_entropy": (False, "entropies are not returned by specrl; use top_logprobs_num"),
     "custom_logit_processor": (
@@ -200,6 +200,9 @@ def create_app(engine: Engine) -> FastAPI:
             top_logprobs_num=body.get("top_logprobs_num", 0),
             rid=body.get("rid"),
             logprob_start_len=body.get("logprob_start_len", -1),
+            # null means the default, as SGLang's optional fields read it
+            return_routed_experts=body.get("return_routed_experts") or False,
+            routed_experts_start_len=body.get("routed_experts_start_len") or 0,
         )
         if body.get("stream", False):
             stream = await engine.async_generate(stream=True, **kwargs)

@@ -182,6 +182,8 @@ class SpecWorker(ModelWorker):
             pool = self.runner.kv_pool
             for buf in pool.buffers():
                 buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
+            if self.runner.routing is not None:  # accepted tokens' routing moves with their KV
+                self.runner.routing.move(src_t, dst_t)
         if free:
             self.runner.allocator.free(torch.cat(free))
 
