@@ -25,6 +25,7 @@ from spec_engine.args.resolve import resolve_engine_config
 from spec_engine.models.hf_config import ModelConfig
 from specrl.slime_compat import SlimeCompatArgs, check_model_shape, check_slime_options
 from trainer_bridge.loss import LossConfig
+from trainer_bridge.model_provider import read_model_config
 from trainer_bridge.options import TrainerArgs, check_mtp_num_layers
 from trainer_bridge.weight_sync import WeightSyncConfig
 
@@ -260,6 +261,13 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
         target = ModelConfig.from_pretrained(args.hf_checkpoint)
         check_model_shape(args, target)
         check_mtp_num_layers(args.mtp_num_layers, target.num_mtp_layers, args.hf_checkpoint)
+        if not args.debug_rollout_only:  # a model the trainer cannot build fails here, not in Ray
+            try:
+                read_model_config(target)
+            except ValueError as e:
+                raise ValueError(
+                    f"{e} (--debug-rollout-only runs the rollouts without training)"
+                ) from None
         lines = [
             f"model: {args.hf_checkpoint} ({target.architecture}, {target.num_hidden_layers} "
             f"layers, {target.num_mtp_layers} MTP layers)"
