@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import tempfile
 import time
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from scripts.bench_engine import random_batches
+from specrl.plots import svg
 from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
 if TYPE_CHECKING:
@@ -215,6 +217,18 @@ def run(
     }
 
 
+def speedup_svg(results: list[dict], base: dict[int, float]) -> str:
+    """Tokens/s over plain decoding's at the same batch size, one line per configuration,
+    against log2 of the batch size."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in results:
+        if r["batch"] in base:
+            point = (math.log2(r["batch"]), r["tokens_per_s"] / base[r["batch"]])
+            series.setdefault(r["algorithm"], []).append(point)
+    sizes = ", ".join(str(b) for b in sorted(base))
+    return svg(series, "tokens/s vs plain decoding", x_label=f"log2 batch size ({sizes})")
+
+
 def timed(fn, *args, **kwargs) -> float:
     """Seconds `fn(*args, **kwargs)` takes."""
     start = time.perf_counter()
@@ -330,6 +344,9 @@ def main() -> None:
         "shape (an 8B model takes minutes to build); default: a fresh temporary directory",
     )
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument(
+        "--plot", help="also write an SVG of each configuration's speedup over plain decoding"
+    )
     args = parser.parse_args()
     for key, value in PRESETS.get(args.preset, {}).items():
         setattr(args, key, value)
@@ -450,6 +467,9 @@ def main() -> None:
             f"({one['weight_bytes'] / 1e9:.2f} GB of weights at {hbm:g} GB/s; prefill excluded; "
             "target 90%, SGLang reaches about 75%)"
         )
+    if args.plot:
+        with open(args.plot, "w") as f:
+            f.write(speedup_svg(results, base))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 WIDTH, HEIGHT, PAD = 640, 360, 48
 # What every run plots: the reward and the speculative accept length per rollout.
 RUN_PLOTS = {"rollout/raw_reward": "reward.svg", "rollout/spec_accept_length": "accept_length.svg"}
@@ -32,7 +32,7 @@ def read_series(path: str, metric: str) -> Series:
     return [(r["step"], r[metric]) for r in read_metrics(path) if r.get(metric) is not None]
 
 
-def svg(series: dict[str, Series], metric: str) -> str:
+def svg(series: dict[str, Series], metric: str, x_label: str = "rollout") -> str:
     """A line chart of `metric`, one line per named series."""
     points = [p for s in series.values() for p in s]
     if not points:
@@ -51,7 +51,7 @@ def svg(series: dict[str, Series], metric: str) -> str:
         f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
         f'<polyline points="{at(0, y_hi)} {at(0, y_lo)} {at(x_max, y_lo)}" fill="none" '
         'stroke="black"/>',
-        f'<text x="{WIDTH / 2}" y="{HEIGHT - 10}" text-anchor="middle">rollout</text>',
+        f'<text x="{WIDTH / 2}" y="{HEIGHT - 10}" text-anchor="middle">{x_label}</text>',
         f'<text x="{PAD}" y="20">{metric}</text>',
     ]
     for frac in (0.0, 0.5, 1.0):

@@ -66,6 +66,8 @@ def test_bench_rollout_script_runs(tmp_path):
             "1",
             "--json",
             str(out_json),
+            "--plot",
+            str(tmp_path / "speedup.svg"),
         ],
         capture_output=True,
         text=True,
@@ -73,6 +75,10 @@ def test_bench_rollout_script_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out_json.read_text())["results"]
+    plot = (tmp_path / "speedup.svg").read_text()
+    # The axes, then one line per configuration, baseline's at exactly 1x.
+    assert plot.count("<polyline") == 1 + len(results)
+    assert all(f">{r['algorithm']}</text>" in plot for r in results)
     assert {r["algorithm"] for r in results} == {
         "baseline",
         "eagle",
