@@ -523,3 +523,22 @@ def test_sglang_serialized_tensors_are_shared_and_nothing_else_unpickles(pair):
         assert ok.status_code == 200, ok.text
         assert outputs(engine) == fresh_outputs(new)
         assert engine.get_server_info()["weight_version"] == "sglang-form"
+
+
+def test_same_process_cuda_handles_use_the_argument_places_torch_rebuilds_from():
+    """serialize_shared caches each exported CUDA storage under the (handle, offset) key that
+    torch's rebuild_cuda_tensor looks up, read from reduce_tensor's arguments by position (a GPU
+    showed the engine failing on its own process's handles without it). The positions are
+    torch's: a torch that moves them fails here, on CPU."""
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from spec_engine.weights import transport
+
+    params = list(inspect.signature(rebuild_cuda_tensor).parameters)
+    assert params[transport._REDUCE_TENSOR_ARG_DEVICE_INDEX] == "storage_device"
+    assert params[transport._REDUCE_TENSOR_ARG_HANDLE_INDEX] == "storage_handle"
+    assert params[transport._REDUCE_TENSOR_ARG_OFFSET_INDEX] == "storage_offset_bytes"
+    source = inspect.getsource(rebuild_cuda_tensor)
+    assert "(storage_handle, storage_offset_bytes)" in source  # the key it looks up

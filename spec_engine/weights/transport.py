@@ -192,8 +192,33 @@ def serialize_shared(payload: Any) -> str:
     # that only child processes share: unrelated processes (Ray actors) need shared-memory names.
     torch.multiprocessing.set_sharing_strategy("file_system")
     buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(payload)
+    _SharingPickler(buffer).dump(payload)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class _SharingPickler(ForkingPickler):
+    """ForkingPickler that also lets this process open its own CUDA handles. torch's reduce_tensor
+    caches an exported storage under its IPC handle, but rebuild_cuda_tensor looks it up under
+    (handle, offset) (torch 2.11 to 2.13), so a receiver in the sender's own process misses the
+    cache and calls cudaIpcOpenMemHandle on its own allocation, which CUDA refuses ("invalid
+    device context", seen on an H200 with the engine in the trainer's process). The storage is
+    cached under the key the rebuild uses as well."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not (isinstance(obj, torch.Tensor) and obj.is_cuda):
+            return NotImplemented
+        from torch.multiprocessing.reductions import (
+            StorageWeakRef,
+            reduce_tensor,
+            shared_cache,
+        )
+
+        rebuild, args = reduce_tensor(obj)
+        handle = args[_REDUCE_TENSOR_ARG_HANDLE_INDEX]
+        offset = args[_REDUCE_TENSOR_ARG_OFFSET_INDEX]
+        if handle is not None:
+            shared_cache[(handle, offset)] = StorageWeakRef(obj._typed_storage())
+        return rebuild, args
 
 
 def deserialize_shared(data: str | bytes) -> Any:
@@ -241,6 +266,8 @@ def _rebuild_cuda_tensor_from_uuid(*args: Any) -> torch.Tensor:
 # Where torch's reduce_tensor puts the device in a CUDA tensor's rebuild arguments (SGLang's
 # constant of the same name).
 _REDUCE_TENSOR_ARG_DEVICE_INDEX = 6
+# ... and the storage's IPC handle and its byte offset in the CUDA allocation.
+_REDUCE_TENSOR_ARG_HANDLE_INDEX, _REDUCE_TENSOR_ARG_OFFSET_INDEX = 7, 9
 # SGLang names in slime's pickles, and what stands for each here.
 _SGLANG_GLOBALS = {
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): SGLangTensorMetadata,
