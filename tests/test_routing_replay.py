@@ -1,8 +1,9 @@
 """Routing replay (slime's R3): --enable-return-routed-experts and a request's
 return_routed_experts give SGLang's meta_info.routed_experts, base64 of int32
 [prompt + output - 1, num_hidden_layers, num_experts_per_tok]. The oracle is transformers'
-Glm4MoeForCausalLM: its router's top-k ids (a forward hook on each gate) over the same tokens,
-for plain decoding with graph emulation, MTP speculation, a prefix-cache hit and the server."""
+Glm4MoeForCausalLM (and DeepseekV3ForCausalLM): its router's top-k ids (a forward hook on each
+gate) over the same tokens, for plain decoding with graph emulation, MTP speculation, a
+prefix-cache hit and the server."""
 
 from __future__ import annotations
 
@@ -32,27 +33,32 @@ def glm(make_model) -> str:
     return make_model(**FAMILIES["glm4_moe"])
 
 
-@pytest.fixture(scope="module")
-def hf_routing(glm):
-    """tokens -> transformers' expert ids [len(tokens), layers, top_k] (dense layers 0)."""
-    model = AutoModelForCausalLM.from_pretrained(glm, dtype=torch.float32).eval()
+def hf_router(path: str, layers: int, top_k: int):
+    """tokens -> transformers' expert ids [len(tokens), layers, top_k] (dense layers 0), from a
+    forward hook on each MoE layer's gate (GLM-4.5's and DeepSeek-V3's return the ids third)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     seen: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(model.model.layers):
         if hasattr(layer.mlp, "gate"):
             layer.mlp.gate.register_forward_hook(
-                lambda _m, _inp, out, i=i: seen.__setitem__(i, out[2].reshape(-1, TOP_K))
+                lambda _m, _inp, out, i=i: seen.__setitem__(i, out[2].reshape(-1, top_k))
             )
 
     def routing(tokens: list[int]) -> torch.Tensor:
         seen.clear()
         with torch.no_grad():
             model(torch.tensor([tokens], device="cpu"))
-        out = torch.zeros(len(tokens), LAYERS, TOP_K, dtype=torch.int32, device="cpu")
+        out = torch.zeros(len(tokens), layers, top_k, dtype=torch.int32, device="cpu")
         for i, ids in seen.items():
             out[:, i] = ids.to(torch.int32)
         return out
 
     return routing
+
+
+@pytest.fixture(scope="module")
+def hf_routing(glm):
+    return hf_router(glm, LAYERS, TOP_K)
 
 
 def decode(out: dict) -> np.ndarray:
@@ -150,3 +156,23 @@ def test_server_returns_routed_experts(glm, hf_routing):
     assert (
         bad.status_code == 400 and "routed_experts_start_len 99" in bad.json()["error"]["message"]
     )
+
+
+def test_deepseek_v3_reports_its_experts(tmp_path_factory):
+    """The same hook serves DeepSeek-V3 (MLA, grouped top-k): its experts equal transformers'."""
+    from specrl.tiny_models import build_checkpoint
+
+    path = build_checkpoint(str(tmp_path_factory.mktemp("dsv3")), arch="deepseek_v3")
+    config = AutoModelForCausalLM.from_pretrained(path).config
+    layers, top_k = config.num_hidden_layers, config.num_experts_per_tok
+    prompt = random_prompts(1, 6, 12, seed=3)[0]
+    with Engine(
+        model_path=path, skip_tokenizer_init=True, random_seed=0, enable_return_routed_experts=True
+    ) as engine:
+        out = engine.generate(input_ids=prompt, sampling_params=GREEDY, return_routed_experts=True)
+    tokens = prompt + out["output_ids"]
+    raw = np.frombuffer(base64.b64decode(out["meta_info"]["routed_experts"]), dtype=np.int32)
+    got = torch.from_numpy(raw.reshape(-1, layers, top_k).copy())
+    want = hf_router(path, layers, top_k)(tokens[:-1])
+    assert got.shape == want.shape and (got[:, : config.first_k_dense_replace] == 0).all()
+    assert torch.equal(got.sort(dim=-1).values, want.sort(dim=-1).values)
