@@ -1,0 +1,199 @@
+"""The trainer on GLM-4.5 MoE (Glm4MoeForCausalLM): megatron's MoE GPTModel gives transformers'
+logits (its expert-bias router picks the same experts as the checkpoint's
+e_score_correction_bias), Hugging Face -> megatron -> Hugging Face keeps every tensor bit for bit
+(routed and shared experts, router, bias, dense first layer, the next-n layer), the TrainActor
+builds from the checkpoint and steps, and megatron's balance loss reaches the logs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import FAMILIES
+
+from trainer_bridge.convert import (
+    hf_to_mcore,
+    load_hf_weights,
+    load_mcore_rank,
+    load_mcore_state_dict,
+    mcore_to_hf,
+    mcore_to_hf_tensors,
+    read_hf_weights,
+)
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:::megatron"),
+    pytest.mark.filterwarnings("ignore:.*torch.jit.script_method:DeprecationWarning"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU megatron tests"),
+]
+VOCAB = 300  # megatron pads it to 384 (TP=1) or 512 (TP=2)
+T = 12
+ATOL = 1e-4
+# "glm4_moe": q/k norms, grouped routing, a next-n layer (conftest.FAMILIES); "flat": no q/k
+# norm, one expert group (plain top-k), a tied head, no next-n layer.
+VARIANTS = {
+    "glm4_moe": FAMILIES["glm4_moe"],
+    "flat": dict(
+        arch="glm4_moe",
+        tie_word_embeddings=True,
+        extra_config={"use_qk_norm": False, "n_group": 1, "num_nextn_predict_layers": 0},
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def glm(make_model) -> dict[str, str]:
+    return {name: make_model(**kw, vocab_size=VOCAB) for name, kw in VARIANTS.items()}
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(5, VOCAB, (2, T), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def hf_logits(path: str) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(_ids()).logits
+
+
+def megatron_logits(model) -> torch.Tensor:
+    """Logits over the real vocabulary; the MTP block (it needs labels) is skipped, as the
+    TrainActor skips it for the policy's logits. Under no_grad unless the model trains."""
+    saved = (model.mtp_process, model.config.mtp_num_layers)
+    model.mtp_process, model.config.mtp_num_layers = False, None
+    try:
+        positions = torch.arange(T).expand(2, T)
+        with torch.set_grad_enabled(model.training):
+            return model(_ids(), positions, None, runtime_gather_output=True)[..., :VOCAB]
+    finally:
+        model.mtp_process, model.config.mtp_num_layers = saved
+
+
+@pytest.fixture
+def tp1():
+    from trainer_bridge.megatron_compat import model_parallel
+
+    with model_parallel(1, 1):
+        yield
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_match_transformers_and_export_is_exact(variant, glm, tp1):
+    from trainer_bridge.model_provider import build_gpt_model
+
+    path = glm[variant]
+    model = build_gpt_model(path).eval()
+    load_hf_weights(model, path)
+    layers = model.decoder.layers
+    assert type(layers[0].mlp).__name__ == "MLP" and type(layers[1].mlp).__name__ == "MoELayer"
+    logits = megatron_logits(model)
+    torch.testing.assert_close(logits, hf_logits(path), rtol=0, atol=ATOL)
+    exported = dict(mcore_to_hf_tensors(model, path))
+    original = read_hf_weights(path)
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    # The correction bias decides the experts: without it megatron's routing (and logits) differ.
+    bias = layers[1].mlp.router.expert_bias
+    assert torch.equal(bias, original["model.layers.1.mlp.gate.e_score_correction_bias"])
+    saved = bias.clone()
+    bias.zero_()
+    try:
+        assert (megatron_logits(model) - logits).abs().max() > 100 * ATOL
+    finally:
+        bias.copy_(saved)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_roundtrip_is_bit_exact(tp, glm, tmp_path):
+    src = glm["glm4_moe"]
+    hf_to_mcore(src, str(tmp_path / "mcore"), tp=tp)
+    shard = load_mcore_rank(str(tmp_path / "mcore"), tp - 1)
+    expert = "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight"
+    assert shard[expert].shape == (2 * 32 // tp, 64)  # gate and up rows, each split over TP
+    assert shard["mtp.layers.0.transformer_layer.mlp.router.expert_bias"].shape == (8,)
+    mcore_to_hf(str(tmp_path / "mcore"), src, str(tmp_path / "hf"))
+    original, restored = read_hf_weights(src), read_hf_weights(str(tmp_path / "hf"))
+    assert restored.keys() == original.keys()
+    for key, tensor in original.items():
+        assert torch.equal(restored[key], tensor), key
+
+
+def _tp2_worker(rank: int, port: int, hf_path: str, mcore_path: str, out: str) -> None:
+    torch.set_num_threads(1)
+    from trainer_bridge.megatron_compat import model_parallel
+    from trainer_bridge.model_provider import build_gpt_model
+
+    with model_parallel(2, 1, rank=rank, world_size=2, master_port=port):
+        model = build_gpt_model(hf_path).eval()
+        load_mcore_state_dict(model, load_mcore_rank(mcore_path, rank))
+        logits = megatron_logits(model)
+        exported = dict(mcore_to_hf_tensors(model, hf_path))  # collective: both ranks gather
+        if rank == 0:
+            torch.save((logits, exported), out)
+
+
+def test_tp2_logits_and_export_match(glm, tmp_path):
+    from trainer_bridge.megatron_compat import free_port
+
+    path = glm["glm4_moe"]
+    hf_to_mcore(path, str(tmp_path / "tp2"), tp=2)
+    out = str(tmp_path / "out.pt")
+    mp.spawn(_tp2_worker, args=(free_port(), path, str(tmp_path / "tp2"), out), nprocs=2)
+    logits, exported = torch.load(out)
+    original = read_hf_weights(path)
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    torch.testing.assert_close(logits, hf_logits(path), rtol=0, atol=ATOL)
+
+
+def test_balance_loss_reaches_the_logs(glm, tp1):
+    from trainer_bridge.model_provider import build_gpt_model
+    from trainer_bridge.moe import moe_aux_losses
+
+    path = glm["flat"]
+    assert moe_aux_losses() == {} or not any(moe_aux_losses().values())
+    model = build_gpt_model(path, moe_aux_loss_coeff=1e-2).train()
+    load_hf_weights(model, path)
+    megatron_logits(model).sum().backward()
+    losses = moe_aux_losses()
+    assert losses["train/moe_seq_load_balancing_loss"] > 0
+    assert moe_aux_losses()["train/moe_seq_load_balancing_loss"] == 0  # read once, then cleared
+
+
+def test_train_actor_builds_and_steps_on_glm(glm):
+    from trainer_bridge.actor import TrainActor
+    from trainer_bridge.batch import TrainBatch
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+    from trainer_bridge.options import TrainerArgs
+
+    path = glm["glm4_moe"]
+    ids = _ids().tolist()
+    batch = TrainBatch(ids, [4, 4], [1.0, 0.0], n_samples_per_prompt=2)
+    actor = TrainActor(TrainerArgs(hf_checkpoint=path, lr=1e-3, micro_batch_size=2))
+    try:
+        got = actor.compute_log_probs(batch)
+        logp = torch.log_softmax(hf_logits(path), dim=-1)
+        expected = [
+            [logp[b, t - 1, ids[b][t]].item() for t in range(T - 4, T)] for b in range(len(ids))
+        ]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=0, atol=ATOL)
+        metrics = actor.train(batch)
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+        assert actor.compute_log_probs(batch) != got  # the step moved the policy
+    finally:
+        destroy_model_parallel()
+
+
+def test_routing_transformers_computes_differently_is_refused(glm):
+    from trainer_bridge.model_provider import read_model_config
+
+    with open(os.path.join(glm["flat"], "config.json")) as f:
+        cfg = json.load(f)
+    with pytest.raises(ValueError, match="norm_topk_prob=False"):
+        read_model_config({**cfg, "norm_topk_prob": False})
+    with pytest.raises(ValueError, match="num_experts_per_tok=4 // topk_group=1"):
+        read_model_config({**cfg, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 4})
