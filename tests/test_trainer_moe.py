@@ -1,8 +1,9 @@
-"""The trainer on GLM-4.5 MoE (Glm4MoeForCausalLM): megatron's MoE GPTModel gives transformers'
-logits (its expert-bias router picks the same experts as the checkpoint's
-e_score_correction_bias), Hugging Face -> megatron -> Hugging Face keeps every tensor bit for bit
-(routed and shared experts, router, bias, dense first layer, the next-n layer), the TrainActor
-builds from the checkpoint and steps, and megatron's balance loss reaches the logs."""
+"""The trainer on GLM-4.5 MoE (Glm4MoeForCausalLM) and DeepSeek-V3 (multi-latent attention + the
+same MoE): megatron's MoE GPTModel gives transformers' logits (its expert-bias router picks the
+same experts as the checkpoint's e_score_correction_bias), Hugging Face -> megatron -> Hugging
+Face keeps every tensor bit for bit (routed and shared experts, router, bias, dense first layer,
+GLM's next-n layer), the TrainActor builds from either checkpoint and steps, megatron's balance
+loss reaches the logs, and what megatron would compute differently is refused."""
 
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ VOCAB = 300  # megatron pads it to 384 (TP=1) or 512 (TP=2)
 T = 12
 ATOL = 1e-4
 # "glm4_moe": q/k norms, grouped routing, a next-n layer (conftest.FAMILIES); "flat": no q/k
-# norm, one expert group (plain top-k), a tied head, no next-n layer.
+# norm, one expert group (plain top-k), a tied head, no next-n layer; "deepseek_v3": MLA with a
+# query bottleneck and interleaved rope (specrl.tiny_models.DEEPSEEK_V3_TINY), GLM's routing.
 VARIANTS = {
+    "deepseek_v3": dict(arch="deepseek_v3"),
     "glm4_moe": FAMILIES["glm4_moe"],
     "flat": dict(
         arch="glm4_moe",
@@ -45,7 +48,7 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="session")
-def glm(make_model) -> dict[str, str]:
+def checkpoints(make_model) -> dict[str, str]:
     return {name: make_model(**kw, vocab_size=VOCAB) for name, kw in VARIANTS.items()}
 
 
@@ -82,10 +85,10 @@ def tp1():
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_logits_match_transformers_and_export_is_exact(variant, glm, tp1):
+def test_logits_match_transformers_and_export_is_exact(variant, checkpoints, tp1):
     from trainer_bridge.model_provider import build_gpt_model
 
-    path = glm[variant]
+    path = checkpoints[variant]
     model = build_gpt_model(path).eval()
     load_hf_weights(model, path)
     layers = model.decoder.layers
@@ -107,14 +110,15 @@ def test_logits_match_transformers_and_export_is_exact(variant, glm, tp1):
         bias.copy_(saved)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_roundtrip_is_bit_exact(tp, glm, tmp_path):
-    src = glm["glm4_moe"]
+@pytest.mark.parametrize(("variant", "tp"), [("glm4_moe", 1), ("glm4_moe", 2), ("deepseek_v3", 1)])
+def test_roundtrip_is_bit_exact(variant, tp, checkpoints, tmp_path):
+    src = checkpoints[variant]
     hf_to_mcore(src, str(tmp_path / "mcore"), tp=tp)
     shard = load_mcore_rank(str(tmp_path / "mcore"), tp - 1)
     expert = "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight"
     assert shard[expert].shape == (2 * 32 // tp, 64)  # gate and up rows, each split over TP
-    assert shard["mtp.layers.0.transformer_layer.mlp.router.expert_bias"].shape == (8,)
+    if variant == "glm4_moe":
+        assert shard["mtp.layers.0.transformer_layer.mlp.router.expert_bias"].shape == (8,)
     mcore_to_hf(str(tmp_path / "mcore"), src, str(tmp_path / "hf"))
     original, restored = read_hf_weights(src), read_hf_weights(str(tmp_path / "hf"))
     assert restored.keys() == original.keys()
@@ -136,10 +140,11 @@ def _tp2_worker(rank: int, port: int, hf_path: str, mcore_path: str, out: str) -
             torch.save((logits, exported), out)
 
 
-def test_tp2_logits_and_export_match(glm, tmp_path):
+@pytest.mark.slow  # two spawned gloo ranks importing megatron: ~15 s of this file's ~30 s
+def test_tp2_logits_and_export_match(checkpoints, tmp_path):
     from trainer_bridge.megatron_compat import free_port
 
-    path = glm["glm4_moe"]
+    path = checkpoints["glm4_moe"]
     hf_to_mcore(path, str(tmp_path / "tp2"), tp=2)
     out = str(tmp_path / "out.pt")
     mp.spawn(_tp2_worker, args=(free_port(), path, str(tmp_path / "tp2"), out), nprocs=2)
@@ -150,11 +155,11 @@ def test_tp2_logits_and_export_match(glm, tmp_path):
     torch.testing.assert_close(logits, hf_logits(path), rtol=0, atol=ATOL)
 
 
-def test_balance_loss_reaches_the_logs(glm, tp1):
+def test_balance_loss_reaches_the_logs(checkpoints, tp1):
     from trainer_bridge.model_provider import build_gpt_model
     from trainer_bridge.moe import moe_aux_losses
 
-    path = glm["flat"]
+    path = checkpoints["flat"]
     assert moe_aux_losses() == {} or not any(moe_aux_losses().values())
     model = build_gpt_model(path, moe_aux_loss_coeff=1e-2).train()
     load_hf_weights(model, path)
@@ -164,13 +169,14 @@ def test_balance_loss_reaches_the_logs(glm, tp1):
     assert moe_aux_losses()["train/moe_seq_load_balancing_loss"] == 0  # read once, then cleared
 
 
-def test_train_actor_builds_and_steps_on_glm(glm):
+@pytest.mark.parametrize("variant", ["glm4_moe", "deepseek_v3"])
+def test_train_actor_builds_and_steps(variant, checkpoints):
     from trainer_bridge.actor import TrainActor
     from trainer_bridge.batch import TrainBatch
     from trainer_bridge.megatron_compat import destroy_model_parallel
     from trainer_bridge.options import TrainerArgs
 
-    path = glm["glm4_moe"]
+    path = checkpoints[variant]
     ids = _ids().tolist()
     batch = TrainBatch(ids, [4, 4], [1.0, 0.0], n_samples_per_prompt=2)
     actor = TrainActor(TrainerArgs(hf_checkpoint=path, lr=1e-3, micro_batch_size=2))
@@ -188,12 +194,20 @@ def test_train_actor_builds_and_steps_on_glm(glm):
         destroy_model_parallel()
 
 
-def test_routing_transformers_computes_differently_is_refused(glm):
+def test_what_megatron_computes_differently_is_refused(checkpoints, tmp_path):
     from trainer_bridge.model_provider import read_model_config
 
-    with open(os.path.join(glm["flat"], "config.json")) as f:
+    with open(os.path.join(checkpoints["flat"], "config.json")) as f:
         cfg = json.load(f)
     with pytest.raises(ValueError, match="norm_topk_prob=False"):
         read_model_config({**cfg, "norm_topk_prob": False})
     with pytest.raises(ValueError, match="num_experts_per_tok=4 // topk_group=1"):
         read_model_config({**cfg, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 4})
+    with open(os.path.join(checkpoints["deepseek_v3"], "config.json")) as f:
+        dsv3 = json.load(f)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers > 0"):
+        read_model_config({**dsv3, "num_nextn_predict_layers": 1})
+    with pytest.raises(ValueError, match="rope_interleave=false"):
+        read_model_config({**dsv3, "rope_interleave": False})
+    with pytest.raises(ValueError, match="tensor parallel size 2"):
+        hf_to_mcore(checkpoints["deepseek_v3"], str(tmp_path / "tp2"), tp=2)

@@ -2,7 +2,8 @@
 
 Covers the Llama family the engine serves: Llama, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm),
 MiMo (Qwen2 trunk + multi-token-prediction layers, built as megatron's MTP block), and GLM-4.5
-MoE (megatron's MoE layers after the dense first layers, partial rotary; see moe.py). RMSNorm,
+MoE (megatron's MoE layers after the dense first layers, partial rotary; see moe.py), and
+DeepSeek-V3 (megatron's multi-latent attention, see mla.py, with the same MoE). RMSNorm,
 SwiGLU, rope (default or llama3-scaled), GQA, explicit head_dim and tied embeddings map onto
 megatron options; anything else is refused with the config key that is not supported.
 The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp`, as Megatron does:
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from spec_engine.models.hf_config import ConfigSource, ModelConfig
+from trainer_bridge.mla import check_mla, mla_config_fields
 from trainer_bridge.moe import check_moe, moe_config_fields
 
 if TYPE_CHECKING:  # megatron is imported when a model is built, so conversion alone stays light
@@ -29,6 +31,7 @@ TRAINABLE_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MiMoForCausalLM",
     "Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Megatron-LM's --make-vocab-size-divisible-by default.
@@ -59,6 +62,7 @@ def read_model_config(source: ConfigSource) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     check_moe(config)
+    check_mla(config)
     return config
 
 
@@ -76,6 +80,7 @@ def check_tensor_parallel(arch: ModelConfig, tp: int) -> None:
     if tp < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
     # Each rank holds whole query groups (its q heads with their k/v head): no k/v replication.
+    check_mla(arch, tp)
     splits = [
         ("num_key_value_heads", arch.num_key_value_heads),
         ("intermediate_size", arch.intermediate_size),
@@ -101,7 +106,7 @@ def transformer_config(
 ) -> TransformerConfig:
     """The TransformerConfig for `arch`; `overrides` set any other TransformerConfig field
     (dropout, recompute, ...)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     check_tensor_parallel(arch, tp)
     kwargs: dict[str, Any] = dict(
@@ -129,8 +134,9 @@ def transformer_config(
         pipeline_dtype=params_dtype,
         **moe_config_fields(arch),
     )
+    kwargs.update(mla_config_fields(arch))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if arch.mla else TransformerConfig)(**kwargs)
 
 
 def build_gpt_model(

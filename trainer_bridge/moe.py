@@ -6,7 +6,9 @@ selection on scores + `expert_bias` (Hugging Face's `e_score_correction_bias`), 
 the sum of their two best biased scores, the chosen experts' unbiased scores renormalised and
 scaled by `routed_scaling_factor`; shared experts always run; the first
 `first_k_dense_replace` layers keep a dense MLP. Only the allgather token dispatcher runs on CPU
-(alltoall and flex need expert-parallel CUDA collectives).
+(alltoall and flex need expert-parallel CUDA collectives). `expert_bias` is a buffer megatron
+moves only in finalize_model_grads, which the TrainActor does not call: it stays the checkpoint's,
+which the engine routes with.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ _MTP_RENAMES = {
 _FC1 = "linear_fc1.weight"
 
 
-def _moe_mlp_names(arch: ModelConfig, mcore: str, hf: str) -> dict[str, tuple[str, ...]]:
+def moe_mlp_names(arch: ModelConfig, mcore: str, hf: str) -> dict[str, tuple[str, ...]]:
+    """A MoE layer's MLP (router, expert bias, routed and shared experts) under the prefixes."""
     assert arch.moe is not None
     names = {
         mcore + "mlp.router.weight": (hf + "mlp.gate.weight",),
@@ -58,7 +59,7 @@ def _layer_names(arch: ModelConfig, layer: int, mcore: str, hf: str) -> dict[str
     if arch.moe.is_moe_layer(layer):
         for suffix in _DENSE_MLP:
             del names[mcore + suffix]
-        names.update(_moe_mlp_names(arch, mcore, hf))
+        names.update(moe_mlp_names(arch, mcore, hf))
     return names
 
 

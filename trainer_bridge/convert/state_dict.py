@@ -1,7 +1,7 @@
 """Whole (tensor-parallel size 1) state dicts between Hugging Face and megatron, for every
-trainable architecture: each family's layout module (llama.py, glm4_moe.py) names the tensors and
-fuses or splits them; this module picks the layout and checks that nothing is missing or left
-over."""
+trainable architecture: each family's layout module (llama.py, glm4_moe.py, deepseek_v3.py)
+names the tensors and fuses or splits them; this module picks the layout and checks that nothing
+is missing or left over."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from types import ModuleType
 from torch import Tensor
 
 from spec_engine.models.hf_config import ModelConfig
-from trainer_bridge.convert import glm4_moe, llama
+from trainer_bridge.convert import deepseek_v3, glm4_moe, llama
 
 # ModelConfig.family -> layout module (name_map, to_mcore, to_hf); Llama's by default.
-_LAYOUTS: dict[str, ModuleType] = {"glm4_moe": glm4_moe}
+_LAYOUTS: dict[str, ModuleType] = {"glm4_moe": glm4_moe, "deepseek_v3": deepseek_v3}
 
 
 def layout(arch: ModelConfig) -> ModuleType:

@@ -1,0 +1,55 @@
+"""DeepSeek's multi-head latent attention on the trainer side: megatron-core's MLA options
+(MLATransformerConfig) for a DeepSeek-V3 checkpoint (spec_engine's MLAConfig).
+
+Megatron's MLA always de-interleaves the rope dims before rotating (DeepSeek-V3's
+rope_interleave=true) and scales the softmax by qk_head_dim ** -0.5 without YaRN; the variants it
+would compute differently are refused, naming the config key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spec_engine.models.hf_config import ModelConfig
+
+
+def check_mla(arch: ModelConfig, tp: int = 1) -> None:
+    """Raise unless megatron's MLA layers reproduce `arch`'s attention here."""
+    mla = arch.mla
+    if mla is None:
+        return
+    refusals = (
+        (not mla.rope_interleave, "rope_interleave=false", "megatron's MLA rotates interleaved"),
+        (arch.rope_scaling is not None, "rope scaling (YaRN)", "not mapped to megatron's yet"),
+        (mla.attention_bias, "attention_bias=true", "megatron's MLA projections have no bias"),
+        (arch.num_mtp_layers > 0, "num_nextn_predict_layers > 0", "its MTP layers are not mapped"),
+        (tp > 1, f"tensor parallel size {tp}", "MLA tensors are not sharded yet; use tp=1"),
+    )
+    for refused, what, why in refusals:
+        if refused:
+            raise ValueError(
+                f"{arch.architecture} with {what} is not supported for training ({why})"
+            )
+
+
+def mla_config_fields(arch: ModelConfig) -> dict[str, Any]:
+    """MLATransformerConfig fields of `arch`'s attention ({} without MLA)."""
+    mla = arch.mla
+    if mla is None:
+        return {}
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim,  # megatron's name for the dims without rope
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        # megatron's local core attention sizes its output by kv_channels (megatron_compat)
+        kv_channels=mla.v_head_dim,
+        # every head reads its own expanded key and value (ModelConfig's one latent "kv head" is
+        # the engine's cache layout)
+        num_query_groups=arch.num_attention_heads,
+        qk_layernorm=True,  # q_a_layernorm and kv_a_layernorm
+        rope_type="rope",
+        rotary_base=arch.rope_theta,
+    )
