@@ -2,8 +2,9 @@
 (MLATransformerConfig) for a DeepSeek-V3 checkpoint (spec_engine's MLAConfig).
 
 Megatron's MLA always de-interleaves the rope dims before rotating (DeepSeek-V3's
-rope_interleave=true) and scales the softmax by qk_head_dim ** -0.5 without YaRN; the variants it
-would compute differently are refused, naming the config key.
+rope_interleave=true); its YaRN (inverse frequencies, the cos/sin mscale ratio and the softmax's
+mscale(mscale_all_dim) ** 2) is DeepSeek's. The variants it would compute differently are refused,
+naming the config key.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ def check_mla(arch: ModelConfig, tp: int = 1) -> None:
         return
     refusals = (
         (not mla.rope_interleave, "rope_interleave=false", "megatron's MLA rotates interleaved"),
-        (arch.rope_scaling is not None, "rope scaling (YaRN)", "not mapped to megatron's yet"),
+        (
+            arch.rope_scaling is not None and arch.rope_scaling["rope_type"] != "yarn",
+            f"rope scaling {arch.rope_scaling}",
+            "megatron's MLA has default rope and YaRN only",
+        ),
         (mla.attention_bias, "attention_bias=true", "megatron's MLA projections have no bias"),
         (arch.num_mtp_layers > 0, "num_nextn_predict_layers > 0", "its MTP layers are not mapped"),
         (tp > 1, f"tensor parallel size {tp}", "MLA tensors are not sharded yet; use tp=1"),
@@ -50,6 +55,22 @@ def mla_config_fields(arch: ModelConfig) -> dict[str, Any]:
         # the engine's cache layout)
         num_query_groups=arch.num_attention_heads,
         qk_layernorm=True,  # q_a_layernorm and kv_a_layernorm
-        rope_type="rope",
         rotary_base=arch.rope_theta,
+        **_rope_fields(arch),
+    )
+
+
+def _rope_fields(arch: ModelConfig) -> dict[str, Any]:
+    scaling = arch.rope_scaling
+    if scaling is None:
+        return dict(rope_type="rope")
+    # transformers' defaults for the keys a DeepSeek config may leave out
+    return dict(
+        rope_type="yarn",
+        rotary_scaling_factor=float(scaling["factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        mscale=float(scaling.get("mscale") or 1.0),
+        mscale_all_dim=float(scaling.get("mscale_all_dim") or 0.0),
     )

@@ -56,7 +56,8 @@ def read_model_config(source: ConfigSource) -> ModelConfig:
     if config.mlp_bias:
         raise ValueError(f"{arch} with mlp_bias=true is not supported")
     rope_type = "default" if config.rope_scaling is None else config.rope_scaling["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    # MLA's rope is megatron's MLA option (mla.py checks it), not GPTModel's
+    if rope_type not in SUPPORTED_ROPE_TYPES and config.mla is None:
         raise ValueError(
             f"rope type {rope_type!r} is not supported by the megatron model provider; "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -191,7 +192,7 @@ def build_gpt_model(
         rotary_percent=arch.partial_rotary_factor,
         mtp_block_spec=mtp_spec,
     )
-    if arch.rope_scaling is not None:
+    if arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "llama3":
         _apply_llama3_scaling(model, arch.rope_scaling)
     # Megatron puts its parallel layers on the current CUDA device but builds norms and other
     # plain modules on the default device: move the whole model, as Megatron-LM's get_model does.
