@@ -2,7 +2,8 @@
 same MoE): megatron's MoE GPTModel gives transformers' logits (its expert-bias router picks the
 same experts as the checkpoint's e_score_correction_bias), Hugging Face -> megatron -> Hugging
 Face keeps every tensor bit for bit (routed and shared experts, router, bias, dense first layer,
-GLM's next-n layer), the TrainActor builds from either checkpoint and steps, megatron's balance
+the next-n layers, whose megatron MTP layer equals one built from transformers' modules), the
+TrainActor builds from either checkpoint and steps, megatron's balance
 loss reaches the logs, and what megatron would compute differently is refused. GLM-4.5 under
 TP=2 (experts split over ranks) runs in tests/test_convert.py's two-rank test."""
 
@@ -14,6 +15,7 @@ import os
 import pytest
 import torch
 from conftest import FAMILIES
+from torch.nn import functional as F
 
 from trainer_bridge.convert import (
     hf_to_mcore,
@@ -35,7 +37,8 @@ ATOL = 1e-4
 # "glm4_moe": q/k norms, grouped routing, a next-n layer (conftest.FAMILIES); "flat": no q/k
 # norm, one expert group (plain top-k), a tied head, no next-n layer; "deepseek_v3": MLA with a
 # query bottleneck and interleaved rope (specrl.tiny_models.DEEPSEEK_V3_TINY) under YaRN with
-# both mscales (as DeepSeek-V3 itself), GLM's routing.
+# both mscales (as DeepSeek-V3 itself), GLM's routing, a next-n layer with its embedding and head
+# copies.
 YARN = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,
@@ -47,7 +50,9 @@ YARN = {
     "mscale_all_dim": 1.0,
 }
 VARIANTS = {
-    "deepseek_v3": dict(arch="deepseek_v3", extra_config={"rope_parameters": YARN}),
+    "deepseek_v3": dict(
+        arch="deepseek_v3", extra_config={"rope_parameters": YARN, "num_nextn_predict_layers": 1}
+    ),
     "glm4_moe": FAMILIES["glm4_moe"],
     "flat": dict(
         arch="glm4_moe",
@@ -120,6 +125,51 @@ def test_logits_match_transformers_and_export_is_exact(variant, checkpoints, tp1
         bias.copy_(saved)
 
 
+@torch.no_grad()
+def mtp_reference(path: str) -> torch.Tensor:
+    """Next-n layer 0's output `[b, s, h]` from transformers' modules: its decoder layer is
+    layer N of the same class built with N + 1 layers, reading eh_proj([enorm(embedding of the
+    next token), hnorm(the trunk's final hidden state)]), then shared_head.norm; inputs aligned as
+    megatron's MTP training aligns them (position i reads token i + 1, the last reads token 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    n, h, eps = config.num_hidden_layers, config.hidden_size, config.rms_norm_eps
+    config.num_hidden_layers = n + 1
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
+    model = model.eval().model
+    prefix = f"model.layers.{n}."
+    w = {k[len(prefix) :]: v for k, v in read_hf_weights(path).items() if k.startswith(prefix)}
+    ids, positions = _ids(), torch.arange(T).expand(2, T)
+    hidden = model.norm(model(ids, output_hidden_states=True).hidden_states[n])
+    next_ids = torch.roll(ids, -1, dims=1)
+    next_ids[:, -1] = 0
+    embedded = F.rms_norm(model.embed_tokens(next_ids), (h,), w["enorm.weight"], eps)
+    x = torch.cat((embedded, F.rms_norm(hidden, (h,), w["hnorm.weight"], eps)), dim=-1)
+    x = x @ w["eh_proj.weight"].T
+    out = model.layers[n](
+        x, position_embeddings=model.rotary_emb(x, positions), position_ids=positions
+    )
+    out = out[0] if isinstance(out, tuple) else out
+    return F.rms_norm(out, (h,), w["shared_head.norm.weight"], eps)
+
+
+@pytest.mark.parametrize("variant", ["glm4_moe", "deepseek_v3"])
+def test_mtp_layer_matches_transformers_modules(variant, checkpoints, tp1):
+    from trainer_bridge.model_provider import build_gpt_model
+
+    path = checkpoints[variant]
+    model = build_gpt_model(path).eval()
+    load_hf_weights(model, path)
+    captured = []
+    hook = model.mtp.layers[0].register_forward_hook(lambda m, args, out: captured.append(out[0]))
+    with torch.no_grad():
+        model(_ids(), torch.arange(T).expand(2, T), None, labels=_ids())
+    hook.remove()
+    got = captured[0].transpose(0, 1)
+    torch.testing.assert_close(got, mtp_reference(path), rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize(("variant", "tp"), [("glm4_moe", 1), ("glm4_moe", 2), ("deepseek_v3", 1)])
 def test_roundtrip_is_bit_exact(variant, tp, checkpoints, tmp_path):
     src = checkpoints[variant]
@@ -186,8 +236,6 @@ def test_what_megatron_computes_differently_is_refused(checkpoints, tmp_path):
         read_model_config({**cfg, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 4})
     with open(os.path.join(checkpoints["deepseek_v3"], "config.json")) as f:
         dsv3 = json.load(f)
-    with pytest.raises(ValueError, match="num_nextn_predict_layers > 0"):
-        read_model_config({**dsv3, "num_nextn_predict_layers": 1})
     with pytest.raises(ValueError, match="rope_interleave=false"):
         read_model_config({**dsv3, "rope_interleave": False})
     with pytest.raises(ValueError, match="rope scaling .*'linear'"):

@@ -27,7 +27,6 @@ def check_mla(arch: ModelConfig, tp: int = 1) -> None:
             "megatron's MLA has default rope and YaRN only",
         ),
         (mla.attention_bias, "attention_bias=true", "megatron's MLA projections have no bias"),
-        (arch.num_mtp_layers > 0, "num_nextn_predict_layers > 0", "its MTP layers are not mapped"),
         (tp > 1, f"tensor parallel size {tp}", "MLA tensors are not sharded yet; use tp=1"),
     )
     for refused, what, why in refusals:

@@ -7,17 +7,26 @@ q_proj -> linear_q_proj without a query bottleneck), kv_a_proj_with_mqa -> linea
 (latent rows, then the rope key), kv_a_layernorm -> kv_layernorm, kv_b_proj -> linear_kv_up_proj
 (per head: the no-rope key dims, then the value), o_proj -> linear_proj. The MLPs are GLM-4.5's
 (glm4_moe.py); fused gate/up and the vocabulary are handled as for Llama.
+
+Next-n (MTP) layers `model.layers.{N + i}` map as GLM-4.5's, and each also carries copies of the
+embedding (`embed_tokens`) and the output head (`shared_head.head`), which megatron's MTP layers
+share with the trunk: the copies fold into `embedding.word_embeddings` / `output_layer` (refused
+if they differ) and are written back from them.
 """
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 from spec_engine.models.hf_config import ModelConfig
-from trainer_bridge.convert.glm4_moe import moe_mlp_names
+from trainer_bridge.convert import llama
+from trainer_bridge.convert.glm4_moe import MTP_RENAMES, moe_mlp_names
 
-# Nothing here is fused beyond Llama's gate/up, so Llama's conversions apply as they are.
-from trainer_bridge.convert.llama import to_hf, to_mcore
-
-__all__ = ["name_map", "to_hf", "to_mcore"]
+_SHARED_WITH_MTP = {
+    "embedding.word_embeddings.weight": "embed_tokens.weight",
+    "output_layer.weight": "shared_head.head.weight",
+}
 
 _ATTENTION = {
     "linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight",
@@ -69,4 +78,39 @@ def name_map(arch: ModelConfig) -> dict[str, tuple[str, ...]]:
     names["decoder.final_layernorm.weight"] = ("model.norm.weight",)
     if not arch.tie_word_embeddings:
         names["output_layer.weight"] = ("lm_head.weight",)
+    n = arch.num_hidden_layers
+    for i in range(arch.num_mtp_layers):
+        mcore, hf = f"mtp.layers.{i}.", f"model.layers.{n + i}."
+        names.update({mcore + m: (hf + h,) for m, h in MTP_RENAMES.items()})
+        names.update(_layer_names(arch, n + i, mcore + "transformer_layer.", hf))
+        for shared, copy in _SHARED_WITH_MTP.items():
+            names[shared] += (hf + copy,)
     return names
+
+
+def to_mcore(name: str, hf_tensors: tuple[Tensor, ...], arch: ModelConfig) -> Tensor:
+    """Build megatron tensor `name` from its Hugging Face tensors (in `name_map` order)."""
+    if name in _SHARED_WITH_MTP:
+        first, *copies = hf_tensors
+        if not all(torch.equal(first, c) for c in copies):
+            raise ValueError(
+                f"{arch.architecture} next-n layers carry a {_SHARED_WITH_MTP[name]} that differs "
+                f"from the trunk's; megatron's MTP layers share the trunk's {name}, so this "
+                "checkpoint cannot be converted without losing one of them"
+            )
+        return first
+    if name.endswith("eh_proj.weight"):  # [embedding, hidden], as megatron reads it
+        return hf_tensors[0]
+    return llama.to_mcore(name, hf_tensors, arch)
+
+
+def to_hf(name: str, tensor: Tensor, arch: ModelConfig) -> tuple[Tensor, ...]:
+    """The Hugging Face tensors (in `name_map` order) inside megatron tensor `name`; vocab padding
+    removed."""
+    if name in _SHARED_WITH_MTP:
+        (trimmed,) = llama.to_hf(name, tensor, arch)
+        # copies, not views: safetensors refuses to save tensors that share memory
+        return (trimmed, *(trimmed.clone() for _ in range(arch.num_mtp_layers)))
+    if name.endswith("eh_proj.weight"):
+        return (tensor,)
+    return llama.to_hf(name, tensor, arch)

@@ -24,7 +24,7 @@ from spec_engine.models.hf_config import ModelConfig
 from trainer_bridge.convert import llama
 
 _DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
-_MTP_RENAMES = {
+MTP_RENAMES = {
     "enorm.weight": "enorm.weight",
     "hnorm.weight": "hnorm.weight",
     "eh_proj.weight": "eh_proj.weight",
@@ -77,7 +77,7 @@ def name_map(arch: ModelConfig) -> dict[str, tuple[str, ...]]:
         names["output_layer.weight"] = ("lm_head.weight",)
     for i in range(arch.num_mtp_layers):
         mcore, hf = f"mtp.layers.{i}.", f"model.layers.{n + i}."
-        names.update({mcore + m: (hf + h,) for m, h in _MTP_RENAMES.items()})
+        names.update({mcore + m: (hf + h,) for m, h in MTP_RENAMES.items()})
         names.update(_layer_names(arch, n + i, mcore + "transformer_layer.", hf))
     return names
 
