@@ -47,13 +47,15 @@ ATOL = 1e-4
 @pytest.fixture(scope="module")
 def checkpoints(make_model, tmp_path_factory) -> dict[str, str]:
     """Tiny llama (llama3 rope), qwen2 (tied), qwen3 (qk-norm, head_dim 32), MiMo (untied qwen2
-    + 1 MTP layer) and GLM-4.5 MoE (only in the TP=2 test here; tests/test_trainer_moe.py has the
-    rest)."""
+    + 1 MTP layer), GLM-4.5 MoE and DeepSeek-V3 (only in the TP=2 test here;
+    tests/test_trainer_moe.py has the rest)."""
     paths = {name: make_model(**FAMILIES[name], vocab_size=VOCAB) for name in NAMES}
-    # Routed and shared experts split over TP ranks; its next-n layer would need labels to run.
+    # Routed and shared experts (and DeepSeek-V3's MLA projections) split over TP ranks; no next-n
+    # layers, which would need labels to run.
     paths["glm4_moe"] = make_model(
         arch="glm4_moe", vocab_size=VOCAB, extra_config={"num_nextn_predict_layers": 0}
     )
+    paths["deepseek_v3"] = make_model(arch="deepseek_v3", vocab_size=VOCAB)
     mimo = str(tmp_path_factory.mktemp("mimo"))
     shutil.copytree(make_model(arch="qwen2", vocab_size=VOCAB), mimo, dirs_exist_ok=True)
     paths["mimo"] = add_mimo_mtp(mimo)

@@ -170,7 +170,7 @@ def test_mtp_layer_matches_transformers_modules(variant, checkpoints, tp1):
     torch.testing.assert_close(got, mtp_reference(path), rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize(("variant", "tp"), [("glm4_moe", 1), ("glm4_moe", 2), ("deepseek_v3", 1)])
+@pytest.mark.parametrize(("variant", "tp"), [("glm4_moe", 1), ("glm4_moe", 2), ("deepseek_v3", 2)])
 def test_roundtrip_is_bit_exact(variant, tp, checkpoints, tmp_path):
     src = checkpoints[variant]
     hf_to_mcore(src, str(tmp_path / "mcore"), tp=tp)
@@ -225,8 +225,8 @@ def test_train_actor_builds_and_steps(variant, checkpoints):
         destroy_model_parallel()
 
 
-def test_what_megatron_computes_differently_is_refused(checkpoints, tmp_path):
-    from trainer_bridge.model_provider import read_model_config
+def test_what_megatron_computes_differently_is_refused(checkpoints):
+    from trainer_bridge.model_provider import check_tensor_parallel, read_model_config
 
     with open(os.path.join(checkpoints["flat"], "config.json")) as f:
         cfg = json.load(f)
@@ -240,5 +240,5 @@ def test_what_megatron_computes_differently_is_refused(checkpoints, tmp_path):
         read_model_config({**dsv3, "rope_interleave": False})
     with pytest.raises(ValueError, match="rope scaling .*'linear'"):
         read_model_config({**dsv3, "rope_parameters": {"rope_type": "linear", "factor": 2.0}})
-    with pytest.raises(ValueError, match="tensor parallel size 2"):
-        hf_to_mcore(checkpoints["deepseek_v3"], str(tmp_path / "tp2"), tp=2)
+    with pytest.raises(ValueError, match="tensor parallel size 4 does not divide q_lora_rank=6"):
+        check_tensor_parallel(read_model_config({**dsv3, "q_lora_rank": 6}), 4)

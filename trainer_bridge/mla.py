@@ -4,7 +4,8 @@
 Megatron's MLA always de-interleaves the rope dims before rotating (DeepSeek-V3's
 rope_interleave=true); its YaRN (inverse frequencies, the cos/sin mscale ratio and the softmax's
 mscale(mscale_all_dim) ** 2) is DeepSeek's. The variants it would compute differently are refused,
-naming the config key.
+naming the config key. Under tensor parallelism every MLA projection splits along its output
+rows (the down projections are gathered again before their norms), whole heads per rank.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 from spec_engine.models.hf_config import ModelConfig
 
 
-def check_mla(arch: ModelConfig, tp: int = 1) -> None:
+def check_mla(arch: ModelConfig) -> None:
     """Raise unless megatron's MLA layers reproduce `arch`'s attention here."""
     mla = arch.mla
     if mla is None:
@@ -27,7 +28,6 @@ def check_mla(arch: ModelConfig, tp: int = 1) -> None:
             "megatron's MLA has default rope and YaRN only",
         ),
         (mla.attention_bias, "attention_bias=true", "megatron's MLA projections have no bias"),
-        (tp > 1, f"tensor parallel size {tp}", "MLA tensors are not sharded yet; use tp=1"),
     )
     for refused, what, why in refusals:
         if refused:

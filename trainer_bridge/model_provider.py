@@ -81,12 +81,16 @@ def check_tensor_parallel(arch: ModelConfig, tp: int) -> None:
     if tp < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
     # Each rank holds whole query groups (its q heads with their k/v head): no k/v replication.
-    check_mla(arch, tp)
     splits = [
         ("num_key_value_heads", arch.num_key_value_heads),
         ("intermediate_size", arch.intermediate_size),
         ("hidden_size", arch.hidden_size),
     ]
+    if arch.mla is not None:  # whole heads and even down-projection rows per rank
+        splits[0] = ("num_attention_heads", arch.num_attention_heads)
+        splits.append(("kv_lora_rank + qk_rope_head_dim", arch.mla.cache_dim))
+        if arch.mla.q_lora_rank:
+            splits.append(("q_lora_rank", arch.mla.q_lora_rank))
     if arch.moe is not None:  # routed and shared experts split like a dense MLP
         splits.append(("moe_intermediate_size", arch.moe.intermediate_size))
     for key, value in splits:
