@@ -21,7 +21,11 @@ def check_mla(arch: ModelConfig) -> None:
     if mla is None:
         return
     refusals = (
-        (not mla.rope_interleave, "rope_interleave=false", "megatron's MLA rotates interleaved"),
+        (
+            not mla.rope_interleave,
+            "rope_interleave=false",
+            "megatron's MLA always de-interleaves the rope dims first",
+        ),
         (
             arch.rope_scaling is not None and arch.rope_scaling["rope_type"] != "yarn",
             f"rope scaling {arch.rope_scaling}",

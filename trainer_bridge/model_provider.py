@@ -1,9 +1,9 @@
 """Hugging Face config -> megatron-core TransformerConfig and GPTModel (local, non-TE layer spec).
 
 Covers the Llama family the engine serves: Llama, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm),
-MiMo (Qwen2 trunk + multi-token-prediction layers, built as megatron's MTP block), and GLM-4.5
-MoE (megatron's MoE layers after the dense first layers, partial rotary; see moe.py), and
-DeepSeek-V3 (megatron's multi-latent attention, see mla.py, with the same MoE). RMSNorm,
+MiMo (Qwen2 trunk + multi-token-prediction layers, built as megatron's MTP block), GLM-4.5 MoE
+(megatron's MoE layers after the dense first layers, partial rotary; see moe.py) and DeepSeek-V3
+(megatron's multi-latent attention, see mla.py, with the same MoE). RMSNorm,
 SwiGLU, rope (default or llama3-scaled), GQA, explicit head_dim and tied embeddings map onto
 megatron options; anything else is refused with the config key that is not supported.
 The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp`, as Megatron does:
