@@ -46,9 +46,16 @@ ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def checkpoints(make_model, tmp_path_factory) -> dict[str, str]:
-    """Tiny llama (llama3 rope), qwen2 (tied), qwen3 (qk-norm, head_dim 32) and MiMo (untied qwen2
-    + 1 MTP layer)."""
+    """Tiny llama (llama3 rope), qwen2 (tied), qwen3 (qk-norm, head_dim 32), MiMo (untied qwen2
+    + 1 MTP layer), GLM-4.5 MoE and DeepSeek-V3 (only in the TP=2 test here;
+    tests/test_trainer_moe.py has the rest)."""
     paths = {name: make_model(**FAMILIES[name], vocab_size=VOCAB) for name in NAMES}
+    # Routed and shared experts (and DeepSeek-V3's MLA projections) split over TP ranks; no next-n
+    # layers, which would need labels to run.
+    paths["glm4_moe"] = make_model(
+        arch="glm4_moe", vocab_size=VOCAB, extra_config={"num_nextn_predict_layers": 0}
+    )
+    paths["deepseek_v3"] = make_model(arch="deepseek_v3", vocab_size=VOCAB)
     mimo = str(tmp_path_factory.mktemp("mimo"))
     shutil.copytree(make_model(arch="qwen2", vocab_size=VOCAB), mimo, dirs_exist_ok=True)
     paths["mimo"] = add_mimo_mtp(mimo)

@@ -185,6 +185,7 @@ def apply_cpu_shims() -> None:
     # Defining it as None selects megatron's own torch.mm path (a missing-name bug, not a CUDA one).
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _local_mla()
     if torch.cuda.is_available():
         _applied = True
         return
@@ -223,6 +224,43 @@ def apply_cpu_shims() -> None:
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     clip_grads.l2_norm_impl = _l2_norm
     _applied = True
+
+
+def _local_mla() -> None:
+    """Make multi-latent attention build from megatron's own (non-TE) layer spec, two missing-TE
+    bugs: (1) multi_latent_attention sets HAVE_TE when megatron's TE extension module imports,
+    which it does without Transformer Engine (TELinear a MagicMock placeholder), then calls
+    `isinstance(..., TELinear)`: TypeError; HAVE_TE must say whether TELinear exists. (2) MLA builds
+    its core attention with `k_channels`/`v_channels`, which the local DotProductAttention does
+    not take: TypeError. Its forward reads the query/key head size from the tensors and sizes its
+    output by `config.kv_channels`, so dropping them is exact when kv_channels == v_channels."""
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
+
+    init = DotProductAttention.__init__
+    if getattr(init, "_accepts_mla_channels", False):
+        return
+
+    def patched(
+        self: Any,
+        config: Any,
+        *args: Any,
+        k_channels: Any = None,
+        v_channels: Any = None,
+        **kw: Any,
+    ) -> None:
+        if v_channels is not None and v_channels != config.kv_channels:
+            raise ValueError(
+                f"local DotProductAttention sizes its output by kv_channels={config.kv_channels}, "
+                f"but MLA's values have {v_channels} channels; set kv_channels=v_head_dim"
+            )
+        init(self, config, *args, **kw)
+
+    patched._accepts_mla_channels = True  # type: ignore[attr-defined]
+    DotProductAttention.__init__ = patched  # type: ignore[method-assign]
 
 
 def filter_known_warnings() -> None:

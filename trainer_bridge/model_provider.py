@@ -1,7 +1,9 @@
 """Hugging Face config -> megatron-core TransformerConfig and GPTModel (local, non-TE layer spec).
 
 Covers the Llama family the engine serves: Llama, Qwen2 (q/k/v biases), Qwen3 (q/k RMSNorm),
-MiMo (Qwen2 trunk + multi-token-prediction layers, built as megatron's MTP block). RMSNorm,
+MiMo (Qwen2 trunk + multi-token-prediction layers, built as megatron's MTP block), GLM-4.5 MoE
+(megatron's MoE layers after the dense first layers, partial rotary; see moe.py) and DeepSeek-V3
+(megatron's multi-latent attention, see mla.py, with the same MoE). RMSNorm,
 SwiGLU, rope (default or llama3-scaled), GQA, explicit head_dim and tied embeddings map onto
 megatron options; anything else is refused with the config key that is not supported.
 The vocabulary is padded to a multiple of `make_vocab_size_divisible_by * tp`, as Megatron does:
@@ -15,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from spec_engine.models.hf_config import ConfigSource, ModelConfig
+from trainer_bridge.mla import check_mla, mla_config_fields
+from trainer_bridge.moe import check_moe, moe_config_fields
 
 if TYPE_CHECKING:  # megatron is imported when a model is built, so conversion alone stays light
     from megatron.core.models.gpt import GPTModel
@@ -26,6 +30,8 @@ TRAINABLE_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MiMoForCausalLM",
+    "Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Megatron-LM's --make-vocab-size-divisible-by default.
@@ -50,11 +56,14 @@ def read_model_config(source: ConfigSource) -> ModelConfig:
     if config.mlp_bias:
         raise ValueError(f"{arch} with mlp_bias=true is not supported")
     rope_type = "default" if config.rope_scaling is None else config.rope_scaling["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    # MLA's rope is megatron's MLA option (mla.py checks it), not GPTModel's
+    if rope_type not in SUPPORTED_ROPE_TYPES and config.mla is None:
         raise ValueError(
             f"rope type {rope_type!r} is not supported by the megatron model provider; "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    check_moe(config)
+    check_mla(config)
     return config
 
 
@@ -72,11 +81,19 @@ def check_tensor_parallel(arch: ModelConfig, tp: int) -> None:
     if tp < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
     # Each rank holds whole query groups (its q heads with their k/v head): no k/v replication.
-    for key, value in (
+    splits = [
         ("num_key_value_heads", arch.num_key_value_heads),
         ("intermediate_size", arch.intermediate_size),
         ("hidden_size", arch.hidden_size),
-    ):
+    ]
+    if arch.mla is not None:  # whole heads and even down-projection rows per rank
+        splits[0] = ("num_attention_heads", arch.num_attention_heads)
+        splits.append(("kv_lora_rank + qk_rope_head_dim", arch.mla.cache_dim))
+        if arch.mla.q_lora_rank:
+            splits.append(("q_lora_rank", arch.mla.q_lora_rank))
+    if arch.moe is not None:  # routed and shared experts split like a dense MLP
+        splits.append(("moe_intermediate_size", arch.moe.intermediate_size))
+    for key, value in splits:
         if value % tp:
             raise ValueError(
                 f"tensor parallel size {tp} does not divide {key}={value} of {arch.architecture}; "
@@ -94,7 +111,7 @@ def transformer_config(
 ) -> TransformerConfig:
     """The TransformerConfig for `arch`; `overrides` set any other TransformerConfig field
     (dropout, recompute, ...)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     check_tensor_parallel(arch, tp)
     kwargs: dict[str, Any] = dict(
@@ -120,9 +137,11 @@ def transformer_config(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         pipeline_dtype=params_dtype,
+        **moe_config_fields(arch),
     )
+    kwargs.update(mla_config_fields(arch))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if arch.mla else TransformerConfig)(**kwargs)
 
 
 def build_gpt_model(
@@ -145,6 +164,7 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_mtp_block_spec,
     )
@@ -153,7 +173,12 @@ def build_gpt_model(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     config = transformer_config(arch, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    if arch.moe is None:
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    else:  # one spec per layer: dense or MoE after config.moe_layer_freq
+        layer_spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization="RMSNorm"
+        )
     mtp_spec = None
     if arch.num_mtp_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
@@ -168,9 +193,10 @@ def build_gpt_model(
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        rotary_percent=arch.partial_rotary_factor,
         mtp_block_spec=mtp_spec,
     )
-    if arch.rope_scaling is not None:
+    if arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "llama3":
         _apply_llama3_scaling(model, arch.rope_scaling)
     # Megatron puts its parallel layers on the current CUDA device but builds norms and other
     # plain modules on the default device: move the whole model, as Megatron-LM's get_model does.

@@ -1,4 +1,5 @@
-"""Hugging Face <-> megatron-core GPTModel weights (Llama, Qwen2, Qwen3, MiMo with MTP layers).
+"""Hugging Face <-> megatron-core GPTModel weights (Llama, Qwen2, Qwen3, MiMo with MTP layers,
+GLM-4.5 MoE).
 
 In memory:
     hf_to_mcore_state_dict(hf_tensors, hf_config)      whole (TP=1) megatron state dict
@@ -32,8 +33,8 @@ from trainer_bridge.convert.checkpoint import (
     save_hf_checkpoint,
     save_mcore_checkpoint,
 )
-from trainer_bridge.convert.llama import hf_to_mcore_state_dict as _hf_to_mcore
-from trainer_bridge.convert.llama import mcore_to_hf_items, name_map
+from trainer_bridge.convert.state_dict import hf_to_mcore_state_dict as _hf_to_mcore
+from trainer_bridge.convert.state_dict import mcore_to_hf_items, name_map
 from trainer_bridge.convert.tp import (
     gather_state_dicts,
     gather_tensor,

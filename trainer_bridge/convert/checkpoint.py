@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from spec_engine.weights.loader import iterate_checkpoint
-from trainer_bridge.convert.llama import hf_to_mcore_state_dict, mcore_to_hf_items
+from trainer_bridge.convert.state_dict import hf_to_mcore_state_dict, mcore_to_hf_items
 from trainer_bridge.convert.tp import gather_state_dicts, shard_state_dict
 from trainer_bridge.model_provider import (
     DEFAULT_VOCAB_DIVISOR,

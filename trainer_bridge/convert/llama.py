@@ -11,8 +11,6 @@ reads [hidden, embedding] (as the engine's models/mimo.py does); megatron's eh_p
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-
 import torch
 from torch import Tensor
 
@@ -36,6 +34,8 @@ _MTP_RENAMES = {
 }
 _QKV = "self_attention.linear_qkv."
 _FC1 = "mlp.linear_fc1.weight"
+# Fused gate/up rows: the dense MLP's, and in MoE models every expert's and the shared experts'.
+_GATED = "linear_fc1.weight"
 _EH_PROJ = "eh_proj.weight"
 
 
@@ -101,7 +101,7 @@ def to_mcore(name: str, hf_tensors: tuple[Tensor, ...], arch: ModelConfig) -> Te
     """Build megatron tensor `name` from its Hugging Face tensors (in `name_map` order)."""
     if _is_qkv(name):
         return _fuse_qkv(arch, *hf_tensors)
-    if name.endswith(_FC1):
+    if name.endswith(_GATED):
         return torch.cat(hf_tensors, dim=0)
     if name.endswith(_EH_PROJ):
         return _swap_halves(hf_tensors[0])
@@ -114,49 +114,10 @@ def to_hf(name: str, tensor: Tensor, arch: ModelConfig) -> tuple[Tensor, ...]:
     removed."""
     if _is_qkv(name):
         return _split_qkv(arch, tensor)
-    if name.endswith(_FC1):
+    if name.endswith(_GATED):
         return tuple(tensor.chunk(2, dim=0))
     if name.endswith(_EH_PROJ):
         return (_swap_halves(tensor),)
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return (tensor[: arch.vocab_size],)
     return (tensor,)
-
-
-def hf_to_mcore_state_dict(
-    hf_tensors: Mapping[str, Tensor], arch: ModelConfig
-) -> dict[str, Tensor]:
-    """The whole (TP=1, unpadded vocab) megatron state dict of a Hugging Face state dict."""
-    names = name_map(arch)
-    wanted = {h for hs in names.values() for h in hs}
-    missing = sorted(wanted - hf_tensors.keys())
-    unexpected = sorted(hf_tensors.keys() - wanted)
-    if missing or unexpected:
-        raise ValueError(
-            f"{arch.architecture} checkpoint does not match its config: missing tensors "
-            f"{missing[:5]} "
-            f"({len(missing)} in all), unexpected tensors {unexpected[:5]} ({len(unexpected)} in "
-            "all)"
-        )
-    return {m: to_mcore(m, tuple(hf_tensors[h] for h in hs), arch) for m, hs in names.items()}
-
-
-def mcore_to_hf_items(
-    state: Mapping[str, Tensor], arch: ModelConfig
-) -> Iterator[tuple[str, Tensor]]:
-    """(Hugging Face name, tensor) pairs of a whole megatron state dict, one megatron tensor at a
-    time."""
-    mapping = name_map(arch)
-    # model.state_dict() also holds `*._extra_state` entries (None without Transformer Engine).
-    # Values are read only inside the loop: `state` may produce them lazily (gathered over TP).
-    names = {k for k in state if not k.endswith("._extra_state")}
-    missing = [m for m in mapping if m not in names]
-    unexpected = sorted(names - mapping.keys())
-    if missing or unexpected:
-        raise ValueError(
-            f"megatron state dict does not match {arch.architecture}: missing {missing[:5]} "
-            f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)"
-        )
-    for m, hf_names in mapping.items():
-        for h, t in zip(hf_names, to_hf(m, state[m].detach(), arch)):
-            yield h, t.contiguous()

@@ -1,10 +1,11 @@
 """Tensor-parallel sharding and gathering of megatron GPTModel tensors, by parameter kind.
 
 column-parallel (split along output rows): linear_qkv (whole query groups per rank, since the
-fused rows are grouped), MTP eh_proj, and the vocab-parallel word embedding and output layer,
-whose rows are first padded to `padded_vocab_size(vocab, tp, divisor)`; linear_fc1 splits gate
-and up separately and concatenates each rank's parts; row-parallel (split along input columns):
-linear_proj, linear_fc2; everything else (norms) is replicated.
+fused rows are grouped), MLA's projections, MTP eh_proj, and the vocab-parallel word embedding and
+output layer, whose rows are first padded to `padded_vocab_size(vocab, tp, divisor)`; linear_fc1
+splits gate and up separately and concatenates each rank's parts; row-parallel (split along input
+columns): linear_proj, linear_fc2 (dense, routed-expert and shared-expert MLPs alike); everything
+else (norms, the MoE router and its expert bias) is replicated.
 """
 
 from __future__ import annotations
@@ -23,9 +24,22 @@ from trainer_bridge.model_provider import (
 )
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
-_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "eh_proj.weight")
-_GATED = "mlp.linear_fc1.weight"
-_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_COLUMN = (
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "eh_proj.weight",
+    # multi-latent attention (DeepSeek-V3): up projections by whole heads; megatron gathers the
+    # down projections' outputs again before their norms
+    "linear_q_proj.weight",
+    "linear_q_down_proj.weight",
+    "linear_q_up_proj.weight",
+    "linear_kv_down_proj.weight",
+    "linear_kv_up_proj.weight",
+)
+# MLP suffixes cover the dense MLP, each routed expert (expert tensor parallelism follows the
+# tensor-parallel size) and the shared experts.
+_GATED = "linear_fc1.weight"
+_ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 
 
 def _kind(name: str) -> str:
