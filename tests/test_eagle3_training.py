@@ -158,3 +158,107 @@ def test_later_steps_attend_to_earlier_keys(eagle3):
     assert torch.equal(before[:2], after[:2])  # earlier positions never see position 2
     assert not torch.allclose(before[2], after[2])  # its own chain: step 0 at 2 feeds step 1 at 2
     assert not torch.allclose(before[3], after[3])  # step 0's key at 2 is visible from 3 on
+
+
+def test_policy_features_match_the_engines_and_the_pushed_draft_lands(eagle3, engine):
+    """--enable-draft-training in the trainer: the hooks on the megatron policy capture what the
+    engine's EAGLE-3 target captures; train steps lower the draft's loss; a push carries the
+    draft to the engine under the policy's version, checked tensor by tensor
+    (--check-weight-update-equal)."""
+    pytest.importorskip("megatron.core")
+    from trainer_bridge.actor import TrainActor
+    from trainer_bridge.batch import TrainBatch
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+    from trainer_bridge.options import TrainerArgs
+    from trainer_bridge.weight_sync import WeightSyncConfig
+
+    target, path = eagle3
+    seen = engine_draft_extend(engine)
+    args = TrainerArgs(
+        hf_checkpoint=target,
+        lr=1e-6,
+        enable_draft_training=True,
+        draft_checkpoint=path,
+        draft_lr=1e-2,
+    )
+    actor = TrainActor(args)
+    try:
+        with torch.no_grad():
+            actor._forward(torch.tensor([PROMPT], device="cpu"))
+        features = actor.online_draft.capture.features()[0]
+        torch.testing.assert_close(features, seen["aux"], atol=1e-4, rtol=1e-4)
+
+        tokens = [PROMPT + [7 + i, 9, 11, 13, 15, 17] for i in range(4)]
+        batch = TrainBatch(tokens, [6] * 4, [1.0, 0.0, 1.0, 0.0], n_samples_per_prompt=4)
+        losses = [actor.train(batch)["train/draft_loss"] for _ in range(8)]
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+        # Soft targets: the floor is the teacher's entropy, so the fall is modest.
+        assert losses[-1] < 0.9 * losses[0], losses
+        metrics = actor.train(batch)
+        assert len([k for k in metrics if k.startswith("train/draft_loss/step_")]) == 7
+
+        actor.push_weights([engine], WeightSyncConfig(check_weight_update_equal=True), "v1")
+        assert engine.get_server_info()["weight_version"] == "v1"
+        trained = actor.online_draft.draft.fc.weight
+        assert torch.equal(engine.scheduler.worker.draft.model.fc.weight, trained)
+        assert not torch.equal(trained, Eagle3Draft.from_pretrained(path, CPU).fc.weight)
+    finally:
+        destroy_model_parallel()
+
+
+def test_tiny_rl_run_trains_the_eagle3_draft(rl_task, tmp_path):
+    """scripts.train with --enable-draft-training: every rollout logs a finite draft loss, and
+    --check-weight-update-equal checks the engine's draft against the trainer's after each push."""
+    pytest.importorskip("ray")
+    from tests.test_train_loop import base_args, metrics, run
+
+    model, data = rl_task
+    draft = build_eagle_draft(str(tmp_path / "eagle3"), model, version=3, draft_vocab_size=64)
+    out = str(tmp_path / "run")
+    args = base_args(model, data, out) + [
+        "--num-rollout",
+        "3",
+        "--lr",
+        "1e-5",
+        "--enable-draft-training",
+        "--draft-lr",
+        "1e-2",
+        "--check-weight-update-equal",
+        "--sglang-speculative-algorithm",
+        "EAGLE3",
+        "--sglang-speculative-draft-model-path",
+        draft,
+        "--sglang-speculative-num-steps",
+        "2",
+        "--sglang-speculative-eagle-topk",
+        "1",
+        "--sglang-disable-cuda-graph",
+    ]
+    run(args)
+    rows = metrics(out)
+    losses = [r["train/draft_loss"] for r in rows]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], losses
+    assert all(r["train/draft_loss/step_6"] is not None for r in rows)
+    assert [r["rollout/weight_version"] for r in rows] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--sglang-speculative-algorithm", "EAGLE"], "trains an EAGLE-3 draft"),
+        (["--sglang-speculative-algorithm", "EAGLE3", "--save", "ckpt"], "--save with"),
+        (
+            ["--sglang-speculative-algorithm", "EAGLE3", "--enable-mtp-training"],
+            "--enable-mtp-training each train",
+        ),
+    ],
+)
+def test_draft_training_refuses_what_it_cannot_do(extra, needle, capsys):
+    from specrl.train_options import parse_args
+
+    argv = ["--hf-checkpoint", "m", "--prompt-data", "d", "--rollout-batch-size", "1"]
+    argv += ["--num-rollout", "1", "--output-dir", "o", "--enable-draft-training", *extra]
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv + ["--sglang-speculative-draft-model-path", "draft"])
+    assert needle in str(e.value) + capsys.readouterr().err
