@@ -320,12 +320,6 @@ def check_draft_training(args: argparse.Namespace) -> None:
             "error: --enable-draft-training trains the draft in the trainer, and "
             "--debug-rollout-only has none; drop one of the two"
         )
-    if args.save:
-        raise SystemExit(
-            "error: --save with --enable-draft-training is not supported yet: the trained draft "
-            "and its Adam state are not in the checkpoint, so a resumed run would restart the "
-            "draft from --sglang-speculative-draft-model-path; drop --save or the flag"
-        )
 
 
 def steps_to_global_batch(args: argparse.Namespace) -> int:

@@ -141,6 +141,14 @@ class OnlineDraft:
         self._total = 0.0
         return metrics
 
+    def state_dict(self) -> dict[str, Any]:
+        """The draft and its Adam state, for the training checkpoint (trainer_bridge.checkpoint)."""
+        return {"model": self.draft.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.draft.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def with_draft(self, policy: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         """The policy's tensors, then what the engines take for their external draft: its
         parameters and id map, named `draft.<checkpoint name>` (t2d is left out: the engine, like
@@ -159,6 +167,12 @@ class NoOnlineDraft:
 
     def step(self) -> dict[str, float]:
         return {}
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
     def with_draft(self, policy: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         return policy

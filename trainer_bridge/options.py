@@ -68,7 +68,7 @@ class TrainerArgs:
             "path) online: SpecForge's training-time-test loss on the policy's hidden states and "
             "logits in each train step, its own Adam at --draft-lr; its weights are pushed with "
             "the policy's. --sglang-speculative-algorithm EAGLE3 only; one trainer rank; not with "
-            "--bf16 or --save yet."
+            "--bf16 yet."
         },
     )
     draft_checkpoint: Optional[str] = field(
