@@ -192,7 +192,7 @@ def test_policy_features_match_the_engines_and_the_pushed_draft_lands(eagle3, en
 
         tokens = [PROMPT + [7 + i, 9, 11, 13, 15, 17] for i in range(4)]
         batch = TrainBatch(tokens, [6] * 4, [1.0, 0.0, 1.0, 0.0], n_samples_per_prompt=4)
-        losses = [actor.train(batch)["train/draft_loss"] for _ in range(8)]
+        losses = [actor.train(batch)["train/draft_loss"] for _ in range(6)]
         assert all(torch.isfinite(torch.tensor(losses))), losses
         # Soft targets: the floor is the teacher's entropy, so the fall is modest.
         assert losses[-1] < 0.9 * losses[0], losses
@@ -210,13 +210,9 @@ def test_policy_features_match_the_engines_and_the_pushed_draft_lands(eagle3, en
         actor.save_checkpoint(ckpt, 1)
         actor.train(batch)
         expected = {n: t.clone() for n, t in actor.online_draft.draft.state_dict().items()}
-    finally:
-        destroy_model_parallel()
-    resumed = TrainActor(args)
-    try:
-        resumed.load_checkpoint(ckpt)
-        resumed.train(batch)
-        got = resumed.online_draft.draft.state_dict()
+        actor.load_checkpoint(ckpt)  # back to before that step: the same step again
+        actor.train(batch)
+        got = actor.online_draft.draft.state_dict()
         assert all(torch.equal(got[n], t) for n, t in expected.items())
     finally:
         destroy_model_parallel()
