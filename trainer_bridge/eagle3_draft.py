@@ -44,11 +44,8 @@ class _Attention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, device: torch.device) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
-        self.heads, self.kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            d,
-        )
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = d
         self.q_proj = nn.Linear(2 * h, self.heads * d, bias=config.qkv_bias, device=device)
         self.k_proj = nn.Linear(2 * h, self.kv_heads * d, bias=config.qkv_bias, device=device)
         self.v_proj = nn.Linear(2 * h, self.kv_heads * d, bias=config.qkv_bias, device=device)
@@ -105,7 +102,8 @@ class _MidLayer(nn.Module):
         h, eps = config.hidden_size, config.rms_norm_eps
         rotary = RotaryEmbedding(
             config.head_dim,
-            config.max_position_embeddings,
+            # Step k reads rotary position t + k: room for the last position's later steps.
+            config.max_position_embeddings + TTT_LENGTH,
             config.rope_theta,
             config.rope_scaling,
             config.rotary_dim,
@@ -230,8 +228,10 @@ def ttt_loss(
     vocabulary, averaged over response positions where the target's argmax is in that vocabulary.
     Unlike SpecForge (a mean over every position, padding included) the mean is over scored
     positions, so a loss does not shrink with the batch's padding."""
-    if length < 1:
-        raise ValueError(f"the training-time-test length must be >= 1, got {length}")
+    if not 1 <= length <= TTT_LENGTH:
+        raise ValueError(
+            f"the training-time-test length must be in [1, {TTT_LENGTH}], got {length}"
+        )
     b, s = tokens.shape
     scored = torch.zeros(b, s, dtype=torch.float32, device=tokens.device)
     scored[:, : s - 2] = mask[:, 1:].float()  # position t predicts token t + 2
@@ -243,9 +243,7 @@ def ttt_loss(
     cache: list[tuple[Tensor, Tensor]] = []
     total, per_step = None, []
     for k in range(length):
-        # Step k's rows are step 0's shifted k + 1 tokens on: one more for the input token.
-        inputs = _shift(tokens, k + 1)
-        embeds = F.embedding(inputs, embed_weight.detach())
+        embeds = F.embedding(_shift(tokens, k + 1), embed_weight.detach())  # token t + 1 + k
         logits, hidden = draft.step(embeds, hidden, positions + k, cache)
         with torch.no_grad():
             target_p = torch.softmax(_shift(teacher, k + 1), -1)
