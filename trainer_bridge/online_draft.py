@@ -67,7 +67,6 @@ class OnlineDraft:
         gpt: nn.Module,
         arch: ModelConfig,
         device: torch.device,
-        ttt_length: int = TTT_LENGTH,
     ) -> None:
         self.draft = load_draft(args.draft_checkpoint, device)
         config = self.draft.config
@@ -79,15 +78,15 @@ class OnlineDraft:
         layers = model_class(arch).eagle3_capture_layers(arch, config.eagle_aux_layer_ids)
         self.capture = FeatureCapture(gpt, layers)
         self.embedding = gpt.embedding.word_embeddings.weight
-        self.optimizer = torch.optim.Adam(
+        # Decoupled weight decay, as megatron's Adam steps the policy (and SpecForge its drafts).
+        self.optimizer = torch.optim.AdamW(
             self.draft.parameters(),
             lr=args.draft_lr if args.draft_lr is not None else args.lr,
             betas=(args.adam_beta1, args.adam_beta2),
             weight_decay=args.weight_decay,
         )
         self.clip_grad = args.clip_grad
-        self.ttt_length = ttt_length
-        self._losses: list[float] = [0.0] * ttt_length
+        self._losses = [0.0] * TTT_LENGTH
         self._total = 0.0
 
     @classmethod
@@ -121,23 +120,24 @@ class OnlineDraft:
             self.capture.features(),
             logits,
             mask,
-            self.ttt_length,
         )
         (total * weight).backward()
-        self._total += total.item() * weight
-        for k, loss in enumerate(per_step):
-            self._losses[k] += loss.item() * weight
+        values = torch.stack([total.detach(), *per_step]).tolist()  # one device sync
+        self._total += values[0] * weight
+        for k, loss in enumerate(values[1:]):
+            self._losses[k] += loss * weight
 
     def step(self) -> dict[str, float]:
-        """One Adam step on the accumulated gradients; returns the step's draft_loss (the
-        weighted sum) and each training-time-test step's loss."""
+        """One Adam step on the accumulated gradients (clipped at --clip-grad, as the policy's);
+        returns the step's draft_loss (the weighted sum) and each training-time-test step's
+        loss."""
         if self.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.clip_grad)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {"draft_loss": self._total}
         metrics.update((f"draft_loss/step_{k}", v) for k, v in enumerate(self._losses))
-        self._losses = [0.0] * self.ttt_length
+        self._losses = [0.0] * TTT_LENGTH
         self._total = 0.0
         return metrics
 
