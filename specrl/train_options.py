@@ -234,9 +234,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.compat_notes = check_slime_options(args)
     if args.num_steps_per_rollout is not None:
         args.global_batch_size = steps_to_global_batch(args)
+    check_draft_training(args)
     try:  # every options class validates itself now, before any engine or trainer starts
         args.options = Options(
-            dataclass_from_args(TrainerArgs, args),
+            dataclass_from_args(
+                TrainerArgs, args, draft_checkpoint=args.sglang_speculative_draft_model_path
+            ),
             dataclass_from_args(LossConfig, args),
             dataclass_from_args(WeightSyncConfig, args),
             rollout_config.from_cli_args(args),
@@ -297,6 +300,26 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
             f"{engine.speculative_num_draft_tokens} draft tokens"
         )
     return lines
+
+
+def check_draft_training(args: argparse.Namespace) -> None:
+    """--enable-draft-training trains the engines' external EAGLE-3 draft: refuse the flags it
+    cannot go with yet, naming why."""
+    if not args.enable_draft_training:
+        return
+    algorithm = args.sglang_speculative_algorithm
+    if (algorithm or "").upper() != "EAGLE3":
+        raise SystemExit(
+            f"error: --enable-draft-training trains an EAGLE-3 draft, and "
+            f"--sglang-speculative-algorithm is {algorithm}: give EAGLE3 and its draft "
+            "(--sglang-speculative-draft-model-path); MTP layers train with "
+            "--enable-mtp-training, and EAGLE or STANDALONE drafts do not train online yet"
+        )
+    if args.debug_rollout_only:
+        raise SystemExit(
+            "error: --enable-draft-training trains the draft in the trainer, and "
+            "--debug-rollout-only has none; drop one of the two"
+        )
 
 
 def steps_to_global_batch(args: argparse.Namespace) -> int:

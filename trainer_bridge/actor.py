@@ -22,6 +22,7 @@ from trainer_bridge import loss as losses
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.draft_training import DraftLearningRate, set_trainable
 from trainer_bridge.loss import LossConfig
+from trainer_bridge.online_draft import OnlineDraft
 from trainer_bridge.options import TrainerArgs, check_mtp_num_layers
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
@@ -116,6 +117,7 @@ class TrainActor:
             [self.model],
         )
         self.draft_lr = DraftLearningRate(model, args.lr, args.draft_lr)
+        self.online_draft = OnlineDraft.build(args, model, self.arch, self.device, world_size)
         self.gpt = model
         self.ref = None
         if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
@@ -264,12 +266,7 @@ class TrainActor:
             kl=kl,
         )
         batch = share
-        tokens, mask, rollout, advantages = (
-            tokens[rows],
-            mask[rows],
-            rollout[rows],
-            advantages[rows],
-        )
+        tokens, mask, rollout, advantages = (t[rows] for t in (tokens, mask, rollout, advantages))
         has_rollout = batch.rollout_log_probs is not None
 
         def rl_loss(
@@ -382,6 +379,7 @@ class TrainActor:
             logits, hidden = self._forward(tokens[sl])
             loss, metrics = loss_fn(sl, logits, normalizer)
             share = (sl.stop - sl.start) / n  # micro batches add up to the step's mean
+            self.online_draft.backward(tokens[sl], logits, mask[sl], share)
             weight = 1.0 if per_token else share  # per-token losses are partial sums already
             loss = loss * weight
             if self.args.enable_mtp_training:
@@ -401,6 +399,7 @@ class TrainActor:
                 "the batch"
             )
         self.step += 1
+        sums.update(self.online_draft.step())
         sums["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return sums
 
@@ -443,7 +442,7 @@ class TrainActor:
                 self._pusher.close()
             self._pusher = WeightPusher(engines, cfg, output_dir, colocated)
             self._pusher_key = key
-        tensors = self.hf_named_tensors()
+        tensors = self.online_draft.with_draft(self.hf_named_tensors())
         try:
             return self._pusher.push(tensors, version)
         finally:

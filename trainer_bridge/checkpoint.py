@@ -8,7 +8,8 @@ torch and tracker states: one object per tensor-parallel rank holding the list o
 data-parallel replicas' states), `iteration` (the rollout id, as in slime), `checkpoint_version`,
 and specrl's own `specrl` entry (the model's Hugging Face config, the tensor-parallel size and the
 optimizer step count), which the launcher reads back without megatron (`read_common`) to refuse a
-checkpoint of another model or TP size before anything starts.
+checkpoint of another model or TP size before anything starts. With --enable-draft-training,
+`draft` holds the EAGLE-3 draft trained online and its Adam state (trainer_bridge.online_draft).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class TrainActor(Protocol):
     arch: ModelConfig
     gpt: Any  # megatron's GPTModel
     optimizer: Any  # megatron's MegatronOptimizer
+    online_draft: Any  # trainer_bridge.online_draft.OnlineDraft or its stand-in
     dp_rank: int
     dp_size: int
     step: int
@@ -101,7 +103,7 @@ def _gather_dp(obj: Any, actor: TrainActor) -> list[Any]:
 def _state_dict(actor: TrainActor, rollout_id: int, loading: bool) -> dict[str, Any]:
     model = actor.gpt.sharded_state_dict()
     rng = [None] * actor.dp_size if loading else _gather_dp(_rng_state(), actor)
-    return {
+    state = {
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": rollout_id,
         "model": model,
@@ -114,6 +116,10 @@ def _state_dict(actor: TrainActor, rollout_id: int, loading: bool) -> dict[str, 
             "optimizer_step": actor.step,
         },
     }
+    draft = actor.online_draft.state_dict()
+    if draft is not None:
+        state["draft"] = draft
+    return state
 
 
 _warming: threading.Thread | None = None
@@ -158,6 +164,10 @@ def load_checkpoint(actor: TrainActor, directory: str) -> int:
     states = state["rng_state"]
     _set_rng_state(states[actor.dp_rank])
     actor.step = common["specrl"]["optimizer_step"]
+    # A checkpoint of a run without --enable-draft-training has none: the draft starts from the
+    # engines' draft checkpoint, as it did before.
+    if "draft" in common:
+        actor.online_draft.load_state_dict(common["draft"])
     return common["iteration"]
 
 

@@ -61,12 +61,31 @@ class TrainerArgs:
     mtp_loss_scaling_factor: float = field(
         default=0.2, metadata={"help": "Weight of the MTP loss."}
     )
+    enable_draft_training: bool = field(
+        default=False,
+        metadata={
+            "help": "Train the engines' external EAGLE-3 draft (--sglang-speculative-draft-model-"
+            "path) online: SpecForge's training-time-test loss on the policy's hidden states and "
+            "logits in each train step, its own Adam at --draft-lr; its weights are pushed with "
+            "the policy's. --sglang-speculative-algorithm EAGLE3 only; one trainer rank; not with "
+            "--bf16 yet."
+        },
+    )
+    draft_checkpoint: Optional[str] = field(
+        default=None,
+        metadata={
+            "cli": False,
+            "help": "The draft --enable-draft-training trains (the launcher passes the engines' "
+            "--sglang-speculative-draft-model-path).",
+        },
+    )
     draft_lr: Optional[float] = field(
         default=None,
         metadata={
-            "help": "Learning rate of the draft trained online (the MTP layers, with "
-            "--enable-mtp-training): a draft may need to move faster than the policy to keep up "
-            "with it. Default: --lr. Not with --bf16."
+            "help": "Learning rate of the draft trained online (the MTP layers with "
+            "--enable-mtp-training, the EAGLE-3 draft with --enable-draft-training): a draft may "
+            "need to move faster than the policy to keep up with it. Default: --lr. Not with "
+            "--bf16."
         },
     )
     ref_load: Optional[str] = field(
@@ -80,6 +99,8 @@ class TrainerArgs:
     )
 
     def __post_init__(self) -> None:
+        if self.enable_draft_training:
+            self._check_draft_training()
         for name in ("micro_batch_size", "tensor_model_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(
@@ -92,10 +113,11 @@ class TrainerArgs:
         if self.draft_lr is not None:
             if self.draft_lr < 0:
                 raise ValueError(f"--draft-lr must be >= 0, got {self.draft_lr}")
-            if not self.enable_mtp_training:
+            if not (self.enable_mtp_training or self.enable_draft_training):
                 raise ValueError(
                     "--draft-lr sets the learning rate of the draft trained online; add "
-                    "--enable-mtp-training (the MTP layers are the draft specrl trains)"
+                    "--enable-mtp-training (the model's MTP layers) or --enable-draft-training "
+                    "(an external EAGLE-3 draft)"
                 )
             if self.bf16:
                 raise ValueError(
@@ -103,6 +125,25 @@ class TrainerArgs:
                     "update on the model's parameters, and with --bf16 the optimizer steps "
                     "float32 master copies of them; drop one of the two flags"
                 )
+
+    def _check_draft_training(self) -> None:
+        if self.enable_mtp_training:
+            raise ValueError(
+                "--enable-draft-training and --enable-mtp-training each train the draft the "
+                "engines use (an external EAGLE-3 draft, the model's MTP layers); give the one "
+                "matching --sglang-speculative-algorithm"
+            )
+        if self.bf16:
+            raise ValueError(
+                "--enable-draft-training with --bf16 is not implemented yet (as --draft-lr is "
+                "not): the draft's float32 training on bfloat16 policy features is untested; "
+                "drop --bf16 or the flag"
+            )
+        if self.draft_checkpoint is None:
+            raise ValueError(
+                "--enable-draft-training trains the engines' EAGLE-3 draft: give its checkpoint "
+                "(--sglang-speculative-draft-model-path)"
+            )
 
 
 def check_mtp_num_layers(requested: Optional[int], in_checkpoint: int, checkpoint: str) -> None:

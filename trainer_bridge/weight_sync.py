@@ -171,7 +171,9 @@ class WeightPusher:
                     f"--check-weight-update-equal: engine {i} uses none of the {len(sent)} tensors "
                     "sent"
                 )
-            bad = [n for n in used if got[n] != tensor_checksum(sent[n].to(dtype))]
+            # Integer tensors (an EAGLE-3 draft's d2t) keep their dtype in the engine.
+            held = {n: sent[n].to(dtype) if sent[n].is_floating_point() else sent[n] for n in used}
+            bad = [n for n in used if got[n] != tensor_checksum(held[n])]
             if bad:
                 raise RuntimeError(
                     f"--check-weight-update-equal: engine {i} holds different values for "
