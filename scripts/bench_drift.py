@@ -1,12 +1,16 @@
-"""Frozen vs online-trained MTP draft on the tiny drift task (docs/benchmarks/drift_mtp_cpu.md).
+"""Frozen vs online-trained draft on the tiny drift task (docs/benchmarks/drift_*_cpu.md).
 
-    python -m scripts.bench_drift --root runs/drift-bench --seeds 1 2 3
+    python -m scripts.bench_drift --root runs/drift-bench --seeds 1 2 3             # MTP
+    python -m scripts.bench_drift --spec eagle3 --root runs/drift-e3 --seeds 1 2 3  # EAGLE-3
 
 Prepares the drift task's assets once (scripts/run-tiny-cpu.sh TASK=drift: from rollout
 --drift-rollout on, responses must stop repeating their first token), then per seed runs the
-same command twice, with the MTP layer trained online and frozen (MTP_TRAINING=0), and writes
-the accept length and reward per window (before the shift, just after, late) as a Markdown
-table, the per-rollout values as JSON, and the seed-mean curves as SVG charts (specrl.plots).
+same command twice, with the draft trained online and frozen, and writes the accept length and
+reward per window (before the shift, just after, late) as a Markdown table, the per-rollout
+values as JSON, and the seed-mean curves as SVG charts (specrl.plots). MTP: the MTP layer the
+warm-up trained, frozen (MTP_TRAINING=0) or trained on. EAGLE-3 (SPEC=eagle3): a random draft
+trained online until the shift (one run per seed, saved), then resumed twice from that
+checkpoint, trained on or frozen (--draft-lr 0).
 """
 
 from __future__ import annotations
@@ -39,6 +43,14 @@ def tiny_run(out: str, env: dict[str, str], *flags: str) -> None:
         raise SystemExit(f"{out}: run-tiny-cpu.sh failed (rc {done.returncode}), see {log}")
 
 
+def fresh_run(root: str, name: str, assets: str) -> str:
+    """An empty run directory holding a copy of the prepared assets."""
+    out = os.path.join(root, name)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(os.path.join(assets, "assets"), os.path.join(out, "assets"))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -54,22 +66,37 @@ def main() -> None:
         default=None,
         help="also run the online draft with this --draft-lr (mode online-fast)",
     )
+    parser.add_argument("--spec", choices=["mtp", "eagle3"], default="mtp")
     args = parser.parse_args()
     modes = {mode: (training, ()) for mode, training in MODES.items()}
     if args.draft_lr is not None:
         modes["online-fast"] = ("1", ("--draft-lr", str(args.draft_lr)))
     drift_at = str(args.drift_rollout * PROMPTS_PER_ROLLOUT)
+    base_env = {"DRIFT_AT": drift_at, "SPEC": args.spec}
     assets = os.path.join(args.root, "assets-run")
-    tiny_run(assets, {"DRIFT_AT": drift_at}, "--num-rollout", "1")
+    tiny_run(assets, base_env, "--num-rollout", "1")
     rows: dict[str, list[list[dict]]] = {mode: [] for mode in modes}
     for seed in args.seeds:
+        seeded = ("--rollout-seed", str(seed))
+        shared = None
+        if args.spec == "eagle3":  # the draft learns until the shift, once for both arms
+            shared = fresh_run(args.root, f"before-shift-{seed}", assets)
+            ckpt = ("--save", os.path.join(shared, "ckpt"))
+            tiny_run(shared, base_env, "--num-rollout", str(args.drift_rollout), *seeded, *ckpt)
         for mode, (training, extra) in modes.items():
-            out = os.path.join(args.root, f"{mode}-{seed}")
-            shutil.rmtree(out, ignore_errors=True)
-            shutil.copytree(os.path.join(assets, "assets"), os.path.join(out, "assets"))
-            env = {"MTP_TRAINING": training, "DRIFT_AT": drift_at}
-            flags = ("--num-rollout", str(args.num_rollout), "--rollout-seed", str(seed), *extra)
-            tiny_run(out, env, *flags)
+            name = f"{mode}-{seed}"
+            if shared is None:
+                out = fresh_run(args.root, name, assets)
+                env = {**base_env, "MTP_TRAINING": training}
+            else:
+                out = os.path.join(args.root, name)
+                shutil.rmtree(out, ignore_errors=True)
+                shutil.copytree(shared, out)
+                resume = os.path.join(out, "ckpt")
+                extra = ("--load", resume, "--save", resume, *extra)
+                extra += ("--draft-lr", "0") if training == "0" else ()
+                env = base_env
+            tiny_run(out, env, "--num-rollout", str(args.num_rollout), *seeded, *extra)
             rows[mode].append(read_metrics(os.path.join(out, "metrics.jsonl")))
 
     d, n = args.drift_rollout, args.num_rollout
@@ -103,14 +130,14 @@ def main() -> None:
         for mode, runs in rows.items()
         for seed, run in zip(args.seeds, runs)
     }
-    with open(os.path.join(args.out, "drift_mtp_cpu.json"), "w") as f:
+    with open(os.path.join(args.out, f"drift_{args.spec}_cpu.json"), "w") as f:
         json.dump({"summary": summary, "per_rollout": per_rollout}, f, indent=1)
     for m, metric in METRICS.items():
         series = {
             mode: [(i + 1, statistics.mean(run[i][metric] for run in runs)) for i in range(n)]
             for mode, runs in rows.items()
         }
-        with open(os.path.join(args.out, f"drift_mtp_cpu_{m}.svg"), "w") as f:
+        with open(os.path.join(args.out, f"drift_{args.spec}_cpu_{m}.svg"), "w") as f:
             f.write(svg(series, f"{metric} (mean of {len(args.seeds)} seeds)"))
 
 

@@ -2,6 +2,8 @@
 # The tiny CPU run: GRPO with MTP speculation (trained online) on a 2-core machine in minutes.
 #   bash scripts/run-tiny-cpu.sh [extra scripts/train.py flags...]
 #   OUT=dir chooses the output directory; MTP_TRAINING=0 keeps the MTP draft layer frozen.
+#   SPEC=eagle3 drafts with an EAGLE-3 draft instead (random, trained online by
+#   --enable-draft-training; DRAFT_TRAINING=0 keeps it frozen).
 #   TASK=drift runs the drift task: from prompt DRIFT_AT (default 60, i.e. rollout 16) on, a
 #   response must also stop repeating its first token, as the warm-up taught (the prompts are
 #   read in order), so the policy's continuations change (docs/benchmarks/drift_mtp_cpu.md).
@@ -16,16 +18,29 @@ case "$TASK" in
   drift) OUT=${OUT:-runs/tiny-cpu-drift}; TASK_FLAGS=(); PREPARE_FLAGS=(--drift-at "${DRIFT_AT:-60}") ;;
   *) echo "TASK=$TASK: use copy (the default) or drift" >&2; exit 2 ;;
 esac
-MTP_FLAGS=()
-if [ "${MTP_TRAINING:-1}" != 0 ]; then MTP_FLAGS=(--enable-mtp-training); fi
 if [ ! -d "$OUT/assets/warm" ]; then
   python -m scripts.prepare_tiny_run --out "$OUT/assets" --steps 400 "${PREPARE_FLAGS[@]}"
 fi
+case "${SPEC:-mtp}" in
+  mtp)
+    SPEC_FLAGS=(--sglang-speculative-algorithm EAGLE)
+    if [ "${MTP_TRAINING:-1}" != 0 ]; then SPEC_FLAGS+=(--enable-mtp-training); fi ;;
+  eagle3)  # a random EAGLE-3 draft over the full vocabulary, trained online from scratch
+    if [ ! -d "$OUT/assets/eagle3" ]; then
+      python -c "import json, sys; from specrl.tiny_models import build_eagle_draft as b; \
+w = sys.argv[1] + '/warm'; \
+b(sys.argv[1] + '/eagle3', w, 3, draft_vocab_size=json.load(open(w + '/config.json'))['vocab_size'])" \
+        "$OUT/assets"
+    fi
+    SPEC_FLAGS=(--sglang-speculative-algorithm EAGLE3 --sglang-speculative-draft-model-path "$OUT/assets/eagle3")
+    if [ "${DRAFT_TRAINING:-1}" != 0 ]; then SPEC_FLAGS+=(--enable-draft-training); fi ;;
+  *) echo "SPEC=${SPEC}: use mtp (the default) or eagle3" >&2; exit 2 ;;
+esac
 python -m scripts.train \
   --hf-checkpoint "$OUT/assets/warm" --output-dir "$OUT" --num-rollout 30 \
   --prompt-data "$OUT/assets/task.jsonl" --input-key input --label-key label --rm-type tiny \
   --rollout-batch-size 4 --n-samples-per-prompt 8 --rollout-max-response-len 4 "${TASK_FLAGS[@]}" \
   --lr 2e-3 --micro-batch-size 32 --check-weight-update-equal --ray-num-cpus 2 \
-  --sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2 --sglang-speculative-eagle-topk 1 \
+  --sglang-speculative-num-steps 2 --sglang-speculative-eagle-topk 1 \
   --sglang-max-total-tokens 8192 --sglang-max-running-requests 32 \
-  "${MTP_FLAGS[@]}" "$@"
+  "${SPEC_FLAGS[@]}" "$@"

@@ -338,6 +338,37 @@ def test_gpu_launchers_pass_flag_checks(script, env, needles, launcher_checkpoin
     assert all(n in proc.stdout for n in needles), proc.stdout[-2000:]
 
 
+@pytest.mark.parametrize(
+    "model,arch,name",
+    [
+        ("glm4.5", "glm4_moe", "Glm4MoeForCausalLM"),
+        ("deepseek-v3", "deepseek_v3", "DeepseekV3ForCausalLM"),
+    ],
+)
+def test_moe_mtp_launcher_passes_flag_checks(model, arch, name, tmp_path):
+    """scripts/run-moe-mtp.sh with each MODEL: the trainer builds the family (--dry-run reads the
+    config as the trainer does) and the engine drafts with its next-n layer."""
+    from specrl.tiny_models import build_checkpoint
+
+    path = build_checkpoint(
+        str(tmp_path / arch), arch=arch, extra_config={"num_nextn_predict_layers": 1}
+    )
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "a", "label": "b"}\n')
+    env = {"MODEL": model, "HF_CHECKPOINT": path, "DATA": str(data), "OUT": str(tmp_path / "o")}
+    proc = subprocess.run(
+        ["bash", "scripts/run-moe-mtp.sh", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"({name}, 2 layers, 1 MTP layers)" in proc.stdout, proc.stdout[-2000:]
+    assert f"speculative EAGLE: draft MTP: {path} ({name}), steps 3, topk 1" in proc.stdout
+    assert "enable_return_routed_experts=True" in proc.stdout
+
+
 def test_dry_run_refuses_a_missing_draft_and_a_tree_too_big(task, tmp_path):
     """--dry-run reads the draft's config and checks the tree against SGLang's limits."""
     model, data = task
