@@ -10,9 +10,9 @@ same prompts), the mean accept length (tokens per verify, SGLang's count), and t
 decode step split into draft, verify and bookkeeping. Drafts are random checkpoints of the
 right shape (EAGLE-2, EAGLE-3, MiMo MTP), so their acceptance is near 1 and they measure the
 overhead; STANDALONE with the target as its own draft accepts every token (the upper bound);
-NGRAM runs on prompts that repeat a pattern, as code or templated text does; ngram-adaptive is
-NGRAM with --speculative-adaptive (per step, speculate or decode plainly by the measured cost
-model; the table gives the share of decode steps that speculated).
+NGRAM runs on prompts that repeat a pattern, as code or templated text does; ngram-adaptive,
+eagle3-adaptive and mtp-adaptive add --speculative-adaptive (per step, speculate or decode
+plainly by the measured cost model; the table gives the share of decode steps that speculated).
 --forced-acceptance makes every draft token accepted (sampling at temperature 1 with
 --speculative-accept-threshold-single 1e-9: lossy, a speed measurement only), which is what a
 perfect draft would give: the engine's speculative speedup at full acceptance, against plain
@@ -43,7 +43,17 @@ from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 if TYPE_CHECKING:
     from spec_engine import Engine
 
-ALGORITHMS = ("baseline", "eagle", "eagle3", "mtp", "standalone-self", "ngram", "ngram-adaptive")
+ALGORITHMS = (
+    "baseline",
+    "eagle",
+    "eagle3",
+    "mtp",
+    "standalone-self",
+    "ngram",
+    "ngram-adaptive",
+    "eagle3-adaptive",
+    "mtp-adaptive",
+)
 # Model shapes to benchmark at (random weights): Llama-3.1-8B's config.
 PRESETS = {
     "llama-3.1-8b": dict(
@@ -69,7 +79,7 @@ def configs(
         speculative_eagle_topk=topk,
         speculative_num_draft_tokens=tokens,
     )
-    return {
+    table = {
         "baseline": (models["llama"], {}),
         "eagle": (
             models["llama"],
@@ -104,16 +114,12 @@ def configs(
             models["llama"],
             dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=tokens),
         ),
-        # --speculative-adaptive: per step, NGRAM or plain decoding, by the measured cost model.
-        "ngram-adaptive": (
-            models["llama"],
-            dict(
-                speculative_algorithm="NGRAM",
-                speculative_num_draft_tokens=tokens,
-                speculative_adaptive=True,
-            ),
-        ),
     }
+    # --speculative-adaptive: per step, the algorithm or plain decoding, by the measured cost model.
+    for name in ("ngram", "eagle3", "mtp"):
+        target, kwargs = table[name]
+        table[f"{name}-adaptive"] = (target, {**kwargs, "speculative_adaptive": True})
+    return table
 
 
 def prompts(batch: int, length: int, vocab: int, repetitive: bool, seed: int) -> list[list[int]]:
@@ -354,7 +360,7 @@ def main() -> None:
         real = {"baseline", "standalone-self", "ngram"} | (
             {"eagle3"} if args.eagle3_draft_path else set()
         )
-        args.algorithms = [a for a in args.algorithms if a in real]
+        args.algorithms = [a for a in args.algorithms if a.removesuffix("-adaptive") in real]
         with open(os.path.join(args.model_path, "config.json")) as f:
             args.vocab_size = json.load(f)["vocab_size"]
 
@@ -372,7 +378,10 @@ def main() -> None:
     # Checkpoints in the benchmark dtype (an 8B model in float32 would need 32 GB of disk), only
     # those needed.
     save = "float32" if args.dtype == "float32" else args.dtype
-    wanted = set(args.algorithms) if args.model_path is None else set()
+    # An adaptive configuration runs its algorithm's checkpoints.
+    wanted = (
+        {a.removesuffix("-adaptive") for a in args.algorithms} if args.model_path is None else set()
+    )
     models = {
         "llama": args.model_path
         or (

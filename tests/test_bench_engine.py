@@ -87,10 +87,12 @@ def test_bench_rollout_script_runs(tmp_path):
         "standalone-self",
         "ngram",
         "ngram-adaptive",
+        "eagle3-adaptive",
+        "mtp-adaptive",
     }
     assert all(r["decode_tokens_per_s"] > 0 for r in results)
-    adaptive = next(r for r in results if r["algorithm"] == "ngram-adaptive")
-    assert 0.0 <= adaptive["speculative_step_share"] <= 1.0
+    for adaptive in (r for r in results if r["algorithm"].endswith("-adaptive")):
+        assert 0.0 <= adaptive["speculative_step_share"] <= 1.0
     self_draft = next(r for r in results if r["algorithm"] == "standalone-self")
     assert self_draft["accept_length"] > 3.0 and set(self_draft["ms_per_step"]) == {
         "draft",

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from spec_engine import Engine
 from spec_engine.attention import make_backend
+from spec_engine.core.adaptive import SpecCostModel
 from spec_engine.mem.kv_pool import MLAKVPool
 from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.registry import model_class, mtp_class
@@ -186,6 +187,31 @@ def test_step_k_runs_mtp_layer_k(bigrams):
     assert accept0 > 2.5 and accept_multi < 2.1
     both, accept_both = _run(bigrams["good_good"], prompts, enable_multi_layer_eagle=True, **spec)
     assert accept_both > 2.5 and _ids(both) == _ids(_run(bigrams["good_good"], prompts)[0])
+
+
+def test_adaptive_plain_steps_keep_multi_layer_mtp_state(bigrams, monkeypatch):
+    """--speculative-adaptive switching every other step: each plain step's draft extend
+    leaves every layer's next-round level at the decoded position, so two imitating layers
+    still have both drafts accepted in every verify (a stale level would be rejected)."""
+    monkeypatch.setattr(
+        SpecCostModel, "speculate", lambda self, batch: sum(self.decisions.values()) % 2 == 0
+    )
+    prompts = random_prompts(3, 3, 12, seed=45)
+    params = {**GREEDY, "max_new_tokens": 31}  # 30 after the prefill's: 10 rounds of 3
+    with Engine(model_path=bigrams["good_good"], random_seed=0) as engine:
+        plain = engine.generate(input_ids=prompts, sampling_params=params)
+    spec = dict(speculative_algorithm="EAGLE", enable_multi_layer_eagle=True, **CHAIN)
+    with Engine(
+        model_path=bigrams["good_good"], random_seed=0, speculative_adaptive=True, **spec
+    ) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        report = engine.get_server_info()["internal_states"][0]["spec_adaptive"]
+    assert _ids(outs) == _ids(plain)
+    assert report["plain_steps"] > 0
+    # 30 tokens: plain steps emit 1, verifies 3 (2 when cut short by max_new_tokens).
+    for out in outs:
+        meta = out["meta_info"]
+        assert meta["spec_accept_length"] >= 3 - 1 / meta["spec_verify_ct"] - 1e-9
 
 
 @pytest.mark.parametrize(

@@ -230,7 +230,7 @@ class EngineArgs:
         False,
         "Choose per decode step whether to speculate, from the running batch size and a cost "
         "model measured online (time per plain and per speculative step per batch-size bucket, "
-        "accept length): speculate when it is expected to emit more tokens/s. NGRAM only; the "
+        "accept length): speculate when it is expected to emit more tokens/s. Any algorithm; the "
         "tree flags stay the depth used when speculating.",
     )
     # Acceptance alarm (spec_engine.core.accept_alarm): the draft falls behind a weight update

@@ -43,21 +43,13 @@ def check_ngram(args: Any) -> None:
 
 
 def check_adaptive(args: Any) -> None:
-    """--speculative-adaptive switches per step between speculating and plain decoding, which
-    only a draft without state allows (NGRAM)."""
-    if not args.speculative_adaptive:
-        return
-    if args.speculative_algorithm is None:
+    """--speculative-adaptive switches per step between speculating and plain decoding: it
+    needs an algorithm to speculate with (any: the draft-model workers keep their draft in step
+    during plain steps)."""
+    if args.speculative_adaptive and args.speculative_algorithm is None:
         raise ValueError(
-            "--speculative-adaptive needs --speculative-algorithm NGRAM (it chooses per step "
-            "between speculating and plain decoding)"
-        )
-    if args.speculative_algorithm != "NGRAM":
-        raise ValueError(
-            "--speculative-adaptive supports --speculative-algorithm NGRAM only, got "
-            f"{args.speculative_algorithm}: EAGLE (EAGLE-2, MTP), EAGLE3 and STANDALONE drafts "
-            "keep state (draft KV, the target's features) that a plain decode step does not "
-            "advance, so switching per step is not implemented for them yet"
+            "--speculative-adaptive needs --speculative-algorithm (EAGLE, EAGLE3, NEXTN, "
+            "STANDALONE or NGRAM): it chooses per step between speculating and plain decoding"
         )
 
 

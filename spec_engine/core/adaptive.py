@@ -17,8 +17,10 @@ such as a graph captured on first use), then each mode is tried until it has
 weights, longer contexts). `speculate(batch)` is a pure function of the state, so the scheduler
 may ask it several times per step (KV demand, retraction, the step itself); `observe` moves it.
 
-Only workers whose plain steps leave nothing to catch up may switch per step (NGRAM: no draft
-state); EngineArgs refuses --speculative-adaptive for the others.
+Every speculative worker may switch per step: NGRAM has no draft state, and under this flag
+the draft-model workers extend their draft over each plainly decoded position (see
+speculative/eagle_worker.py), so a plain step leaves nothing behind. The tree flags
+(--speculative-num-steps, -eagle-topk, -num-draft-tokens) stay the shape a speculative step uses.
 
 Runs on the scheduler thread only.
 """

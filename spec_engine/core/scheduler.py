@@ -138,7 +138,9 @@ class Scheduler:
                 if speculate:
                     result = self.worker.decode(reqs)
                 else:
-                    for req in reqs:  # (a draft without state, NGRAM's, is never stale)
+                    # (never stale with NGRAM, which has no draft state, or with
+                    # --speculative-adaptive, whose plain steps extend the draft too)
+                    for req in reqs:
                         req.draft_stale = not self.worker.plain_steps_keep_draft
                     result = self.worker.decode_plain(reqs)
                 seconds = time.perf_counter() - began  # the tokens are on the host: synchronized
@@ -164,12 +166,13 @@ class Scheduler:
         the draft (a draft extend over the plain tokens would need the target's features for
         them, which a plain step does not keep). Requests admitted after the update speculate
         at once, so speculation never waits for the old ones to drain. With
-        --speculative-adaptive (NGRAM: no draft state) the cost model picks the whole batch's."""
+        --speculative-adaptive the cost model picks the whole batch's mode (plain steps keep
+        the draft in step there: speculative/eagle_worker.py)."""
         if self.alarm is None:
             return [(self.running, True)]
         if not self.alarm.speculating:
             return [(self.running, False)]
-        if self.adaptive is not None:  # NGRAM only: any request may switch at any step
+        if self.adaptive is not None:  # no request is behind: any may switch at any step
             return [(self.running, self.adaptive.speculate(len(self.running)))]
         plain = [r for r in self.running if r.draft_stale]
         if not plain:

@@ -127,6 +127,11 @@ class ModelWorker:
         return result, out, starts, ends
 
     def decode(self, reqs: Sequence[Req]) -> StepResult:
+        return self._decode(reqs)[0]
+
+    def _decode(
+        self, reqs: Sequence[Req], capture_hidden: bool = False
+    ) -> tuple[StepResult, ForwardOutput]:
         starts = [r.kv_len for r in reqs]
         ends = [s + 1 for s in starts]
         out_loc = self._alloc(reqs, starts, ends)
@@ -138,13 +143,14 @@ class ModelWorker:
             req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
             seq_lens=self._tensor(ends),
             seq_lens_cpu=ends,
+            capture_hidden=capture_hidden,
         )
-        logits = self.runner.forward(batch).logits
+        out = self.runner.forward(batch)
         for r in reqs:
             r.kv_len += 1
         result = StepResult(tokens=[[] for _ in reqs])
-        self._sample_into(result, logits, reqs, range(len(reqs)))
-        return result
+        self._sample_into(result, out.logits, reqs, range(len(reqs)))
+        return result, out
 
     def decode_plain_kv_demand(self, reqs: Sequence[Req]) -> int:
         """KV tokens the next `decode_plain` of `reqs` will allocate."""

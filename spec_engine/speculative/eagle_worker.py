@@ -11,6 +11,19 @@ by cumulative draft probability into topk x topk children (branch rows attend to
 plus their own ancestors' draft KV in scratch slots); keep the best `num_draft_tokens - 1`
 candidates as a tree; verify it with the target (SpecWorker.verify); extend the draft over the
 accepted tokens.
+
+Plain steps under --speculative-adaptive (the scheduler decodes plainly when its cost model
+expects that to emit more tokens/s) keep the draft in step: each plain step is followed by the
+draft extend a verify round that accepted no draft token would run — one row per request, the
+feature at the decoded position (captured by the plain forward) paired with the token it
+sampled, or for STANDALONE the decoded token itself — so the draft's KV and next-round state
+(spec_state) are always at the request's last position, and the next speculative step drafts
+exactly as if the plain stretch had been verify rounds. This was chosen over catching the draft
+up when speculation resumes (one extend over every plainly decoded position): the total draft
+work is the same, while the catch-up would have to keep each request's features (EAGLE-3: three
+layers' worth) across steps, through requests joining, finishing and being retracted, and run
+extends wider than the captured draft-extend graphs. A self-draft (the target drafting for
+itself) needs nothing: the plain step writes its KV.
 """
 
 from __future__ import annotations
@@ -74,6 +87,7 @@ class EagleWorker(SpecWorker):
         # --enable-multi-layer-eagle: every level of the chain comes from the draft extend, level
         # k from MTP layer k (SGLang's MultiLayerEagleWorker); no draft decode steps run.
         self.multi_layer = draft.mtp_layers > 1
+        self.adaptive = args.speculative_adaptive
 
     # ---------------------------------------------------------------- memory
 
@@ -86,8 +100,9 @@ class EagleWorker(SpecWorker):
 
     @property
     def plain_steps_keep_draft(self) -> bool:
-        # A plain step writes no draft KV and leaves spec_state at an older position.
-        return False
+        # Without --speculative-adaptive a plain step (an acceptance alarm's) skips the draft,
+        # which is then behind for good: the draft work is saved for the rest of the request.
+        return self.adaptive
 
     def decode_kv_demand(self, reqs: Sequence[Req]) -> int:
         scratch = -(-self._scratch_size(len(reqs)) // self.page_size) * self.page_size
@@ -139,6 +154,24 @@ class EagleWorker(SpecWorker):
             offset += tree.size
         hidden = feats[self._tensor(rows)] if feats is not None else None
         self._extend_draft(entries, hidden, mode=ForwardMode.DRAFT_EXTEND)
+        self.timings.add("draft_s", start)
+        return result
+
+    def decode_plain(self, reqs: Sequence[Req]) -> StepResult:
+        """One target token per request; with --speculative-adaptive the draft extends over the
+        decoded position too (see the module docstring)."""
+        if not self.adaptive or self.draft.shares_target:
+            return super().decode_plain(reqs)
+        result, out = self._decode(reqs, capture_hidden=self.features)
+        start = self.timings.now()
+        # The position just decoded: a feature draft pairs its feature with the sampled token,
+        # a STANDALONE draft reads the token that was decoded there (the last output so far).
+        entries = [
+            DraftExtend(r, r.kv_len - 1, tokens if self.features else r.output_ids[-1:], True)
+            for r, tokens in zip(reqs, result.tokens)
+        ]
+        feats = self._features(out) if self.features else None
+        self._extend_draft(entries, feats, mode=ForwardMode.DRAFT_EXTEND)
         self.timings.add("draft_s", start)
         return result
 
