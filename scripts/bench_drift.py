@@ -1,4 +1,5 @@
-"""Frozen vs online-trained draft on the tiny drift task (docs/benchmarks/drift_*_cpu.md).
+"""Frozen vs online-trained draft on the tiny drift task (docs/benchmarks/drift_mtp_cpu.md,
+docs/benchmarks/drift_eagle3_cpu.md).
 
     python -m scripts.bench_drift --root runs/drift-bench --seeds 1 2 3             # MTP
     python -m scripts.bench_drift --spec eagle3 --root runs/drift-e3 --seeds 1 2 3  # EAGLE-3
