@@ -3,11 +3,11 @@
 # topk 1, as slime's GLM-4.5 and DeepSeek-R1 recipes run SGLang):
 #   MODEL=glm4.5|deepseek-v3 HF_CHECKPOINT=/root/GLM-4.5-Air DATA=/root/dapo-math-17k.jsonl \
 #     bash scripts/run-moe-mtp.sh [flags]
-# MODEL picks scripts/models/$MODEL.sh. The trainer does not build these families yet: add
-# --debug-rollout-only to run the rollouts alone (the engine serves both, with their MTP drafts);
-# --dry-run checks every flag and the checkpoint. An engine runs on one GPU (engine tensor
-# parallelism does not exist yet), so the full GLM-4.5 / DeepSeek-V3 checkpoints do not fit one;
-# smaller checkpoints of the same families do. Untested on GPUs (no GPU has run it).
+# MODEL picks scripts/models/$MODEL.sh; --dry-run checks every flag and the checkpoint. The
+# trainer builds both families on megatron (MoE, MLA, next-n layers) without tensor parallelism,
+# and an engine runs on one GPU (engine tensor parallelism does not exist yet): the full
+# GLM-4.5 / DeepSeek-V3 checkpoints fit neither, smaller checkpoints of the same families do.
+# Untested on GPUs (no GPU has run it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-glm4.5}

@@ -271,6 +271,13 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
                 raise ValueError(
                     f"{e} (--debug-rollout-only runs the rollouts without training)"
                 ) from None
+            tp = args.tensor_model_parallel_size
+            if target.moe is not None and tp > 1:
+                raise ValueError(
+                    f"--tensor-model-parallel-size {tp} with {target.architecture}: megatron "
+                    "trains MoE layers split over ranks only with sequence parallelism, which "
+                    "specrl does not wire yet; use --tensor-model-parallel-size 1"
+                )
         lines = [
             f"model: {args.hf_checkpoint} ({target.architecture}, {target.num_hidden_layers} "
             f"layers, {target.num_mtp_layers} MTP layers)"

@@ -367,6 +367,14 @@ def test_moe_mtp_launcher_passes_flag_checks(model, arch, name, tmp_path):
     assert f"({name}, 2 layers, 1 MTP layers)" in proc.stdout, proc.stdout[-2000:]
     assert f"speculative EAGLE: draft MTP: {path} ({name}), steps 3, topk 1" in proc.stdout
     assert "enable_return_routed_experts=True" in proc.stdout
+    assert "tensor_model_parallel_size=1" in proc.stdout
+    # Megatron trains MoE layers split over ranks only with sequence parallelism: refused early.
+    from specrl.train_options import check_checkpoints, parse_args
+
+    argv = ["--hf-checkpoint", path, "--prompt-data", str(data), "--rollout-batch-size", "2"]
+    argv += ["--num-rollout", "1", "--output-dir", str(tmp_path / "tp2")]
+    with pytest.raises(SystemExit, match="use --tensor-model-parallel-size 1"):
+        check_checkpoints(parse_args([*argv, "--tensor-model-parallel-size", "2"]))
 
 
 def test_dry_run_refuses_a_missing_draft_and_a_tree_too_big(task, tmp_path):
