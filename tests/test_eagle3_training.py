@@ -214,6 +214,14 @@ def test_policy_features_match_the_engines_and_the_pushed_draft_lands(eagle3, en
         actor.train(batch)
         got = actor.online_draft.draft.state_dict()
         assert all(torch.equal(got[n], t) for n, t in expected.items())
+        # A run resumed with another --draft-lr takes it, not the checkpoint's: at 0 it freezes.
+        for group in actor.online_draft.optimizer.param_groups:
+            group["lr"] = 0.0
+        actor.load_checkpoint(ckpt)
+        actor.train(batch)
+        frozen = actor.online_draft.draft.state_dict()
+        saved = torch.load(os.path.join(ckpt, "common.pt"), weights_only=False)["draft"]["model"]
+        assert all(torch.equal(frozen[n], t) for n, t in saved.items())
     finally:
         destroy_model_parallel()
 

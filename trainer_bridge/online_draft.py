@@ -147,7 +147,12 @@ class OnlineDraft:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.draft.load_state_dict(state["model"])
+        # torch restores the saved learning rate with the moments; the resumed run's --draft-lr
+        # (or --lr) must hold instead (a frozen --draft-lr 0 resumed from a trained draft).
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
 
     def with_draft(self, policy: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         """The policy's tensors, then what the engines take for their external draft: its
