@@ -91,10 +91,21 @@ async def generate(
     args: Any, sample: Sample, sampling_params: dict[str, Any], engine: Any
 ) -> Sample:
     """The default generate function: one request for the sample's prompt tokens."""
+    replay = getattr(args, "use_rollout_routing_replay", False)
     output = await engine.async_generate(
-        input_ids=list(sample.tokens), sampling_params=sampling_params, return_logprob=True
+        input_ids=list(sample.tokens),
+        sampling_params=sampling_params,
+        return_logprob=True,
+        **({"return_routed_experts": True} if replay else {}),
     )
-    return fill_from_output(sample, output)
+    fill_from_output(sample, output)
+    if replay:
+        from trainer_bridge.routing_replay import decode_routed_experts
+
+        sample.rollout_routed_experts = decode_routed_experts(
+            output["meta_info"], args.hf_checkpoint
+        )
+    return sample
 
 
 async def generate_group(

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional, Union
 
+import torch
+
 
 class Status(StrEnum):
     """Where a sample stands; the engine's finish_reason decides the final one."""
@@ -37,7 +39,9 @@ class Sample:
     `response_length` of them, and `loss_mask` / `rollout_log_probs` have one entry per
     response token. `spec_info` (speculative decoding only) holds the engine's per-request
     counters: spec_verify_ct, spec_accept_length, spec_accept_token_num, spec_draft_token_num,
-    and spec_accept_alarm (1.0: the engine's acceptance alarm was up for its weights)."""
+    and spec_accept_alarm (1.0: the engine's acceptance alarm was up for its weights).
+    `rollout_routed_experts` (--use-rollout-routing-replay): the engine's expert ids, int32
+    [len(tokens) - 1, num_hidden_layers, top_k]."""
 
     group_index: Optional[int] = None
     index: Optional[int] = None
@@ -49,6 +53,7 @@ class Sample:
     reward: Optional[float] = None
     loss_mask: Optional[list[int]] = None
     rollout_log_probs: Optional[list[float]] = None
+    rollout_routed_experts: Optional[torch.Tensor] = None
     status: Status = Status.PENDING
     weight_versions: list[str] = field(default_factory=list)
     spec_info: Optional[dict[str, float]] = None

@@ -22,4 +22,9 @@ def to_train_batch(groups: list[list[Sample]]) -> TrainBatch:
         loss_masks=[list(s.loss_mask) for s in samples],
         rollout_log_probs=[list(s.rollout_log_probs) for s in samples],
         n_samples_per_prompt=sizes.pop(),
+        rollout_routed_experts=(
+            [s.rollout_routed_experts for s in samples]
+            if all(s.rollout_routed_experts is not None for s in samples)
+            else None
+        ),
     )

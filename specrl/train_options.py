@@ -27,6 +27,7 @@ from specrl.slime_compat import SlimeCompatArgs, check_model_shape, check_slime_
 from trainer_bridge.loss import LossConfig
 from trainer_bridge.model_provider import read_model_config
 from trainer_bridge.options import TrainerArgs, check_mtp_num_layers
+from trainer_bridge.routing_replay import check_routing_replay
 from trainer_bridge.weight_sync import WeightSyncConfig
 
 ENGINE_PREFIX = "sglang-"
@@ -235,6 +236,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.num_steps_per_rollout is not None:
         args.global_batch_size = steps_to_global_batch(args)
     check_draft_training(args)
+    if args.use_rollout_routing_replay:  # as slime: the engines must report the routing
+        args.sglang_enable_return_routed_experts = True
     try:  # every options class validates itself now, before any engine or trainer starts
         args.options = Options(
             dataclass_from_args(
@@ -264,6 +267,8 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
         target = ModelConfig.from_pretrained(args.hf_checkpoint)
         check_model_shape(args, target)
         check_mtp_num_layers(args.mtp_num_layers, target.num_mtp_layers, args.hf_checkpoint)
+        if args.use_rollout_routing_replay:
+            check_routing_replay(target, args.hf_checkpoint)
         if not args.debug_rollout_only:  # a model the trainer cannot build fails here, not in Ray
             try:
                 read_model_config(target)

@@ -13,6 +13,7 @@ from spec_engine import Engine
 from specrl.tiny_models import add_mimo_mtp
 from tests.conftest import random_prompts
 from trainer_bridge.loss import LossConfig
+from trainer_bridge.mtp_loss import mtp_loss
 
 pytest.importorskip("megatron.core")
 
@@ -80,7 +81,7 @@ def test_mtp_loss_reaches_only_mtp_parameters(actor):
     actor.model.zero_grad_buffer()
     actor.model.train()
     _, hidden = actor._forward(tokens)
-    actor._mtp_loss(tokens, hidden, mask).backward()
+    mtp_loss(actor.gpt, actor.arch.vocab_size, tokens, hidden, mask).backward()
     grads = {
         n: p.main_grad.abs().sum().item()
         for n, p in actor.gpt.named_parameters()

@@ -19,11 +19,13 @@ import torch
 from torch import Tensor
 
 from trainer_bridge import loss as losses
-from trainer_bridge.batch import TrainBatch
+from trainer_bridge.batch import TrainBatch, pad_batch
 from trainer_bridge.draft_training import DraftLearningRate, set_trainable
 from trainer_bridge.loss import LossConfig
+from trainer_bridge.mtp_loss import mtp_loss
 from trainer_bridge.online_draft import OnlineDraft
 from trainer_bridge.options import TrainerArgs, check_mtp_num_layers
+from trainer_bridge.routing_replay import replay_config, replayed, routes_for
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class TrainActor:
         self.args, self.loss_cfg, self.temperature = args, loss_cfg or LossConfig(), temperature
         self.arch = read_model_config(args.hf_checkpoint)
         check_mtp_num_layers(args.mtp_num_layers, self.arch.num_mtp_layers, args.hf_checkpoint)
+        replay = replay_config(args, self.arch)
         if args.enable_mtp_training and not self.arch.num_mtp_layers:
             raise ValueError(
                 f"--enable-mtp-training needs a model with MTP layers; {args.hf_checkpoint} "
@@ -94,7 +97,9 @@ class TrainActor:
         self.dp_rank = rank // args.tensor_model_parallel_size
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.device = trainer_device()
-        model = build_gpt_model(args.hf_checkpoint, params_dtype=dtype, device=self.device)
+        model = build_gpt_model(
+            args.hf_checkpoint, params_dtype=dtype, device=self.device, **replay
+        )
         load_hf_weights(model, args.hf_checkpoint)
         set_trainable(model, self.arch.num_mtp_layers, args.enable_mtp_training)
         self.model = DistributedDataParallel(
@@ -122,7 +127,9 @@ class TrainActor:
         self.ref = None
         if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
             # The KL term's frozen reference: --ref-load, else the checkpoint the run started from.
-            self.ref = build_gpt_model(args.hf_checkpoint, params_dtype=dtype, device=self.device)
+            self.ref = build_gpt_model(  # replayed too: slime's reference routes as the rollout
+                args.hf_checkpoint, params_dtype=dtype, device=self.device, **replay
+            )
             self.ref.eval().requires_grad_(False)
             if args.ref_load is None:
                 load_mcore_state_dict(self.ref, model.state_dict())
@@ -150,76 +157,21 @@ class TrainActor:
         finally:
             model.mtp_process, model.config.mtp_num_layers = saved
 
-    def _forward(self, tokens: Tensor, reference: bool = False) -> tuple[Tensor, Tensor]:
+    def _forward(
+        self, tokens: Tensor, reference: bool = False, routes: Optional[Tensor] = None
+    ) -> tuple[Tensor, Tensor]:
         """(logits over the real vocabulary [b, s, V], trunk hidden states [s, b, h]) of the
-        policy, or of the frozen reference model."""
+        policy, or of the frozen reference model; MoE layers route to `routes` when given."""
         gpt, run = (self.ref, self.ref) if reference else (self.gpt, self.model)
         captured = []
         hook = gpt.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
         try:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-            with self._without_mtp(gpt):
+            with self._without_mtp(gpt), replayed(gpt, routes):
                 logits = run(tokens, positions, None, runtime_gather_output=True)
         finally:
             hook.remove()
         return logits[..., : self.arch.vocab_size], captured[0]
-
-    def _mtp_loss(self, tokens: Tensor, hidden: Tensor, mask: Tensor) -> Tensor:
-        """Cross-entropy of MTP layer 1 predicting token t + 2 at position t, on a detached trunk:
-        the embedding it reads, the hidden states it extends and the output head are constants."""
-        gpt = self.gpt
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-
-        def embed(input_ids: Tensor, position_ids: Tensor) -> Tensor:
-            return gpt.embedding(input_ids=input_ids, position_ids=position_ids).detach()
-
-        rotary = gpt.rotary_pos_emb(tokens.shape[1])
-        out = gpt.mtp(
-            input_ids=tokens,
-            position_ids=positions,
-            hidden_states=hidden.detach(),
-            attention_mask=None,
-            rotary_pos_emb=rotary,
-            embedding=embed,
-        )
-        mtp_hidden = torch.chunk(out, 1 + gpt.config.mtp_num_layers, dim=0)[1]
-        weight = (
-            gpt.shared_embedding_or_output_weight()
-            if gpt.share_embeddings_and_output_weights
-            else gpt.output_layer.weight
-        ).detach()
-        logits, _ = gpt.output_layer(mtp_hidden, weight=weight, runtime_gather_output=True)
-        logits = logits.transpose(0, 1)[:, :-2, : self.arch.vocab_size].float()
-        target = tokens[:, 2:]
-        m = mask[:, 1:].float()  # position t + 1 predicted at t: a response token
-        ce = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
-        ).view_as(target)
-        return (ce * m).sum() / m.sum().clamp(min=1)
-
-    def _pad(self, batch: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
-        """tokens [b, S] (right-padded with 0), mask [b, S-1] of response positions to score
-        (position t scores token t + 1), and rollout log-probs at the same positions; laid out on
-        the host, then moved to this rank's device in one copy each."""
-        width = max(len(t) for t in batch.tokens)
-        host = {"device": "cpu"}
-        tokens = torch.zeros(len(batch), width, dtype=torch.long, **host)
-        mask = torch.zeros(len(batch), width - 1, dtype=torch.float32, **host)
-        rollout = torch.zeros(len(batch), width - 1, dtype=torch.float32, **host)
-        for i, (seq, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
-            tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long, **host)
-            start = len(seq) - n - 1
-            if batch.loss_masks:
-                mask[i, start : start + n] = torch.tensor(
-                    batch.loss_masks[i], dtype=torch.float32, **host
-                )
-            else:
-                mask[i, start : start + n] = 1.0
-            if batch.rollout_log_probs is not None:
-                rollout[i, start : start + n] = torch.tensor(
-                    batch.rollout_log_probs[i], dtype=torch.float32, **host
-                )
-        return tokens.to(self.device), mask.to(self.device), rollout.to(self.device)
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, reference: bool = False) -> list[list[float]]:
@@ -229,8 +181,9 @@ class TrainActor:
         out = []
         for start in range(0, len(batch), self.args.micro_batch_size):
             part = batch.select(range(start, min(start + self.args.micro_batch_size, len(batch))))
-            tokens, _, _ = self._pad(part)
-            logits, _ = self._forward(tokens, reference)
+            tokens, _, _ = pad_batch(part, self.device)
+            routes = routes_for(self.args, part, tokens.shape[1], self.arch, self.device)
+            logits, _ = self._forward(tokens, reference, routes)
             logp = losses.token_log_probs(logits[:, :-1], tokens[:, 1:], self.temperature)
             for i, (seq, n) in enumerate(zip(part.tokens, part.response_lengths)):
                 out.append(logp[i, len(seq) - n - 1 : len(seq) - 1].tolist())
@@ -242,7 +195,7 @@ class TrainActor:
         """One rollout's RL update: old log-probs, advantages, then optimizer steps over
         global batches of micro batches. Returns slime's train/ metrics (means over steps)."""
         start = time.perf_counter()
-        tokens, mask, rollout = self._pad(batch)
+        tokens, mask, rollout = pad_batch(batch, self.device)
         share, rows = self._dp_share(batch)
         # The KL-shaped advantages of --kl-coef need every sequence's log-probs, not this rank's
         # share.
@@ -265,6 +218,7 @@ class TrainActor:
             batch.n_samples_per_prompt,
             kl=kl,
         )
+        routes = routes_for(self.args, batch, tokens.shape[1], self.arch, self.device)
         batch = share
         tokens, mask, rollout, advantages = (t[rows] for t in (tokens, mask, rollout, advantages))
         has_rollout = batch.rollout_log_probs is not None
@@ -290,7 +244,12 @@ class TrainActor:
             )
 
         return self._train_steps(
-            tokens, mask, rl_loss, start, per_token=self.loss_cfg.loss_agg_mode == "token-mean"
+            tokens,
+            mask,
+            rl_loss,
+            start,
+            per_token=self.loss_cfg.loss_agg_mode == "token-mean",
+            routes=None if routes is None else routes[rows],
         )
 
     def train_sft(self, batch: TrainBatch) -> dict[str, float]:
@@ -298,7 +257,7 @@ class TrainActor:
         MTP training is on) — the warm-up before RL."""
         start = time.perf_counter()
         batch, _ = self._dp_share(batch)
-        tokens, mask, _ = self._pad(batch)
+        tokens, mask, _ = pad_batch(batch, self.device)
 
         def sft_loss(
             sl: slice, logits: Tensor, normalizer: Optional[Tensor]
@@ -336,7 +295,13 @@ class TrainActor:
         return batch.select(rows), rows
 
     def _train_steps(
-        self, tokens: Tensor, mask: Tensor, loss_fn, start: float, per_token: bool
+        self,
+        tokens: Tensor,
+        mask: Tensor,
+        loss_fn,
+        start: float,
+        per_token: bool,
+        routes: Optional[Tensor] = None,
     ) -> dict[str, float]:
         """Optimizer steps over global batches; returns slime's train/ metrics (means over steps).
 
@@ -353,7 +318,8 @@ class TrainActor:
         self.model.train()
         for first in range(0, tokens.shape[0], step_size):
             rows = slice(first, min(first + step_size, tokens.shape[0]))
-            for k, v in self._optimizer_step(tokens, mask, rows, loss_fn, per_token).items():
+            step = self._optimizer_step(tokens, mask, rows, loss_fn, per_token, routes)
+            for k, v in step.items():
                 totals.setdefault(k, []).append(v)
         result = {f"train/{k}": sum(v) / len(v) for k, v in totals.items()}
         # train/entropy is the documented key (docs/design.md); slime names it entropy_loss.
@@ -363,7 +329,13 @@ class TrainActor:
         return result
 
     def _optimizer_step(
-        self, tokens: Tensor, mask: Tensor, rows: slice, loss_fn, per_token: bool
+        self,
+        tokens: Tensor,
+        mask: Tensor,
+        rows: slice,
+        loss_fn,
+        per_token: bool,
+        routes: Optional[Tensor],
     ) -> dict[str, float]:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -376,14 +348,16 @@ class TrainActor:
         sums: dict[str, float] = {}
         for first in range(rows.start, rows.stop, mbs):
             sl = slice(first, min(first + mbs, rows.stop))
-            logits, hidden = self._forward(tokens[sl])
+            logits, hidden = self._forward(
+                tokens[sl], routes=None if routes is None else routes[sl]
+            )
             loss, metrics = loss_fn(sl, logits, normalizer)
             share = (sl.stop - sl.start) / n  # micro batches add up to the step's mean
             self.online_draft.backward(tokens[sl], logits, mask[sl], share)
             weight = 1.0 if per_token else share  # per-token losses are partial sums already
             loss = loss * weight
             if self.args.enable_mtp_training:
-                mtp = self._mtp_loss(tokens[sl], hidden, mask[sl])
+                mtp = mtp_loss(self.gpt, self.arch.vocab_size, tokens[sl], hidden, mask[sl])
                 loss = loss + self.args.mtp_loss_scaling_factor * mtp * share
                 sums["mtp_loss"] = sums.get("mtp_loss", 0.0) + mtp.item() * share
             loss.backward()

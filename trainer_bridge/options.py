@@ -88,6 +88,22 @@ class TrainerArgs:
             "--bf16."
         },
     )
+    use_rollout_routing_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "slime's R3 (arxiv 2510.11370), MoE models: the engines report each token's "
+            "routed experts (--sglang-enable-return-routed-experts, set by this flag) and every "
+            "trainer forward (log-probs, train steps, the KL reference) routes each token to "
+            "them."
+        },
+    )
+    use_routing_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "slime's R2 (arxiv 2507.18071): implied by --use-rollout-routing-replay, as in "
+            "slime; alone (replaying the trainer's own old-log-prob routing) not implemented."
+        },
+    )
     ref_load: Optional[str] = field(
         default=None,
         metadata={
@@ -99,6 +115,14 @@ class TrainerArgs:
     )
 
     def __post_init__(self) -> None:
+        if self.use_rollout_routing_replay:
+            self.use_routing_replay = True  # slime's R3 implies its R2
+        elif self.use_routing_replay:
+            raise ValueError(
+                "--use-routing-replay alone (slime's R2: replaying the routing of the trainer's "
+                "own old-log-prob forward) is not implemented; use --use-rollout-routing-replay "
+                "(R3: the engines' routing)"
+            )
         if self.enable_draft_training:
             self._check_draft_training()
         for name in ("micro_batch_size", "tensor_model_parallel_size"):

@@ -1,0 +1,41 @@
+"""The MTP layers' online training loss (--enable-mtp-training)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def mtp_loss(gpt: Any, vocab_size: int, tokens: Tensor, hidden: Tensor, mask: Tensor) -> Tensor:
+    """Cross-entropy of MTP layer 1 predicting token t + 2 at position t, on a detached trunk:
+    the embedding it reads, the hidden states it extends and the output head are constants."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+
+    def embed(input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        return gpt.embedding(input_ids=input_ids, position_ids=position_ids).detach()
+
+    rotary = gpt.rotary_pos_emb(tokens.shape[1])
+    out = gpt.mtp(
+        input_ids=tokens,
+        position_ids=positions,
+        hidden_states=hidden.detach(),
+        attention_mask=None,
+        rotary_pos_emb=rotary,
+        embedding=embed,
+    )
+    mtp_hidden = torch.chunk(out, 1 + gpt.config.mtp_num_layers, dim=0)[1]
+    weight = (
+        gpt.shared_embedding_or_output_weight()
+        if gpt.share_embeddings_and_output_weights
+        else gpt.output_layer.weight
+    ).detach()
+    logits, _ = gpt.output_layer(mtp_hidden, weight=weight, runtime_gather_output=True)
+    logits = logits.transpose(0, 1)[:, :-2, :vocab_size].float()
+    target = tokens[:, 2:]
+    m = mask[:, 1:].float()  # position t + 1 predicted at t: a response token
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+    ).view_as(target)
+    return (ce * m).sum() / m.sum().clamp(min=1)
