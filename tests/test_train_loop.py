@@ -377,49 +377,40 @@ def test_moe_mtp_launcher_passes_flag_checks(model, arch, name, tmp_path):
         check_checkpoints(parse_args([*argv, "--tensor-model-parallel-size", "2"]))
 
 
-def test_dry_run_refuses_a_missing_draft_and_a_tree_too_big(task, tmp_path):
-    """--dry-run reads the draft's config and checks the tree against SGLang's limits."""
+def test_dry_run_refuses_a_missing_draft_and_a_tree_too_big(task, tmp_path, capsys):
+    """--dry-run reads the draft's config and checks the tree against SGLang's limits (the checks
+    scripts/train.py runs before Ray, called in-process)."""
+    from specrl.train_options import check_checkpoints, parse_args
+
     model, data = task
-    base = [sys.executable, "-m", "scripts.train", *base_args(model, data, str(tmp_path))]
-    missing = subprocess.run(
-        [
-            *base,
-            "--sglang-speculative-algorithm",
-            "STANDALONE",
-            "--sglang-speculative-draft-model-path",
-            str(tmp_path / "nowhere"),
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    base = base_args(model, data, str(tmp_path))
+
+    def refusal(*extra: str) -> str:
+        with pytest.raises(SystemExit) as exc:
+            check_checkpoints(parse_args([*base, *extra, "--dry-run"]))
+        return f"{exc.value} {capsys.readouterr().err}"
+
+    missing = refusal(
+        "--sglang-speculative-algorithm",
+        "STANDALONE",
+        "--sglang-speculative-draft-model-path",
+        str(tmp_path / "nowhere"),
     )
-    assert missing.returncode != 0 and "no config.json in" in missing.stderr
-    too_big = subprocess.run(
-        [
-            *base,
-            "--sglang-speculative-algorithm",
-            "EAGLE",
-            "--sglang-speculative-num-steps",
-            "2",
-            "--sglang-speculative-eagle-topk",
-            "2",
-            "--sglang-speculative-num-draft-tokens",
-            "8",
-            "--mtp-num-layers",
-            "1",
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    assert "no config.json in" in missing
+    too_big = refusal(
+        "--sglang-speculative-algorithm",
+        "EAGLE",
+        "--sglang-speculative-num-steps",
+        "2",
+        "--sglang-speculative-eagle-topk",
+        "2",
+        "--sglang-speculative-num-draft-tokens",
+        "8",
+        "--mtp-num-layers",
+        "1",
     )
-    assert too_big.returncode != 0
-    assert "--speculative-num-draft-tokens 8 exceeds the 7 tokens" in too_big.stderr
-    wrong_mtp = subprocess.run(
-        [*base, "--mtp-num-layers", "2", "--dry-run"], capture_output=True, text=True, timeout=120
-    )
-    assert wrong_mtp.returncode != 0 and "--mtp-num-layers 2:" in wrong_mtp.stderr
+    assert "--speculative-num-draft-tokens 8 exceeds the 7 tokens" in too_big
+    assert "--mtp-num-layers 2:" in refusal("--mtp-num-layers", "2")
 
 
 def test_colocate_refuses_nccl_weight_sync(task, tmp_path):
