@@ -35,7 +35,13 @@ from spec_engine.layers.norm import RMSNorm
 from spec_engine.layers.rotary import RotaryEmbedding
 from spec_engine.models.glm4_moe import make_moe
 from spec_engine.models.hf_config import ModelConfig
-from spec_engine.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, dense_mlp_spec
+from spec_engine.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    dense_mlp_spec,
+)
 from spec_engine.weights.loader import WeightSlot
 
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps,
@@ -122,8 +128,8 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(-1, nh * m.v_head_dim))
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    """Pre-norm decoder layer with MLA; `moe` decides the MLP (None: as the config places it)."""
+class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm layer with MLA; `moe` decides the MLP (None: as the config places it)."""
 
     def __init__(
         self,
@@ -133,31 +139,16 @@ class DeepseekV3DecoderLayer(nn.Module):
         moe: Optional[bool] = None,
         cache_layer: Optional[int] = None,
     ) -> None:
-        super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(h, eps)
         # `cache_layer`: the layer's index in its KV pool (an MTP draft keeps its own pool).
         cache = layer_id if cache_layer is None else cache_layer
-        self.self_attn = MLAttention(config, cache, rotary)
-        self.post_attention_layernorm = RMSNorm(h, eps)
         use_moe = config.moe.is_moe_layer(layer_id) if moe is None else moe
-        self.mlp = make_moe(config) if use_moe else LlamaMLP(config)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: Optional[torch.Tensor],
-        batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        super().__init__(
+            config,
+            layer_id,
+            rotary,
+            mlp=make_moe(config) if use_moe else LlamaMLP(config),
+            attn=MLAttention(config, cache, rotary),
+        )
 
 
 class DeepseekV3Model(LlamaModel):

@@ -95,13 +95,15 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         input_norm: bool = True,
         mlp: Optional[nn.Module] = None,
+        attn: Optional[nn.Module] = None,
     ) -> None:
         super().__init__()
         # EAGLE-2 drafts have no input norm on their first layer (its input is already mixed by fc).
         self.input_layernorm = (
             RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else None
         )
-        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        # MLA models (models/deepseek_v3.py) pass their own attention; the others use GQA.
+        self.self_attn = attn if attn is not None else LlamaAttention(config, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # A MoE model passes its own MLP (models/glm4_moe.py); dense models use SwiGLU.
         self.mlp = mlp if mlp is not None else LlamaMLP(config)
