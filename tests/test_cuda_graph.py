@@ -14,6 +14,7 @@ import torch
 
 from spec_engine import Engine
 from spec_engine.args.engine_args import EngineArgs
+from spec_engine.core import memory
 from spec_engine.runner.graph_runner import GraphRunner, capture_sizes, default_capture_sizes
 from spec_engine.runner.self_check import SelfCheckBatches
 from tests.conftest import random_prompts
@@ -290,12 +291,15 @@ def test_forward_reading_python_batch_state_fails_the_self_check(llama_path, mon
         )
 
 
-def test_replaced_tensors_are_caught_and_resume_recaptures(models):  # noqa: F811
+def test_replaced_tensors_are_caught_and_resume_recaptures(models, monkeypatch):  # noqa: F811
     """A graph keeps reading the tensors it was captured on: replacing the KV pool behind its back
     is caught at the next replay (with --cuda-graph-self-check); release/resume of memory, weight
     updates and the FR-Spec head refresh keep graphs valid (recapture / in-place updates), with
-    outputs equal to eager."""
+    outputs equal to eager. Each recapture takes a new memory pool (torch frees a pool whose
+    graphs are gone and asserts when a capture names it again)."""
     path, kwargs = spec_args(models, "eagle-frspec")
+    pools: list[object] = []
+    monkeypatch.setattr(memory, "new_pool", lambda device: pools.append(object()) or pools[-1])
     prompts = random_prompts(4, 6, 14, seed=5)
     params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
     head = "lm_head.weight"
@@ -321,6 +325,9 @@ def test_replaced_tensors_are_caught_and_resume_recaptures(models):  # noqa: F81
         for tags in (["kv_cache"], ["weights"], None):
             engine.release_memory_occupation(tags)
             engine.resume_memory_occupation(tags)
+            graphs = [g for r in engine.memory.runners for g in r.graphs]
+            assert len(graphs) >= 2 and all(g.pool is pools[-1] for g in graphs)
+        assert len(pools) == 3
         assert [
             o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)
         ] == want

@@ -4,6 +4,8 @@
 #   bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all
 #   bash scripts/gpu/runbook.sh lease   every step but loop in one 10-minute device call, each
 #                                       under its own time limit (the device tool's 15 minutes)
+#   bash scripts/gpu/runbook.sh recheck  a second lease: every GPU test (FlashInfer's too), the
+#                                       weight updates and the tiny RL loop, each time-limited
 # Results (logs, JSON, summary.md naming the device) go to $OUT (the device tool's), else to
 # docs/benchmarks/gpu_<device>/ to commit. Archives made by scripts/gpu/pack.sh in .gpu_pack/ are
 # unpacked first (a machine without internet); with internet, `pip install -e ".[gpu]"` instead.
@@ -112,6 +114,26 @@ step_lease() {  # one call: each step time-limited, the most telling first; <= 8
   fi
 }
 
+step_recheck() {  # one call after a lease's fixes: what it failed or left out; <= 8 files to $OUT
+  local out=${OUT:-}
+  RESULTS=/tmp/specrl-results
+  mkdir -p "$RESULTS"
+  step_env
+  timeout 280 python3 -m pytest tests/test_gpu.py -m gpu -q -rs -p no:cacheprovider 2>&1 \
+    | tee "$RESULTS/pytest_gpu.txt"
+  timeout 130 python3 -m scripts.bench_weight_sync --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --repeats 2 --work-dir "$WORK" --json "$RESULTS/weight_sync.json" 2>&1 \
+    | tee "$RESULTS/weight_sync.txt"
+  OUT="$WORK/tiny-gpu" timeout 130 bash scripts/run-tiny-cpu.sh --colocate --num-rollout 10 2>&1 \
+    | tee "$RESULTS/loop.txt"
+  step_summary
+  if [ -n "$out" ]; then
+    for f in env.txt pytest_gpu.txt weight_sync.json weight_sync.txt loop.txt summary.md; do
+      [ -e "$RESULTS/$f" ] && tail -c 200000 "$RESULTS/$f" > "$out/$f"
+    done
+  fi
+}
+
 setup
 case "${1:-all}" in
   env) step_env ;;
@@ -123,6 +145,7 @@ case "${1:-all}" in
   summary) step_summary ;;
   all) step_env; step_tests; step_decode; step_eagle3; step_weights; step_loop; step_summary ;;
   lease) step_lease ;;
-  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease" >&2
+  recheck) step_recheck ;;
+  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease|recheck" >&2
      exit 2 ;;
 esac

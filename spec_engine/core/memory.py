@@ -16,6 +16,7 @@ from typing import Optional
 
 from spec_engine.core.scheduler import Scheduler
 from spec_engine.runner.base import RunnerBase
+from spec_engine.runner.graph_capture import new_pool
 from spec_engine.weights.updater import WeightUpdater
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -94,15 +95,22 @@ class MemoryController:
         replaced = tags & self.released
         self.released -= tags
         if replaced and not self.released:
-            for runner in self.runners:
-                runner.capture_graphs()
+            self._capture_graphs()
 
     def recapture_graphs(self) -> None:
         """Capture every graph again (SGLang's recapture_cuda_graph), unless graphs or what they
         read are released: resuming captures them then."""
         if not self.released:
-            for runner in self.runners:
-                runner.capture_graphs()
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Capture every runner's graphs into one new memory pool: torch frees a pool whose graphs
+        are all gone and asserts when a capture names it again (seen on an H200 after a colocated
+        release and resume)."""
+        pool = new_pool(self.runners[0].device)
+        for runner in self.runners:
+            runner.graph_pool = pool
+            runner.capture_graphs()
 
     def _kv_pools(self) -> list:
         """Each KV pool once (a self-draft runs on the target's)."""
