@@ -41,7 +41,10 @@ _FROM_CONFIG = "read from --hf-checkpoint's config.json"
 _NO_RECOMPUTE = "specrl's trainer does not recompute activations (no memory saving flag yet)"
 _KERNELS = "specrl's trainer runs megatron-core's local layer spec; no kernel choice"
 _NO_PP = "pipeline parallelism is not implemented; use --tensor-model-parallel-size and DP"
-_NO_EP = "MoE training is not implemented (the engine serves GLM-4.5 MoE; the trainer is dense)"
+_NO_EP = (
+    "expert parallelism is not implemented: every trainer rank holds all experts (MoE models "
+    "train at TP 1); use 1"
+)
 _WANDB = "wandb runs offline under --output-dir with --wandb-project; other wandb options unused"
 _LOAD = (
     "--load resumes a run whole (policy, optimizer, RNG, data position); to start a new run from "

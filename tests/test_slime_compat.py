@@ -52,7 +52,7 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
     "extra,needle",
     [
         ("--pipeline-model-parallel-size 2", "pipeline parallelism is not implemented"),
-        ("--expert-model-parallel-size 8", "MoE training is not implemented"),
+        ("--expert-model-parallel-size 8", "expert parallelism is not implemented"),
         ("--lr-decay-style cosine", "the learning rate is constant"),
         ("--attention-dropout 0.1", "specrl trains without dropout"),
         ("--finetune", "export them with --save-hf and pass that as --hf-checkpoint"),
