@@ -315,17 +315,31 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
 
 
 def check_draft_training(args: argparse.Namespace) -> None:
-    """--enable-draft-training trains the engines' external EAGLE-3 draft: refuse the flags it
-    cannot go with yet, naming why."""
+    """--enable-draft-training trains the engines' external EAGLE-2 or EAGLE-3 draft: refuse the
+    algorithms and flags it cannot go with yet, naming why and what trains instead."""
     if not args.enable_draft_training:
         return
-    algorithm = args.sglang_speculative_algorithm
-    if (algorithm or "").upper() != "EAGLE3":
+    algorithm = (args.sglang_speculative_algorithm or "").upper()
+    if algorithm == "NEXTN":  # SGLang's alias, as the engine reads it
+        algorithm = "EAGLE"
+    draft = args.sglang_speculative_draft_model_path
+    why = None
+    if algorithm == "EAGLE" and draft is None:
+        why = (
+            f"{args.sglang_speculative_algorithm} without --sglang-speculative-draft-model-path "
+            "drafts with the model's MTP layers, which train with --enable-mtp-training"
+        )
+    elif algorithm == "STANDALONE":
+        why = "a STANDALONE draft (a small LM) does not train online yet; keep it frozen"
+    elif algorithm == "NGRAM":
+        why = "NGRAM drafts from an n-gram cache, with no model to train"
+    elif algorithm not in ("EAGLE", "EAGLE3"):
+        why = "no draft model runs"
+    if why is not None:
         raise SystemExit(
-            f"error: --enable-draft-training trains an EAGLE-3 draft, and "
-            f"--sglang-speculative-algorithm is {algorithm}: give EAGLE3 and its draft "
-            "(--sglang-speculative-draft-model-path); MTP layers train with "
-            "--enable-mtp-training, and EAGLE or STANDALONE drafts do not train online yet"
+            "error: --enable-draft-training trains an EAGLE-2 or EAGLE-3 draft, and "
+            f"--sglang-speculative-algorithm is {args.sglang_speculative_algorithm}: {why}; give "
+            "EAGLE or EAGLE3 with its draft (--sglang-speculative-draft-model-path)"
         )
     if args.debug_rollout_only:
         raise SystemExit(

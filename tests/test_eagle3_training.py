@@ -15,6 +15,7 @@ from trainer_bridge.eagle3_draft import Eagle3Draft, ttt_loss
 
 PROMPT = [17, 240, 33, 91, 5, 402, 77, 12, 300, 45, 8]
 DRAFT_VOCAB = 96
+DRAFT = ["--sglang-speculative-draft-model-path", "draft"]
 CPU = torch.device("cpu")
 
 
@@ -45,7 +46,8 @@ def engine(eagle3):
 
 def engine_draft_extend(engine: Engine) -> dict[str, torch.Tensor]:
     """Inputs and outputs of the engine's draft forward over PROMPT's prefill (the draft extend:
-    target features at each position with the next token's embedding)."""
+    target features at each position with the next token's embedding), logits through the head
+    the engine drafts with."""
     seen: dict[str, torch.Tensor] = {}
     runner = engine.scheduler.worker.draft
     forward = runner.model.draft_forward
@@ -56,8 +58,8 @@ def engine_draft_extend(engine: Engine) -> dict[str, torch.Tensor]:
             seen.update(
                 embeds=embeds.clone(),
                 positions=positions.clone(),
-                aux=hidden.clone(),
-                logits=runner.model.lm_head(to_logits).clone(),
+                features=hidden.clone(),
+                logits=runner.head(to_logits).clone(),
                 next=to_next.clone(),
             )
         return to_logits, to_next
@@ -77,7 +79,9 @@ def test_first_step_equals_the_engines_draft(eagle3, engine):
     draft = Eagle3Draft.from_pretrained(path, CPU)
     assert seen["positions"].tolist() == list(range(len(PROMPT)))
     with torch.no_grad():
-        logits, nxt = draft.step(seen["embeds"][None], seen["aux"][None], seen["positions"], [])
+        logits, nxt = draft.step(
+            seen["embeds"][None], seen["features"][None], seen["positions"], []
+        )
     torch.testing.assert_close(logits[0], seen["logits"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(nxt[0], seen["next"], atol=1e-5, rtol=1e-5)
 
@@ -128,7 +132,7 @@ def test_loss_falls_and_reaches_the_draft_only(eagle3, engine, tmp_path):
     engine.update_weights_from_disk(out, component="draft")
     seen = engine_draft_extend(engine)
     with torch.no_grad():
-        logits, _ = draft.step(seen["embeds"][None], seen["aux"][None], seen["positions"], [])
+        logits, _ = draft.step(seen["embeds"][None], seen["features"][None], seen["positions"], [])
     torch.testing.assert_close(logits[0], seen["logits"], atol=1e-5, rtol=1e-5)
     reloaded = Eagle3Draft.from_pretrained(out, CPU)
     for (name, a), (_, b) in zip(draft.state_dict().items(), reloaded.state_dict().items()):
@@ -188,7 +192,7 @@ def test_policy_features_match_the_engines_and_the_pushed_draft_lands(eagle3, en
         with torch.no_grad():
             actor._forward(torch.tensor([PROMPT], device="cpu"))
         features = actor.online_draft.capture.features()[0]
-        torch.testing.assert_close(features, seen["aux"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(features, seen["features"], atol=1e-4, rtol=1e-4)
 
         tokens = [PROMPT + [7 + i, 9, 11, 13, 15, 17] for i in range(4)]
         batch = TrainBatch(tokens, [6] * 4, [1.0, 0.0, 1.0, 0.0], n_samples_per_prompt=4)
@@ -266,10 +270,14 @@ def test_tiny_rl_run_trains_the_eagle3_draft(rl_task, tmp_path):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["--sglang-speculative-algorithm", "EAGLE"], "trains an EAGLE-3 draft"),
-        (["--sglang-speculative-algorithm", "EAGLE3", "--debug-rollout-only"], "has none"),
+        (["--sglang-speculative-algorithm", "EAGLE"], "which train with --enable-mtp-training"),
+        (["--sglang-speculative-algorithm", "NEXTN"], "which train with --enable-mtp-training"),
+        (["--sglang-speculative-algorithm", "STANDALONE", *DRAFT], "STANDALONE draft (a small"),
+        (["--sglang-speculative-algorithm", "NGRAM"], "NGRAM drafts from an n-gram cache"),
+        ([], "is None: no draft model runs"),
+        (["--sglang-speculative-algorithm", "EAGLE3", *DRAFT, "--debug-rollout-only"], "has none"),
         (
-            ["--sglang-speculative-algorithm", "EAGLE3", "--enable-mtp-training"],
+            ["--sglang-speculative-algorithm", "EAGLE3", *DRAFT, "--enable-mtp-training"],
             "--enable-mtp-training each train",
         ),
     ],
@@ -280,5 +288,18 @@ def test_draft_training_refuses_what_it_cannot_do(extra, needle, capsys):
     argv = ["--hf-checkpoint", "m", "--prompt-data", "d", "--rollout-batch-size", "1"]
     argv += ["--num-rollout", "1", "--output-dir", "o", "--enable-draft-training", *extra]
     with pytest.raises(SystemExit) as e:
-        parse_args(argv + ["--sglang-speculative-draft-model-path", "draft"])
-    assert needle in str(e.value) + capsys.readouterr().err
+        parse_args(argv)
+    message = str(e.value) + capsys.readouterr().err
+    assert needle in message
+    if "--sglang-speculative-algorithm" in extra and "EAGLE3" not in extra:
+        assert "give EAGLE or EAGLE3 with its draft" in message
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_draft_training_takes_eagle2_and_eagle3_drafts(algorithm):
+    from specrl.train_options import build_parser, check_draft_training
+
+    argv = ["--hf-checkpoint", "m", "--prompt-data", "d", "--rollout-batch-size", "1"]
+    argv += ["--num-rollout", "1", "--output-dir", "o", "--enable-draft-training"]
+    argv += ["--sglang-speculative-algorithm", algorithm, *DRAFT]
+    check_draft_training(build_parser().parse_args(argv))

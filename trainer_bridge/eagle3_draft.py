@@ -13,87 +13,21 @@ states at each position; `target_logits` [b, S, V] where position t predicts tok
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import shutil
 from collections.abc import Iterator
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from spec_engine.layers.norm import RMSNorm
 from spec_engine.layers.rotary import RotaryEmbedding
 from spec_engine.models.hf_config import ModelConfig
-from spec_engine.weights.loader import iterate_checkpoint
+from trainer_bridge.draft_layers import DraftAttention, DraftMLP, load_checkpoint, save_pretrained
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 # SpecForge's defaults (scripts/train_eagle3.py): 7 unrolled steps, step k weighted 0.8 ** k.
 TTT_LENGTH = 7
 STEP_DECAY = 0.8
-
-
-class _Attention(nn.Module):
-    """The midlayer's attention over 2H inputs, with SpecForge's training-time-test key cache:
-    step 0 attends causally over its own keys; step k's query at position t attends to step 0's
-    keys at positions <= t - k and, diagonally, to its own position's keys of steps 1..k."""
-
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, device: torch.device) -> None:
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = d
-        self.q_proj = nn.Linear(2 * h, self.heads * d, bias=config.qkv_bias, device=device)
-        self.k_proj = nn.Linear(2 * h, self.kv_heads * d, bias=config.qkv_bias, device=device)
-        self.v_proj = nn.Linear(2 * h, self.kv_heads * d, bias=config.qkv_bias, device=device)
-        self.o_proj = nn.Linear(self.heads * d, h, bias=config.o_bias, device=device)
-        self.rotary = rotary
-
-    def forward(self, x: Tensor, positions: Tensor, cache: list[tuple[Tensor, Tensor]]) -> Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b * s, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b * s, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
-        q, k = self.rotary(positions.repeat(b), q, k)
-        group = self.heads // self.kv_heads
-
-        def heads_first(t: Tensor) -> Tensor:  # [b, s, kv, d] -> [b, heads, s, d]
-            return (
-                t.view(b, s, self.kv_heads, self.head_dim)
-                .repeat_interleave(group, 2)
-                .transpose(1, 2)
-            )
-
-        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        cache.append((heads_first(k), heads_first(v)))
-        step = len(cache) - 1
-        scale = 1.0 / math.sqrt(self.head_dim)
-        k0, v0 = cache[0]
-        rows = torch.arange(s, device=x.device)
-        visible = rows[None, :] <= rows[:, None] - step
-        scores = (q @ k0.transpose(2, 3)) * scale
-        scores = scores.masked_fill(~visible, float("-inf"))
-        diagonal = [(q * kj).sum(-1, keepdim=True) * scale for kj, _ in cache[1:]]
-        probs = torch.softmax(torch.cat([scores, *diagonal], -1).float(), -1).to(q.dtype)
-        out = probs[..., :s] @ v0
-        for j, (_, vj) in enumerate(cache[1:]):
-            out = out + probs[..., s + j, None] * vj
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class _MLP(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device) -> None:
-        super().__init__()
-        h, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, inter, bias=bias, device=device)
-        self.up_proj = nn.Linear(h, inter, bias=bias, device=device)
-        self.down_proj = nn.Linear(inter, h, bias=bias, device=device)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class _MidLayer(nn.Module):
@@ -110,9 +44,9 @@ class _MidLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(h, eps).to(device)
         self.hidden_norm = RMSNorm(h, eps).to(device)
-        self.self_attn = _Attention(config, rotary, device)
+        self.self_attn = DraftAttention(config, rotary, device, in_features=2 * h)
         self.post_attention_layernorm = RMSNorm(h, eps).to(device)
-        self.mlp = _MLP(config, device)
+        self.mlp = DraftMLP(config, device)
 
 
 class Eagle3Draft(nn.Module):
@@ -145,24 +79,8 @@ class Eagle3Draft(nn.Module):
     def from_pretrained(cls, path: str, device: torch.device) -> Eagle3Draft:
         """The draft in `path` (float32: its optimizer steps these weights directly)."""
         model = cls(ModelConfig.from_pretrained(path), device)
-        own = model.state_dict()
-        found = set()
-        for name, tensor in iterate_checkpoint(path):
-            if name == "embed_tokens.weight":  # a frozen copy of the target's; unused
-                continue
-            if name not in own:
-                raise ValueError(f"{path}: unexpected EAGLE-3 draft tensor {name!r}")
-            if tuple(tensor.shape) != tuple(own[name].shape):
-                raise ValueError(
-                    f"{path}: {name} has shape {tuple(tensor.shape)}, the config gives "
-                    f"{tuple(own[name].shape)}"
-                )
-            with torch.no_grad():
-                own[name].copy_(tensor.to(own[name].dtype))
-            found.add(name)
-        missing = sorted(set(own) - found - {"t2d"})
-        if missing:
-            raise ValueError(f"{path}: the EAGLE-3 draft checkpoint lacks {missing}")
+        # embed_tokens: a frozen copy of the target's, unused.
+        found = load_checkpoint(model, path, "EAGLE-3", {"embed_tokens.weight"}, {"t2d"})
         if "t2d" not in found:  # SGLang ignores t2d; rebuilt from d2t, which it reads
             model.t2d.index_fill_(0, model.hot_token_ids(), True)
         return model
@@ -196,10 +114,7 @@ class Eagle3Draft(nn.Module):
 
     def save_pretrained(self, path: str, like: str) -> None:
         """A checkpoint directory the engine loads: `like`'s config.json and these weights."""
-        os.makedirs(path, exist_ok=True)
-        shutil.copy(os.path.join(like, "config.json"), os.path.join(path, "config.json"))
-        tensors = {n: t.detach().contiguous().cpu() for n, t in self.hf_named_tensors()}
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        save_pretrained(self, path, like)
 
 
 def _shift(x: Tensor, k: int) -> Tensor:
@@ -253,20 +168,3 @@ def ttt_loss(
         per_step.append(loss)
         total = loss if total is None else total + STEP_DECAY**k * loss
     return total, per_step
-
-
-def load_draft(path: Optional[str], device: torch.device) -> Eagle3Draft:
-    """The EAGLE-3 draft at `path` (--sglang-speculative-draft-model-path)."""
-    if path is None or not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(
-            f"--enable-draft-training needs the EAGLE-3 draft checkpoint the engines load "
-            f"(--sglang-speculative-draft-model-path); got {path!r}"
-        )
-    with open(os.path.join(path, "config.json")) as f:
-        archs = json.load(f).get("architectures") or []
-    if EAGLE3_ARCHITECTURE not in archs:
-        raise ValueError(
-            f"--enable-draft-training trains {EAGLE3_ARCHITECTURE} drafts only; {path} is "
-            f"{archs or 'unknown'}"
-        )
-    return Eagle3Draft.from_pretrained(path, device)

@@ -64,11 +64,13 @@ class TrainerArgs:
     enable_draft_training: bool = field(
         default=False,
         metadata={
-            "help": "Train the engines' external EAGLE-3 draft (--sglang-speculative-draft-model-"
-            "path) online: SpecForge's training-time-test loss on the policy's hidden states and "
-            "logits in each train step, its own Adam at --draft-lr; its weights are pushed with "
-            "the policy's. --sglang-speculative-algorithm EAGLE3 only; one trainer rank; not with "
-            "--bf16 yet."
+            "help": "Train the engines' external draft (--sglang-speculative-draft-model-path) "
+            "online on the policy's hidden states and logits in each train step, with its own "
+            "Adam at --draft-lr; its weights are pushed with the policy's. EAGLE-3 "
+            "(--sglang-speculative-algorithm EAGLE3): SpecForge's training-time-test loss; "
+            "EAGLE-2 (EAGLE with a LlamaForCausalLMEagle draft): EAGLE's feature regression + "
+            "0.1 x cross-entropy through the policy's head. One trainer rank; not with --bf16 "
+            "yet."
         },
     )
     draft_checkpoint: Optional[str] = field(
@@ -83,7 +85,7 @@ class TrainerArgs:
         default=None,
         metadata={
             "help": "Learning rate of the draft trained online (the MTP layers with "
-            "--enable-mtp-training, the EAGLE-3 draft with --enable-draft-training): a draft may "
+            "--enable-mtp-training, the EAGLE-2/3 draft with --enable-draft-training): a draft may "
             "need to move faster than the policy to keep up with it. Default: --lr. Not with "
             "--bf16."
         },
@@ -141,7 +143,7 @@ class TrainerArgs:
                 raise ValueError(
                     "--draft-lr sets the learning rate of the draft trained online; add "
                     "--enable-mtp-training (the model's MTP layers) or --enable-draft-training "
-                    "(an external EAGLE-3 draft)"
+                    "(an external EAGLE-2 or EAGLE-3 draft)"
                 )
             if self.bf16:
                 raise ValueError(
@@ -154,7 +156,7 @@ class TrainerArgs:
         if self.enable_mtp_training:
             raise ValueError(
                 "--enable-draft-training and --enable-mtp-training each train the draft the "
-                "engines use (an external EAGLE-3 draft, the model's MTP layers); give the one "
+                "engines use (an external EAGLE-2/3 draft, the model's MTP layers); give the one "
                 "matching --sglang-speculative-algorithm"
             )
         if self.bf16:
@@ -165,7 +167,7 @@ class TrainerArgs:
             )
         if self.draft_checkpoint is None:
             raise ValueError(
-                "--enable-draft-training trains the engines' EAGLE-3 draft: give its checkpoint "
+                "--enable-draft-training trains the engines' EAGLE-2/3 draft: give its checkpoint "
                 "(--sglang-speculative-draft-model-path)"
             )
 
