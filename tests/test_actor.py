@@ -14,6 +14,7 @@ from specrl.tiny_models import add_mimo_mtp
 from tests.conftest import random_prompts
 from trainer_bridge.loss import LossConfig
 from trainer_bridge.mtp_loss import mtp_loss
+from trainer_bridge.packing import PaddedMicroBatch
 
 pytest.importorskip("megatron.core")
 
@@ -80,8 +81,9 @@ def test_mtp_loss_reaches_only_mtp_parameters(actor):
     mask[:, 4:] = 1
     actor.model.zero_grad_buffer()
     actor.model.train()
-    _, hidden = actor._forward(tokens)
-    mtp_loss(actor.gpt, actor.arch.vocab_size, tokens, hidden, mask).backward()
+    batch = PaddedMicroBatch(tokens)
+    _, hidden = actor._forward(batch)
+    mtp_loss(actor.gpt, actor.arch.vocab_size, batch, hidden, mask).backward()
     grads = {
         n: p.main_grad.abs().sum().item()
         for n, p in actor.gpt.named_parameters()

@@ -12,6 +12,7 @@ import torch
 from spec_engine import Engine
 from specrl.tiny_models import build_eagle_draft
 from trainer_bridge.eagle3_draft import Eagle3Draft, ttt_loss
+from trainer_bridge.packing import PaddedMicroBatch
 
 PROMPT = [17, 240, 33, 91, 5, 402, 77, 12, 300, 45, 8]
 DRAFT_VOCAB = 96
@@ -190,7 +191,7 @@ def test_policy_features_match_the_engines_and_the_pushed_draft_lands(eagle3, en
     actor = TrainActor(args)
     try:
         with torch.no_grad():
-            actor._forward(torch.tensor([PROMPT], device="cpu"))
+            actor._forward(PaddedMicroBatch(torch.tensor([PROMPT], device="cpu")))
         features = actor.online_draft.capture.features()[0]
         torch.testing.assert_close(features, seen["features"], atol=1e-4, rtol=1e-4)
 

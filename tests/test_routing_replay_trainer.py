@@ -161,10 +161,11 @@ def test_replay_overrides_a_router_that_disagrees(actor, batch):
         )
     try:
         from trainer_bridge.batch import pad_batch
+        from trainer_bridge.packing import PaddedMicroBatch
 
         tokens, _, _ = pad_batch(train_batch, actor.device)
         with _Routing(actor.gpt) as own, torch.no_grad():
-            actor._forward(tokens)
+            actor._forward(PaddedMicroBatch(tokens))
         assert_engine_routing(own.forwards(), train_batch, experts, equal=False)
         with _Routing(actor.gpt) as replay:
             actor.compute_log_probs(train_batch)

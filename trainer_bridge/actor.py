@@ -25,6 +25,7 @@ from trainer_bridge.loss import LossConfig
 from trainer_bridge.mtp_loss import mtp_loss
 from trainer_bridge.online_draft import OnlineDraft
 from trainer_bridge.options import TrainerArgs, check_mtp_num_layers
+from trainer_bridge.packing import MicroBatch, micro_batch
 from trainer_bridge.routing_replay import replay_config, replayed, routes_for
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
@@ -97,8 +98,9 @@ class TrainActor:
         self.dp_rank = rank // args.tensor_model_parallel_size
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.device = trainer_device()
+        packed = args.qkv_format == "thd"
         model = build_gpt_model(
-            args.hf_checkpoint, params_dtype=dtype, device=self.device, **replay
+            args.hf_checkpoint, params_dtype=dtype, device=self.device, packed=packed, **replay
         )
         load_hf_weights(model, args.hf_checkpoint)
         set_trainable(model, self.arch.num_mtp_layers, args.enable_mtp_training)
@@ -128,7 +130,7 @@ class TrainActor:
         if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
             # The KL term's frozen reference: --ref-load, else the checkpoint the run started from.
             self.ref = build_gpt_model(  # replayed too: slime's reference routes as the rollout
-                args.hf_checkpoint, params_dtype=dtype, device=self.device, **replay
+                args.hf_checkpoint, params_dtype=dtype, device=self.device, packed=packed, **replay
             )
             self.ref.eval().requires_grad_(False)
             if args.ref_load is None:
@@ -157,18 +159,31 @@ class TrainActor:
         finally:
             model.mtp_process, model.config.mtp_num_layers = saved
 
+    def _micro_batch(self, tokens: Tensor, lengths: list[int]) -> MicroBatch:
+        """Padded `tokens` [b, S] (row i holding lengths[i] tokens) in --qkv-format's layout."""
+        return micro_batch(
+            tokens, lengths, self.args.qkv_format, self.args.tensor_model_parallel_size
+        )
+
     def _forward(
-        self, tokens: Tensor, reference: bool = False, routes: Optional[Tensor] = None
+        self, batch: MicroBatch, reference: bool = False, routes: Optional[Tensor] = None
     ) -> tuple[Tensor, Tensor]:
         """(logits over the real vocabulary [b, s, V], trunk hidden states [s, b, h]) of the
-        policy, or of the frozen reference model; MoE layers route to `routes` when given."""
+        policy, or of the frozen reference model, in `batch`'s layout (packed: b = 1, s = T);
+        MoE layers route to `routes` [b, S, MoE layers, top_k] (padded layout) when given."""
         gpt, run = (self.ref, self.ref) if reference else (self.gpt, self.model)
         captured = []
         hook = gpt.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
         try:
-            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+            routes = None if routes is None else batch.pack(routes)
             with self._without_mtp(gpt), replayed(gpt, routes):
-                logits = run(tokens, positions, None, runtime_gather_output=True)
+                logits = run(
+                    batch.tokens,
+                    batch.position_ids,
+                    None,
+                    packed_seq_params=batch.packed_seq_params,
+                    runtime_gather_output=True,
+                )
         finally:
             hook.remove()
         return logits[..., : self.arch.vocab_size], captured[0]
@@ -183,8 +198,11 @@ class TrainActor:
             part = batch.select(range(start, min(start + self.args.micro_batch_size, len(batch))))
             tokens, _, _ = pad_batch(part, self.device)
             routes = routes_for(self.args, part, tokens.shape[1], self.arch, self.device)
-            logits, _ = self._forward(tokens, reference, routes)
-            logp = losses.token_log_probs(logits[:, :-1], tokens[:, 1:], self.temperature)
+            mb = self._micro_batch(tokens, [len(seq) for seq in part.tokens])
+            logits, _ = self._forward(mb, reference, routes)
+            logp = mb.unpack(
+                losses.token_log_probs(logits[:, :-1], mb.tokens[:, 1:], self.temperature), 1
+            )
             for i, (seq, n) in enumerate(zip(part.tokens, part.response_lengths)):
                 out.append(logp[i, len(seq) - n - 1 : len(seq) - 1].tolist())
         return out
@@ -224,10 +242,13 @@ class TrainActor:
         has_rollout = batch.rollout_log_probs is not None
 
         def rl_loss(
-            sl: slice, logits: Tensor, normalizer: Optional[Tensor]
+            sl: slice, mb: MicroBatch, logits: Tensor, normalizer: Optional[Tensor]
         ) -> tuple[Tensor, dict[str, Tensor]]:
-            logp, entropy = losses.log_probs_and_entropy(
-                logits[:, :-1], tokens[sl, 1:], self.temperature
+            logp, entropy = (
+                mb.unpack(x, 1)
+                for x in losses.log_probs_and_entropy(
+                    logits[:, :-1], mb.tokens[:, 1:], self.temperature
+                )
             )
             if not self.loss_cfg.entropy_coef:
                 entropy = entropy.detach()  # logged as train/entropy only
@@ -245,6 +266,7 @@ class TrainActor:
 
         return self._train_steps(
             tokens,
+            [len(seq) for seq in batch.tokens],
             mask,
             rl_loss,
             start,
@@ -260,13 +282,14 @@ class TrainActor:
         tokens, mask, _ = pad_batch(batch, self.device)
 
         def sft_loss(
-            sl: slice, logits: Tensor, normalizer: Optional[Tensor]
+            sl: slice, mb: MicroBatch, logits: Tensor, normalizer: Optional[Tensor]
         ) -> tuple[Tensor, dict[str, Tensor]]:
-            logp = losses.token_log_probs(logits[:, :-1], tokens[sl, 1:])
+            logp = mb.unpack(losses.token_log_probs(logits[:, :-1], mb.tokens[:, 1:]), 1)
             loss = -(logp * mask[sl]).sum() / normalizer
             return loss, {"loss": loss.detach()}
 
-        return self._train_steps(tokens, mask, sft_loss, start, per_token=True)
+        lengths = [len(seq) for seq in batch.tokens]
+        return self._train_steps(tokens, lengths, mask, sft_loss, start, per_token=True)
 
     def _logp_matrix(self, batch: TrainBatch, width: int, reference: bool = False) -> Tensor:
         """compute_log_probs laid out like _pad's mask ([len(batch), width]; position t scores
@@ -297,6 +320,7 @@ class TrainActor:
     def _train_steps(
         self,
         tokens: Tensor,
+        lengths: list[int],
         mask: Tensor,
         loss_fn,
         start: float,
@@ -305,10 +329,11 @@ class TrainActor:
     ) -> dict[str, float]:
         """Optimizer steps over global batches; returns slime's train/ metrics (means over steps).
 
-        `loss_fn(rows, logits, normalizer)`: with `per_token` the loss is a sum over tokens divided
-        by `normalizer` (the step's token count over all data-parallel ranks / dp size, so DDP's
-        averaging gives the global token mean); otherwise a mean over the micro batch's sequences
-        (normalizer None), weighted here by the micro batch's share of the step."""
+        `loss_fn(rows, micro batch, logits, normalizer)`: with `per_token` the loss is a sum over
+        tokens divided by `normalizer` (the step's token count over all data-parallel ranks / dp
+        size, so DDP's averaging gives the global token mean); otherwise a mean over the micro
+        batch's sequences (normalizer None), weighted here by the micro batch's share of the
+        step."""
         step_size = (
             self.args.global_batch_size // self.dp_size
             if self.args.global_batch_size
@@ -318,7 +343,7 @@ class TrainActor:
         self.model.train()
         for first in range(0, tokens.shape[0], step_size):
             rows = slice(first, min(first + step_size, tokens.shape[0]))
-            step = self._optimizer_step(tokens, mask, rows, loss_fn, per_token, routes)
+            step = self._optimizer_step(tokens, lengths, mask, rows, loss_fn, per_token, routes)
             for k, v in step.items():
                 totals.setdefault(k, []).append(v)
         result = {f"train/{k}": sum(v) / len(v) for k, v in totals.items()}
@@ -331,6 +356,7 @@ class TrainActor:
     def _optimizer_step(
         self,
         tokens: Tensor,
+        lengths: list[int],
         mask: Tensor,
         rows: slice,
         loss_fn,
@@ -348,16 +374,15 @@ class TrainActor:
         sums: dict[str, float] = {}
         for first in range(rows.start, rows.stop, mbs):
             sl = slice(first, min(first + mbs, rows.stop))
-            logits, hidden = self._forward(
-                tokens[sl], routes=None if routes is None else routes[sl]
-            )
-            loss, metrics = loss_fn(sl, logits, normalizer)
+            mb = self._micro_batch(tokens[sl], lengths[sl])
+            logits, hidden = self._forward(mb, routes=None if routes is None else routes[sl])
+            loss, metrics = loss_fn(sl, mb, logits, normalizer)
             share = (sl.stop - sl.start) / n  # micro batches add up to the step's mean
             self.online_draft.backward(tokens[sl], logits, mask[sl], share)
             weight = 1.0 if per_token else share  # per-token losses are partial sums already
             loss = loss * weight
             if self.args.enable_mtp_training:
-                mtp = mtp_loss(self.gpt, self.arch.vocab_size, tokens[sl], hidden, mask[sl])
+                mtp = mtp_loss(self.gpt, self.arch.vocab_size, mb, hidden, mask[sl])
                 loss = loss + self.args.mtp_loss_scaling_factor * mtp * share
                 sums["mtp_loss"] = sums.get("mtp_loss", 0.0) + mtp.item() * share
             loss.backward()

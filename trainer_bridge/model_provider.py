@@ -153,10 +153,12 @@ def build_gpt_model(
     post_process: bool = True,
     parallel_output: bool = True,
     device: Optional[torch.device] = None,
+    packed: bool = False,
     **config_overrides: Any,
 ) -> GPTModel:
     """A randomly initialised GPTModel for this rank of the current megatron parallel state, on
-    `device` (default: trainer_device()).
+    `device` (default: trainer_device()); `packed`: its attention takes packed sequences
+    (--qkv-format thd, see trainer_bridge.packed_attention).
 
     Needs `megatron_compat.init_model_parallel()` (or an equivalent set-up) first; TP/PP sizes
     come from megatron's parallel_state. Load weights with `trainer_bridge.convert`.
@@ -179,6 +181,12 @@ def build_gpt_model(
         layer_spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization="RMSNorm"
         )
+    if packed:
+        from trainer_bridge.packed_attention import with_packed_attention
+        from trainer_bridge.thd_ops import use_vectorized_thd_ops
+
+        layer_spec = with_packed_attention(layer_spec, config)  # before the MTP layers copy it
+        use_vectorized_thd_ops()
     mtp_spec = None
     if arch.num_mtp_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)

@@ -7,22 +7,28 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainer_bridge.packing import MicroBatch
 
-def mtp_loss(gpt: Any, vocab_size: int, tokens: Tensor, hidden: Tensor, mask: Tensor) -> Tensor:
+
+def mtp_loss(gpt: Any, vocab_size: int, batch: MicroBatch, hidden: Tensor, mask: Tensor) -> Tensor:
     """Cross-entropy of MTP layer 1 predicting token t + 2 at position t, on a detached trunk:
-    the embedding it reads, the hidden states it extends and the output head are constants."""
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    the embedding it reads, the hidden states it extends and the output head are constants.
+    `hidden`: the trunk's output in `batch`'s layout; `mask` [b, S - 1]: the scored positions in
+    the padded layout (position t scores token t + 1). Packed, megatron's MTP block rolls the
+    tokens within each sequence (cu_seqlens), so no sequence predicts from the next one."""
+    packed = batch.packed_seq_params
 
     def embed(input_ids: Tensor, position_ids: Tensor) -> Tensor:
         return gpt.embedding(input_ids=input_ids, position_ids=position_ids).detach()
 
-    rotary = gpt.rotary_pos_emb(tokens.shape[1])
+    rotary = gpt.rotary_pos_emb(batch.rotary_seq_len, packed_seq=packed is not None)
     out = gpt.mtp(
-        input_ids=tokens,
-        position_ids=positions,
+        input_ids=batch.tokens,
+        position_ids=batch.position_ids,
         hidden_states=hidden.detach(),
         attention_mask=None,
         rotary_pos_emb=rotary,
+        packed_seq_params=packed,
         embedding=embed,
     )
     mtp_hidden = torch.chunk(out, 1 + gpt.config.mtp_num_layers, dim=0)[1]
@@ -33,9 +39,10 @@ def mtp_loss(gpt: Any, vocab_size: int, tokens: Tensor, hidden: Tensor, mask: Te
     ).detach()
     logits, _ = gpt.output_layer(mtp_hidden, weight=weight, runtime_gather_output=True)
     logits = logits.transpose(0, 1)[:, :-2, :vocab_size].float()
-    target = tokens[:, 2:]
-    m = mask[:, 1:].float()  # position t + 1 predicted at t: a response token
+    target = batch.tokens[:, 2:]
     ce = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
     ).view_as(target)
+    ce = batch.unpack(ce, 2)  # [b, S - 2]: position t predicting token t + 2
+    m = mask[:, 1:].float()  # position t + 1 predicted at t: a response token
     return (ce * m).sum() / m.sum().clamp(min=1)

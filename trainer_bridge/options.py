@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+QKV_FORMATS = ("thd", "bshd")
+
 
 @dataclass
 class TrainerArgs:
@@ -25,6 +27,16 @@ class TrainerArgs:
     global_batch_size: Optional[int] = field(
         default=None,
         metadata={"help": "Sequences per optimizer step (default: a whole rollout in one step)."},
+    )
+    qkv_format: str = field(
+        default="bshd",
+        metadata={
+            "choices": QKV_FORMATS,
+            "help": "Micro-batch layout (slime's flag): thd packs a micro batch's sequences "
+            "into one row (cu_seqlens, megatron's PackedSeqParams), so no padding token is "
+            "computed; bshd right-pads them to the longest. Default bshd (slime's is thd). Not "
+            "with --enable-draft-training.",
+        },
     )
     tensor_model_parallel_size: int = field(
         default=1, metadata={"help": "Megatron tensor parallel size."}
@@ -125,6 +137,10 @@ class TrainerArgs:
                 "own old-log-prob forward) is not implemented; use --use-rollout-routing-replay "
                 "(R3: the engines' routing)"
             )
+        if self.qkv_format not in QKV_FORMATS:
+            raise ValueError(
+                f"--qkv-format must be one of {', '.join(QKV_FORMATS)}; got {self.qkv_format!r}"
+            )
         if self.enable_draft_training:
             self._check_draft_training()
         for name in ("micro_batch_size", "tensor_model_parallel_size"):
@@ -158,6 +174,12 @@ class TrainerArgs:
                 "--enable-draft-training and --enable-mtp-training each train the draft the "
                 "engines use (an external EAGLE-2/3 draft, the model's MTP layers); give the one "
                 "matching --sglang-speculative-algorithm"
+            )
+        if self.qkv_format == "thd":
+            raise ValueError(
+                "--enable-draft-training with --qkv-format thd is not implemented: the online "
+                "draft trains on the policy's [batch, sequence] hidden states and logits, which "
+                "a packed micro batch does not have; use --qkv-format bshd"
             )
         if self.bf16:
             raise ValueError(

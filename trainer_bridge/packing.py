@@ -1,0 +1,107 @@
+"""One micro batch as the model takes it: padded (bshd, [b, S] right-padded rows) or packed (thd:
+the sequences concatenated into one row of T tokens, --qkv-format thd), and the way back from the
+model's per-token outputs to the padded layout [b, S - shift] every loss is written for.
+
+Packing follows slime (backends/megatron_utils/data.py): `cu_seqlens` int32 over the
+sequences, the pack padded to a multiple of the tensor-parallel size with the padding as one more
+sequence, PackedSeqParams(qkv_format="thd"), batch dimension 1. Megatron restarts rotary
+positions at every cu_seqlens boundary, its MTP block rolls tokens within each sequence, and the
+core attention keeps each sequence to itself (trainer_bridge.packed_attention).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from trainer_bridge.thd_ops import positions_in_sequence
+
+
+class PaddedMicroBatch:
+    """bshd: `tokens` [b, S] as pad_batch lays them out, positions 0..S-1 on every row."""
+
+    packed_seq_params = None
+
+    def __init__(self, tokens: Tensor) -> None:
+        self.tokens = tokens
+        self.position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        self.rotary_seq_len = tokens.shape[1]
+
+    def pack(self, values: Tensor) -> Tensor:
+        """Per-token `values` [b, S, ...] in the model's layout (here: as they are)."""
+        return values
+
+    def unpack(self, values: Tensor, shift: int) -> Tensor:
+        """Per-token `values` [b, S - shift] computed at positions t predicting token t + shift,
+        in the padded layout (here: as they are)."""
+        return values
+
+
+class PackedMicroBatch:
+    """thd: the sequences of padded `tokens` [b, S] (row i holding lengths[i] tokens)
+    concatenated into `tokens` [1, T], T the total length rounded up to `pad_multiple`."""
+
+    def __init__(self, tokens: Tensor, lengths: list[int], pad_multiple: int) -> None:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        device = tokens.device
+        width = tokens.shape[1]
+        total = sum(lengths)
+        self._pad = -total % pad_multiple
+        seqlens = lengths + ([self._pad] if self._pad else [])
+        columns = torch.arange(width, device=device)
+        self._lengths = torch.tensor(lengths, dtype=torch.long, device=device)
+        self._valid = columns < self._lengths[:, None]  # [b, S]: a token of row i
+        # int32 on the model's device, as TE's fused THD kernels take them.
+        cu_seqlens = torch.tensor(
+            [0, *itertools.accumulate(seqlens)], dtype=torch.int32, device=device
+        )
+        starts = cu_seqlens[: len(lengths)].long()
+        self._index = starts[:, None] + columns  # [b, S]: where (row, column) lands in the pack
+        self.tokens = self.pack(tokens)
+        # Megatron's rope and MTP roll read cu_seqlens; positions restart per sequence as well
+        # for any module that reads position_ids.
+        self.position_ids = positions_in_sequence(cu_seqlens)[None]
+        self.rotary_seq_len = max(seqlens)
+        self.packed_seq_params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=self.rotary_seq_len,
+            max_seqlen_kv=self.rotary_seq_len,
+        )
+
+    def pack(self, values: Tensor) -> Tensor:
+        """Per-token `values` [b, S, ...] of the padded rows -> [1, T, ...]; the padding
+        sequence repeats the last token's row (any valid token ids or routed experts do: no
+        loss reads it)."""
+        rows = values[self._valid]
+        if self._pad:
+            rows = torch.cat([rows, rows[-1:].expand(self._pad, *rows.shape[1:])])
+        return rows[None]
+
+    def unpack(self, values: Tensor, shift: int) -> Tensor:
+        """Per-token `values` [1, T - shift] computed at pack positions p predicting token
+        p + shift -> the padded layout [b, S - shift], zero where the predicted token is not in
+        the same sequence (past its end, or in the next sequence of the pack)."""
+        width = self._index.shape[1] - shift
+        inside = torch.arange(width, device=values.device) + shift < self._lengths[:, None]
+        picked = values[0][self._index[:, :width].clamp(max=values.shape[1] - 1)]
+        return torch.where(inside, picked, 0.0)
+
+
+MicroBatch = Union[PaddedMicroBatch, PackedMicroBatch]
+
+
+def micro_batch(
+    tokens: Tensor, lengths: list[int], qkv_format: str, pad_multiple: int = 1
+) -> MicroBatch:
+    """The micro batch of padded `tokens` [b, S] (row i holding lengths[i] tokens) in
+    --qkv-format's layout; a pack is padded to a multiple of `pad_multiple` (the
+    tensor-parallel size, as slime pads)."""
+    if qkv_format == "thd":
+        return PackedMicroBatch(tokens, lengths, pad_multiple)
+    return PaddedMicroBatch(tokens)
