@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -241,7 +242,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     try:  # every options class validates itself now, before any engine or trainer starts
         args.options = Options(
             dataclass_from_args(
-                TrainerArgs, args, draft_checkpoint=args.sglang_speculative_draft_model_path
+                TrainerArgs,
+                args,
+                draft_checkpoint=args.sglang_speculative_draft_model_path,
+                speculative_algorithm=args.sglang_speculative_algorithm,
             ),
             dataclass_from_args(LossConfig, args),
             dataclass_from_args(WeightSyncConfig, args),
@@ -315,8 +319,8 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
 
 
 def check_draft_training(args: argparse.Namespace) -> None:
-    """--enable-draft-training trains the engines' external EAGLE-2 or EAGLE-3 draft: refuse the
-    algorithms and flags it cannot go with yet, naming why and what trains instead."""
+    """--enable-draft-training trains the engines' external EAGLE-2, EAGLE-3 or STANDALONE draft:
+    refuse the algorithms and flags it cannot go with yet, naming why and what trains instead."""
     if not args.enable_draft_training:
         return
     algorithm = (args.sglang_speculative_algorithm or "").upper()
@@ -329,17 +333,24 @@ def check_draft_training(args: argparse.Namespace) -> None:
             f"{args.sglang_speculative_algorithm} without --sglang-speculative-draft-model-path "
             "drafts with the model's MTP layers, which train with --enable-mtp-training"
         )
-    elif algorithm == "STANDALONE":
-        why = "a STANDALONE draft (a small LM) does not train online yet; keep it frozen"
+    elif algorithm == "STANDALONE" and draft is None:
+        why = "it needs the draft LM"
+    elif algorithm == "STANDALONE" and os.path.realpath(draft) == os.path.realpath(
+        args.hf_checkpoint
+    ):
+        why = (
+            "the draft is --hf-checkpoint itself, so the engines draft with the policy's own "
+            "weights, which every push updates; drop the flag, or give a smaller draft LM"
+        )
     elif algorithm == "NGRAM":
         why = "NGRAM drafts from an n-gram cache, with no model to train"
-    elif algorithm not in ("EAGLE", "EAGLE3"):
+    elif algorithm not in ("EAGLE", "EAGLE3", "STANDALONE"):
         why = "no draft model runs"
     if why is not None:
         raise SystemExit(
-            "error: --enable-draft-training trains an EAGLE-2 or EAGLE-3 draft, and "
+            "error: --enable-draft-training trains an EAGLE-2, EAGLE-3 or STANDALONE draft, and "
             f"--sglang-speculative-algorithm is {args.sglang_speculative_algorithm}: {why}; give "
-            "EAGLE or EAGLE3 with its draft (--sglang-speculative-draft-model-path)"
+            "EAGLE, EAGLE3 or STANDALONE with its draft (--sglang-speculative-draft-model-path)"
         )
     if args.debug_rollout_only:
         raise SystemExit(

@@ -273,7 +273,7 @@ def test_tiny_rl_run_trains_the_eagle3_draft(rl_task, tmp_path):
     [
         (["--sglang-speculative-algorithm", "EAGLE"], "which train with --enable-mtp-training"),
         (["--sglang-speculative-algorithm", "NEXTN"], "which train with --enable-mtp-training"),
-        (["--sglang-speculative-algorithm", "STANDALONE", *DRAFT], "STANDALONE draft (a small"),
+        (["--sglang-speculative-algorithm", "STANDALONE"], "it needs the draft LM"),
         (["--sglang-speculative-algorithm", "NGRAM"], "NGRAM drafts from an n-gram cache"),
         ([], "is None: no draft model runs"),
         (["--sglang-speculative-algorithm", "EAGLE3", *DRAFT, "--debug-rollout-only"], "has none"),
@@ -293,11 +293,11 @@ def test_draft_training_refuses_what_it_cannot_do(extra, needle, capsys):
     message = str(e.value) + capsys.readouterr().err
     assert needle in message
     if "--sglang-speculative-algorithm" in extra and "EAGLE3" not in extra:
-        assert "give EAGLE or EAGLE3 with its draft" in message
+        assert "give EAGLE, EAGLE3 or STANDALONE with its draft" in message
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
-def test_draft_training_takes_eagle2_and_eagle3_drafts(algorithm):
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "STANDALONE"])
+def test_draft_training_takes_eagle2_eagle3_and_standalone_drafts(algorithm):
     from specrl.train_options import build_parser, check_draft_training
 
     argv = ["--hf-checkpoint", "m", "--prompt-data", "d", "--rollout-batch-size", "1"]

@@ -9,7 +9,8 @@ data-parallel replicas' states), `iteration` (the rollout id, as in slime), `che
 and specrl's own `specrl` entry (the model's Hugging Face config, the tensor-parallel size and the
 optimizer step count), which the launcher reads back without megatron (`read_common`) to refuse a
 checkpoint of another model or TP size before anything starts. With --enable-draft-training,
-`draft` holds the EAGLE-2/3 draft trained online and its Adam state (trainer_bridge.online_draft).
+`draft` holds the draft trained online (EAGLE-2/3 or STANDALONE) and its Adam state
+(trainer_bridge.online_draft).
 """
 
 from __future__ import annotations

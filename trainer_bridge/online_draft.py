@@ -1,16 +1,19 @@
-"""--enable-draft-training: the engines' external EAGLE-2 or EAGLE-3 draft trained online beside
-the policy.
+"""--enable-draft-training: the engines' external draft (EAGLE-2, EAGLE-3 or STANDALONE) trained
+online beside the policy.
 
 The draft learns from the policy's own forward in each train step: forward hooks on the megatron
 model keep (detached) the hidden states the engine's draft reads, the policy's logits are the
 teacher, and the draft's loss backpropagates into the draft alone, once per micro batch. What
-differs by draft is a `_Kind`, picked by the checkpoint's architecture: EAGLE-3
+differs by draft is a `_Kind`, picked by the algorithm and the checkpoint's architecture: EAGLE-3
 (trainer_bridge.eagle3_draft) reads the captured auxiliary layers and learns by SpecForge's
 training-time-test loss; EAGLE-2 (trainer_bridge.eagle2_draft) reads the final hidden state and
 learns by EAGLE's feature regression + cross-entropy through the policy's head, which it drafts
-with (neither trained nor pushed as the draft's). The draft steps with its own Adam after each
-policy step, so the policy's optimizer, clipping and checkpoint layout are those of a run without
-it. Its weights travel with the policy's in every push, under the engine's `draft.` prefix.
+with (neither trained nor pushed as the draft's); a STANDALONE draft (trainer_bridge.
+standalone_draft: a plain LM, which the algorithm names rather than its architecture) reads only
+the tokens and is distilled from the policy's logits, KL(policy || draft). The draft steps with
+its own Adam after each policy step, so the policy's optimizer, clipping and checkpoint layout
+are those of a run without it. Its weights travel with the policy's in every push, under the
+engine's `draft.` prefix.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from spec_engine.weights.updater import DRAFT_PREFIX
 from trainer_bridge.eagle2_draft import EAGLE2_ARCHITECTURE, Eagle2Draft, eagle_loss
 from trainer_bridge.eagle3_draft import EAGLE3_ARCHITECTURE, Eagle3Draft, ttt_loss
 from trainer_bridge.options import TrainerArgs
+from trainer_bridge.standalone_draft import (
+    STANDALONE,
+    StandaloneDraft,
+    check_vocabulary,
+    distill_loss,
+)
 
 
 class FeatureCapture:
@@ -106,27 +115,54 @@ class _Eagle2:
         return eagle_loss(self.draft, self.embedding, head, tokens, features, logits, mask)
 
 
+class _Standalone:
+    """STANDALONE: a plain LM over the tokens alone; distilled from the policy's logits."""
+
+    capture = None  # nothing of the policy's forward but its logits
+
+    def __init__(self, draft: StandaloneDraft, gpt: nn.Module, arch: ModelConfig) -> None:
+        self.draft = draft
+
+    def loss(self, tokens: Tensor, logits: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
+        return distill_loss(self.draft, tokens, logits, mask)
+
+
 _KINDS = {
     EAGLE3_ARCHITECTURE: (Eagle3Draft, _Eagle3),
     EAGLE2_ARCHITECTURE: (Eagle2Draft, _Eagle2),
 }
+# What each --sglang-speculative-algorithm drafts with (NEXTN is SGLang's alias of EAGLE).
+_ALGORITHMS = {
+    "EAGLE": EAGLE2_ARCHITECTURE,
+    "NEXTN": EAGLE2_ARCHITECTURE,
+    "EAGLE3": EAGLE3_ARCHITECTURE,
+}
 
 
-def load_draft(path: Optional[str], device: torch.device) -> Eagle2Draft | Eagle3Draft:
-    """The draft at `path` (--sglang-speculative-draft-model-path), by its architecture."""
+def load_draft(
+    path: Optional[str], device: torch.device, algorithm: Optional[str] = None
+) -> Eagle2Draft | Eagle3Draft | StandaloneDraft:
+    """The draft at `path` (--sglang-speculative-draft-model-path) for the engines'
+    `algorithm` (None: the checkpoint's architecture decides, a plain LM being STANDALONE's)."""
     if path is None or not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(
-            f"--enable-draft-training needs the EAGLE-2 or EAGLE-3 draft checkpoint the engines "
-            f"load (--sglang-speculative-draft-model-path); got {path!r}"
+            f"--enable-draft-training needs the draft checkpoint the engines load "
+            f"(--sglang-speculative-draft-model-path); got {path!r}"
         )
     with open(os.path.join(path, "config.json")) as f:
         archs = json.load(f).get("architectures") or []
-    for arch in archs:
-        if arch in _KINDS:
+    algorithm = algorithm.upper() if algorithm is not None else None
+    eagle = [arch for arch in archs if arch in _KINDS]
+    if algorithm == STANDALONE or (algorithm is None and archs and not eagle):
+        return StandaloneDraft.from_pretrained(path, device)
+    expected = _ALGORITHMS.get(algorithm) if algorithm is not None else None
+    for arch in eagle:
+        if expected in (None, arch):
             return _KINDS[arch][0].from_pretrained(path, device)
+    wanted = expected or " or ".join(sorted(_KINDS))
+    given = f" with --sglang-speculative-algorithm {algorithm}" if algorithm else ""
     raise ValueError(
-        f"--enable-draft-training trains {' or '.join(sorted(_KINDS))} drafts; {path} is "
-        f"{archs or 'unknown'}"
+        f"--enable-draft-training{given} trains a {wanted} draft; {path} is {archs or 'unknown'}"
     )
 
 
@@ -140,9 +176,12 @@ class OnlineDraft:
         arch: ModelConfig,
         device: torch.device,
     ) -> None:
-        self.draft = load_draft(args.draft_checkpoint, device)
+        self.draft = load_draft(args.draft_checkpoint, device, args.speculative_algorithm)
         config = self.draft.config
-        if config.vocab_size != arch.vocab_size:
+        if isinstance(self.draft, StandaloneDraft):
+            # Its own vocabulary, which may be padded otherwise (the same tokenizer's).
+            check_vocabulary(config, arch, args.draft_checkpoint, args.hf_checkpoint)
+        elif config.vocab_size != arch.vocab_size:
             raise ValueError(
                 f"the draft {args.draft_checkpoint} maps into a vocabulary of "
                 f"{config.vocab_size} tokens, the policy has {arch.vocab_size}"
@@ -153,7 +192,10 @@ class OnlineDraft:
                 f"{config.hidden_size}, the policy {arch.hidden_size}: it reads the policy's "
                 "features and drafts with its head"
             )
-        self.kind = _KINDS[config.architecture][1](self.draft, gpt, arch)
+        if isinstance(self.draft, StandaloneDraft):
+            self.kind = _Standalone(self.draft, gpt, arch)
+        else:
+            self.kind = _KINDS[config.architecture][1](self.draft, gpt, arch)
         self.capture = self.kind.capture
         # Decoupled weight decay, as megatron's Adam steps the policy (and SpecForge its drafts).
         self.optimizer = torch.optim.AdamW(
@@ -199,7 +241,9 @@ class OnlineDraft:
     def step(self) -> dict[str, float]:
         """One Adam step on the accumulated gradients (clipped at --clip-grad, as the policy's);
         returns the step's draft_loss and its parts (EAGLE-3: each training-time-test step's
-        loss, draft_loss/step_k; EAGLE-2: draft_loss/feature and draft_loss/token)."""
+        loss, draft_loss/step_k; EAGLE-2: draft_loss/feature and draft_loss/token; STANDALONE:
+        draft_loss/top1_agreement, the share of response positions where the draft's argmax is
+        the policy's)."""
         if self.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.clip_grad)
         self.optimizer.step()
@@ -229,8 +273,8 @@ class OnlineDraft:
 
     def with_draft(self, policy: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         """The policy's tensors, then what the engines take for their external draft: its
-        parameters (and EAGLE-3's id map), named `draft.<checkpoint name>` (t2d is left out: the
-        engine, like SGLang, does not read it)."""
+        parameters (and EAGLE-3's id map; a STANDALONE draft's tied head once), named
+        `draft.<checkpoint name>` (t2d is left out: the engine, like SGLang, does not read it)."""
         yield from policy
         for name, tensor in self.draft.hf_named_tensors():
             if name != "t2d":

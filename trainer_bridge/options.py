@@ -81,8 +81,9 @@ class TrainerArgs:
             "Adam at --draft-lr; its weights are pushed with the policy's. EAGLE-3 "
             "(--sglang-speculative-algorithm EAGLE3): SpecForge's training-time-test loss; "
             "EAGLE-2 (EAGLE with a LlamaForCausalLMEagle draft): EAGLE's feature regression + "
-            "0.1 x cross-entropy through the policy's head. One trainer rank; not with --bf16 "
-            "yet."
+            "0.1 x cross-entropy through the policy's head; STANDALONE (a small LM as draft): "
+            "distillation, KL(policy || draft) at response positions. One trainer rank; not "
+            "with --bf16 yet."
         },
     )
     draft_checkpoint: Optional[str] = field(
@@ -93,11 +94,20 @@ class TrainerArgs:
             "--sglang-speculative-draft-model-path).",
         },
     )
+    speculative_algorithm: Optional[str] = field(
+        default=None,
+        metadata={
+            "cli": False,
+            "help": "The engines' --sglang-speculative-algorithm (the launcher passes it): which "
+            "draft --enable-draft-training trains (STANDALONE: a plain LM, distilled). Default: "
+            "the draft checkpoint's architecture decides.",
+        },
+    )
     draft_lr: Optional[float] = field(
         default=None,
         metadata={
             "help": "Learning rate of the draft trained online (the MTP layers with "
-            "--enable-mtp-training, the EAGLE-2/3 draft with --enable-draft-training): a draft may "
+            "--enable-mtp-training, the external draft with --enable-draft-training): a draft may "
             "need to move faster than the policy to keep up with it. Default: --lr. Not with "
             "--bf16."
         },
@@ -159,7 +169,7 @@ class TrainerArgs:
                 raise ValueError(
                     "--draft-lr sets the learning rate of the draft trained online; add "
                     "--enable-mtp-training (the model's MTP layers) or --enable-draft-training "
-                    "(an external EAGLE-2 or EAGLE-3 draft)"
+                    "(an external EAGLE-2/3 or STANDALONE draft)"
                 )
             if self.bf16:
                 raise ValueError(
@@ -189,8 +199,8 @@ class TrainerArgs:
             )
         if self.draft_checkpoint is None:
             raise ValueError(
-                "--enable-draft-training trains the engines' EAGLE-2/3 draft: give its checkpoint "
-                "(--sglang-speculative-draft-model-path)"
+                "--enable-draft-training trains the engines' external draft: give its "
+                "checkpoint (--sglang-speculative-draft-model-path)"
             )
 
 
