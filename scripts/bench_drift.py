@@ -11,7 +11,8 @@ reward per window (before the shift, just after, late) as a Markdown table, the 
 values as JSON, and the seed-mean curves as SVG charts (specrl.plots). MTP: the MTP layer the
 warm-up trained, frozen (MTP_TRAINING=0) or trained on. EAGLE-3 (SPEC=eagle3): a random draft
 trained online until the shift (one run per seed, saved), then resumed twice from that
-checkpoint, trained on or frozen (--draft-lr 0).
+checkpoint, trained on or frozen (--draft-lr 0); with --draft-lr X it learns at X before the shift
+and a third arm, online-fast, goes on at X.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def main() -> None:
         "--draft-lr",
         type=float,
         default=None,
-        help="also run the online draft with this --draft-lr (mode online-fast)",
+        help="also run the online draft with this --draft-lr (mode online-fast); EAGLE-3: the "
+        "draft also learns at this rate before the shift, for every arm",
     )
     parser.add_argument("--spec", choices=["mtp", "eagle3"], default="mtp")
     args = parser.parse_args()
@@ -83,7 +85,10 @@ def main() -> None:
         if args.spec == "eagle3":  # the draft learns until the shift, once for both arms
             shared = fresh_run(args.root, f"before-shift-{seed}", assets)
             ckpt = ("--save", os.path.join(shared, "ckpt"))
-            tiny_run(shared, base_env, "--num-rollout", str(args.drift_rollout), *seeded, *ckpt)
+            fast = () if args.draft_lr is None else ("--draft-lr", str(args.draft_lr))
+            tiny_run(
+                shared, base_env, "--num-rollout", str(args.drift_rollout), *seeded, *ckpt, *fast
+            )
         for mode, (training, extra) in modes.items():
             name = f"{mode}-{seed}"
             if shared is None:
