@@ -1,6 +1,7 @@
 """--speculative-adaptive with draft-model algorithms (EAGLE tree, EAGLE-3, MTP, STANDALONE):
-plain steps keep the draft's KV and next-round state in step, so switching per step is lossless
-and the draft drafts after a plain stretch as well as it would have without one."""
+plain steps run no draft, and the next speculative step catches the draft's KV and next-round
+state up (speculative/draft_lag.py), so switching per step is lossless and the draft drafts
+after a plain stretch as well as it would have without one."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import torch
 
 from spec_engine import Engine
 from spec_engine.core.adaptive import SpecCostModel
+from spec_engine.core.scheduler import Scheduler
+from spec_engine.speculative import draft_lag
+from spec_engine.speculative.draft_runner import DraftRunner
+from spec_engine.speculative.eagle_worker import EagleWorker
 from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 from tests.conftest import random_prompts
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-# Speculate or not per decode step, by the step's index: plain stretches of 1 to 3 steps.
-PATTERN = (True, False, True, False, False, True, True, False, False, False)
+# Speculate or not per decode step, by the step's index: plain stretches of 1, 2 and 6 steps.
+PATTERN = (True, False, True, False, False, True, True) + (False,) * 6
 
 
 @pytest.fixture
@@ -78,15 +83,54 @@ def draft_kv(engine: Engine, tokens: list[int]) -> torch.Tensor:
     return engine._call(read)
 
 
+@pytest.fixture
+def spied(monkeypatch):
+    """Draft forwards counted per plain step, with whether a request's lag reached MAX_LAG in
+    it (5: PATTERN's six-step stretches reach it, and its catch-ups are wider than the captured
+    draft extend, so they run eagerly, the shorter ones replay it); every request that decoded
+    plainly; and one retraction of the running requests as soon as one of them lags two
+    positions."""
+    monkeypatch.setattr(draft_lag, "MAX_LAG", 5)
+    seen: dict = {"forwards": 0, "plain": [], "reqs": {}, "retracted": []}
+    forward, decode_plain, step = DraftRunner.forward, EagleWorker.decode_plain, Scheduler.step
+
+    def count(self, *args, **kwargs):
+        seen["forwards"] += 1
+        return forward(self, *args, **kwargs)
+
+    def plain(self, reqs):
+        full = any(r.draft_lag and len(r.draft_lag.tokens) == draft_lag.MAX_LAG - 1 for r in reqs)
+        before = seen["forwards"]
+        result = decode_plain(self, reqs)
+        seen["plain"].append((full, seen["forwards"] - before))
+        seen["reqs"].update((id(r), r) for r in reqs)
+        return result
+
+    def retract_once(self):
+        step(self)
+        lagging = [r for r in self.running if r.draft_lag and len(r.draft_lag.tokens) >= 2]
+        if lagging and not seen["retracted"]:
+            seen["retracted"] = list(self.running)
+            self.retract_all()
+
+    monkeypatch.setattr(DraftRunner, "forward", count)
+    monkeypatch.setattr(EagleWorker, "decode_plain", plain)
+    monkeypatch.setattr(Scheduler, "step", retract_once)
+    return seen
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_switching_every_few_steps_is_lossless_and_keeps_the_draft_in_step(
-    models, name, alternating
+    models, name, alternating, spied
 ):
-    """Requests of different prompt lengths, the later ones joining mid-run, under PATTERN:
-    greedy outputs equal the target alone's, and so does a continuation served from the prefix
-    cache the run filled. Afterwards the draft KV the run left for a
-    finished request (positions decoded plainly included) equals what a prefill of its whole
-    sequence computes: a plain step that skipped the draft would have left those slots stale."""
+    """Requests of different prompt lengths, the later ones joining mid-run, under PATTERN,
+    the first ones retracted once while their draft lags: greedy outputs equal the target
+    alone's, and so does a continuation served from the prefix cache the run filled. A plain
+    step runs the draft only when a request's lag reaches MAX_LAG; no request keeps a record
+    after its release. Afterwards the draft KV the run left for a finished request (positions
+    decoded plainly included; those its draft still lagged at when it finished stay out of the
+    prefix cache) equals what a prefill of its whole sequence computes: a speculative step that
+    did not catch the draft up would have left those slots stale."""
     path, kwargs = engine_args(models, name)
     first, later = random_prompts(3, 3, 30, seed=61), random_prompts(3, 8, 40, seed=62)
     params = [{**GREEDY, "max_new_tokens": n} for n in (20, 28, 36)]
@@ -123,6 +167,10 @@ def test_switching_every_few_steps_is_lossless_and_keeps_the_draft_in_step(
     n = min(left.shape[1], fresh.shape[1])
     assert n > len(first[2]) + 10  # the comparison covers decoded positions
     torch.testing.assert_close(left[:, :n], fresh[:, :n], atol=1e-4, rtol=1e-4)
+    assert spied["retracted"] and all(r.draft_lag is None for r in spied["reqs"].values())
+    plain = spied["plain"]
+    assert any(full for full, _ in plain) and any(not full for full, _ in plain)
+    assert all((forwards > 0) == full for full, forwards in plain)
 
 
 def test_a_draft_that_predicts_well_accepts_as_much_after_a_plain_stretch(models, alternating):

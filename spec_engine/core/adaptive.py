@@ -18,8 +18,10 @@ weights, longer contexts). `speculate(batch)` is a pure function of the state, s
 may ask it several times per step (KV demand, retraction, the step itself); `observe` moves it.
 
 Every speculative worker may switch per step: NGRAM has no draft state, and under this flag
-the draft-model workers extend their draft over each plainly decoded position (see
-speculative/eagle_worker.py), so a plain step leaves nothing behind. The tree flags
+the draft-model workers record what their draft needs of each plainly decoded position and
+catch it up in one extend when speculation resumes (speculative/draft_lag.py), so a plain step
+runs no draft and switching loses nothing. That catch-up runs outside the step the model
+times: it is paid once per switch, not per step of a stretch. The tree flags
 (--speculative-num-steps, -eagle-topk, -num-draft-tokens) stay the shape a speculative step uses.
 
 Runs on the scheduler thread only.

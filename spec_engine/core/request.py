@@ -84,6 +84,10 @@ class Req:
     # draft's KV and state lag behind its tokens, so it decodes plainly until it finishes or a
     # retraction's prefill rebuilds them (see Scheduler._decode_groups).
     draft_stale: bool = False
+    # --speculative-adaptive with a draft model: the draft's inputs at the positions decoded
+    # plainly since its KV was last in step, for the next speculative step to catch up on
+    # (speculative/draft_lag.py); None when the draft is in step.
+    draft_lag: Any = None
 
     @property
     def fill_ids(self) -> list[int]:

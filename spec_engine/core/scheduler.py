@@ -119,7 +119,8 @@ class Scheduler:
             self.tree_cache.invalidate()
 
     def _release_kv(self, req: Req) -> None:
-        self.tree_cache.cache_finished_req(req, insert=req.kv_epoch == self.weight_epoch)
+        shared = self.worker.release(req)
+        self.tree_cache.cache_finished_req(req, req.kv_epoch == self.weight_epoch, upto=shared)
 
     def step(self) -> None:
         batch = self._schedule_prefill()
@@ -134,12 +135,14 @@ class Scheduler:
             n = 0
             for reqs, speculate in self._decode_groups():
                 verify_ct, emitted = self.spec_verify_ct, self.spec_emitted
+                if speculate:  # untimed: a lagging draft catches up once per switch, not per step
+                    self.worker.catch_up(reqs)
                 began = time.perf_counter()
                 if speculate:
                     result = self.worker.decode(reqs)
                 else:
                     # (never stale with NGRAM, which has no draft state, or with
-                    # --speculative-adaptive, whose plain steps extend the draft too)
+                    # --speculative-adaptive, whose next speculative step catches the draft up)
                     for req in reqs:
                         req.draft_stale = not self.worker.plain_steps_keep_draft
                     result = self.worker.decode_plain(reqs)
@@ -167,7 +170,7 @@ class Scheduler:
         them, which a plain step does not keep). Requests admitted after the update speculate
         at once, so speculation never waits for the old ones to drain. With
         --speculative-adaptive the cost model picks the whole batch's mode (plain steps keep
-        the draft in step there: speculative/eagle_worker.py)."""
+        the draft recoverable there: speculative/draft_lag.py)."""
         if self.alarm is None:
             return [(self.running, True)]
         if not self.alarm.speculating:
@@ -209,6 +212,7 @@ class Scheduler:
         self.req_to_token.reset()
         self.tree_cache.reset()
         for req in reqs:
+            self.worker.release(req)
             req.finished_reason = {"type": "abort", "message": message, "status_code": 500}
             req.req_pool_idx, req.last_node = None, None
             self._notify(req, True)

@@ -72,6 +72,16 @@ class ModelWorker:
         plain step leaves behind)."""
         return True
 
+    def catch_up(self, reqs: Sequence[Req]) -> None:
+        """Before a speculative `decode`: bring a draft that lags behind plain steps up to date
+        (speculative/draft_lag.py; `decode` would otherwise do it first), synchronized."""
+
+    def release(self, req: Req) -> int:
+        """Drop what the worker keeps for `req` between steps (its KV is being released).
+        Returns how many leading positions hold KV the prefix cache may share: all it computed,
+        unless a draft model lags behind them (speculative/draft_lag.py)."""
+        return req.kv_len
+
     def prefill(self, reqs: Sequence[Req]) -> StepResult:
         """Compute KV for each request's next `extend_len` tokens; sample where the prompt ends."""
         return self._prefill(reqs)[0]

@@ -233,9 +233,12 @@ class RadixCache:
         self.dec_lock_ref(req.last_node)
         req.prefix_len, req.last_node = aligned, node
 
-    def cache_finished_req(self, req: HoldsKV, insert: bool = True) -> None:
+    def cache_finished_req(
+        self, req: HoldsKV, insert: bool = True, upto: Optional[int] = None
+    ) -> None:
         """Release a request's KV: whole pages go to the tree (unlocked), the rest is freed.
-        With `insert` False (stale KV) nothing new enters the tree."""
+        With `insert` False (stale KV) nothing new enters the tree; `upto`: no position from
+        there on does (a draft model's KV is missing there)."""
         row = req.req_pool_idx
         slots = self.req_to_token.read(row, req.kv_len)
         if self.disable:
@@ -244,7 +247,8 @@ class RadixCache:
             self.allocator.free(slots[req.prefix_len :])
             self.dec_lock_ref(req.last_node)
         else:
-            aligned = max(self._cacheable(req), req.prefix_len)
+            limit = self._cacheable(req) if upto is None else min(self._cacheable(req), upto)
+            aligned = max(limit // self.page_size * self.page_size, req.prefix_len)
             tokens = req.fill_ids[: aligned + self.key_shift]
             already = self.insert(self.keyed(tokens), slots[:aligned])
             self.allocator.free(slots[req.prefix_len : already])

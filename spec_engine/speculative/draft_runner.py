@@ -174,13 +174,20 @@ class DraftRunner(RunnerBase):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, hidden: Optional[torch.Tensor], layer: int = 0
+        self,
+        batch: ForwardBatch,
+        hidden: Optional[torch.Tensor],
+        layer: int = 0,
+        head_rows: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (draft-vocabulary logits at batch.logits_indices (all rows if None), the
-        features for the next draft step at the same rows). `layer`: the MTP layer to run
-        (multi-layer MTP, which has no draft graphs)."""
-        outs = None if layer else self._replay(batch, hidden)
-        return self._forward(batch, hidden, layer=layer) if outs is None else (outs[0], outs[1])
+        features for the next draft step at the same rows). `layer`: the MTP layer to run and
+        `head_rows`: where batch.logits_indices is None, the only rows to compute logits at
+        (multi-layer MTP, which has no draft graphs, reads every row's features)."""
+        if layer or head_rows is not None:
+            return self._forward(batch, hidden, layer=layer, head_rows=head_rows)
+        outs = self._replay(batch, hidden)
+        return self._forward(batch, hidden) if outs is None else (outs[0], outs[1])
 
     def _forward(
         self,
@@ -188,6 +195,7 @@ class DraftRunner(RunnerBase):
         hidden: Optional[torch.Tensor] = None,
         metadata: bool = True,
         layer: int = 0,
+        head_rows: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._prepare(batch, metadata)
         ids = batch.input_ids
@@ -200,6 +208,8 @@ class DraftRunner(RunnerBase):
         )
         if batch.logits_indices is not None:
             to_logits, to_next = to_logits[batch.logits_indices], to_next[batch.logits_indices]
+        elif head_rows is not None:
+            to_logits = to_logits[head_rows]
         logits = self.head(to_logits).float()
         if self.vocab_limit is not None:
             logits = logits[:, : self.vocab_limit]

@@ -13,17 +13,12 @@ candidates as a tree; verify it with the target (SpecWorker.verify); extend the 
 accepted tokens.
 
 Plain steps under --speculative-adaptive (the scheduler decodes plainly when its cost model
-expects that to emit more tokens/s) keep the draft in step: each plain step is followed by the
-draft extend a verify round that accepted no draft token would run — one row per request, the
-feature at the decoded position (captured by the plain forward) paired with the token it
-sampled, or for STANDALONE the decoded token itself — so the draft's KV and next-round state
-(spec_state) are always at the request's last position, and the next speculative step drafts
-exactly as if the plain stretch had been verify rounds. This was chosen over catching the draft
-up when speculation resumes (one extend over every plainly decoded position): the total draft
-work is the same, while the catch-up would have to keep each request's features (EAGLE-3: three
-layers' worth) across steps, through requests joining, finishing and being retracted, and run
-extends wider than the captured draft-extend graphs. A self-draft (the target drafting for
-itself) needs nothing: the plain step writes its KV.
+expects that to emit more tokens/s) run no draft work: they record the draft's inputs at the
+decoded positions (speculative/draft_lag.py), and the next speculative step first extends the
+draft over every lagging request's recorded positions in one batch — the extend each plain
+step would otherwise have run, so the draft's KV and next-round state (spec_state) are then
+exactly as if the plain stretch had been verify rounds that accepted no draft token. A
+self-draft (the target drafting for itself) needs nothing: the plain step writes its KV.
 """
 
 from __future__ import annotations
@@ -41,6 +36,7 @@ from spec_engine.core.request import Req
 from spec_engine.core.worker import AllocFn, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
+from spec_engine.speculative import draft_lag
 from spec_engine.speculative.base import SpecWorker
 from spec_engine.speculative.draft_runner import DraftRunner
 from spec_engine.speculative.tree import DraftTree, select_trees
@@ -131,6 +127,7 @@ class EagleWorker(SpecWorker):
     # ---------------------------------------------------------------- decode
 
     def decode(self, reqs: Sequence[Req]) -> StepResult:
+        self.catch_up(reqs)
         start = self.timings.now()
         self.alloc_verify_slots(reqs, [self.num_draft_tokens] * len(reqs))
         size = self._scratch_size(len(reqs))
@@ -158,22 +155,36 @@ class EagleWorker(SpecWorker):
         return result
 
     def decode_plain(self, reqs: Sequence[Req]) -> StepResult:
-        """One target token per request; with --speculative-adaptive the draft extends over the
-        decoded position too (see the module docstring)."""
+        """One target token per request; with --speculative-adaptive the draft's inputs at the
+        decoded positions are recorded for the next speculative step (see the module docstring)."""
         if not self.adaptive or self.draft.shares_target:
             return super().decode_plain(reqs)
         result, out = self._decode(reqs, capture_hidden=self.features)
+        # A feature draft pairs the decoded position's feature with the token sampled there, a
+        # STANDALONE draft reads the token that was decoded there (the last output so far).
+        if self.features:
+            full = draft_lag.record(reqs, [t[0] for t in result.tokens], self._features(out))
+        else:
+            full = draft_lag.record(reqs, [r.output_ids[-1] for r in reqs], None)
+        self.catch_up(full)
+        return result
+
+    def catch_up(self, reqs: Sequence[Req]) -> None:
+        """One draft extend over every recorded position of the lagging requests in `reqs`,
+        which leaves each one's draft KV and next-round state at its last position."""
+        lagging = [r for r in reqs if r.draft_lag is not None]
+        if not lagging:
+            return
         start = self.timings.now()
-        # The position just decoded: a feature draft pairs its feature with the sampled token,
-        # a STANDALONE draft reads the token that was decoded there (the last output so far).
-        entries = [
-            DraftExtend(r, r.kv_len - 1, tokens if self.features else r.output_ids[-1:], True)
-            for r, tokens in zip(reqs, result.tokens)
-        ]
-        feats = self._features(out) if self.features else None
+        lags, feats = draft_lag.take(lagging)
+        entries = [DraftExtend(r, lag.start, lag.tokens, True) for r, lag in zip(lagging, lags)]
         self._extend_draft(entries, feats, mode=ForwardMode.DRAFT_EXTEND)
         self.timings.add("draft_s", start)
-        return result
+
+    def release(self, req: Req) -> int:
+        # No draft KV from the first lagging position on: a request sharing it would draft badly.
+        lag, req.draft_lag = req.draft_lag, None
+        return req.kv_len if lag is None else lag.start
 
     def _features(self, out: ForwardOutput) -> torch.Tensor:
         return out.aux_hidden if self.aux_features else out.hidden
@@ -185,8 +196,8 @@ class EagleWorker(SpecWorker):
         mode: ForwardMode = ForwardMode.EXTEND,
     ) -> None:
         """One draft forward over every entry; keeps the next round's first level where asked.
-        `mode`: DRAFT_EXTEND for a decode round's accepted tokens (graph-run), EXTEND after a
-        prefill."""
+        `mode`: DRAFT_EXTEND for a decode round's accepted tokens and for catch-ups (graph-run
+        while no entry is wider than the captured extend), EXTEND after a prefill."""
         table = self.runner.req_to_token_pool
         ids, positions, slots, ends, lens, last = [], [], [], [], [], []
         for e in entries:
@@ -197,6 +208,7 @@ class EagleWorker(SpecWorker):
             ends.append(e.start + n)
             lens.append(n)
             last.append(len(ids) - 1)
+        rows = self._tensor(last)
         batch = ForwardBatch(
             mode=mode,
             input_ids=self._tensor(ids),
@@ -207,16 +219,17 @@ class EagleWorker(SpecWorker):
             seq_lens_cpu=ends,
             extend_seq_lens_cpu=lens,
             extend_prefix_lens_cpu=[e.start for e in entries],
-            # Multi-layer MTP feeds every row's output to the next layer.
-            logits_indices=None if self.multi_layer else self._tensor(last),
+            # Multi-layer MTP feeds every row's output to the next layer (its logits: last rows).
+            logits_indices=None if self.multi_layer else rows,
         )
-        logits, nxt = self.draft.forward(batch, hidden)
+        logits, nxt = self.draft.forward(
+            batch, hidden, head_rows=rows if self.multi_layer else None
+        )
         if not self.features:
             return
         feats = nxt
         if self.multi_layer:
-            rows = self._tensor(last)
-            logits, nxt = logits[rows], nxt[rows]
+            nxt = nxt[rows]
         probs, top_ids = torch.softmax(logits, -1).topk(self.topk, dim=-1)
         top_ids = self.draft.to_target_ids(top_ids)
         later = self._later_levels(batch, rows, top_ids[:, 0], feats) if self.multi_layer else []
@@ -240,8 +253,8 @@ class EagleWorker(SpecWorker):
             # from the next request lands on a last position, which top1 overwrites.
             ids = torch.roll(ids, -1).index_copy(0, last, top1)
             step = dataclasses.replace(batch, input_ids=ids, attn_meta=None)
-            logits, feats = self.draft.forward(step, feats, layer=layer)
-            probs, top_ids = torch.softmax(logits[last], -1).topk(self.topk, dim=-1)
+            logits, feats = self.draft.forward(step, feats, layer=layer, head_rows=last)
+            probs, top_ids = torch.softmax(logits, -1).topk(self.topk, dim=-1)
             top_ids = self.draft.to_target_ids(top_ids)
             levels.append((probs, top_ids))
             top1 = top_ids[:, 0]
