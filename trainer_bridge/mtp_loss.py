@@ -16,7 +16,8 @@ def mtp_loss(gpt: Any, vocab_size: int, tokens: Tensor, hidden: Tensor, mask: Te
     def embed(input_ids: Tensor, position_ids: Tensor) -> Tensor:
         return gpt.embedding(input_ids=input_ids, position_ids=position_ids).detach()
 
-    rotary = gpt.rotary_pos_emb(tokens.shape[1])
+    # MLA rotates its queries and keys itself (GPTModel builds no rotary module and passes None).
+    rotary = None if gpt.config.multi_latent_attention else gpt.rotary_pos_emb(tokens.shape[1])
     out = gpt.mtp(
         input_ids=tokens,
         position_ids=positions,

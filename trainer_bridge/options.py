@@ -88,6 +88,16 @@ class TrainerArgs:
             "--bf16."
         },
     )
+    moe_aux_loss_coeff: float = field(
+        default=0.0,
+        metadata={
+            "help": "MoE models: weight of megatron's sequence-level load-balancing loss "
+            "(DeepSeek-V3's seq_aux_loss), added to every train step's loss; its value (over the "
+            "coefficient, averaged over MoE layers and micro batches as megatron logs it) is "
+            "logged per rollout as train/moe_seq_load_balancing_loss. 0 (slime's MoE recipes' "
+            "setting): not computed."
+        },
+    )
     use_rollout_routing_replay: bool = field(
         default=False,
         metadata={
@@ -132,6 +142,8 @@ class TrainerArgs:
                 )
         if self.global_batch_size is not None and self.global_batch_size <= 0:
             raise ValueError(f"--global-batch-size must be positive, got {self.global_batch_size}")
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.draft_lr is not None:
