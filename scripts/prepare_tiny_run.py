@@ -1,7 +1,8 @@
-"""Build the tiny CPU run's assets (specrl.tiny_run): a tokenizer, a random MiMo-style model, the
-tiny task and a supervised warm-up; prints the warmed-up checkpoint's path.
+"""Build the tiny CPU run's assets (specrl.tiny_run): a tokenizer, a random model with one MTP
+layer (MiMo-style, or DeepSeek-V3-shaped with --model deepseek-v3), the tiny task and a supervised
+warm-up; prints the warmed-up checkpoint's path.
 
-    python -m scripts.prepare_tiny_run --out runs/tiny-cpu/assets
+    python -m scripts.prepare_tiny_run --out runs/tiny-cpu/assets [--model deepseek-v3]
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from specrl.console import quiet_known_noise, setup_logging
-from specrl.tiny_run import prepare
+from specrl.tiny_run import MODELS, prepare
 
 
 def main() -> None:
@@ -20,6 +21,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="Supervised warm-up steps.")
     parser.add_argument("--response-len", type=int, default=4, help="Tokens per warm-up response.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=sorted(MODELS), default="mimo", help="Model family.")
+    parser.add_argument(
+        "--mtp-warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Train the MTP layer in the warm-up too (--no-mtp-warmup: it stays random, for "
+        "online MTP training to teach).",
+    )
     parser.add_argument(
         "--drift-at",
         type=int,
@@ -37,6 +46,8 @@ def main() -> None:
             response_len=args.response_len,
             seed=args.seed,
             drift_at=args.drift_at,
+            model=args.model,
+            warm_mtp=args.mtp_warmup,
         )
     )
 

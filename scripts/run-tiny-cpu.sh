@@ -7,19 +7,35 @@
 #   TASK=drift runs the drift task: from prompt DRIFT_AT (default 60, i.e. rollout 16) on, a
 #   response must also stop repeating its first token, as the warm-up taught (the prompts are
 #   read in order), so the policy's continuations change (docs/benchmarks/drift_mtp_cpu.md).
-# Builds a tokenizer, a random Qwen2+MTP (MiMo-style) model, the tiny task and a supervised warm-up
-# (scripts/prepare_tiny_run.py, once per $OUT), then runs scripts/train.py: a line per rollout and
-# a closing summary on stdout, metrics in $OUT/metrics.jsonl, plots in $OUT/plots/.
+#   MODEL=deepseek-v3 runs a tiny DeepSeek-V3-shaped model (DeepseekV3ForCausalLM) instead of the
+#   MiMo-style one: MLA, a dense first layer then MoE (8 routed experts, top-2, one shared), and
+#   one next-n MTP layer, which drafts (EAGLE). The warm-up leaves that layer random, so online
+#   MTP training (megatron's MTP block) teaches it during the run and the accept length rises from
+#   1; megatron's MoE balance loss (--moe-aux-loss-coeff 1e-4, as Megatron-LM's DeepSeek-R1
+#   example) is logged per rollout (docs/benchmarks/rl_tiny_deepseek_cpu.md).
+# Builds a tokenizer, a random model with one MTP layer (MODEL=mimo, the default: Qwen2 + a MiMo
+# MTP layer), the tiny task and a supervised warm-up (scripts/prepare_tiny_run.py, once per $OUT),
+# then runs scripts/train.py: a line per rollout and a closing summary on stdout, metrics in
+# $OUT/metrics.jsonl, plots in $OUT/plots/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TASK=${TASK:-copy}
+MODEL=${MODEL:-mimo}
+case "$MODEL" in
+  mimo) SUFFIX=; MODEL_FLAGS=(); PREPARE_FLAGS=() ;;
+  deepseek-v3) SUFFIX=-deepseek-v3; MODEL_FLAGS=(--moe-aux-loss-coeff 1e-4); PREPARE_FLAGS=(--no-mtp-warmup) ;;
+  *) echo "MODEL=$MODEL: use mimo (the default) or deepseek-v3" >&2; exit 2 ;;
+esac
 case "$TASK" in
-  copy) OUT=${OUT:-runs/tiny-cpu}; TASK_FLAGS=(--rollout-shuffle); PREPARE_FLAGS=() ;;
-  drift) OUT=${OUT:-runs/tiny-cpu-drift}; TASK_FLAGS=(); PREPARE_FLAGS=(--drift-at "${DRIFT_AT:-60}") ;;
+  copy) OUT=${OUT:-runs/tiny-cpu$SUFFIX}; TASK_FLAGS=(--rollout-shuffle) ;;
+  drift) OUT=${OUT:-runs/tiny-cpu-drift$SUFFIX}; TASK_FLAGS=(); PREPARE_FLAGS+=(--drift-at "${DRIFT_AT:-60}") ;;
   *) echo "TASK=$TASK: use copy (the default) or drift" >&2; exit 2 ;;
 esac
 if [ ! -d "$OUT/assets/warm" ]; then
-  python -m scripts.prepare_tiny_run --out "$OUT/assets" --steps 400 "${PREPARE_FLAGS[@]}"
+  python -m scripts.prepare_tiny_run --out "$OUT/assets" --steps 400 --model "$MODEL" "${PREPARE_FLAGS[@]}"
+fi
+if [ "$MODEL" != mimo ] && [ "${SPEC:-mtp}" != mtp ]; then
+  echo "MODEL=$MODEL drafts with its own next-n layer: SPEC=mtp only" >&2; exit 2
 fi
 case "${SPEC:-mtp}" in
   mtp)
@@ -43,4 +59,4 @@ python -m scripts.train \
   --lr 2e-3 --micro-batch-size 32 --check-weight-update-equal --ray-num-cpus 2 \
   --sglang-speculative-num-steps 2 --sglang-speculative-eagle-topk 1 \
   --sglang-max-total-tokens 8192 --sglang-max-running-requests 32 \
-  "${SPEC_FLAGS[@]}" "$@"
+  "${MODEL_FLAGS[@]}" "${SPEC_FLAGS[@]}" "$@"

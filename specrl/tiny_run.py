@@ -1,12 +1,13 @@
-"""Everything the tiny CPU run needs, built locally: a tokenizer, a random MiMo-style model
-(Qwen2 trunk + one MTP layer), the tiny task's prompts, and a short supervised warm-up.
+"""Everything the tiny CPU run needs, built locally: a tokenizer, a random model with one MTP
+layer (MODELS: a MiMo-style Qwen2 trunk, or a DeepSeek-V3-shaped one with MLA, MoE and a next-n
+layer), the tiny task's prompts, and a short supervised warm-up.
 
 `prepare(out)` writes OUT/base (the random checkpoint), OUT/task.jsonl (rollout.tiny_task) and
 OUT/warm (the warmed-up checkpoint the RL run starts from). The warm-up teaches a format, not the
 task: the response is one random token repeated, so the policy still picks its first token at
 random (the reward, which only looks at that first token, stays at chance level for RL to raise),
-while the rest of a response is predictable and the MTP layer (trained alongside) learns to
-draft it.
+while the rest of a response is predictable and the MTP layer (trained alongside, through
+megatron's MTP block for either family, unless `warm_mtp` is off) learns to draft it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections.abc import Callable
 from typing import Any, Optional
 
 from rollout.tiny_task import PROMPT_FORMAT, write_tiny_task
@@ -23,6 +25,26 @@ from trainer_bridge.batch import TrainBatch
 logger = logging.getLogger("specrl.tiny_run")
 
 LOG_LINES = 8  # warm-up progress lines, spread over the steps
+
+
+def _mimo(out: str, seed: int) -> None:
+    build_tiny_model(out, arch="qwen2", num_layers=2, seed=seed)
+    add_mimo_mtp(out, seed=seed + 1)
+
+
+# specrl.tiny_models.DEEPSEEK_V3_TINY with 2 trunk layers and one next-n layer: MLA with a query
+# bottleneck, 8 routed experts and a shared one, layer 0 dense (first_k_dense_replace=1), layer 1
+# and the next-n layer MoE (build_checkpoint's keywords; tests build the same model).
+DEEPSEEK_V3_RUN: dict[str, Any] = dict(num_layers=2, extra_config={"num_nextn_predict_layers": 1})
+
+
+def _deepseek_v3(out: str, seed: int) -> None:
+    build_tiny_model(out, arch="deepseek_v3", seed=seed, **DEEPSEEK_V3_RUN)
+
+
+# The tiny run's model families (scripts/run-tiny-cpu.sh MODEL=...): a random checkpoint with
+# one MTP layer, written to a directory with its tokenizer.
+MODELS: dict[str, Callable[[str, int], None]] = {"mimo": _mimo, "deepseek-v3": _deepseek_v3}
 
 
 def warmup_batch(
@@ -48,9 +70,13 @@ def prepare(
     lr: float = 3e-3,
     seed: int = 0,
     drift_at: Optional[int] = None,
+    model: str = "mimo",
+    warm_mtp: bool = True,
 ) -> str:
     """Build the assets under `out`; returns the warmed-up checkpoint's path. `drift_at`: the
-    task's drift variant (rollout.tiny_task.write_tiny_task); the warm-up is the same."""
+    task's drift variant (rollout.tiny_task.write_tiny_task); the warm-up is the same. `model`:
+    a key of MODELS. `warm_mtp` False leaves the MTP layer as built (random, frozen during the
+    warm-up), for online MTP training to teach from scratch."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -58,10 +84,11 @@ def prepare(
     from trainer_bridge.megatron_compat import destroy_model_parallel
     from trainer_bridge.options import TrainerArgs
 
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
     hf_logging.disable_progress_bar()  # a bar per one-file checkpoint written is only noise
     base, warm = os.path.join(out, "base"), os.path.join(out, "warm")
-    build_tiny_model(base, arch="qwen2", num_layers=2, seed=seed)
-    add_mimo_mtp(base, seed=seed + 1)
+    MODELS[model](base, seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
     letters = write_tiny_task(
         os.path.join(out, "task.jsonl"), tokenizer, n=256, seed=seed, drift_at=drift_at
@@ -71,7 +98,7 @@ def prepare(
         lr=lr,
         micro_batch_size=batch_size,
         seed=seed,
-        enable_mtp_training=True,
+        enable_mtp_training=warm_mtp,
         mtp_loss_scaling_factor=1.0,
     )
     actor = TrainActor(args)
@@ -80,12 +107,13 @@ def prepare(
     for step in range(steps):
         metrics = actor.train_sft(warmup_batch(tokenizer, letters, batch_size, response_len, rng))
         if step % every == 0 or step == steps - 1:
+            mtp = metrics.get("train/mtp_loss")
             logger.info(
-                "warm-up step %d/%d: loss %.3f, mtp loss %.3f",
+                "warm-up step %d/%d: loss %.3f%s",
                 step + 1,
                 steps,
                 metrics["train/loss"],
-                metrics["train/mtp_loss"],
+                "" if mtp is None else f", mtp loss {mtp:.3f}",
             )
     actor.save_hf(warm)
     destroy_model_parallel()

@@ -16,6 +16,7 @@ from spec_engine.weights.updater import DRAFT_PREFIX
 from specrl.tiny_models import build_eagle_draft
 from tests.test_eagle3_training import PROMPT, engine_draft_extend
 from trainer_bridge.eagle2_draft import Eagle2Draft, eagle_loss
+from trainer_bridge.packing import PaddedMicroBatch
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
 CPU = torch.device("cpu")
@@ -157,7 +158,7 @@ def test_policy_features_are_the_engines_and_the_trained_draft_lands(eagle2, eng
     actor = TrainActor(args)
     try:
         with torch.no_grad():
-            actor._forward(torch.tensor([PROMPT], device="cpu"))
+            actor._forward(PaddedMicroBatch(torch.tensor([PROMPT], device="cpu")))
         features = actor.online_draft.capture.features()[0]
         torch.testing.assert_close(features, seen["features"], atol=1e-4, rtol=1e-4)
 
@@ -185,7 +186,7 @@ def test_policy_features_are_the_engines_and_the_trained_draft_lands(eagle2, eng
 
         def draft_step() -> dict[str, torch.Tensor]:
             with torch.no_grad():
-                logits, _ = actor._forward(tokens_t)
+                logits, _ = actor._forward(PaddedMicroBatch(tokens_t))
             online.backward(tokens_t, logits, mask, 1.0)
             online.step()
             return {n: t.clone() for n, t in online.draft.state_dict().items()}

@@ -19,6 +19,7 @@ from spec_engine import Engine
 from spec_engine.weights.updater import DRAFT_PREFIX
 from tests.conftest import random_prompts
 from trainer_bridge.eagle2_draft import EAGLE2_ARCHITECTURE as EAGLE2
+from trainer_bridge.packing import PaddedMicroBatch
 from trainer_bridge.standalone_draft import StandaloneDraft, check_vocabulary, distill_loss
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
@@ -210,7 +211,7 @@ def test_the_trainer_distills_pushes_and_checkpoints_the_draft(standalone, engin
 
         def draft_step(draft: OnlineDraft) -> dict[str, torch.Tensor]:
             with torch.no_grad():
-                logits, _ = actor._forward(tokens_t)
+                logits, _ = actor._forward(PaddedMicroBatch(tokens_t))
             draft.backward(tokens_t, logits, mask, 1.0)
             draft.step()
             return {n: t.clone() for n, t in draft.draft.state_dict().items()}

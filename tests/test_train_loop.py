@@ -411,6 +411,7 @@ def test_dry_run_refuses_a_missing_draft_and_a_tree_too_big(task, tmp_path, caps
     )
     assert "--speculative-num-draft-tokens 8 exceeds the 7 tokens" in too_big
     assert "--mtp-num-layers 2:" in refusal("--mtp-num-layers", "2")
+    assert "is a dense model with no router" in refusal("--moe-aux-loss-coeff", "1e-4")
 
 
 def test_colocate_refuses_nccl_weight_sync(task, tmp_path):

@@ -3,9 +3,10 @@ same MoE): megatron's MoE GPTModel gives transformers' logits (its expert-bias r
 same experts as the checkpoint's e_score_correction_bias), Hugging Face -> megatron -> Hugging
 Face keeps every tensor bit for bit (routed and shared experts, router, bias, dense first layer,
 the next-n layers, whose megatron MTP layer equals one built from transformers' modules), the
-TrainActor builds from either checkpoint and steps, megatron's balance
-loss reaches the logs, and what megatron would compute differently is refused. GLM-4.5 under
-TP=2 (experts split over ranks) runs in tests/test_convert.py's two-rank test."""
+TrainActor builds from either checkpoint and steps (training the next-n layer online, the balance
+loss logged), megatron's balance loss reaches the logs, and what megatron would compute
+differently is refused. GLM-4.5 under TP=2 (experts split over ranks) runs in
+tests/test_convert.py's two-rank test."""
 
 from __future__ import annotations
 
@@ -196,8 +197,8 @@ def test_balance_loss_reaches_the_logs(checkpoints, tp1):
     load_hf_weights(model, path)
     megatron_logits(model).sum().backward()
     losses = moe_aux_losses()
-    assert losses["train/moe_seq_load_balancing_loss"] > 0
-    assert moe_aux_losses()["train/moe_seq_load_balancing_loss"] == 0  # read once, then cleared
+    assert losses["moe_seq_load_balancing_loss"] > 0
+    assert moe_aux_losses()["moe_seq_load_balancing_loss"] == 0  # read once, then cleared
 
 
 @pytest.mark.parametrize("variant", ["glm4_moe", "deepseek_v3"])
@@ -210,7 +211,16 @@ def test_train_actor_builds_and_steps(variant, checkpoints):
     path = checkpoints[variant]
     ids = _ids().tolist()
     batch = TrainBatch(ids, [4, 4], [1.0, 0.0], n_samples_per_prompt=2)
-    actor = TrainActor(TrainerArgs(hf_checkpoint=path, lr=1e-3, micro_batch_size=2))
+    # The next-n layer trains online (its loss through megatron's MTP block: MLA builds no rotary
+    # module) and the balance loss covers it too (megatron's tracker sized for it: see moe.py).
+    args = TrainerArgs(
+        hf_checkpoint=path,
+        lr=1e-3,
+        micro_batch_size=1,
+        enable_mtp_training=True,
+        moe_aux_loss_coeff=1e-4,
+    )
+    actor = TrainActor(args)
     try:
         got = actor.compute_log_probs(batch)
         logp = torch.log_softmax(hf_logits(path), dim=-1)
@@ -220,6 +230,9 @@ def test_train_actor_builds_and_steps(variant, checkpoints):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=0, atol=ATOL)
         metrics = actor.train(batch)
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+        assert metrics["train/mtp_loss"] > 0
+        # over its coefficient, per MoE layer (trunk and next-n) and micro batch: about 1
+        assert 0.5 < metrics["train/moe_seq_load_balancing_loss"] < 3.0
         assert actor.compute_log_probs(batch) != got  # the step moved the policy
     finally:
         destroy_model_parallel()

@@ -22,9 +22,10 @@ from trainer_bridge import loss as losses
 from trainer_bridge.batch import TrainBatch, pad_batch
 from trainer_bridge.draft_training import DraftLearningRate, set_trainable
 from trainer_bridge.loss import LossConfig
+from trainer_bridge.moe import aux_loss_config, moe_aux_losses, num_moe_layers, track_aux_losses
 from trainer_bridge.mtp_loss import mtp_loss
 from trainer_bridge.online_draft import OnlineDraft
-from trainer_bridge.options import TrainerArgs, check_mtp_num_layers
+from trainer_bridge.options import TrainerArgs, check_mtp_flags
 from trainer_bridge.packing import MicroBatch, micro_batch
 from trainer_bridge.routing_replay import replay_config, replayed, routes_for
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
@@ -66,13 +67,10 @@ class TrainActor:
             )
         self.args, self.loss_cfg, self.temperature = args, loss_cfg or LossConfig(), temperature
         self.arch = read_model_config(args.hf_checkpoint)
-        check_mtp_num_layers(args.mtp_num_layers, self.arch.num_mtp_layers, args.hf_checkpoint)
-        replay = replay_config(args, self.arch)
-        if args.enable_mtp_training and not self.arch.num_mtp_layers:
-            raise ValueError(
-                f"--enable-mtp-training needs a model with MTP layers; {args.hf_checkpoint} "
-                f"({self.arch.architecture}) has none"
-            )
+        check_mtp_flags(args, self.arch.num_mtp_layers, self.arch.architecture)
+        # TransformerConfig overrides of the policy and the reference model alike
+        overrides = replay_config(args, self.arch)
+        overrides.update(aux_loss_config(args.moe_aux_loss_coeff, self.arch, args.hf_checkpoint))
         if world_size % args.tensor_model_parallel_size:
             raise ValueError(
                 f"{world_size} trainer ranks are not a multiple of --tensor-model-parallel-size "
@@ -98,11 +96,12 @@ class TrainActor:
         self.dp_rank = rank // args.tensor_model_parallel_size
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.device = trainer_device()
-        packed = args.qkv_format == "thd"
-        model = build_gpt_model(
-            args.hf_checkpoint, params_dtype=dtype, device=self.device, packed=packed, **replay
-        )
+        # The policy's and the reference model's build (both replay routes, as slime's reference)
+        overrides.update(params_dtype=dtype, device=self.device, packed=args.qkv_format == "thd")
+        model = build_gpt_model(args.hf_checkpoint, **overrides)
         load_hf_weights(model, args.hf_checkpoint)
+        if args.moe_aux_loss_coeff:
+            track_aux_losses(self.arch, self.device)
         set_trainable(model, self.arch.num_mtp_layers, args.enable_mtp_training)
         self.model = DistributedDataParallel(
             config=model.config,
@@ -129,9 +128,7 @@ class TrainActor:
         self.ref = None
         if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
             # The KL term's frozen reference: --ref-load, else the checkpoint the run started from.
-            self.ref = build_gpt_model(  # replayed too: slime's reference routes as the rollout
-                args.hf_checkpoint, params_dtype=dtype, device=self.device, packed=packed, **replay
-            )
+            self.ref = build_gpt_model(args.hf_checkpoint, **overrides)
             self.ref.eval().requires_grad_(False)
             if args.ref_load is None:
                 load_mcore_state_dict(self.ref, model.state_dict())
@@ -389,6 +386,9 @@ class TrainActor:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * weight
         self.model.finish_grad_sync()
+        if self.args.moe_aux_loss_coeff:  # megatron's tracker, summed over the micro batches
+            moe_layers = num_moe_layers(self.arch, self.args.enable_mtp_training)
+            sums.update(moe_aux_losses(moe_layers, num_micro_batches=-(-n // mbs)))
         sums = self._dp_mean(sums)
         with self.draft_lr.step():
             ok, grad_norm, _ = self.optimizer.step()

@@ -1,5 +1,6 @@
 """Mixture-of-experts on the trainer side: megatron-core's MoE options for a GLM-4.5 style
-checkpoint (spec_engine's MoEConfig), and megatron's auxiliary-loss tracker read for logging.
+checkpoint (spec_engine's MoEConfig), its balance loss (--moe-aux-loss-coeff), and megatron's
+auxiliary-loss tracker read for logging.
 
 The router megatron builds from these options is the checkpoint's: sigmoid scores, expert
 selection on scores + `expert_bias` (Hugging Face's `e_score_correction_bias`), groups ranked by
@@ -15,7 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from spec_engine.models.hf_config import ModelConfig
+
+# The tracker name of megatron's seq_aux_loss (the only load-balancing type configured here).
+BALANCE_LOSS = "seq_load_balancing_loss"
 
 
 def check_moe(arch: ModelConfig) -> None:
@@ -61,23 +67,68 @@ def moe_config_fields(arch: ModelConfig) -> dict[str, Any]:
         moe_layer_freq=[int(moe.is_moe_layer(i)) for i in range(arch.num_hidden_layers)],
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
-        # DeepSeek-V3's sequence-level balance loss, off by default as in its RL recipes;
-        # `moe_aux_loss_coeff=...` in the model overrides turns it on (see moe_aux_losses).
+        # DeepSeek-V3's sequence-level balance loss, off by default as in slime's MoE recipes;
+        # --moe-aux-loss-coeff turns it on (aux_loss_config; logged by moe_aux_losses).
         moe_router_load_balancing_type="seq_aux_loss",
         moe_aux_loss_coeff=0.0,
     )
 
 
-def moe_aux_losses(clear: bool = True) -> dict[str, float]:
-    """Megatron's auxiliary losses since the last clear (its layer-wise tracker, summed over
-    layers), as `{"train/moe_<name>": value}`; empty when no aux loss is on."""
+def aux_loss_config(coeff: float, arch: ModelConfig, checkpoint: str) -> dict[str, Any]:
+    """TransformerConfig overrides of --moe-aux-loss-coeff ({} when 0): megatron's sequence-level
+    balance loss (DeepSeek-V3's) with this weight; refused for a dense model."""
+    if not coeff:
+        return {}
+    if arch.moe is None:
+        raise ValueError(
+            f"--moe-aux-loss-coeff weighs the MoE routers' balance loss, and {checkpoint} "
+            f"({arch.architecture}) is a dense model with no router; drop the flag"
+        )
+    return {"moe_aux_loss_coeff": coeff}
+
+
+def num_moe_layers(arch: ModelConfig, with_mtp: bool) -> int:
+    """MoE layers that run in a train step: the trunk's, plus the MTP layers (always MoE, as
+    SGLang's next-n layers) when they train."""
+    assert arch.moe is not None
+    trunk = sum(arch.moe.is_moe_layer(i) for i in range(arch.num_hidden_layers))
+    return trunk + (arch.num_mtp_layers if with_mtp else 0)
+
+
+def track_aux_losses(arch: ModelConfig, device: torch.device) -> None:
+    """Size megatron's aux-loss tracker for the trunk and MTP layers now: megatron sizes it from
+    the config at its first entry, and the TrainActor's trunk forward hides the MTP layers from
+    the config (mtp_num_layers None), so an MTP layer's entry would fall past the end."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    tracker[BALANCE_LOSS] = {
+        "values": torch.zeros(
+            arch.num_hidden_layers + arch.num_mtp_layers, dtype=torch.float32, device=device
+        ),
+        "reduce_group": None,
+        "avg_group": None,
+        "reduce_group_has_dp": False,
+    }
+
+
+def moe_aux_losses(
+    num_layers: int = 1, num_micro_batches: int = 1, clear: bool = True
+) -> dict[str, float]:
+    """Megatron's auxiliary losses since the last clear, as its track_moe_metrics reports them:
+    each (divided by its coefficient) summed over layers, then divided by `num_layers` (the MoE
+    layers that ran) and `num_micro_batches`; `{"moe_<name>": value}` (a train step's metric,
+    logged as train/moe_<name>), empty when no aux loss is on."""
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
         get_moe_layer_wise_logging_tracker,
     )
 
     tracker = get_moe_layer_wise_logging_tracker()
-    losses = {f"train/moe_{name}": float(entry["values"].sum()) for name, entry in tracker.items()}
+    scale = num_layers * num_micro_batches
+    losses = {
+        f"moe_{name}": float(entry["values"].sum()) / scale for name, entry in tracker.items()
+    }
     if clear:
         clear_aux_losses_tracker()
     return losses

@@ -21,7 +21,12 @@ def mtp_loss(gpt: Any, vocab_size: int, batch: MicroBatch, hidden: Tensor, mask:
     def embed(input_ids: Tensor, position_ids: Tensor) -> Tensor:
         return gpt.embedding(input_ids=input_ids, position_ids=position_ids).detach()
 
-    rotary = gpt.rotary_pos_emb(batch.rotary_seq_len, packed_seq=packed is not None)
+    # MLA rotates its queries and keys itself (GPTModel builds no rotary module and passes None).
+    rotary = (
+        None
+        if gpt.config.multi_latent_attention
+        else gpt.rotary_pos_emb(batch.rotary_seq_len, packed_seq=packed is not None)
+    )
     out = gpt.mtp(
         input_ids=batch.tokens,
         position_ids=batch.position_ids,

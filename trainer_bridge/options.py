@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -112,6 +113,16 @@ class TrainerArgs:
             "--bf16."
         },
     )
+    moe_aux_loss_coeff: float = field(
+        default=0.0,
+        metadata={
+            "help": "MoE models: weight of megatron's sequence-level load-balancing loss "
+            "(DeepSeek-V3's seq_aux_loss), added to every train step's loss; its value (over the "
+            "coefficient, averaged over MoE layers and micro batches as megatron logs it) is "
+            "logged per rollout as train/moe_seq_load_balancing_loss. 0 (slime's MoE recipes' "
+            "setting): not computed."
+        },
+    )
     use_rollout_routing_replay: bool = field(
         default=False,
         metadata={
@@ -160,6 +171,8 @@ class TrainerArgs:
                 )
         if self.global_batch_size is not None and self.global_batch_size <= 0:
             raise ValueError(f"--global-batch-size must be positive, got {self.global_batch_size}")
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.draft_lr is not None:
@@ -204,11 +217,21 @@ class TrainerArgs:
             )
 
 
-def check_mtp_num_layers(requested: Optional[int], in_checkpoint: int, checkpoint: str) -> None:
-    """slime's --mtp-num-layers must match the MTP layers the checkpoint has."""
+def check_mtp_flags(
+    args: TrainerArgs | argparse.Namespace, in_checkpoint: int, architecture: str
+) -> None:
+    """slime's --mtp-num-layers must match the MTP layers the checkpoint has, and
+    --enable-mtp-training needs some."""
+    checkpoint = args.hf_checkpoint
+    requested = args.mtp_num_layers
     if requested is not None and requested != in_checkpoint:
         raise ValueError(
             f"--mtp-num-layers {requested}: {checkpoint} has {in_checkpoint} MTP layers "
             "(num_nextn_predict_layers), and specrl builds the ones the checkpoint has; give "
             f"{in_checkpoint} or leave the flag out"
+        )
+    if args.enable_mtp_training and not in_checkpoint:
+        raise ValueError(
+            f"--enable-mtp-training needs a model with MTP layers; {checkpoint} ({architecture}) "
+            "has none"
         )
