@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from spec_engine.args.resolve import check_same_tokenizer
 from spec_engine.models.hf_config import ModelConfig
 from spec_engine.weights.loader import checkpoint_metadata, is_ignored
 
@@ -100,10 +101,8 @@ def check_vocabulary(
     (the engine's own check, spec_engine.args.resolve): refused naming both sizes otherwise."""
     if draft.vocab_size == policy.vocab_size:
         return
-    from spec_engine.args.resolve import _check_same_tokenizer
-
     try:
-        _check_same_tokenizer(policy_path, draft_path, policy, draft)
+        check_same_tokenizer(policy_path, draft_path, policy, draft)
     except ValueError as e:
         raise ValueError(
             f"--enable-draft-training distills the policy into the draft; {e}"

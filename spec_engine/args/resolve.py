@@ -318,7 +318,7 @@ def resolve_speculative(
     if draft is not None:
         _check_draft(DraftKind(algo), target, draft, context_len)
         if DraftKind(algo) is DraftKind.STANDALONE and draft.vocab_size != target.vocab_size:
-            _check_same_tokenizer(args.tokenizer_path or args.model_path, path, target, draft)
+            check_same_tokenizer(args.tokenizer_path or args.model_path, path, target, draft)
     return dataclasses.replace(
         args,
         speculative_num_steps=steps,
@@ -387,7 +387,7 @@ def _check_draft(
         )
 
 
-def _check_same_tokenizer(
+def check_same_tokenizer(
     target_path: str, draft_path: str, target: ModelConfig, draft: ModelConfig
 ) -> None:
     """A STANDALONE draft may pad its embedding rows differently (Qwen2.5-7B has 152064,
