@@ -42,8 +42,8 @@ _NO_RECOMPUTE = "specrl's trainer does not recompute activations (no memory savi
 _KERNELS = "specrl's trainer runs megatron-core's local layer spec; no kernel choice"
 _NO_PP = "pipeline parallelism is not implemented; use --tensor-model-parallel-size and DP"
 _NO_EP = (
-    "expert parallelism is not implemented: every trainer rank holds all experts (MoE models "
-    "train at TP 1); use 1"
+    "expert parallelism is not implemented: every tensor-parallel rank holds a slice of every "
+    "expert (MoE models train at any --tensor-model-parallel-size, sequence parallel); use 1"
 )
 _WANDB = "wandb runs offline under --output-dir with --wandb-project; other wandb options unused"
 _LOAD = (
@@ -94,8 +94,9 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     ),
     "sequence_parallel": _noop(
         False,
-        "sequence parallelism needs Transformer Engine norms, which specrl does not use; tensor "
-        "parallelism runs without it (same results, more activation memory)",
+        "sequence parallelism is on exactly where megatron needs it (MoE and MLA models at "
+        "--tensor-model-parallel-size > 1, with specrl's sequence-parallel norms); dense models "
+        "run tensor parallelism without it (same results, more activation memory)",
     ),
     "pipeline_model_parallel_size": _only(1, _NO_PP, 1, type=int),
     "context_parallel_size": _only(1, "context parallelism is not implemented", 1, type=int),

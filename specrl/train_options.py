@@ -26,7 +26,7 @@ from spec_engine.args.resolve import resolve_engine_config
 from spec_engine.models.hf_config import ModelConfig
 from specrl.slime_compat import SlimeCompatArgs, check_model_shape, check_slime_options
 from trainer_bridge.loss import LossConfig
-from trainer_bridge.model_provider import read_model_config
+from trainer_bridge.model_provider import check_tensor_parallel, read_model_config
 from trainer_bridge.moe import aux_loss_config
 from trainer_bridge.options import TrainerArgs, check_mtp_flags
 from trainer_bridge.routing_replay import check_routing_replay
@@ -282,13 +282,7 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
                     f"{e} (--debug-rollout-only runs the rollouts without training)"
                 ) from None
             aux_loss_config(args.moe_aux_loss_coeff, target, args.hf_checkpoint)  # MoE only
-            tp = args.tensor_model_parallel_size
-            if target.moe is not None and tp > 1:
-                raise ValueError(
-                    f"--tensor-model-parallel-size {tp} with {target.architecture}: megatron "
-                    "trains MoE layers split over ranks only with sequence parallelism, which "
-                    "specrl does not wire yet; use --tensor-model-parallel-size 1"
-                )
+            check_tensor_parallel(target, args.tensor_model_parallel_size)
         lines = [
             f"model: {args.hf_checkpoint} ({target.architecture}, {target.num_hidden_layers} "
             f"layers, {target.num_mtp_layers} MTP layers)"

@@ -42,7 +42,7 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
     assert args.options.trainer.tensor_model_parallel_size == 2
     notes = "\n".join(args.compat_notes)
     assert "--num-layers 36 has no effect in specrl: the model's shape comes from" in notes
-    assert "--sequence-parallel has no effect in specrl: sequence parallelism needs" in notes
+    assert "--sequence-parallel has no effect in specrl: sequence parallelism is on" in notes
     assert "--recompute-granularity 'full' has no effect" in notes
     # Values that are the only ones specrl runs are accepted silently.
     assert "--pipeline-model-parallel-size" not in notes and "--optimizer" not in notes

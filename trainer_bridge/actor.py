@@ -28,6 +28,7 @@ from trainer_bridge.online_draft import OnlineDraft
 from trainer_bridge.options import TrainerArgs, check_mtp_flags
 from trainer_bridge.packing import MicroBatch, micro_batch
 from trainer_bridge.routing_replay import replay_config, replayed, routes_for
+from trainer_bridge.sequence_parallel import allreduce_norm_grads, local_tokens
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ class TrainActor:
             model.mtp_process, model.config.mtp_num_layers = saved
 
     def _micro_batch(self, tokens: Tensor, lengths: list[int]) -> MicroBatch:
-        """Padded `tokens` [b, S] (row i holding lengths[i] tokens) in --qkv-format's layout."""
+        """Padded `tokens` [b, S] (row i holding lengths[i] tokens) in --qkv-format's layout,
+        its sequence a multiple of the TP size (which sequence parallelism splits it by)."""
         return micro_batch(
             tokens, lengths, self.args.qkv_format, self.args.tensor_model_parallel_size
         )
@@ -172,7 +174,7 @@ class TrainActor:
         captured = []
         hook = gpt.decoder.register_forward_hook(lambda _m, _i, out: captured.append(out))
         try:
-            routes = None if routes is None else batch.pack(routes)
+            routes = None if routes is None else local_tokens(gpt, batch.pack(routes))
             with self._without_mtp(gpt), replayed(gpt, routes):
                 logits = run(
                     batch.tokens,
@@ -386,6 +388,7 @@ class TrainActor:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * weight
         self.model.finish_grad_sync()
+        allreduce_norm_grads(self.model)  # replicated weights with per-TP-rank gradients
         if self.args.moe_aux_loss_coeff:  # megatron's tracker, summed over the micro batches
             moe_layers = num_moe_layers(self.arch, self.args.enable_mtp_training)
             sums.update(moe_aux_losses(moe_layers, num_micro_batches=-(-n // mbs)))

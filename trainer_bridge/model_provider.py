@@ -19,6 +19,7 @@ import torch
 from spec_engine.models.hf_config import ConfigSource, ModelConfig
 from trainer_bridge.mla import check_mla, mla_config_fields
 from trainer_bridge.moe import check_moe, moe_config_fields
+from trainer_bridge.sequence_parallel import sequence_parallel_spec, uses_sequence_parallel
 
 if TYPE_CHECKING:  # megatron is imported when a model is built, so conversion alone stays light
     from megatron.core.models.gpt import GPTModel
@@ -86,9 +87,8 @@ def check_tensor_parallel(arch: ModelConfig, tp: int) -> None:
         ("intermediate_size", arch.intermediate_size),
         ("hidden_size", arch.hidden_size),
     ]
-    if arch.mla is not None:  # whole heads and even down-projection rows per rank
+    if arch.mla is not None:  # whole heads and even query down-projection rows per rank
         splits[0] = ("num_attention_heads", arch.num_attention_heads)
-        splits.append(("kv_lora_rank + qk_rope_head_dim", arch.mla.cache_dim))
         if arch.mla.q_lora_rank:
             splits.append(("q_lora_rank", arch.mla.q_lora_rank))
     if arch.moe is not None:  # routed and shared experts split like a dense MLP
@@ -132,6 +132,8 @@ def transformer_config(
         attention_dropout=0.0,
         mtp_num_layers=arch.num_mtp_layers or None,
         tensor_model_parallel_size=tp,
+        # MoE and MLA models at TP > 1 (see sequence_parallel.py)
+        sequence_parallel=uses_sequence_parallel(arch, tp),
         pipeline_model_parallel_size=pp,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -181,6 +183,8 @@ def build_gpt_model(
         layer_spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization="RMSNorm"
         )
+    if config.sequence_parallel:  # norms and MLA's kv down projection for it
+        layer_spec = sequence_parallel_spec(layer_spec)
     if packed:
         from trainer_bridge.packed_attention import with_packed_attention
         from trainer_bridge.thd_ops import use_vectorized_thd_ops
@@ -190,6 +194,8 @@ def build_gpt_model(
     mtp_spec = None
     if arch.num_mtp_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+        if config.sequence_parallel:
+            mtp_spec = sequence_parallel_spec(mtp_spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -117,8 +117,9 @@ def moe_aux_losses(
 ) -> dict[str, float]:
     """Megatron's auxiliary losses since the last clear, as its track_moe_metrics reports them:
     each (divided by its coefficient) summed over layers, then divided by `num_layers` (the MoE
-    layers that ran) and `num_micro_batches`; `{"moe_<name>": value}` (a train step's metric,
-    logged as train/moe_<name>), empty when no aux loss is on."""
+    layers that ran) and `num_micro_batches`, summed over the TP ranks that each computed a share
+    of it; `{"moe_<name>": value}` (a train step's metric, logged as train/moe_<name>), empty when
+    no aux loss is on. A collective over the TP group: every rank of it calls this."""
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
         get_moe_layer_wise_logging_tracker,
@@ -126,9 +127,16 @@ def moe_aux_losses(
 
     tracker = get_moe_layer_wise_logging_tracker()
     scale = num_layers * num_micro_batches
-    losses = {
-        f"moe_{name}": float(entry["values"].sum()) / scale for name, entry in tracker.items()
-    }
+    losses = {}
+    for name, entry in tracker.items():
+        values = entry["values"]
+        group = entry.get("reduce_group")
+        if group is not None and group.size() > 1:
+            # Under sequence parallelism each TP rank holds its tokens' share of the loss (megatron
+            # sums it over this group, the TP group, in reduce_aux_losses_tracker_across_ranks).
+            values = values.clone()
+            torch.distributed.all_reduce(values, group=group)
+        losses[f"moe_{name}"] = float(values.sum()) / scale
     if clear:
         clear_aux_losses_tracker()
     return losses

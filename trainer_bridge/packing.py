@@ -21,23 +21,33 @@ from trainer_bridge.thd_ops import positions_in_sequence
 
 
 class PaddedMicroBatch:
-    """bshd: `tokens` [b, S] as pad_batch lays them out, positions 0..S-1 on every row."""
+    """bshd: `tokens` [b, S] as pad_batch lays them out, widened with padding columns to
+    [b, S'], S' a multiple of `pad_multiple` (under sequence parallelism each tensor-parallel rank
+    takes S'/tp positions), positions 0..S'-1 on every row."""
 
     packed_seq_params = None
 
-    def __init__(self, tokens: Tensor) -> None:
-        self.tokens = tokens
-        self.position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        self.rotary_seq_len = tokens.shape[1]
+    def __init__(self, tokens: Tensor, pad_multiple: int = 1) -> None:
+        self._width = tokens.shape[1]
+        self._pad = -self._width % pad_multiple
+        self.tokens = self.pack(tokens)
+        width = self.tokens.shape[1]
+        self.position_ids = torch.arange(width, device=tokens.device).expand_as(self.tokens)
+        self.rotary_seq_len = width
 
     def pack(self, values: Tensor) -> Tensor:
-        """Per-token `values` [b, S, ...] in the model's layout (here: as they are)."""
-        return values
+        """Per-token `values` [b, S, ...] in the model's layout [b, S', ...]: the padding columns
+        repeat the last column (any valid token ids or routed experts do: causal attention, and
+        no loss reads them)."""
+        if not self._pad:
+            return values
+        last = values[:, -1:]
+        return torch.cat([values, last.expand(-1, self._pad, *last.shape[2:])], dim=1)
 
     def unpack(self, values: Tensor, shift: int) -> Tensor:
-        """Per-token `values` [b, S - shift] computed at positions t predicting token t + shift,
-        in the padded layout (here: as they are)."""
-        return values
+        """Per-token `values` [b, S' - shift] computed at positions t predicting token t + shift,
+        in the padded layout [b, S - shift] (the padding columns dropped)."""
+        return values[:, : self._width - shift]
 
 
 class PackedMicroBatch:
@@ -100,8 +110,9 @@ def micro_batch(
     tokens: Tensor, lengths: list[int], qkv_format: str, pad_multiple: int = 1
 ) -> MicroBatch:
     """The micro batch of padded `tokens` [b, S] (row i holding lengths[i] tokens) in
-    --qkv-format's layout; a pack is padded to a multiple of `pad_multiple` (the
-    tensor-parallel size, as slime pads)."""
+    --qkv-format's layout; its sequence dimension (a pack's length, as slime pads, or the padded
+    width) is padded to a multiple of `pad_multiple` (the tensor-parallel size, which sequence
+    parallelism splits it by)."""
     if qkv_format == "thd":
         return PackedMicroBatch(tokens, lengths, pad_multiple)
-    return PaddedMicroBatch(tokens)
+    return PaddedMicroBatch(tokens, pad_multiple)

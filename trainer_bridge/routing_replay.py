@@ -6,9 +6,11 @@ The engine reports SGLang's `meta_info.routed_experts`: int32 rows `[prompt + ou
 num_hidden_layers, top_k]` (dense layers 0), one per forwarded token. Megatron's routers
 (TransformerConfig.moe_enable_routing_replay) read `[seq * batch, top_k]` indices, token
 (position t, row b) at t * batch + b, as `routing()` flattens its `[s, b, experts]` logits.
-Without sequence parallelism every tensor-parallel rank routes all tokens, so TP ranks read the
-same layout. Only forwards route: without activation recompute the backward reuses the forward's
-choice (megatron's REPLAY_BACKWARD serves recompute, which the trainer does not turn on).
+Under sequence parallelism (MoE models at TP > 1) each tensor-parallel rank routes its own
+contiguous part of the sequence, so the TrainActor hands each rank its part of the routes
+(sequence_parallel.local_tokens) before they reach `replayed`. Only forwards route: without
+activation recompute the backward reuses the forward's choice (megatron's REPLAY_BACKWARD serves
+recompute, which the trainer does not turn on).
 """
 
 from __future__ import annotations

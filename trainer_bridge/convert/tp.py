@@ -5,7 +5,7 @@ fused rows are grouped), MLA's projections, MTP eh_proj, and the vocab-parallel 
 output layer, whose rows are first padded to `padded_vocab_size(vocab, tp, divisor)`; linear_fc1
 splits gate and up separately and concatenates each rank's parts; row-parallel (split along input
 columns): linear_proj, linear_fc2 (dense, routed-expert and shared-expert MLPs alike); everything
-else (norms, the MoE router and its expert bias) is replicated.
+else (norms, the MoE router and its expert bias, MLA's key/value down projection) is replicated.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ _COLUMN = (
     "self_attention.linear_qkv.bias",
     "eh_proj.weight",
     # multi-latent attention (DeepSeek-V3): up projections by whole heads; megatron gathers the
-    # down projections' outputs again before their norms
+    # query down projection's output again before its norm (the key/value down projection is
+    # replicated: trainer_bridge.sequence_parallel)
     "linear_q_proj.weight",
     "linear_q_down_proj.weight",
     "linear_q_up_proj.weight",
-    "linear_kv_down_proj.weight",
     "linear_kv_up_proj.weight",
 )
 # MLP suffixes cover the dense MLP, each routed expert (expert tensor parallelism follows the
