@@ -12,7 +12,7 @@ core attention keeps each sequence to itself (trainer_bridge.packed_attention).
 from __future__ import annotations
 
 import itertools
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -25,10 +25,16 @@ class PaddedMicroBatch:
 
     packed_seq_params = None
 
-    def __init__(self, tokens: Tensor) -> None:
+    def __init__(self, tokens: Tensor, lengths: Optional[list[int]] = None) -> None:
         self.tokens = tokens
-        self.position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        columns = torch.arange(tokens.shape[1], device=tokens.device)
+        self.position_ids = columns.expand_as(tokens)
         self.rotary_seq_len = tokens.shape[1]
+        # True at padding (none when `lengths` is not given): megatron's MoE routers leave it
+        # out of their token counts.
+        width = [tokens.shape[1]] * tokens.shape[0] if lengths is None else lengths
+        lengths_t = torch.tensor(width, dtype=torch.long, device=tokens.device)
+        self.padding_mask = columns >= lengths_t[:, None]
 
     def pack(self, values: Tensor) -> Tensor:
         """Per-token `values` [b, S, ...] in the model's layout (here: as they are)."""
@@ -62,6 +68,7 @@ class PackedMicroBatch:
         starts = cu_seqlens[: len(lengths)].long()
         self._index = starts[:, None] + columns  # [b, S]: where (row, column) lands in the pack
         self.tokens = self.pack(tokens)
+        self.padding_mask = torch.arange(total + self._pad, device=device)[None] >= total
         # Megatron's rope and MTP roll read cu_seqlens; positions restart per sequence as well
         # for any module that reads position_ids.
         self.position_ids = positions_in_sequence(cu_seqlens)[None]
@@ -104,4 +111,4 @@ def micro_batch(
     tensor-parallel size, as slime pads)."""
     if qkv_format == "thd":
         return PackedMicroBatch(tokens, lengths, pad_multiple)
-    return PaddedMicroBatch(tokens)
+    return PaddedMicroBatch(tokens, lengths)
