@@ -1,8 +1,8 @@
 """Build the tiny CPU run's assets (specrl.tiny_run): a tokenizer, a random model with one MTP
-layer (MiMo-style, or DeepSeek-V3-shaped with --model deepseek-v3), the tiny task and a supervised
-warm-up; prints the warmed-up checkpoint's path.
+layer (MiMo-style, or DeepSeek-V3- or GLM-4.5-shaped with --model deepseek-v3|glm4.5), the tiny
+task and a supervised warm-up; prints the warmed-up checkpoint's path.
 
-    python -m scripts.prepare_tiny_run --out runs/tiny-cpu/assets [--model deepseek-v3]
+    python -m scripts.prepare_tiny_run --out runs/tiny-cpu/assets [--model deepseek-v3|glm4.5]
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@
 #   MTP training (megatron's MTP block) teaches it during the run and the accept length rises from
 #   1; megatron's MoE balance loss (--moe-aux-loss-coeff 1e-4, as Megatron-LM's DeepSeek-R1
 #   example) is logged per rollout (docs/benchmarks/rl_tiny_deepseek_cpu.md).
+#   MODEL=glm4.5 runs a tiny GLM-4.5-shaped model (Glm4MoeForCausalLM: GQA with qkv bias, q/k
+#   norms, partial rotary, the same MoE and a random next-n layer trained online) with the
+#   routers' expert bias moved after every step (--moe-router-bias-update-rate 1e-3, DeepSeek-V3's
+#   auxiliary-loss-free balancing) and pushed to the engine with the weights.
 # Builds a tokenizer, a random model with one MTP layer (MODEL=mimo, the default: Qwen2 + a MiMo
 # MTP layer), the tiny task and a supervised warm-up (scripts/prepare_tiny_run.py, once per $OUT),
 # then runs scripts/train.py: a line per rollout and a closing summary on stdout, metrics in
@@ -24,7 +28,8 @@ MODEL=${MODEL:-mimo}
 case "$MODEL" in
   mimo) SUFFIX=; MODEL_FLAGS=(); PREPARE_FLAGS=() ;;
   deepseek-v3) SUFFIX=-deepseek-v3; MODEL_FLAGS=(--moe-aux-loss-coeff 1e-4); PREPARE_FLAGS=(--no-mtp-warmup) ;;
-  *) echo "MODEL=$MODEL: use mimo (the default) or deepseek-v3" >&2; exit 2 ;;
+  glm4.5) SUFFIX=-glm4.5; MODEL_FLAGS=(--moe-router-bias-update-rate 1e-3); PREPARE_FLAGS=(--no-mtp-warmup) ;;
+  *) echo "MODEL=$MODEL: use mimo (the default), deepseek-v3 or glm4.5" >&2; exit 2 ;;
 esac
 case "$TASK" in
   copy) OUT=${OUT:-runs/tiny-cpu$SUFFIX}; TASK_FLAGS=(--rollout-shuffle) ;;

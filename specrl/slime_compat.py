@@ -10,6 +10,7 @@ Megatron's model-shape flags are no-ops because the trainer builds megatron's co
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -38,6 +39,8 @@ def _only(default: Any, reason: str, *allowed: Any, type: Any = str) -> SlimeFla
 
 _SHAPE = "the model's shape comes from --hf-checkpoint's config.json (checked against it)"
 _FROM_CONFIG = "read from --hf-checkpoint's config.json"
+_ROPE = "read from --hf-checkpoint's config.json (rope_scaling)"
+_SIGMOID = "MoE routers score experts with a sigmoid, as the checkpoints specrl runs"
 _NO_RECOMPUTE = "specrl's trainer does not recompute activations (no memory saving flag yet)"
 _KERNELS = "specrl's trainer runs megatron-core's local layer spec; no kernel choice"
 _NO_PP = "pipeline parallelism is not implemented; use --tensor-model-parallel-size and DP"
@@ -75,6 +78,47 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "add_qkv_bias": _noop(False, _FROM_CONFIG),
     "qk_layernorm": _noop(False, _FROM_CONFIG),
     "untie_embeddings_and_output_weights": _noop(False, _FROM_CONFIG),
+    # Megatron MLA and MoE shape (slime's scripts/models/deepseek-v3.sh, glm4.5-355B-A32B.sh)
+    "multi_latent_attention": _noop(False, _SHAPE),
+    "q_lora_rank": _noop(None, _SHAPE, int),
+    "kv_lora_rank": _noop(None, _SHAPE, int),
+    "qk_head_dim": _noop(None, _SHAPE, int),
+    "qk_pos_emb_head_dim": _noop(None, _SHAPE, int),
+    "v_head_dim": _noop(None, _SHAPE, int),
+    "rotary_scaling_factor": _noop(None, _ROPE, float),
+    "mscale": _noop(None, _ROPE, float),
+    "mscale_all_dim": _noop(None, _ROPE, float),
+    "original_max_position_embeddings": _noop(None, _ROPE, int),
+    "beta_fast": _noop(None, _ROPE, float),
+    "beta_slow": _noop(None, _ROPE, float),
+    "num_experts": _noop(None, _SHAPE, int),
+    "moe_layer_freq": _noop(None, _SHAPE),
+    "moe_ffn_hidden_size": _noop(None, _SHAPE, int),
+    "moe_shared_expert_intermediate_size": _noop(None, _SHAPE, int),
+    "moe_router_topk": _noop(None, _SHAPE, int),
+    "moe_router_num_groups": _noop(None, _SHAPE, int),
+    "moe_router_group_topk": _noop(None, _SHAPE, int),
+    "moe_router_topk_scaling_factor": _noop(None, _SHAPE, float),
+    "moe_router_score_function": _only(None, _SIGMOID, "sigmoid"),
+    "moe_router_pre_softmax": _noop(False, _SIGMOID),
+    "moe_router_enable_expert_bias": _noop(
+        False,
+        "MoE routers always select with the checkpoint's e_score_correction_bias; "
+        "--moe-router-bias-update-rate moves it",
+    ),
+    "moe_router_dtype": _only(None, "routers compute in float32, as transformers", "fp32"),
+    "moe_router_load_balancing_type": _only(
+        None,
+        "the balance loss is megatron's seq_aux_loss (DeepSeek-V3's), weighed by "
+        "--moe-aux-loss-coeff (0: off)",
+        "seq_aux_loss",
+        "none",
+    ),
+    "moe_token_dispatcher_type": _noop(
+        None, "the trainer dispatches tokens with megatron's allgather dispatcher"
+    ),
+    "moe_grouped_gemm": _noop(False, _KERNELS),
+    "moe_permute_fusion": _noop(False, _KERNELS),
     # Megatron numerics and kernels
     "attention_dropout": _only(
         0.0, "specrl trains without dropout (RL needs the rollout's distribution); only 0"
@@ -196,21 +240,97 @@ def check_slime_options(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+# Shape flags that only an MLA or MoE model may carry.
+_MOE_MLA_SHAPE = {
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "num_experts",
+    "moe_layer_freq",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_topk",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
+}
+
+
 def check_model_shape(args: argparse.Namespace, config: Any) -> None:
     """Megatron's shape flags, when given, must match --hf-checkpoint's config (a ModelConfig)."""
-    shape = {
+    shape: dict[str, Any] = {
         "num_layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
         "ffn_hidden_size": config.intermediate_size,
         "num_attention_heads": config.num_attention_heads,
-        "num_query_groups": config.num_key_value_heads,
-        "kv_channels": config.head_dim,
+        "multi_latent_attention": config.mla is not None,
     }
-    for name, want in shape.items():
+    mla, moe = config.mla, config.moe
+    if mla is None:
+        shape.update(num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim)
+    else:  # megatron's MLA reads kv_channels as the value head size; query groups are unused
+        shape.update(
+            kv_channels=mla.v_head_dim,
+            q_lora_rank=mla.q_lora_rank,
+            kv_lora_rank=mla.kv_lora_rank,
+            qk_head_dim=mla.qk_nope_head_dim,
+            qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+            v_head_dim=mla.v_head_dim,
+        )
+    if moe is not None:
+        shape.update(
+            num_experts=moe.num_experts,
+            moe_layer_freq=[int(moe.is_moe_layer(i)) for i in range(config.num_hidden_layers)],
+            moe_ffn_hidden_size=moe.intermediate_size,
+            moe_shared_expert_intermediate_size=moe.num_shared_experts * moe.intermediate_size,
+            moe_router_topk=moe.top_k,
+            moe_router_num_groups=moe.n_group,
+            moe_router_group_topk=moe.topk_group,
+            moe_router_topk_scaling_factor=moe.routed_scaling_factor,
+        )
+    for name in SLIME_FLAGS:
         given = getattr(args, name, None)
-        if given is not None and given != want:
+        if given is None or given is False or name not in shape and name not in _MOE_MLA_SHAPE:
+            continue
+        want = shape.get(name)
+        if name == "moe_layer_freq" and want is not None:
+            given = _layer_pattern(given, config.num_hidden_layers)
+        if given != want:
+            have = "no such layers" if want is None else want
             raise SystemExit(
-                f"error: --{name.replace('_', '-')} {given} contradicts {args.hf_checkpoint} "
-                f"({want}); specrl takes the model's shape from its config.json: drop the flag "
-                "or point --hf-checkpoint at the model it describes"
+                f"error: --{name.replace('_', '-')} {getattr(args, name)} contradicts "
+                f"{args.hf_checkpoint} ({have}); specrl takes the model's shape from its "
+                "config.json: drop the flag or point --hf-checkpoint at the model it describes"
             )
+
+
+def _layer_pattern(text: str, num_layers: int) -> list[int]:
+    """Megatron's --moe-layer-freq: an int N (every N-th layer is MoE, from layer 0) or a Python
+    list expression such as "[0]*3+[1]*58" (1: MoE), parsed without eval."""
+    try:
+        every = int(text)
+    except ValueError:
+        pass
+    else:
+        return [int(i % every == 0) for i in range(num_layers)]
+
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(ast.dump(node))
+
+    try:
+        pattern = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise SystemExit(
+            f"error: --moe-layer-freq {text!r} is neither an integer nor a list expression such "
+            'as "[0]*3+[1]*58"'
+        ) from None
+    return pattern

@@ -1,6 +1,7 @@
 """Everything the tiny CPU run needs, built locally: a tokenizer, a random model with one MTP
-layer (MODELS: a MiMo-style Qwen2 trunk, or a DeepSeek-V3-shaped one with MLA, MoE and a next-n
-layer), the tiny task's prompts, and a short supervised warm-up.
+layer (MODELS: a MiMo-style Qwen2 trunk, a DeepSeek-V3-shaped one with MLA, MoE and a next-n
+layer, or a GLM-4.5-shaped one with GQA and the same MoE), the tiny task's prompts, and a short
+supervised warm-up.
 
 `prepare(out)` writes OUT/base (the random checkpoint), OUT/task.jsonl (rollout.tiny_task) and
 OUT/warm (the warmed-up checkpoint the RL run starts from). The warm-up teaches a format, not the
@@ -32,19 +33,29 @@ def _mimo(out: str, seed: int) -> None:
     add_mimo_mtp(out, seed=seed + 1)
 
 
-# specrl.tiny_models.DEEPSEEK_V3_TINY with 2 trunk layers and one next-n layer: MLA with a query
-# bottleneck, 8 routed experts and a shared one, layer 0 dense (first_k_dense_replace=1), layer 1
-# and the next-n layer MoE (build_checkpoint's keywords; tests build the same model).
-DEEPSEEK_V3_RUN: dict[str, Any] = dict(num_layers=2, extra_config={"num_nextn_predict_layers": 1})
+# The MoE models' size: 2 trunk layers and one next-n layer over specrl.tiny_models'
+# DEEPSEEK_V3_TINY (MLA with a query bottleneck) or GLM4_MOE_TINY: 8 routed experts and a shared
+# one, layer 0 dense (first_k_dense_replace=1), layer 1 and the next-n layer MoE
+# (build_checkpoint's keywords; tests build the same models).
+MOE_RUN: dict[str, Any] = dict(num_layers=2, extra_config={"num_nextn_predict_layers": 1})
 
 
 def _deepseek_v3(out: str, seed: int) -> None:
-    build_tiny_model(out, arch="deepseek_v3", seed=seed, **DEEPSEEK_V3_RUN)
+    build_tiny_model(out, arch="deepseek_v3", seed=seed, **MOE_RUN)
+
+
+def _glm4_5(out: str, seed: int) -> None:
+    # GQA with qkv bias, q/k norms and partial rotary; grouped sigmoid routing.
+    build_tiny_model(out, arch="glm4_moe", seed=seed, **MOE_RUN)
 
 
 # The tiny run's model families (scripts/run-tiny-cpu.sh MODEL=...): a random checkpoint with
 # one MTP layer, written to a directory with its tokenizer.
-MODELS: dict[str, Callable[[str, int], None]] = {"mimo": _mimo, "deepseek-v3": _deepseek_v3}
+MODELS: dict[str, Callable[[str, int], None]] = {
+    "mimo": _mimo,
+    "deepseek-v3": _deepseek_v3,
+    "glm4.5": _glm4_5,
+}
 
 
 def warmup_batch(

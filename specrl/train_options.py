@@ -27,7 +27,7 @@ from spec_engine.models.hf_config import ModelConfig
 from specrl.slime_compat import SlimeCompatArgs, check_model_shape, check_slime_options
 from trainer_bridge.loss import LossConfig
 from trainer_bridge.model_provider import check_tensor_parallel, read_model_config
-from trainer_bridge.moe import aux_loss_config
+from trainer_bridge.moe import balance_config
 from trainer_bridge.options import TrainerArgs, check_mtp_flags
 from trainer_bridge.routing_replay import check_routing_replay
 from trainer_bridge.weight_sync import WeightSyncConfig
@@ -281,7 +281,7 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
                 raise ValueError(
                     f"{e} (--debug-rollout-only runs the rollouts without training)"
                 ) from None
-            aux_loss_config(args.moe_aux_loss_coeff, target, args.hf_checkpoint)  # MoE only
+            balance_config(args, target)  # MoE only
             check_tensor_parallel(target, args.tensor_model_parallel_size)
         lines = [
             f"model: {args.hf_checkpoint} ({target.architecture}, {target.num_hidden_layers} "

@@ -1,8 +1,10 @@
 """The RL loop on a tiny DeepSeek-V3-shaped model (MLA, a dense first layer then MoE with a shared
 expert, one next-n MTP layer; specrl.tiny_run's "deepseek-v3", which `MODEL=deepseek-v3 bash
-scripts/run-tiny-cpu.sh` runs): its next-n layer drafts the rollouts (EAGLE), is trained online
-through megatron's MTP block and pushed back into the engine, checked by checksum, after every
-rollout. (The MoE balance loss of such a step: tests/test_trainer_moe.py.)"""
+scripts/run-tiny-cpu.sh` runs) and a GLM-4.5-shaped one ("glm4.5": GQA, the same MoE), the latter
+also moving its routers' expert bias every step: the next-n layer drafts the rollouts (EAGLE), is
+trained online through megatron's MTP block and pushed back into the engine, checked by
+checksum, after every rollout. (The MoE balance loss and the bias rule of such a step:
+tests/test_trainer_moe.py.)"""
 
 from __future__ import annotations
 
@@ -16,25 +18,28 @@ pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
-def deepseek_task(make_model, tmp_path_factory) -> tuple[str, str]:
-    """The run script's tiny DeepSeek-V3 (random; the session's tokenizer) and one tiny-task
-    prompt, eight times."""
-    from specrl.tiny_run import DEEPSEEK_V3_RUN
-
-    model = make_model("deepseek_v3", **DEEPSEEK_V3_RUN)
+def task(tmp_path_factory) -> str:
+    """One tiny-task prompt, eight times."""
     data = tmp_path_factory.mktemp("task") / "task.jsonl"
     data.write_text((json.dumps({"input": "copy: a", "label": "a"}) + "\n") * 8)
-    return model, str(data)
+    return str(data)
 
 
+# The run script's tiny models (random; the session's tokenizer); GLM-4.5 moves its expert bias.
 @pytest.mark.slow
-def test_deepseek_v3_loop_trains_its_mtp_layer_online(deepseek_task, tmp_path):
-    model, data = deepseek_task
+@pytest.mark.parametrize(
+    "arch,extra", [("deepseek_v3", []), ("glm4_moe", ["--moe-router-bias-update-rate", "1e-2"])]
+)
+def test_moe_loop_trains_its_mtp_layer_online(arch, extra, task, make_model, tmp_path):
+    from specrl.tiny_run import MOE_RUN
+
+    model = make_model(arch, **MOE_RUN)
     out = str(tmp_path / "run")
-    argv = base_args(model, data, out)
+    argv = base_args(model, task, out)
     argv[argv.index("--num-rollout") + 1] = "3"
     run(
         argv
+        + extra
         + [
             "--enable-mtp-training",
             "--check-weight-update-equal",
@@ -57,7 +62,8 @@ def test_deepseek_v3_loop_trains_its_mtp_layer_online(deepseek_task, tmp_path):
     )
     rows = metrics(out)
     # The engines took every push (--check-weight-update-equal compares the engine's checksum of
-    # every tensor it holds, the next-n layer's included, with the pushed one, or fails the run).
+    # every tensor it holds, the next-n layer's and the routers' bias included, with the pushed
+    # one, or fails the run).
     assert [r["rollout/weight_version"] for r in rows] == [0, 1, 2]
     mtp = [r["train/mtp_loss"] for r in rows]
     accept = [r["rollout/spec_accept_length"] for r in rows]
@@ -65,4 +71,5 @@ def test_deepseek_v3_loop_trains_its_mtp_layer_online(deepseek_task, tmp_path):
     # The random layer drafts nothing right; trained and pushed, all it drafts is accepted
     # (measured: 1.0, 3.0, 3.0 tokens per verify step; 3 is the most with 2 draft steps).
     assert accept[0] < 1.5 and max(accept[1:]) > 2.0, accept
-    assert all(abs(r["train/tis"] - 1.0) < 1e-3 for r in rows)  # trainer and engine agree
+    # Trainer and engine agree: on the expert bias too, which moved before rollouts 1 and 2.
+    assert all(abs(r["train/tis"] - 1.0) < 1e-3 for r in rows)

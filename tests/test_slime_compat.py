@@ -84,3 +84,71 @@ def test_model_shape_flags_are_checked_against_the_checkpoint(make_model, tmp_pa
     wrong = f"--num-layers {config.num_hidden_layers + 1}"
     with pytest.raises(SystemExit, match=f"--num-layers {config.num_hidden_layers + 1} contra"):
         check_checkpoints(parse_args(argv(model, str(tmp_path), wrong)))
+
+
+# slime's scripts/models/deepseek-v3.sh (MOE_LAYER_FREQ as its loop prints it) and the MoE part
+# of glm4.5-355B-A32B.sh, as users paste them.
+DEEPSEEK_V3_MODEL_ARGS = """
+   --disable-bias-linear --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432
+   --num-attention-heads 128 --kv-channels 128 --normalization RMSNorm
+   --position-embedding-type rope --norm-epsilon 1e-6 --swiglu
+   --untie-embeddings-and-output-weights --vocab-size 129280 --multi-latent-attention
+   --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64
+   --v-head-dim 128 --qk-layernorm --rotary-scaling-factor 40 --rotary-base 10000 --mscale 1.0
+   --mscale-all-dim 1.0 --attention-softmax-in-fp32 --num-experts 256
+   --moe-layer-freq [0,0,0,1,1] --moe-ffn-hidden-size 2048 --moe-router-topk 8
+   --moe-shared-expert-intermediate-size 2048 --moe-router-pre-softmax
+   --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+   --moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall
+   --moe-aux-loss-coeff 0 --moe-router-bias-update-rate 0 --moe-router-group-topk 4
+   --moe-router-num-groups 8 --moe-grouped-gemm --moe-router-topk-scaling-factor 2.5
+   --moe-router-dtype fp32 --moe-permute-fusion
+"""
+GLM45_MOE_ARGS = (
+    "--moe-layer-freq [0]*3+[1]*89 --num-experts 160 --moe-router-bias-update-rate 1e-3"
+)
+
+
+def test_slime_moe_model_scripts_parse(tmp_path):
+    args = parse_args(argv("m", str(tmp_path), DEEPSEEK_V3_MODEL_ARGS))
+    notes = "\n".join(args.compat_notes)
+    assert "--num-experts 256 has no effect in specrl: the model's shape comes from" in notes
+    assert "--moe-grouped-gemm has no effect in specrl" in notes
+    assert args.options.trainer.moe_router_bias_update_rate == 0.0
+    args = parse_args(argv("m", str(tmp_path), GLM45_MOE_ARGS))
+    assert args.options.trainer.moe_router_bias_update_rate == 1e-3
+    with pytest.raises(SystemExit, match="score experts with a sigmoid"):
+        parse_args(argv("m", str(tmp_path), "--moe-router-score-function softmax"))
+
+
+def test_moe_and_mla_shape_flags_are_checked_against_the_checkpoint(make_model, tmp_path):
+    from spec_engine.models.hf_config import ModelConfig
+
+    model = make_model(arch="deepseek_v3")
+    config = ModelConfig.from_pretrained(model)
+    moe, mla = config.moe, config.mla
+    dense = moe.first_k_dense_replace
+    moe_layers = config.num_hidden_layers - dense
+    same = (
+        f"--multi-latent-attention --kv-channels {mla.v_head_dim} --v-head-dim {mla.v_head_dim} "
+        f"--kv-lora-rank {mla.kv_lora_rank} --qk-pos-emb-head-dim {mla.qk_rope_head_dim} "
+        f"--num-experts {moe.num_experts} --moe-router-topk {moe.top_k} "
+        f"--moe-layer-freq [0]*{dense}+[1]*{moe_layers} --moe-ffn-hidden-size "
+        f"{moe.intermediate_size} --moe-router-topk-scaling-factor {moe.routed_scaling_factor}"
+    )
+    check_checkpoints(parse_args(argv(model, str(tmp_path), same + " --debug-rollout-only")))
+    for wrong, needle in [
+        (f"--num-experts {moe.num_experts * 2}", f"--num-experts {moe.num_experts * 2} contra"),
+        (f"--moe-layer-freq [1]*{config.num_hidden_layers}", "--moe-layer-freq"),
+        ("--moe-layer-freq 'range(3)'", "neither an integer nor a list expression"),
+        (f"--kv-channels {mla.v_head_dim + 1}", "--kv-channels"),
+    ]:
+        with pytest.raises(SystemExit, match=needle):
+            check_checkpoints(parse_args(argv(model, str(tmp_path), wrong)))
+    dense_model = make_model("qwen3")
+    for flag in ("--multi-latent-attention", "--num-experts 8"):
+        with pytest.raises(SystemExit, match="contradicts"):
+            check_checkpoints(parse_args(argv(dense_model, str(tmp_path), flag)))
+    with pytest.raises(SystemExit, match="--moe-router-bias-update-rate acts on MoE routers"):
+        rate = "--moe-router-bias-update-rate 1e-3"
+        check_checkpoints(parse_args(argv(dense_model, str(tmp_path), rate)))

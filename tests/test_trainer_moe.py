@@ -201,8 +201,15 @@ def test_balance_loss_reaches_the_logs(checkpoints, tp1):
     assert moe_aux_losses()["moe_seq_load_balancing_loss"] == 0  # read once, then cleared
 
 
-@pytest.mark.parametrize("variant", ["glm4_moe", "deepseek_v3"])
-def test_train_actor_builds_and_steps(variant, checkpoints):
+def _routers(model) -> list:
+    return [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+
+
+# GLM-4.5 moves its expert bias (DeepSeek-V3's auxiliary-loss-free balancing), DeepSeek-V3 keeps
+# the checkpoint's (the default rate 0).
+@pytest.mark.parametrize("variant,bias_rate", [("glm4_moe", 0.1), ("deepseek_v3", 0.0)])
+def test_train_actor_builds_and_steps(variant, bias_rate, checkpoints, monkeypatch):
+    from trainer_bridge import moe
     from trainer_bridge.actor import TrainActor
     from trainer_bridge.batch import TrainBatch
     from trainer_bridge.megatron_compat import destroy_model_parallel
@@ -219,6 +226,7 @@ def test_train_actor_builds_and_steps(variant, checkpoints):
         micro_batch_size=1,
         enable_mtp_training=True,
         moe_aux_loss_coeff=1e-4,
+        moe_router_bias_update_rate=bias_rate,
     )
     actor = TrainActor(args)
     try:
@@ -228,12 +236,50 @@ def test_train_actor_builds_and_steps(variant, checkpoints):
             [logp[b, t - 1, ids[b][t]].item() for t in range(T - 4, T)] for b in range(len(ids))
         ]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=0, atol=ATOL)
+        trunk = _routers(actor.gpt.decoder)
+        # Routers count only real tokens: 12 + 9 of a padded micro batch, top_k experts each.
+        with torch.enable_grad():
+            actor._forward(actor._micro_batch(_ids(), [T, T - 3]))
+        top_k = actor.gpt.config.moe_router_topk
+        assert [float(r.local_tokens_per_expert.sum()) for r in trunk] == [
+            (2 * T - 3) * top_k
+        ] * len(trunk)
+        moe.update_expert_bias(actor.gpt, 0.0)  # restarts the counts, moves nothing
+
+        steps = []  # (counts, bias) of every router before each update
+        original = moe.update_expert_bias
+
+        def recorded(model, rate):
+            routers = _routers(model)
+            steps.append(
+                [(r.local_tokens_per_expert.clone(), r.expert_bias.clone()) for r in routers]
+            )
+            original(model, rate)
+
+        monkeypatch.setattr(moe, "update_expert_bias", recorded)
         metrics = actor.train(batch)
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
         assert metrics["train/mtp_loss"] > 0
         # over its coefficient, per MoE layer (trunk and next-n) and micro batch: about 1
         assert 0.5 < metrics["train/moe_seq_load_balancing_loss"] < 3.0
         assert actor.compute_log_probs(batch) != got  # the step moved the policy
+        # DeepSeek-V3's rule, step by step: overloaded experts' bias down by the rate, underloaded
+        # ones' up; the engines get the moved bias with the weights.
+        assert steps and all(len(s) == len(trunk) + 1 for s in steps)  # + the next-n layer's
+        for before, after in zip(
+            steps, steps[1:] + [[(None, r.expert_bias) for r in _routers(actor.gpt)]]
+        ):
+            for (counts, bias), (_, moved) in zip(before, after):
+                assert counts.sum() > 0
+                step = bias_rate * torch.sign(counts.mean() - counts)
+                torch.testing.assert_close(moved, bias + step, rtol=0, atol=1e-7)
+        moved = any(not torch.equal(r.expert_bias, b) for r, (_, b) in zip(trunk, steps[0]))
+        assert moved == (bias_rate > 0)
+        pushed = [v for k, v in actor.hf_named_tensors() if k.endswith("e_score_correction_bias")]
+        routers = _routers(actor.gpt)
+        assert len(pushed) == len(routers)
+        for tensor, router in zip(pushed, routers):
+            assert torch.equal(tensor.float(), router.expert_bias)
     finally:
         destroy_model_parallel()
 

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from trainer_bridge import loss as losses
+from trainer_bridge import moe
 from trainer_bridge.batch import TrainBatch, pad_batch
 from trainer_bridge.draft_training import DraftLearningRate, set_trainable
 from trainer_bridge.loss import LossConfig
-from trainer_bridge.moe import aux_loss_config, moe_aux_losses, num_moe_layers, track_aux_losses
 from trainer_bridge.mtp_loss import mtp_loss
 from trainer_bridge.online_draft import OnlineDraft
 from trainer_bridge.options import TrainerArgs, check_mtp_flags
@@ -71,7 +71,7 @@ class TrainActor:
         check_mtp_flags(args, self.arch.num_mtp_layers, self.arch.architecture)
         # TransformerConfig overrides of the policy and the reference model alike
         overrides = replay_config(args, self.arch)
-        overrides.update(aux_loss_config(args.moe_aux_loss_coeff, self.arch, args.hf_checkpoint))
+        overrides.update(moe.balance_config(args, self.arch))
         if world_size % args.tensor_model_parallel_size:
             raise ValueError(
                 f"{world_size} trainer ranks are not a multiple of --tensor-model-parallel-size "
@@ -102,7 +102,7 @@ class TrainActor:
         model = build_gpt_model(args.hf_checkpoint, **overrides)
         load_hf_weights(model, args.hf_checkpoint)
         if args.moe_aux_loss_coeff:
-            track_aux_losses(self.arch, self.device)
+            moe.track_aux_losses(self.arch, self.device)
         set_trainable(model, self.arch.num_mtp_layers, args.enable_mtp_training)
         self.model = DistributedDataParallel(
             config=model.config,
@@ -182,6 +182,7 @@ class TrainActor:
                     None,
                     packed_seq_params=batch.packed_seq_params,
                     runtime_gather_output=True,
+                    padding_mask=batch.padding_mask,
                 )
         finally:
             hook.remove()
@@ -390,8 +391,8 @@ class TrainActor:
         self.model.finish_grad_sync()
         allreduce_norm_grads(self.model)  # replicated weights with per-TP-rank gradients
         if self.args.moe_aux_loss_coeff:  # megatron's tracker, summed over the micro batches
-            moe_layers = num_moe_layers(self.arch, self.args.enable_mtp_training)
-            sums.update(moe_aux_losses(moe_layers, num_micro_batches=-(-n // mbs)))
+            moe_layers = moe.num_moe_layers(self.arch, self.args.enable_mtp_training)
+            sums.update(moe.moe_aux_losses(moe_layers, num_micro_batches=-(-n // mbs)))
         sums = self._dp_mean(sums)
         with self.draft_lr.step():
             ok, grad_norm, _ = self.optimizer.step()
@@ -401,6 +402,7 @@ class TrainActor:
                 "the batch"
             )
         self.step += 1
+        moe.update_expert_bias(self.gpt, self.args.moe_router_bias_update_rate)
         sums.update(self.online_draft.step())
         sums["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return sums

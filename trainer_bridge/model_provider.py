@@ -18,7 +18,7 @@ import torch
 
 from spec_engine.models.hf_config import ConfigSource, ModelConfig
 from trainer_bridge.mla import check_mla, mla_config_fields
-from trainer_bridge.moe import check_moe, moe_config_fields
+from trainer_bridge.moe import check_moe, count_real_tokens_only, moe_config_fields
 from trainer_bridge.sequence_parallel import sequence_parallel_spec, uses_sequence_parallel
 
 if TYPE_CHECKING:  # megatron is imported when a model is built, so conversion alone stays light
@@ -183,6 +183,7 @@ def build_gpt_model(
         layer_spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization="RMSNorm"
         )
+        count_real_tokens_only()  # the routers' counts for --moe-router-bias-update-rate
     if config.sequence_parallel:  # norms and MLA's kv down projection for it
         layer_spec = sequence_parallel_spec(layer_spec)
     if packed:

@@ -1,6 +1,6 @@
 """Mixture-of-experts on the trainer side: megatron-core's MoE options for a GLM-4.5 style
-checkpoint (spec_engine's MoEConfig), its balance loss (--moe-aux-loss-coeff), and megatron's
-auxiliary-loss tracker read for logging.
+checkpoint (spec_engine's MoEConfig), its balance loss (--moe-aux-loss-coeff) and expert-bias
+update (--moe-router-bias-update-rate), and megatron's auxiliary-loss tracker read for logging.
 
 The router megatron builds from these options is the checkpoint's: sigmoid scores, expert
 selection on scores + `expert_bias` (Hugging Face's `e_score_correction_bias`), groups ranked by
@@ -8,15 +8,16 @@ the sum of their two best biased scores, the chosen experts' unbiased scores ren
 scaled by `routed_scaling_factor`; shared experts always run; the first
 `first_k_dense_replace` layers keep a dense MLP. Only the allgather token dispatcher runs on CPU
 (alltoall and flex need expert-parallel CUDA collectives). `expert_bias` is a buffer megatron
-moves only in finalize_model_grads, which the TrainActor does not call: it stays the checkpoint's,
-which the engine routes with.
+moves only in finalize_model_grads, which the TrainActor does not call: it stays the checkpoint's
+unless --moe-router-bias-update-rate moves it (update_expert_bias); the engines route with it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from torch import Tensor
 
 from spec_engine.models.hf_config import ModelConfig
 
@@ -68,23 +69,68 @@ def moe_config_fields(arch: ModelConfig) -> dict[str, Any]:
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
         # DeepSeek-V3's sequence-level balance loss, off by default as in slime's MoE recipes;
-        # --moe-aux-loss-coeff turns it on (aux_loss_config; logged by moe_aux_losses).
+        # --moe-aux-loss-coeff turns it on (balance_config; logged by moe_aux_losses).
         moe_router_load_balancing_type="seq_aux_loss",
         moe_aux_loss_coeff=0.0,
+        moe_router_bias_update_rate=0.0,  # --moe-router-bias-update-rate (update_expert_bias)
     )
 
 
-def aux_loss_config(coeff: float, arch: ModelConfig, checkpoint: str) -> dict[str, Any]:
-    """TransformerConfig overrides of --moe-aux-loss-coeff ({} when 0): megatron's sequence-level
-    balance loss (DeepSeek-V3's) with this weight; refused for a dense model."""
-    if not coeff:
-        return {}
-    if arch.moe is None:
+def balance_config(args: Any, arch: ModelConfig) -> dict[str, Any]:
+    """TransformerConfig overrides of --moe-aux-loss-coeff (megatron's sequence-level balance
+    loss, DeepSeek-V3's, with this weight) and --moe-router-bias-update-rate (the expert bias's
+    step, see update_expert_bias); {} when both are 0; refused for a dense model. `args`: the
+    TrainerArgs or the launcher's namespace."""
+    given = {
+        "--moe-aux-loss-coeff": ("moe_aux_loss_coeff", args.moe_aux_loss_coeff),
+        "--moe-router-bias-update-rate": (
+            "moe_router_bias_update_rate",
+            args.moe_router_bias_update_rate,
+        ),
+    }
+    overrides = {field: value for field, value in given.values() if value}
+    if overrides and arch.moe is None:
+        flag = next(flag for flag, (_, value) in given.items() if value)
         raise ValueError(
-            f"--moe-aux-loss-coeff weighs the MoE routers' balance loss, and {checkpoint} "
-            f"({arch.architecture}) is a dense model with no router; drop the flag"
+            f"{flag} acts on MoE routers, and {args.hf_checkpoint} ({arch.architecture}) is a "
+            "dense model with no router; drop the flag"
         )
-    return {"moe_aux_loss_coeff": coeff}
+    return overrides
+
+
+def count_real_tokens_only() -> None:
+    """Megatron-core 0.16.1's TopKRouter counts a step's routed tokens for the expert-bias update
+    with `routing_map & ~padding_mask`, which fails to broadcast ([tokens, experts] against
+    [tokens]) whenever a padding mask is given; this replaces that method with the same count,
+    padding left out. Idempotent."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def apply_expert_bias(self: Any, routing_map: Tensor, padding_mask: Optional[Tensor] = None):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask[:, None]
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    TopKRouter._apply_expert_bias = apply_expert_bias
+
+
+def update_expert_bias(model: torch.nn.Module, rate: float) -> None:
+    """After an optimizer step: DeepSeek-V3's auxiliary-loss-free balancing, as megatron's
+    finalize_model_grads runs it (the TrainActor steps its optimizer without that function):
+    each router's `expert_bias` moves by `rate` towards the mean load of the real tokens it
+    routed since the last call (counts summed over tensor- and data-parallel ranks, so every
+    rank moves the same way), then the counts restart. Nothing moves at rate 0."""
+    from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+    routers = [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+    if rate and routers:
+        counts = torch.stack([r.local_tokens_per_expert for r in routers])
+        biases = torch.stack([r.expert_bias for r in routers])
+        for router, bias in zip(routers, get_updated_expert_bias(counts, biases, rate)):
+            router.expert_bias.copy_(bias)
+    for router in routers:
+        router.local_tokens_per_expert.zero_()
 
 
 def num_moe_layers(arch: ModelConfig, with_mtp: bool) -> int:

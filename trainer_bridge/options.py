@@ -123,6 +123,18 @@ class TrainerArgs:
             "setting): not computed."
         },
     )
+    moe_router_bias_update_rate: float = field(
+        default=0.0,
+        metadata={
+            "help": "MoE models: DeepSeek-V3's auxiliary-loss-free balancing (Megatron-LM's "
+            "flag): after every optimizer step each router's expert bias (the checkpoint's "
+            "e_score_correction_bias) moves by this rate towards balance, up for experts that got "
+            "fewer than the mean of the step's real (non-padding) tokens, down for those that got "
+            "more; the engines route with the moved bias from the next weight update on, and "
+            "checkpoints keep it. 0 (slime's MoE recipes' setting; Megatron-LM's default is "
+            "1e-3): the bias stays the checkpoint's."
+        },
+    )
     use_rollout_routing_replay: bool = field(
         default=False,
         metadata={
@@ -173,6 +185,11 @@ class TrainerArgs:
             raise ValueError(f"--global-batch-size must be positive, got {self.global_batch_size}")
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if self.moe_router_bias_update_rate < 0:
+            raise ValueError(
+                "--moe-router-bias-update-rate must be >= 0, got "
+                f"{self.moe_router_bias_update_rate}"
+            )
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.draft_lr is not None:

@@ -12,7 +12,7 @@ core attention keeps each sequence to itself (trainer_bridge.packed_attention).
 from __future__ import annotations
 
 import itertools
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -27,13 +27,22 @@ class PaddedMicroBatch:
 
     packed_seq_params = None
 
-    def __init__(self, tokens: Tensor, pad_multiple: int = 1) -> None:
+    def __init__(
+        self, tokens: Tensor, lengths: Optional[list[int]] = None, pad_multiple: int = 1
+    ) -> None:
         self._width = tokens.shape[1]
         self._pad = -self._width % pad_multiple
         self.tokens = self.pack(tokens)
         width = self.tokens.shape[1]
-        self.position_ids = torch.arange(width, device=tokens.device).expand_as(self.tokens)
+        columns = torch.arange(width, device=tokens.device)
+        self.position_ids = columns.expand_as(self.tokens)
         self.rotary_seq_len = width
+        # True at padding (rows are full when `lengths` is not given; the columns added for
+        # `pad_multiple` always pad): megatron's MoE routers leave it out of their token counts
+        # and balance losses.
+        full = [self._width] * tokens.shape[0] if lengths is None else lengths
+        lengths_t = torch.tensor(full, dtype=torch.long, device=tokens.device)
+        self.padding_mask = columns >= lengths_t[:, None]
 
     def pack(self, values: Tensor) -> Tensor:
         """Per-token `values` [b, S, ...] in the model's layout [b, S', ...]: the padding columns
@@ -72,6 +81,7 @@ class PackedMicroBatch:
         starts = cu_seqlens[: len(lengths)].long()
         self._index = starts[:, None] + columns  # [b, S]: where (row, column) lands in the pack
         self.tokens = self.pack(tokens)
+        self.padding_mask = torch.arange(total + self._pad, device=device)[None] >= total
         # Megatron's rope and MTP roll read cu_seqlens; positions restart per sequence as well
         # for any module that reads position_ids.
         self.position_ids = positions_in_sequence(cu_seqlens)[None]
@@ -115,4 +125,4 @@ def micro_batch(
     parallelism splits it by)."""
     if qkv_format == "thd":
         return PackedMicroBatch(tokens, lengths, pad_multiple)
-    return PaddedMicroBatch(tokens, pad_multiple)
+    return PaddedMicroBatch(tokens, lengths, pad_multiple)
