@@ -5,8 +5,9 @@ losses, the balance loss), log-probs and updated weights (TP 2 logits against tr
 tests/test_convert.py). GLM-4.5 runs padded (bshd) with a
 width that TP does not divide (the padding column sequence parallelism adds) and replays random
 routes (each TP rank routes its part of the sequence); DeepSeek-V3 runs packed (thd) with
-megatron's balance loss on. A norm (or MLA key/value down projection) gradient
-left unsummed over the TP ranks changes the grad norm and the updated weights."""
+megatron's balance loss on; dense Qwen3 (q/k norms, no sequence parallelism) as well. A norm (or
+MLA key/value down projection) gradient left unsummed over the TP ranks changes the grad norm and
+the updated weights."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ RUNS = {
         dict(qkv_format="thd", moe_aux_loss_coeff=1e-2),
         (12, 8),  # the pack is even: the balance loss sees the same tokens at TP 1 and 2
     ),
+    # Dense, no sequence parallelism: its q/k norms' gradients must still be summed over TP.
+    "qwen3": (FAMILIES["qwen3"], dict(qkv_format="bshd"), (12, 8)),
 }
 
 
@@ -53,6 +56,8 @@ def _batch(lengths: tuple[int, ...], path: str):
     arch = ModelConfig.load(path)
     g = torch.Generator().manual_seed(0)
     tokens = [torch.randint(5, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    if arch.moe is None:
+        return TrainBatch(tokens, [4, 3], [1.0, 0.0], n_samples_per_prompt=2)
     routes = [
         torch.stack(
             [
@@ -124,7 +129,11 @@ def test_moe_trains_at_tp2_as_at_tp1(checkpoints, tmp_path):
         before2, metrics2, after2, weights2 = torch.load(tmp_path / f"{name}-tp2.pt")
         assert _max_diff(before2, before1) < 1e-5, name
         assert metrics2.keys() == metrics1.keys()
-        logged = "train/mtp_loss" if name == "glm4_moe" else "train/moe_seq_load_balancing_loss"
+        logged = {
+            "glm4_moe": "train/mtp_loss",
+            "deepseek_v3": "train/moe_seq_load_balancing_loss",
+            "qwen3": "train/grad_norm",
+        }[name]
         assert metrics1[logged] > 0.1, name
         for key, value in metrics1.items():
             assert metrics2[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)

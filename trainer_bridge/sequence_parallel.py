@@ -99,7 +99,8 @@ def allreduce_norm_grads(ddp_model: Any) -> None:
     """Sum over the TP group the gradients megatron's finalize_model_grads sums there: the
     weights marked `sequence_parallel` (norms, MoE routers under sequence parallelism) and
     q/k layernorms (each TP rank holds different heads). The rest of finalize_model_grads is
-    left out on purpose: it would move the routers' expert_bias (see trainer_bridge.moe)."""
+    left out on purpose: it would move the routers' expert_bias at megatron's rate (the actor
+    moves it at --moe-router-bias-update-rate: trainer_bridge.moe.update_expert_bias)."""
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import (
         _allreduce_non_tensor_model_parallel_grads,
