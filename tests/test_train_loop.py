@@ -361,13 +361,15 @@ def test_moe_mtp_launcher_passes_flag_checks(model, arch, name, tmp_path):
     assert f"speculative EAGLE: draft MTP: {path} ({name}), steps 3, topk 1" in proc.stdout
     assert "enable_return_routed_experts=True" in proc.stdout
     assert "tensor_model_parallel_size=1" in proc.stdout
-    # Megatron trains MoE layers split over ranks only with sequence parallelism: refused early.
+    # MoE trains at TP 2 (sequence parallel); a TP size that does not divide the heads or the
+    # experts' widths is refused before Ray starts.
     from specrl.train_options import check_checkpoints, parse_args
 
     argv = ["--hf-checkpoint", path, "--prompt-data", str(data), "--rollout-batch-size", "2"]
     argv += ["--num-rollout", "1", "--output-dir", str(tmp_path / "tp2")]
-    with pytest.raises(SystemExit, match="use --tensor-model-parallel-size 1"):
-        check_checkpoints(parse_args([*argv, "--tensor-model-parallel-size", "2"]))
+    check_checkpoints(parse_args([*argv, "--tensor-model-parallel-size", "2"]))
+    with pytest.raises(SystemExit, match="tensor parallel size 3 does not divide"):
+        check_checkpoints(parse_args([*argv, "--tensor-model-parallel-size", "3"]))
 
 
 def test_dry_run_refuses_a_missing_draft_and_a_tree_too_big(task, tmp_path, capsys):
