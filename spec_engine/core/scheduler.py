@@ -134,10 +134,12 @@ class Scheduler:
             start = time.perf_counter()
             n = 0
             for reqs, depth in self._decode_groups():
-                if depth:  # untimed: a lagging draft catches up once per switch, not per step
+                if depth != 0:  # untimed: a lagging draft catches up once per switch, not per step
                     self.worker.catch_up(reqs)
                 began = time.perf_counter()
-                if depth:
+                if depth is None:  # the configured shape (a plain worker: its decode step)
+                    result = self.worker.decode(reqs)
+                elif depth:
                     result = self.worker.decode(reqs, depth)
                 else:
                     # (never stale with NGRAM, which has no draft state, or with
@@ -149,7 +151,7 @@ class Scheduler:
                 verify_ct, emitted = self.spec_verify_ct, self.spec_emitted
                 n += self._process_outputs(reqs, result)
                 # The alarm compares accept lengths of one shape: the configured (deepest) one.
-                if depth == self.worker.max_depth and self.alarm is not None:
+                if self.alarm is not None and depth in (None, self.worker.max_depth):
                     self.alarm.record(self.spec_verify_ct - verify_ct, self.spec_emitted - emitted)
                 if self.adaptive is not None:
                     self.adaptive.observe(depth, len(reqs), seconds, result.tokens if depth else ())
@@ -160,24 +162,25 @@ class Scheduler:
                 - (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS,
             )
 
-    def _decode_groups(self) -> list[tuple[list[Req], int]]:
-        """The running requests split into those that speculate this step and those that decode
-        plainly, each group one forward with its speculative depth (0: plain). Plain: all of
-        them while a `disable` acceptance alarm is up, and afterwards those that decoded plainly
+    def _decode_groups(self) -> list[tuple[list[Req], Optional[int]]]:
+        """The running requests split into groups of one forward each, with a depth (0: plain,
+        None: the worker's configured decode; else --speculative-adaptive's choice). Plain: all
+        while a `disable` acceptance alarm is up, and afterwards those that decoded plainly
         before (`draft_stale`): a plain step writes no draft KV and leaves a feature draft's
-        next-round state (spec_state) at an older position, so they keep decoding plainly until
-        they finish, rather than resyncing the draft (a draft extend over the plain tokens would
-        need the target's features for them, which a plain step does not keep). Requests
-        admitted after the update speculate at once, so speculation never waits for the old
-        ones to drain. With --speculative-adaptive the cost model picks the whole batch's mode
-        and depth (plain steps keep the draft recoverable there: speculative/draft_lag.py)."""
-        if self.alarm is None or not self.alarm.speculating:  # (None: no speculation at all)
+        next-round state (spec_state) at an older position, so they decode plainly until they
+        finish rather than resync the draft (whose extend over the plain tokens would need the
+        target's features there, which a plain step does not keep). Requests admitted after the
+        update speculate at once. With --speculative-adaptive the cost model picks the whole
+        batch's mode and depth (plain steps keep the draft recoverable: draft_lag.py)."""
+        if self.alarm is None:  # no speculation
+            return [(self.running, None)]
+        if not self.alarm.speculating:
             return [(self.running, 0)]
         if self.adaptive is not None:  # no request is behind: any may switch at any step
             return [(self.running, self.adaptive.choose(len(self.running)))]
         plain = [r for r in self.running if r.draft_stale]
         spec = [r for r in self.running if not r.draft_stale]
-        return [(g, depth) for g, depth in ((spec, self.worker.max_depth), (plain, 0)) if g]
+        return [(g, depth) for g, depth in ((spec, None), (plain, 0)) if g]
 
     def weights_updated(self, weight_version: str) -> None:
         """A weight update (target or draft) is in under `weight_version`: acceptance is
@@ -358,7 +361,7 @@ class Scheduler:
         """KV the next decode step allocates: a plain group needs only its one token each."""
         return sum(
             self.worker.decode_kv_demand(reqs, depth)
-            if depth
+            if depth != 0
             else self.worker.decode_plain_kv_demand(reqs)
             for reqs, depth in self._decode_groups()
         )
