@@ -11,8 +11,10 @@ decode step split into draft, verify and bookkeeping. Drafts are random checkpoi
 right shape (EAGLE-2, EAGLE-3, MiMo MTP), so their acceptance is near 1 and they measure the
 overhead; STANDALONE with the target as its own draft accepts every token (the upper bound);
 NGRAM runs on prompts that repeat a pattern, as code or templated text does; ngram-adaptive,
-eagle3-adaptive and mtp-adaptive add --speculative-adaptive (per step, speculate or decode
-plainly by the measured cost model; the table gives the share of decode steps that speculated).
+eagle3-adaptive and mtp-adaptive (and, on request, standalone-self-adaptive) add
+--speculative-adaptive (per step, decode plainly or speculate at a depth up to the configured
+one, by the measured cost model; the table gives the share of decode steps that speculated, the
+JSON the steps run at each depth).
 --forced-acceptance makes every draft token accepted (sampling at temperature 1 with
 --speculative-accept-threshold-single 1e-9: lossy, a speed measurement only), which is what a
 perfect draft would give: the engine's speculative speedup at full acceptance, against plain
@@ -54,6 +56,8 @@ ALGORITHMS = (
     "eagle3-adaptive",
     "mtp-adaptive",
 )
+# Not run by default: the self-draft (all drafts accepted) adaptive, where depth matters most.
+CHOICES = ALGORITHMS + ("standalone-self-adaptive",)
 # Model shapes to benchmark at (random weights): Llama-3.1-8B's config.
 PRESETS = {
     "llama-3.1-8b": dict(
@@ -116,7 +120,7 @@ def configs(
         ),
     }
     # --speculative-adaptive: per step, the algorithm or plain decoding, by the measured cost model.
-    for name in ("ngram", "eagle3", "mtp"):
+    for name in ("ngram", "eagle3", "mtp", "standalone-self"):
         target, kwargs = table[name]
         table[f"{name}-adaptive"] = (target, {**kwargs, "speculative_adaptive": True})
     return table
@@ -191,9 +195,8 @@ def run(
                 emitted = engine.scheduler.spec_emitted - emitted_before
                 steps = getattr(worker, "verify_steps", 0) - steps_before
                 spent = {k: v - before.get(k, 0.0) for k, v in spec_time_breakdown(engine).items()}
-                spec_steps, plain_steps = (
-                    a - b for a, b in zip(adaptive_steps(engine), modes_before)
-                )
+                modes = {m: n - modes_before.get(m, 0) for m, n in adaptive_steps(engine).items()}
+                decode_steps = sum(modes.values())
                 state = {
                     "accept_length": round(emitted / verifies, 3) if verifies else None,
                     "ms_per_step": {
@@ -201,10 +204,12 @@ def run(
                     }
                     if steps
                     else None,
-                    # --speculative-adaptive: the share of decode steps that speculated.
-                    "speculative_step_share": round(spec_steps / (spec_steps + plain_steps), 3)
-                    if spec_steps + plain_steps
+                    # --speculative-adaptive: the share of decode steps that speculated, and the
+                    # steps run per mode (0: plain, else the depth).
+                    "speculative_step_share": round(1 - modes[0] / decode_steps, 3)
+                    if decode_steps
                     else None,
+                    "steps_by_depth": modes or None,
                 }
         tokens = sum(len(o["output_ids"]) for o in outs)
     del engine
@@ -284,10 +289,11 @@ def spec_time_breakdown(engine: Engine) -> dict[str, float]:
     return engine.get_server_info()["internal_states"][0].get("spec_time_breakdown", {})
 
 
-def adaptive_steps(engine: Engine) -> tuple[int, int]:
-    """Decode steps run speculating and plainly so far (--speculative-adaptive; else zeros)."""
+def adaptive_steps(engine: Engine) -> dict[int, int]:
+    """Decode steps run so far per mode: 0 plain, else the speculative depth
+    (--speculative-adaptive; else empty)."""
     report = engine.get_server_info()["internal_states"][0].get("spec_adaptive")
-    return (report["speculative_steps"], report["plain_steps"]) if report else (0, 0)
+    return {0: report["plain_steps"], **report["steps_by_depth"]} if report else {}
 
 
 def main() -> None:
@@ -315,7 +321,7 @@ def main() -> None:
         help="HBM bandwidth for the roofline (default: known for H100/H200)",
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=CHOICES)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)

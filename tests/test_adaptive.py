@@ -7,10 +7,12 @@ import pytest
 
 from spec_engine import Engine
 from spec_engine.args.engine_args import EngineArgs
+from spec_engine.args.spec_shapes import candidate_depths, spec_shapes
 from spec_engine.core.adaptive import EXPLORE_EVERY, WARM_STEPS, SpecCostModel, bucket
 from spec_engine.launch_server import build_parser
 from specrl.train_options import parse_args
 from tests.conftest import random_prompts
+from tests.test_adaptive_drafts import verified  # noqa: F401  (fixture)
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 NGRAM = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)
@@ -28,40 +30,116 @@ def test_buckets_are_powers_of_two():
     assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [1, 2, 4, 4, 8, 8, 16, 64, 128]
 
 
-def test_cost_model_warms_up_both_modes_then_picks_the_faster_and_explores():
-    model = SpecCostModel()
-    seen = []
-    for _ in range(2 * (WARM_STEPS + 1)):  # the first step of each mode is not counted
-        mode = model.speculate(32)
-        seen.append(mode)
-        # Speculating costs 5x a plain step per request and emits 2 tokens: plain is faster.
-        model.observe(mode, 32, 32 * (5.0 if mode else 1.0), verify_ct=32, emitted=64)
-    assert seen == [True] * (WARM_STEPS + 1) + [False] * (WARM_STEPS + 1)
-    assert model.expected_speculative_gain(32) == pytest.approx(0.4)
-    steps = []
-    for _ in range(2 * EXPLORE_EVERY):
-        mode = model.speculate(30)  # same bucket as 32
-        steps.append(mode)
-        model.observe(mode, 30, 30 * (5.0 if mode else 1.0), verify_ct=30, emitted=60)
-    assert steps.count(True) == 2 and not steps[0]  # one try of speculation per EXPLORE_EVERY
-    # Batch 1 is measured on its own: there speculation is cheap and wins.
-    for _ in range(2 * (WARM_STEPS + 1)):
-        mode = model.speculate(1)
-        model.observe(mode, 1, 1.2 if mode else 1.0, verify_ct=1, emitted=2)
-    assert model.speculate(1) and not model.speculate(20)
+def test_cost_model_warms_up_every_mode_then_picks_the_fastest_and_explores():
+    model = SpecCostModel([1, 2, 3], nested=True)
+
+    def run(batch: int, plain_s: float, spec_s: dict[int, float], steps: int) -> list[int]:
+        seen = []
+        for _ in range(steps):
+            mode = model.choose(batch)
+            seen.append(mode)
+            seconds = batch * (spec_s[mode] if mode else plain_s)
+            model.observe(mode, batch, seconds, [[0] * 4] * batch if mode else ())  # all accepted
+        return seen
+
+    # Every draft token accepted (accept(d) = d + 1); at batch 32 a verify of depth d costs
+    # 2 + d plain steps per request: (d + 1) / (d + 2) < 1, plain decoding is faster.
+    costly = {1: 3.0, 2: 4.0, 3: 5.0}
+    warm = run(32, 1.0, costly, 4 * (WARM_STEPS + 1))  # the first step of each is not counted
+    assert warm == [m for m in (3, 0, 2, 1) for _ in range(WARM_STEPS + 1)]
+    assert model.accept_length(2) == pytest.approx(3.0)
+    assert model.expected_speculative_gain(32) == pytest.approx(0.8)  # depth 3: 4 / 5
+    steps = run(30, 1.0, costly, 2 * EXPLORE_EVERY)  # same bucket as 32
+    assert steps[0] == 0
+    assert all(1 <= steps.count(d) <= 3 for d in (1, 2, 3))  # tried again, about every 64 steps
+    # Batch 1 is measured on its own: there a verify is cheap and the deepest wins.
+    run(1, 1.0, {1: 1.1, 2: 1.2, 3: 1.3}, 4 * (WARM_STEPS + 1))
+    assert model.choose(1) == 3 and model.choose(20) == 0
     report = model.report()
-    assert report["buckets"][1]["speculate"] and not report["buckets"][32]["speculate"]
+    assert report["buckets"][1]["depth"] == 3 and report["buckets"][1]["speculate"]
+    assert report["buckets"][32]["depth"] == 0 and not report["buckets"][32]["speculate"]
     assert report["plain_steps"] > report["speculative_steps"] > 0
+    assert report["steps_by_depth"][3] > 0 and report["accept_length"][3] == pytest.approx(4.0)
+
+
+def test_expensive_deep_verifies_choose_a_shallower_depth():
+    model = SpecCostModel([1, 2, 3], nested=True)
+    model.set_accept([0.9, 0.8, 0.7])  # accept lengths 1.9, 2.7, 3.4
+    model.set_costs(1, plain_s=1.0, spec_s={1: 1.2, 2: 1.4, 3: 1.6})  # 1.58, 1.93, 2.13 tok/s
+    model.set_costs(32, plain_s=1.0, spec_s={1: 1.5, 2: 2.5, 3: 4.0})  # 1.27, 1.08, 0.85
+    model.set_costs(128, plain_s=1.0, spec_s={1: 2.5, 2: 3.5, 3: 5.0})  # all below 1
+    assert [model.choose(b) for b in (1, 32, 128)] == [3, 1, 0]
+    assert model.report()["buckets"][32]["spec_s_per_req"] == {1: 1.5, 2: 2.5, 3: 4.0}
+
+
+def test_accept_histogram_of_a_chain_sets_every_shallower_depth():
+    """Drafts rarely accepted past the first (9 in 10 requests accept exactly one): depth 1
+    wins although deeper verifies cost only a little more, and running depth 3 alone measured
+    the accept lengths of depths 1 and 2. A tree's (not nested) are measured per depth."""
+    chain, tree = SpecCostModel([1, 2, 3], nested=True), SpecCostModel([1, 2, 3], nested=False)
+    tokens = [[7, 7]] * 9 + [[7, 7, 7, 7]]  # accepted drafts: 1 nine times, 3 once
+    for model in (chain, tree):
+        model.observe(3, 10, 10.0, tokens)
+    assert [chain.accept_length(d) for d in (1, 2, 3)] == pytest.approx([2.0, 2.1, 2.2])
+    assert tree.accept_length(3) == pytest.approx(2.2) and tree.accept_length(1) is None
+    chain.set_costs(8, plain_s=1.0, spec_s={1: 1.3, 2: 1.6, 3: 1.9})  # 1.54, 1.31, 1.16 tok/s
+    assert chain.choose(8) == 1
+    chain.set_accept([1.0, 1.0, 1.0])  # every draft accepted: 2.0 / 1.3 < 4.0 / 1.9
+    assert chain.choose(8) == 3
 
 
 def test_set_costs_freezes_the_model():
-    model = SpecCostModel()
-    model.set_costs(4, plain_s=1.0, spec_s=3.0, accept_length=2.0)
-    assert not model.speculate(3)
-    model.observe(False, 4, 100.0)  # counted as a decision, but does not move the averages
+    model = SpecCostModel([1, 2], nested=True)
+    model.set_costs(4, plain_s=1.0, spec_s=3.0)
+    model.set_accept([1.0])  # accept length 2 at both depths
+    assert model.choose(3) == 0
+    model.observe(0, 4, 100.0)  # counted as a decision, but does not move the averages
     assert model.report()["buckets"][4]["plain_s_per_req"] == 1.0
     assert model.report()["plain_steps"] == 1
-    assert not model.speculate(1)  # frozen: no warm-up tries; unmeasured means no gain known
+    assert model.choose(1) == 0  # frozen: no warm-up tries; unmeasured means no gain known
+
+
+def test_bad_depths_and_costs_are_refused_by_value():
+    with pytest.raises(ValueError, match=r"ascending and >= 1, got \[2, 1\]"):
+        SpecCostModel([2, 1], nested=True)
+    with pytest.raises(ValueError, match=r"depths \[4\] are not candidates \(\[1, 2\]\)"):
+        SpecCostModel([1, 2], nested=True).set_costs(1, 1.0, {4: 1.0})
+    with pytest.raises(ValueError, match=r"in \[0, 1\], got \[1.5\]"):
+        SpecCostModel([1], nested=True).set_accept([1.5])
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        candidate_depths(0)
+
+
+def test_candidate_shapes_run_from_the_configured_one_down():
+    assert [candidate_depths(n) for n in (1, 3, 4, 5, 8)] == [
+        [1],
+        [1, 2, 3],
+        [1, 2, 4],
+        [1, 2, 4, 5],
+        [1, 2, 4, 8],
+    ]
+
+    def shapes(adaptive: bool, **kwargs) -> list[tuple[int, int, int]]:
+        args = EngineArgs(model_path="m", **kwargs)
+        return [(s.depth, s.steps, s.draft_tokens) for s in spec_shapes(args, adaptive)]
+
+    tree = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+    assert shapes(True, speculative_algorithm="EAGLE", **tree) == [(1, 1, 3), (2, 2, 4), (3, 3, 5)]
+    assert shapes(False, speculative_algorithm="EAGLE", **tree) == [(3, 3, 5)]
+    wide = dict(speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    assert shapes(True, speculative_algorithm="EAGLE", **wide) == [
+        (1, 1, 3),
+        (2, 2, 4),
+        (4, 4, 7),
+        (5, 5, 8),
+    ]
+    chain = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+    assert shapes(True, speculative_algorithm="EAGLE", **chain) == [
+        (1, 1, 2),
+        (2, 2, 3),
+        (3, 3, 4),
+    ]
+    assert shapes(True, **NGRAM) == [(1, 0, 2), (2, 0, 3), (4, 0, 5), (5, 0, 6)]
 
 
 # ------------------------------------------------------------ flags
@@ -123,10 +201,11 @@ def test_speculates_at_batch_1_and_decodes_plainly_at_a_large_batch(target):
 
         def inject() -> None:
             model = engine.scheduler.adaptive
+            model.set_accept([1.0])  # accept length 2 at every depth
             for b in (1, 2):
-                model.set_costs(b, plain_s=1.0, spec_s=1.5, accept_length=2.0)  # gain 1.33
+                model.set_costs(b, plain_s=1.0, spec_s=1.5)  # gain 1.33
             for b in (4, 8, 16):
-                model.set_costs(b, plain_s=1.0, spec_s=4.0, accept_length=2.0)  # gain 0.5
+                model.set_costs(b, plain_s=1.0, spec_s=4.0)  # gain 0.5
 
         engine._call(inject)
         out_one = engine.generate(input_ids=one, sampling_params=GREEDY)
@@ -136,10 +215,10 @@ def test_speculates_at_batch_1_and_decodes_plainly_at_a_large_batch(target):
     assert out_one[0]["meta_info"]["spec_verify_ct"] > 0
     assert out_one[0]["meta_info"]["spec_accept_length"] > 1.0
     assert [o["meta_info"]["spec_verify_ct"] for o in out_eight] == [0] * 8
-    verified = [o["meta_info"]["spec_verify_ct"] for o in out_shrink]
+    verify_cts = [o["meta_info"]["spec_verify_ct"] for o in out_shrink]
     # The first two ran only at batch >= 3 (plain); the others decoded their first tokens plainly
     # beside them, then speculated once the batch was down to 2.
-    assert verified[:2] == [0, 0] and verified[2] > 0 and verified[3] > 0
+    assert verify_cts[:2] == [0, 0] and verify_cts[2] > 0 and verify_cts[3] > 0
     assert report["speculative_steps"] > 0 and report["plain_steps"] > 0
     assert [o["output_ids"] for o in out_one] == plain_outputs(target, one, GREEDY)
     assert [o["output_ids"] for o in out_eight] == plain_outputs(target, eight, GREEDY)
@@ -162,3 +241,42 @@ def test_measured_online_outputs_equal_plain_decoding(target):
         got = [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
         want = [lp for lp, _, _ in p["meta_info"]["output_token_logprobs"]]
         assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_ngram_depth_switching_is_lossless_and_verifies_the_chosen_shape(
+    target,
+    monkeypatch,
+    verified,  # noqa: F811
+):
+    """NGRAM under a fixed sequence of depths (0: plain), graphs emulated: outputs equal plain
+    decoding, every verify's trees stay within the chosen depth's draft tokens, and the verify
+    replays the narrowest captured width that holds them, so a shallow step verifies fewer
+    rows than the configured shape."""
+    pattern = (5, 0, 1, 2, 0, 4, 1)
+
+    def choose(self: SpecCostModel, batch: int) -> int:
+        return pattern[sum(self.decisions.values()) % len(pattern)]
+
+    monkeypatch.setattr(SpecCostModel, "choose", choose)
+    prompts = repetitive(3, seed=54)
+    params = [{**GREEDY, "max_new_tokens": n} for n in (20, 30, 40)]
+    with Engine(
+        model_path=target,
+        random_seed=0,
+        speculative_adaptive=True,
+        cuda_graph_bs=[1, 2, 4],
+        **NGRAM,
+    ) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        shapes = engine.scheduler.worker.shapes
+        widths = [g.width for g in engine.runner.graphs[1:]]  # after the target decode graph
+    assert [o["output_ids"] for o in outs] == plain_outputs(target, prompts, params)
+    assert widths == [2, 3, 5, 6]
+    assert {step["depth"] for step in verified} == {1, 2, 4, 5}
+    for step in verified:
+        shape = shapes[step["depth"]]
+        widest = max(size for size, _ in step["trees"])
+        assert widest <= shape.draft_tokens
+        assert all(depth <= shape.depth for _, depth in step["trees"])
+        assert step["graph"] == min(w for w in widths if w >= widest)
+    assert any(max(s for s, _ in step["trees"]) == 3 for step in verified if step["depth"] == 2)

@@ -15,15 +15,19 @@ import torch
 from spec_engine import Engine
 from spec_engine.core.adaptive import SpecCostModel
 from spec_engine.core.scheduler import Scheduler
+from spec_engine.forward_batch import ForwardMode
+from spec_engine.runner.graph_runner import GraphRunner
 from spec_engine.speculative import draft_lag
+from spec_engine.speculative.base import SpecWorker
 from spec_engine.speculative.draft_runner import DraftRunner
 from spec_engine.speculative.eagle_worker import EagleWorker
 from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 from tests.conftest import random_prompts
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-# Speculate or not per decode step, by the step's index: plain stretches of 1, 2 and 6 steps.
-PATTERN = (True, False, True, False, False, True, True) + (False,) * 6
+# The depth of each decode step (0: plain), by the step's index: plain stretches of 1, 2 and 6
+# steps, speculative ones at every depth (capped at the configured one) and changing depth.
+PATTERN = (3, 0, 1, 0, 0, 2, 3, 1, 2) + (0,) * 6
 
 
 @pytest.fixture
@@ -31,10 +35,45 @@ def alternating(monkeypatch):
     """The cost model replaced by PATTERN; a pure function of the steps run, as the scheduler
     asks it several times per step."""
 
-    def speculate(self: SpecCostModel, batch: int) -> bool:
-        return PATTERN[sum(self.decisions.values()) % len(PATTERN)]
+    def choose(self: SpecCostModel, batch: int) -> int:
+        depth = PATTERN[sum(self.decisions.values()) % len(PATTERN)]
+        return min(depth, self.depths[-1])
 
-    monkeypatch.setattr(SpecCostModel, "speculate", speculate)
+    monkeypatch.setattr(SpecCostModel, "choose", choose)
+
+
+@pytest.fixture
+def verified(monkeypatch):
+    """Per speculative step, the depth chosen, the verified trees' (sizes, depths), the drafts
+    each request accepted and the width of the verify graph that replayed it (None: eager)."""
+    seen: list = []
+    observe, verify, run = SpecCostModel.observe, SpecWorker.verify, GraphRunner.run
+
+    verifying: list = []  # the step whose verify is running (not the startup self-check's)
+
+    def record_tree(self, reqs, trees):
+        seen.append({"trees": [(t.size, max(t.depths)) for t in trees], "graph": None})
+        verifying.append(seen[-1])
+        try:
+            return verify(self, reqs, trees)
+        finally:
+            verifying.clear()
+
+    def record_graph(self, batch, *args, **kwargs):
+        out = run(self, batch, *args, **kwargs)
+        if batch.mode is ForwardMode.TARGET_VERIFY and out is not None and verifying:
+            verifying[0]["graph"] = self.width
+        return out
+
+    def record_depth(self, mode, batch, seconds, tokens=()):
+        if mode:
+            seen[-1].update(depth=mode, accepted=[len(t) - 1 for t in tokens])
+        return observe(self, mode, batch, seconds, tokens)
+
+    monkeypatch.setattr(SpecWorker, "verify", record_tree)
+    monkeypatch.setattr(GraphRunner, "run", record_graph)
+    monkeypatch.setattr(SpecCostModel, "observe", record_depth)
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +160,7 @@ def spied(monkeypatch):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_switching_every_few_steps_is_lossless_and_keeps_the_draft_in_step(
-    models, name, alternating, spied
+    models, name, alternating, spied, verified
 ):
     """Requests of different prompt lengths, the later ones joining mid-run, under PATTERN,
     the first ones retracted once while their draft lags: greedy outputs equal the target
@@ -130,7 +169,9 @@ def test_switching_every_few_steps_is_lossless_and_keeps_the_draft_in_step(
     after its release. Afterwards the draft KV the run left for a finished request (positions
     decoded plainly included; those its draft still lagged at when it finished stay out of the
     prefix cache) equals what a prefill of its whole sequence computes: a speculative step that
-    did not catch the draft up would have left those slots stale."""
+    did not catch the draft up would have left those slots stale. Every speculative step
+    verified the shape of the depth chosen for it (steps and draft tokens), on the verify graph
+    of that width."""
     path, kwargs = engine_args(models, name)
     first, later = random_prompts(3, 3, 30, seed=61), random_prompts(3, 8, 40, seed=62)
     params = [{**GREEDY, "max_new_tokens": n} for n in (20, 28, 36)]
@@ -155,6 +196,7 @@ def test_switching_every_few_steps_is_lossless_and_keeps_the_draft_in_step(
         results["later"] = engine.generate(input_ids=later, sampling_params=params)
         t.join()
         report = engine.get_server_info()["internal_states"][0]["spec_adaptive"]
+        shapes = engine.scheduler.worker.shapes
         left = draft_kv(engine, sequence)
         cont = engine.generate(input_ids=sequence, sampling_params=more)
         assert engine.flush_cache()
@@ -168,15 +210,26 @@ def test_switching_every_few_steps_is_lossless_and_keeps_the_draft_in_step(
     assert n > len(first[2]) + 10  # the comparison covers decoded positions
     torch.testing.assert_close(left[:, :n], fresh[:, :n], atol=1e-4, rtol=1e-4)
     assert spied["retracted"] and all(r.draft_lag is None for r in spied["reqs"].values())
+    assert {step["depth"] for step in verified} == set(shapes) and len(shapes) > 1
+    for step in verified:
+        shape = shapes[step["depth"]]
+        assert all(
+            size == shape.draft_tokens and depth <= shape.depth for size, depth in step["trees"]
+        )
+        assert step["graph"] == shape.draft_tokens
     plain = spied["plain"]
     assert any(full for full, _ in plain) and any(not full for full, _ in plain)
     assert all((forwards > 0) == full for full, forwards in plain)
 
 
-def test_a_draft_that_predicts_well_accepts_as_much_after_a_plain_stretch(models, alternating):
+def test_a_draft_that_predicts_well_accepts_as_much_after_a_plain_stretch(
+    models, alternating, verified
+):
     """The target's copy as a STANDALONE draft (its own weights and KV, unlike a self-draft)
-    predicts every greedy token: each verify round accepts all of its steps, plain stretches
-    or not. A draft whose KV missed the plainly decoded tokens would mispredict after them."""
+    predicts every greedy token: each verify round accepts all of its steps, whatever its
+    depth, plain stretches or not. A draft whose KV missed the plainly decoded tokens would
+    mispredict after them. The acceptance alarm measures the configured depth's verifies
+    only."""
     steps = 3
     prompts = random_prompts(4, 5, 30, seed=63)
     params = [{**GREEDY, "max_new_tokens": n} for n in (24, 30, 36, 40)]
@@ -192,10 +245,12 @@ def test_a_draft_that_predicts_well_accepts_as_much_after_a_plain_stretch(models
         assert not engine.scheduler.worker.draft.shares_target
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         report = engine.get_server_info()["internal_states"][0]["spec_adaptive"]
+        alarm = engine.scheduler.alarm.current
     assert report["speculative_steps"] > 0 and report["plain_steps"] > 0
-    for out in outs:
-        meta = out["meta_info"]
-        assert meta["spec_verify_ct"] > 0
-        # Every verify accepts `steps` drafts and the bonus; a request's last may emit 1 of them
-        # (max_new_tokens).
-        assert meta["spec_accept_length"] >= steps + 1 - steps / meta["spec_verify_ct"] - 1e-9
+    assert all(out["meta_info"]["spec_verify_ct"] > 0 for out in outs)
+    assert {step["depth"] for step in verified} == {1, 2, steps}
+    assert all(a == step["depth"] for step in verified for a in step["accepted"])
+    # The acceptance alarm saw only the configured depth's verifies (a shallower one's accept
+    # length would read as a collapse): all accepted, though a request's last may be cut.
+    deepest = [a for step in verified if step["depth"] == steps for a in step["accepted"]]
+    assert alarm.verify_ct == len(deepest) and alarm.emitted > 0.9 * (steps + 1) * len(deepest)

@@ -228,10 +228,10 @@ class EngineArgs:
     )
     speculative_adaptive: bool = _opt(
         False,
-        "Choose per decode step whether to speculate, from the running batch size and a cost "
-        "model measured online (time per plain and per speculative step per batch-size bucket, "
-        "accept length): speculate when it is expected to emit more tokens/s. Any algorithm; the "
-        "tree flags stay the depth used when speculating.",
+        "Choose per decode step whether to speculate and how deep, from the running batch size "
+        "and a cost model measured online (time per plain step and per speculative step at each "
+        "depth per batch-size bucket, accept length per depth): run the mode expected to emit "
+        "the most tokens/s. Any algorithm; the tree flags are the deepest shape it may choose.",
     )
     # Acceptance alarm (spec_engine.core.accept_alarm): the draft falls behind a weight update
     speculative_on_collapse: str = _opt(

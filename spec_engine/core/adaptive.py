@@ -1,45 +1,63 @@
-"""SpecCostModel: whether a decode step should speculate (--speculative-adaptive).
+"""SpecCostModel: whether a decode step should speculate, and how deep (--speculative-adaptive).
 
 Speculation pays when the tokens a verify step emits per request (the accept length) outweigh
 what the step costs over a plain decode step. Both costs depend on the batch size: on a
 memory-bound GPU a plain step at batch 1 leaves compute idle that a verify fills for free, while
-a compute-bound batch pays for every verified row. So the model keeps, per batch-size bucket
+a compute-bound batch pays for every verified row, so a shallower draft (fewer verify rows and
+draft steps) can win where the configured depth loses. The model keeps, per batch-size bucket
 (powers of two: 1, 2, 3-4, 5-8, ...), an exponential moving average of the seconds one request
-spends in a plain step and in a speculative step (the step's time / its batch size), and one
-average of the accept length over recent speculative steps (a property of the text more than of
-the batch). A step of batch B speculates when accept / spec_seconds(B) > 1 / plain_seconds(B),
-i.e. when it is expected to emit more tokens per second.
+spends in a plain step and in a speculative step at each candidate depth
+(args.spec_shapes.candidate_depths: the configured depth and the powers of two below it). A step
+of batch B runs the mode with the most expected tokens per second per request: 1 / plain_s(B),
+or accept(d) / spec_s(B, d) for depth d.
+
+Accept lengths are a property of the text and the draft more than of the batch, so they are
+kept across buckets as moving averages of the survival P(a >= k) of the drafts a request
+accepts (a), per k. A chain's first d draft tokens do not depend on how deep it drafts
+(args.spec_shapes.nested_shapes), so accept(d) = 1 + sum_{k<=d} P(a >= k) with P(a >= k) from
+every step run at a depth >= k: running deep measures every shallower depth too. A tree or an
+NGRAM draft of fewer tokens keeps other nodes, so its survival is kept per depth.
 
 Measuring is online: the first step of a mode in a bucket is not counted (it pays one-off costs
-such as a graph captured on first use), then each mode is tried until it has
-`WARM_STEPS` measurements there, and afterwards the mode not chosen is tried again once every
-`EXPLORE_EVERY` steps of the bucket, so the averages follow changes (a draft falling behind new
-weights, longer contexts). `speculate(batch)` is a pure function of the state, so the scheduler
-may ask it several times per step (KV demand, retraction, the step itself); `observe` moves it.
+such as a graph captured on first use), then each mode is tried until it has `WARM_STEPS`
+measurements there (the deepest first: it measures the shallower chains' accept lengths; then
+plain decoding, the comparison that matters most, then the shallower depths), and
+afterwards a mode not chosen is tried again once it has not run for `EXPLORE_EVERY` steps of
+the bucket, so the averages follow changes (a draft falling behind new weights, longer
+contexts). `choose(batch)` is a pure function of the state, so the scheduler may ask it several
+times per step (KV demand, retraction, the step itself); `observe` moves it.
 
-Every speculative worker may switch per step: NGRAM has no draft state, and under this flag
-the draft-model workers record what their draft needs of each plainly decoded position and
-catch it up in one extend when speculation resumes (speculative/draft_lag.py), so a plain step
-runs no draft and switching loses nothing. That catch-up runs outside the step the model
-times: it is paid once per switch, not per step of a stretch. The tree flags
-(--speculative-num-steps, -eagle-topk, -num-draft-tokens) stay the shape a speculative step uses.
+Every speculative worker may switch mode per step: NGRAM has no draft state, a draft model
+drafts any depth from the same state, and under this flag the draft-model workers record what
+their draft needs of each plainly decoded position and catch it up in one extend when
+speculation resumes (speculative/draft_lag.py), so a plain step runs no draft and switching
+loses nothing. That catch-up runs outside the step the model times: it is paid once per
+switch, not per step of a stretch.
 
 Runs on the scheduler thread only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+from spec_engine.args.spec_shapes import nested_shapes, spec_shapes
 
 ALPHA = 0.25  # weight of the newest measurement in the moving averages
 WARM_STEPS = 2  # measurements per mode and bucket before the averages decide
-EXPLORE_EVERY = 64  # steps of a bucket between two tries of the mode not chosen
+EXPLORE_EVERY = 64  # steps of a bucket a mode may go unrun before it is tried again
+PLAIN = 0  # the mode of a plain decode step; speculative modes are their depth
 
 
 def bucket(batch: int) -> int:
     """The bucket of a batch size: the smallest power of two >= it."""
     return 1 << max(batch - 1, 0).bit_length()
+
+
+def _ema(old: Optional[float], new: float) -> float:
+    return new if old is None else (1 - ALPHA) * old + ALPHA * new
 
 
 @dataclass
@@ -57,83 +75,136 @@ class ModeCost:
             self.seen = True
             return
         self.steps += 1
-        self.seconds = (
-            seconds if self.seconds is None else (1 - ALPHA) * self.seconds + ALPHA * seconds
-        )
+        self.seconds = _ema(self.seconds, seconds)
 
 
 class SpecCostModel:
-    def __init__(self) -> None:
-        self.costs: dict[int, dict[bool, ModeCost]] = {}
-        self.accept_length: Optional[float] = None  # EMA of tokens per request per verify
+    def __init__(self, depths: Sequence[int], nested: bool) -> None:
+        """`depths`: the candidate speculative depths (ascending); `nested`: whether a
+        shallower draft is the start of a deeper one (a chain)."""
+        if not depths or any(d < 1 for d in depths) or list(depths) != sorted(set(depths)):
+            raise ValueError(f"speculative depths must be ascending and >= 1, got {list(depths)}")
+        self.depths = list(depths)
+        self.modes = [PLAIN, *self.depths]
+        self.nested = nested
+        self.costs: dict[int, dict[int, ModeCost]] = {}
+        # (pool, k) -> EMA of the share of requests that accepted >= k drafts; the pool is 0
+        # for nested shapes, else the depth the step ran at.
+        self.survival: dict[tuple[int, int], float] = {}
         self.frozen = False  # tests: measurements no longer move the model
-        self.decisions = {True: 0, False: 0}  # steps run per mode
+        self.decisions = dict.fromkeys(self.modes, 0)  # steps run per mode
 
-    def _bucket(self, batch: int) -> dict[bool, ModeCost]:
-        return self.costs.setdefault(bucket(batch), {True: ModeCost(), False: ModeCost()})
+    @classmethod
+    def from_args(cls, args: Any) -> SpecCostModel:
+        """The model over the candidate shapes of resolved engine `args`."""
+        return cls([s.depth for s in spec_shapes(args, adaptive=True)], nested_shapes(args))
 
-    def speculate(self, batch: int) -> bool:
-        """Whether the next decode step of `batch` requests should speculate."""
+    def _bucket(self, batch: int) -> dict[int, ModeCost]:
+        return self.costs.setdefault(bucket(batch), {m: ModeCost() for m in self.modes})
+
+    def choose(self, batch: int) -> int:
+        """The mode of the next decode step of `batch` requests: PLAIN or a depth."""
         modes = self._bucket(batch)
         if not self.frozen:
-            for mode in (True, False):  # speculation first: it also measures the accept length
+            for mode in [self.depths[-1], PLAIN, *reversed(self.depths[:-1])]:
                 if modes[mode].steps < WARM_STEPS:
                     return mode
-        best = self.expected_speculative_gain(batch) > 1.0
-        if not self.frozen and modes[not best].since >= EXPLORE_EVERY:
-            return not best
+        best = self.best(batch)
+        if not self.frozen:
+            stale = max((m for m in self.modes if m != best), key=lambda m: modes[m].since)
+            if modes[stale].since >= EXPLORE_EVERY:
+                return stale
         return best
 
+    def accept_length(self, depth: int) -> Optional[float]:
+        """Expected tokens a verify at `depth` emits per request (None until measured)."""
+        pool = PLAIN if self.nested else depth
+        survival = [self.survival.get((pool, k)) for k in range(1, depth + 1)]
+        return None if None in survival else 1.0 + sum(survival)
+
+    def rates(self, batch: int) -> dict[int, float]:
+        """Expected tokens per second per request of every measured mode at `batch`."""
+        modes, rates = self._bucket(batch), {}
+        for mode, cost in modes.items():
+            accept = 1.0 if mode == PLAIN else self.accept_length(mode)
+            if cost.seconds is not None and accept is not None:
+                rates[mode] = accept / cost.seconds
+        return rates
+
+    def best(self, batch: int) -> int:
+        """The measured mode with the most expected tokens/s at `batch`; plain decoding while it
+        has no measurement to compare with (ties go to the shallower mode)."""
+        rates = self.rates(batch)
+        if PLAIN not in rates:
+            return PLAIN
+        return max(sorted(rates), key=lambda m: (rates[m], -m))
+
     def expected_speculative_gain(self, batch: int) -> float:
-        """Expected tokens/s of speculating over plain decoding at `batch` (nan-free: 1.0 when
-        a measurement is missing)."""
-        modes = self._bucket(batch)
-        spec, plain = modes[True].seconds, modes[False].seconds
-        if spec is None or plain is None or self.accept_length is None:
-            return 1.0
-        return self.accept_length * plain / spec
+        """Expected tokens/s of the best depth over plain decoding at `batch` (1.0 when a
+        measurement is missing)."""
+        rates = self.rates(batch)
+        spec = [r for m, r in rates.items() if m != PLAIN]
+        return max(spec) / rates[PLAIN] if spec and PLAIN in rates else 1.0
 
     def observe(
-        self, speculated: bool, batch: int, seconds: float, verify_ct: int = 0, emitted: int = 0
+        self, mode: int, batch: int, seconds: float, tokens: Sequence[Sequence[int]] = ()
     ) -> None:
-        """A decode step ran: its mode, batch size, duration and, speculating, its verify
-        count and emitted tokens."""
-        self.decisions[speculated] += 1
+        """A decode step ran: its mode, batch size, duration and, speculating, the tokens each
+        request's verify emitted (the accepted drafts and the bonus token)."""
+        self.decisions[mode] += 1
         if self.frozen or batch <= 0:
             return
         modes = self._bucket(batch)
         for cost in modes.values():
             cost.since += 1
-        modes[speculated].add(seconds / batch)
-        if speculated and verify_ct:
-            accept = emitted / verify_ct
-            self.accept_length = (
-                accept
-                if self.accept_length is None
-                else (1 - ALPHA) * self.accept_length + ALPHA * accept
-            )
+        modes[mode].add(seconds / batch)
+        if mode != PLAIN and tokens:
+            pool = PLAIN if self.nested else mode
+            accepted = [len(t) - 1 for t in tokens]
+            for k in range(1, mode + 1):
+                share = sum(a >= k for a in accepted) / len(accepted)
+                self.survival[(pool, k)] = _ema(self.survival.get((pool, k)), share)
 
-    def set_costs(self, batch: int, plain_s: float, spec_s: float, accept_length: float) -> None:
-        """Tests and tools: set the bucket of `batch` as measured (seconds per request per step)
-        and the accept length, and freeze the model so steps do not move it."""
+    def set_costs(
+        self, batch: int, plain_s: float, spec_s: Union[float, Mapping[int, float]]
+    ) -> None:
+        """Tests and tools: set the bucket of `batch` as measured (seconds per request per step;
+        `spec_s` one for every depth or per depth) and freeze the model so steps do not move
+        it."""
+        per_depth = spec_s if isinstance(spec_s, Mapping) else dict.fromkeys(self.depths, spec_s)
+        unknown = set(per_depth) - set(self.depths)
+        if unknown:
+            raise ValueError(f"depths {sorted(unknown)} are not candidates ({self.depths})")
         modes = self._bucket(batch)
-        for mode, seconds in ((False, plain_s), (True, spec_s)):
+        for mode, seconds in ((PLAIN, plain_s), *per_depth.items()):
             modes[mode] = ModeCost(seconds, WARM_STEPS, True, 0)
-        self.accept_length = accept_length
+        self.frozen = True
+
+    def set_accept(self, survival: Sequence[float]) -> None:
+        """Tests and tools: set P(a >= k) for k = 1, 2, ... (0 past the list) at every depth,
+        and freeze the model."""
+        if any(not 0.0 <= p <= 1.0 for p in survival):
+            raise ValueError(f"survival probabilities must lie in [0, 1], got {list(survival)}")
+        for pool in [PLAIN] if self.nested else self.depths:
+            for k in range(1, self.depths[-1] + 1):
+                self.survival[(pool, k)] = survival[k - 1] if k <= len(survival) else 0.0
         self.frozen = True
 
     def report(self) -> dict[str, Any]:
-        """For get_server_info: the averages per bucket, the decision each implies, the steps
-        run in each mode."""
+        """For get_server_info: the accept length per depth, the averages per bucket and the
+        mode each implies (`depth`: 0 for plain decoding), the steps run in each mode."""
         return {
-            "accept_length": self.accept_length,
-            "speculative_steps": self.decisions[True],
-            "plain_steps": self.decisions[False],
+            "depths": self.depths,
+            "accept_length": {d: self.accept_length(d) for d in self.depths},
+            "speculative_steps": sum(n for m, n in self.decisions.items() if m != PLAIN),
+            "plain_steps": self.decisions[PLAIN],
+            "steps_by_depth": {d: self.decisions[d] for d in self.depths},
             "buckets": {
                 b: {
-                    "plain_s_per_req": modes[False].seconds,
-                    "spec_s_per_req": modes[True].seconds,
-                    "speculate": self.expected_speculative_gain(b) > 1.0,
+                    "plain_s_per_req": modes[PLAIN].seconds,
+                    "spec_s_per_req": {d: modes[d].seconds for d in self.depths},
+                    "depth": self.best(b),
+                    "speculate": self.best(b) != PLAIN,
                 }
                 for b, modes in sorted(self.costs.items())
             },

@@ -86,7 +86,7 @@ class Scheduler:
             else None
         )
         # --speculative-adaptive: per step, speculate or decode plainly (core.adaptive).
-        self.adaptive = SpecCostModel() if args.speculative_adaptive else None
+        self.adaptive = SpecCostModel.from_args(args) if args.speculative_adaptive else None
 
     # ------------------------------------------------------------ public
 
@@ -133,13 +133,14 @@ class Scheduler:
             self._ensure_decode_room()
             start = time.perf_counter()
             n = 0
-            for reqs, speculate in self._decode_groups():
-                verify_ct, emitted = self.spec_verify_ct, self.spec_emitted
-                if speculate:  # untimed: a lagging draft catches up once per switch, not per step
+            for reqs, depth in self._decode_groups():
+                if depth != 0:  # untimed: a lagging draft catches up once per switch, not per step
                     self.worker.catch_up(reqs)
                 began = time.perf_counter()
-                if speculate:
+                if depth is None:  # the configured shape (a plain worker: its decode step)
                     result = self.worker.decode(reqs)
+                elif depth:
+                    result = self.worker.decode(reqs, depth)
                 else:
                     # (never stale with NGRAM, which has no draft state, or with
                     # --speculative-adaptive, whose next speculative step catches the draft up)
@@ -147,12 +148,13 @@ class Scheduler:
                         req.draft_stale = not self.worker.plain_steps_keep_draft
                     result = self.worker.decode_plain(reqs)
                 seconds = time.perf_counter() - began  # the tokens are on the host: synchronized
+                verify_ct, emitted = self.spec_verify_ct, self.spec_emitted
                 n += self._process_outputs(reqs, result)
-                verify_ct, emitted = self.spec_verify_ct - verify_ct, self.spec_emitted - emitted
-                if speculate and self.alarm is not None:
-                    self.alarm.record(verify_ct, emitted)
+                # The alarm compares accept lengths of one shape: the configured (deepest) one.
+                if self.alarm is not None and depth in (None, self.worker.max_depth):
+                    self.alarm.record(self.spec_verify_ct - verify_ct, self.spec_emitted - emitted)
                 if self.adaptive is not None:
-                    self.adaptive.observe(speculate, len(reqs), seconds, verify_ct, emitted)
+                    self.adaptive.observe(depth, len(reqs), seconds, result.tokens if depth else ())
             self.last_gen_throughput = n / max(time.perf_counter() - start, 1e-9)
             self.new_token_ratio = max(
                 self.min_ratio,
@@ -160,28 +162,25 @@ class Scheduler:
                 - (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS,
             )
 
-    def _decode_groups(self) -> list[tuple[list[Req], bool]]:
-        """The running requests split into those that speculate this step and those that decode
-        plainly (each group one forward). Plain: all of them while a `disable` acceptance alarm
-        is up, and afterwards those that decoded plainly before (`draft_stale`): a plain step
-        writes no draft KV and leaves a feature draft's next-round state (spec_state) at an
-        older position, so they keep decoding plainly until they finish, rather than resyncing
-        the draft (a draft extend over the plain tokens would need the target's features for
-        them, which a plain step does not keep). Requests admitted after the update speculate
-        at once, so speculation never waits for the old ones to drain. With
-        --speculative-adaptive the cost model picks the whole batch's mode (plain steps keep
-        the draft recoverable there: speculative/draft_lag.py)."""
-        if self.alarm is None:
-            return [(self.running, True)]
+    def _decode_groups(self) -> list[tuple[list[Req], Optional[int]]]:
+        """The running requests split into groups of one forward each, with a depth (0: plain,
+        None: the worker's configured decode; else --speculative-adaptive's choice). Plain: all
+        while a `disable` acceptance alarm is up, and afterwards those that decoded plainly
+        before (`draft_stale`): a plain step writes no draft KV and leaves a feature draft's
+        next-round state (spec_state) at an older position, so they decode plainly until they
+        finish rather than resync the draft (whose extend over the plain tokens would need the
+        target's features there, which a plain step does not keep). Requests admitted after the
+        update speculate at once. With --speculative-adaptive the cost model picks the whole
+        batch's mode and depth (plain steps keep the draft recoverable: draft_lag.py)."""
+        if self.alarm is None:  # no speculation
+            return [(self.running, None)]
         if not self.alarm.speculating:
-            return [(self.running, False)]
+            return [(self.running, 0)]
         if self.adaptive is not None:  # no request is behind: any may switch at any step
-            return [(self.running, self.adaptive.speculate(len(self.running)))]
+            return [(self.running, self.adaptive.choose(len(self.running)))]
         plain = [r for r in self.running if r.draft_stale]
-        if not plain:
-            return [(self.running, True)]
         spec = [r for r in self.running if not r.draft_stale]
-        return [(g, speculate) for g, speculate in ((spec, True), (plain, False)) if g]
+        return [(g, depth) for g, depth in ((spec, None), (plain, 0)) if g]
 
     def weights_updated(self, weight_version: str) -> None:
         """A weight update (target or draft) is in under `weight_version`: acceptance is
@@ -361,10 +360,10 @@ class Scheduler:
     def _decode_kv_demand(self) -> int:
         """KV the next decode step allocates: a plain group needs only its one token each."""
         return sum(
-            self.worker.decode_kv_demand(reqs)
-            if speculate
+            self.worker.decode_kv_demand(reqs, depth)
+            if depth != 0
             else self.worker.decode_plain_kv_demand(reqs)
-            for reqs, speculate in self._decode_groups()
+            for reqs, depth in self._decode_groups()
         )
 
     def _ensure_decode_room(self) -> None:

@@ -47,6 +47,9 @@ class StepResult:
 
 
 class ModelWorker:
+    # The deepest speculative depth `decode` may be given (speculative workers; 0: none).
+    max_depth = 0
+
     def __init__(
         self, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int]
     ) -> None:
@@ -58,8 +61,9 @@ class ModelWorker:
         self.device = runner.device
         self.vocab_size = runner.model_config.vocab_size
 
-    def decode_kv_demand(self, reqs: Sequence[Req]) -> int:
-        """KV tokens (whole pages) the next decode step of `reqs` will allocate."""
+    def decode_kv_demand(self, reqs: Sequence[Req], depth: Optional[int] = None) -> int:
+        """KV tokens (whole pages) the next decode step of `reqs` at speculative `depth` (see
+        `decode`) will allocate."""
         return self.page_size * sum(1 for r in reqs if r.kv_len % self.page_size == 0)
 
     def decode_headroom(self) -> int:
@@ -136,7 +140,10 @@ class ModelWorker:
             self._sample_into(result, logits, [reqs[i] for i in done], done)
         return result, out, starts, ends
 
-    def decode(self, reqs: Sequence[Req]) -> StepResult:
+    def decode(self, reqs: Sequence[Req], depth: Optional[int] = None) -> StepResult:
+        """One decode step. `depth`: a speculative worker's draft depth for this step (one of
+        its shapes' depths, None: the deepest, --speculative-adaptive's choice otherwise);
+        plain decoding has one shape, the single token."""
         return self._decode(reqs)[0]
 
     def _decode(

@@ -75,7 +75,14 @@ class RunnerBase:
         raise NotImplementedError
 
     def graph_for(self, batch: ForwardBatch) -> Optional[GraphRunner]:
-        return next((g for g in self.graphs if g.spec.matches(batch)), None)
+        """The graph runner of the batch's kind; where several widths are captured (target
+        verify under --speculative-adaptive, narrowest first), the narrowest that holds its
+        widest request (else the widest, which runs it eagerly)."""
+        kind = [g for g in self.graphs if g.spec.matches(batch)]
+        if len(kind) > 1:
+            widest = max(batch.extend_seq_lens_cpu)
+            return next((g for g in kind if g.width >= widest), kind[-1])
+        return kind[0] if kind else None
 
     def _replay(self, batch: ForwardBatch, features: Optional[torch.Tensor]) -> Optional[Outputs]:
         """The batch's outputs from a captured graph, or None when it must run eagerly."""

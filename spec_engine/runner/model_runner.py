@@ -9,6 +9,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from spec_engine.args.resolve import EngineConfig
+from spec_engine.args.spec_shapes import spec_shapes
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.norm import use_fused_rmsnorm
 from spec_engine.layers.routing_capture import RoutingCapture, attach_routing_capture
@@ -94,17 +95,23 @@ class ModelRunner(RunnerBase):
 
     @staticmethod
     def _graph_specs(args) -> list[GraphSpec]:
-        """Target decode, and target verify under speculation (num_draft_tokens per request)."""
+        """Target decode, and target verify under speculation (num_draft_tokens per request;
+        with --speculative-adaptive also each shallower shape's token count, narrowest first, so
+        a shallow verify replays a graph of its own width instead of padding every request to
+        the deepest: RunnerBase.graph_for)."""
         if args.disable_cuda_graph:
             return []
         specs = [GraphSpec("target decode", ForwardMode.DECODE, 1)]
         if args.speculative_algorithm is not None:
-            specs.append(
+            widths = sorted({s.draft_tokens for s in spec_shapes(args, args.speculative_adaptive)})
+            specs.extend(
                 GraphSpec(
-                    "target target_verify",
+                    "target target_verify"
+                    + ("" if width == args.speculative_num_draft_tokens else f" of {width}"),
                     ForwardMode.TARGET_VERIFY,
-                    args.speculative_num_draft_tokens,
+                    width,
                 )
+                for width in widths
             )
         return specs
 

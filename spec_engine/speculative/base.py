@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from spec_engine.args.engine_args import EngineArgs
+from spec_engine.args.spec_shapes import SpecShape, spec_shapes
 from spec_engine.core.logits_processor import (
     NONFINITE_LOGITS,
     nonfinite_rows,
@@ -65,6 +66,10 @@ class SpecWorker(ModelWorker):
         args: EngineArgs,
     ) -> None:
         super().__init__(runner, alloc_kv, eos_token_ids)
+        # The configured (deepest) shape, and with --speculative-adaptive the shallower ones the
+        # scheduler may ask `decode` for (args.spec_shapes).
+        self.shapes = {s.depth: s for s in spec_shapes(args, args.speculative_adaptive)}
+        self.max_depth = max(self.shapes)
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.threshold_single = args.speculative_accept_threshold_single
         self.threshold_acc = args.speculative_accept_threshold_acc
@@ -72,8 +77,17 @@ class SpecWorker(ModelWorker):
         self.verify_steps = 0
 
     def decode_headroom(self) -> int:
-        # Verify slots past the last token, plus a page of rounding.
+        # Verify slots past the last token (the deepest shape's), plus a page of rounding.
         return self.num_draft_tokens + self.page_size
+
+    def shape(self, depth: Optional[int]) -> SpecShape:
+        """The shape of a decode step at `depth` (None: the deepest)."""
+        shape = self.shapes.get(self.max_depth if depth is None else depth)
+        if shape is None:
+            raise ValueError(
+                f"speculative depth {depth} is not one of this worker's ({sorted(self.shapes)})"
+            )
+        return shape
 
     def verify_kv_demand(self, reqs: Sequence[Req], sizes: Sequence[int]) -> int:
         starts = [r.kv_len for r in reqs]

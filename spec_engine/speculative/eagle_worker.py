@@ -12,6 +12,11 @@ plus their own ancestors' draft KV in scratch slots); keep the best `num_draft_t
 candidates as a tree; verify it with the target (SpecWorker.verify); extend the draft over the
 accepted tokens.
 
+Under --speculative-adaptive the scheduler also picks the round's depth: a shallower shape
+(args.spec_shapes) drafts fewer steps and keeps fewer candidates from the same next-round state,
+and the extend after its verify leaves the state any depth starts from, so depths may change
+from one round to the next.
+
 Plain steps under --speculative-adaptive (the scheduler decodes plainly when its cost model
 expects that to emit more tokens/s) run no draft work: they record the draft's inputs at the
 decoded positions (speculative/draft_lag.py), and the next speculative step first extends the
@@ -32,6 +37,7 @@ import torch
 
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.args.resolve import DraftKind
+from spec_engine.args.spec_shapes import SpecShape
 from spec_engine.core.request import Req
 from spec_engine.core.worker import AllocFn, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
@@ -87,12 +93,14 @@ class EagleWorker(SpecWorker):
 
     # ---------------------------------------------------------------- memory
 
-    def _scratch_size(self, batch: int) -> int:
-        return (self.steps - 1) * batch * self.topk
+    def _scratch_size(self, batch: int, steps: int) -> int:
+        """Draft KV slots of the tree steps after the first (topk rows per request each)."""
+        return (steps - 1) * batch * self.topk
 
     def decode_headroom(self) -> int:
-        # Verify slots and this request's share of the draft scratch (each rounded to a page).
-        return super().decode_headroom() + self._scratch_size(1) + self.page_size
+        # Verify slots and this request's share of the draft scratch (each rounded to a page),
+        # at the deepest shape.
+        return super().decode_headroom() + self._scratch_size(1, self.steps) + self.page_size
 
     @property
     def plain_steps_keep_draft(self) -> bool:
@@ -100,9 +108,10 @@ class EagleWorker(SpecWorker):
         # which is then behind for good: the draft work is saved for the rest of the request.
         return self.adaptive
 
-    def decode_kv_demand(self, reqs: Sequence[Req]) -> int:
-        scratch = -(-self._scratch_size(len(reqs)) // self.page_size) * self.page_size
-        return self.verify_kv_demand(reqs, [self.num_draft_tokens] * len(reqs)) + scratch
+    def decode_kv_demand(self, reqs: Sequence[Req], depth: Optional[int] = None) -> int:
+        shape = self.shape(depth)
+        scratch = -(-self._scratch_size(len(reqs), shape.steps) // self.page_size) * self.page_size
+        return self.verify_kv_demand(reqs, [shape.draft_tokens] * len(reqs)) + scratch
 
     # ---------------------------------------------------------------- prefill
 
@@ -126,13 +135,17 @@ class EagleWorker(SpecWorker):
 
     # ---------------------------------------------------------------- decode
 
-    def decode(self, reqs: Sequence[Req]) -> StepResult:
+    def decode(self, reqs: Sequence[Req], depth: Optional[int] = None) -> StepResult:
+        """A round at `depth`: that many draft steps and the shape's draft tokens (any depth
+        drafts from the same state, and the extend after the verify leaves the state every
+        depth starts from)."""
         self.catch_up(reqs)
+        shape = self.shape(depth)
         start = self.timings.now()
-        self.alloc_verify_slots(reqs, [self.num_draft_tokens] * len(reqs))
-        size = self._scratch_size(len(reqs))
+        self.alloc_verify_slots(reqs, [shape.draft_tokens] * len(reqs))
+        size = self._scratch_size(len(reqs), shape.steps)
         scratch = self.alloc_kv([0], [size], [0]) if size else None
-        trees = self._draft_trees(reqs, scratch)
+        trees = self._draft_trees(reqs, scratch, shape)
         if scratch is not None:
             self.runner.allocator.free(scratch)
         self.timings.add("draft_s", start)
@@ -260,7 +273,9 @@ class EagleWorker(SpecWorker):
             top1 = top_ids[:, 0]
         return levels
 
-    def _draft_trees(self, reqs: Sequence[Req], scratch: torch.Tensor | None) -> list[DraftTree]:
+    def _draft_trees(
+        self, reqs: Sequence[Req], scratch: torch.Tensor | None, shape: SpecShape
+    ) -> list[DraftTree]:
         b, k = len(reqs), self.topk
         roots = [r.output_ids[-1] for r in reqs]
         kv_lens = self._tensor([r.kv_len for r in reqs])
@@ -286,7 +301,7 @@ class EagleWorker(SpecWorker):
         f_path = torch.empty(b * k, 0, dtype=torch.int64, device=self.device)
         prefix_idx, prefix_ok = self._prefix_indices(reqs, prefix_lens)
         offset = k
-        for step in range(1, self.steps):
+        for step in range(1, shape.steps):
             own = scratch[(step - 1) * b * k : step * b * k]
             if self.multi_layer:
                 p = torch.stack([r.spec_state.later[step - 1][0] for r in reqs])
@@ -315,7 +330,7 @@ class EagleWorker(SpecWorker):
             torch.cat(scores_l, 1),
             torch.cat(parents_l, 1),
             torch.cat(depth_l),
-            self.num_draft_tokens,
+            shape.draft_tokens,
         )
 
     def _draft_step(

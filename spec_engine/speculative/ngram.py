@@ -144,16 +144,19 @@ class NgramWorker(SpecWorker):
             args.speculative_ngram_capacity,
         )
 
-    def decode_kv_demand(self, reqs: Sequence[Req]) -> int:
-        return self.verify_kv_demand(reqs, [self.num_draft_tokens] * len(reqs))
+    def decode_kv_demand(self, reqs: Sequence[Req], depth: Optional[int] = None) -> int:
+        return self.verify_kv_demand(reqs, [self.shape(depth).draft_tokens] * len(reqs))
 
-    def decode(self, reqs: Sequence[Req]) -> StepResult:
+    def decode(self, reqs: Sequence[Req], depth: Optional[int] = None) -> StepResult:
+        """Draft trees of at most the shape's tokens (a shallower depth: a smaller tree, as
+        deep as it is long at most), verified."""
+        nodes = self.shape(depth).draft_tokens
         start = self.timings.now()
         trees = []
         for r in reqs:
             ids = r.fill_ids
             r.spec_state = self.cache.insert(r.spec_state, ids)
-            trees.append(self.cache.draft(ids, self.num_draft_tokens))
+            trees.append(self.cache.draft(ids, nodes))
         self.alloc_verify_slots(reqs, [t.size for t in trees])
         self.timings.add("draft_s", start)
         return self.verify(reqs, trees)[0]
