@@ -13,10 +13,11 @@ run) as a Markdown table, the per-rollout values as JSON, and the seed-mean curv
 warm-up trained, frozen (MTP_TRAINING=0) or trained on. EAGLE-3 (SPEC=eagle3): a random draft
 trained online until the shift (one run per seed, saved), then resumed twice from that
 checkpoint, trained on or frozen (--draft-lr 0); with --draft-lr X it learns at X before the shift
-and a third arm, online-fast, goes on at X. --arms runs only the named arms, e.g.
+and a third arm, online-fast, goes on at X. --arms runs only the named arms,
+e.g. (docs/benchmarks/drift_eagle3_cpu.md)
 
     python -m scripts.bench_drift --spec eagle3 --num-rollout 90 --draft-lr 1e-2 \\
-        --arms online-fast frozen --name drift_eagle3_long_cpu  # drift_eagle3_cpu.md
+        --arms online-fast frozen --name drift_eagle3_long_cpu
 
 The task file holds 256 prompts (specrl.tiny_run), 64 rollouts' worth; a longer run would wrap
 around to the prompts before the shift, so the file is extended by repeating its post-shift
