@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -136,6 +138,63 @@ def rl_task(make_model, tmp_path_factory) -> tuple[str, str]:
     data = str(tmp_path_factory.mktemp("task") / "task.jsonl")
     write_tiny_task(data, AutoTokenizer.from_pretrained(model), n=32)
     return model, data
+
+
+# What the shared --debug-rollout-only run executes: scripts/train.py's main with closing the
+# metrics log failing, then a check that megatron was never imported.
+ROLLOUT_ONLY_MAIN = """
+import ray
+import rollout.metrics
+def broken_close(self):
+    raise RuntimeError("disk gone")
+rollout.metrics.MetricsLogger.close = broken_close
+from scripts.train import main
+try:
+    main(sys.argv[1:])
+except RuntimeError as e:
+    assert "disk gone" in str(e), e
+    assert not ray.is_initialized(), "a failed shutdown step left Ray running"
+    print("shut down")
+else:
+    raise SystemExit("the failing close was not reported")
+assert not [m for m in sys.modules if m.startswith("megatron")], "megatron was imported"
+"""
+
+
+@pytest.fixture(scope="session")
+def rollout_only_run(rl_task, tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
+    """(the finished process, its output directory) of one scripts/train.py
+    --debug-rollout-only run on the RL task, shared by the tests that read it (each such run
+    costs a Ray and an engine start): three rollouts with --use-fault-tolerance and health
+    checks, the engine killed mid-request in rollout 0 and stopped (hung) in rollout 1
+    (tests/engine_killer.py), and closing the metrics log failing at the end
+    (ROLLOUT_ONLY_MAIN). tests/test_fault_tolerance.py checks the restarts,
+    tests/test_train_loop.py the shutdown and that megatron is never imported."""
+    from tests.test_train_loop import base_args
+
+    model, data = rl_task
+    out = str(tmp_path_factory.mktemp("rollout_only") / "run")
+    argv = base_args(model, data, out)
+    argv[argv.index("--num-rollout") + 1] = "3"
+    argv += ["--debug-rollout-only", "--use-fault-tolerance"]
+    argv += ["--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "2"]
+    argv += ["--rollout-health-check-first-wait", "0"]
+    argv += [
+        "--custom-generate-function-path",
+        "tests.engine_killer.generate_then_kill_then_hang_engine",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; " + ROLLOUT_ONLY_MAIN, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("MASTER_")},
+            "PYTHONPATH": os.getcwd(),
+        },
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, out
 
 
 @pytest.fixture(scope="session")
