@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -140,6 +143,79 @@ def rl_task(make_model, tmp_path_factory) -> tuple[str, str]:
     return model, data
 
 
+def train_env() -> dict[str, str]:
+    """The environment of a scripts/train.py subprocess: this checkout importable, and no
+    torch.distributed variables a parent launcher may have set (the run starts its own)."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("MASTER_")},
+        "PYTHONPATH": os.getcwd(),
+    }
+
+
+class RLLoopRun:
+    """scripts/train.py with tests/test_train_loop.loop_args, started when the first test asks
+    for it and left running meanwhile (a test can do other work, e.g. start other runs, before it
+    waits with finished()). Runs in a session of its own: stop() ends what it started."""
+
+    def __init__(self, model: str, data: str, root: str) -> None:
+        from tests.test_train_loop import loop_args
+
+        self.out = os.path.join(root, "run")
+        self.saved_rollouts = os.path.join(root, "rollouts", "r{rollout_id}.pt")
+        argv = loop_args(model, data, self.out)
+        argv += ["--save-debug-rollout-data", self.saved_rollouts]
+        self._logs = [os.path.join(root, name) for name in ("stdout.log", "stderr.log")]
+        with open(self._logs[0], "w") as out, open(self._logs[1], "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "scripts.train", *argv],
+                stdout=out,
+                stderr=err,
+                env=train_env(),
+                start_new_session=True,
+            )
+        self._result: subprocess.CompletedProcess | None = None
+
+    def ray_started(self, timeout: float = 240) -> None:
+        """Waits until the run's Ray is up (or the run has ended): another run starting its own
+        Ray only then keeps two Ray startups from competing (a node that starts too slowly
+        times out)."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            with open(self._logs[0]) as f:
+                if " engine(s) and " in f.read():
+                    return
+            time.sleep(0.2)
+
+    def finished(self, timeout: float = 400) -> subprocess.CompletedProcess:
+        """Waits for the run; its stdout and stderr, once it has exited 0."""
+        if self._result is None:
+            try:
+                code = self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise
+            stdout, stderr = (open(path).read() for path in self._logs)
+            self._result = subprocess.CompletedProcess(self.proc.args, code, stdout, stderr)
+        assert self._result.returncode == 0, self._result.stderr[-3000:]
+        return self._result
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def rl_loop_run(rl_task, tmp_path_factory) -> Iterator[RLLoopRun]:
+    """One RL loop on the RL task, shared (each such run costs a Ray, an engine and two trainer
+    ranks starting): tests/test_train_loop.py checks the loop and replays its saved rollouts;
+    tests/test_checkpoint.py compares a killed and resumed run with it, bit for bit, and runs
+    the killed one while this one runs."""
+    run = RLLoopRun(*rl_task, str(tmp_path_factory.mktemp("rl_loop")))
+    yield run
+    run.stop()
+
+
 # What the shared --debug-rollout-only run executes: scripts/train.py's main with closing the
 # metrics log failing, then a check that megatron was never imported.
 ROLLOUT_ONLY_MAIN = """
@@ -188,10 +264,7 @@ def rollout_only_run(rl_task, tmp_path_factory) -> tuple[subprocess.CompletedPro
         capture_output=True,
         text=True,
         timeout=300,
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("MASTER_")},
-            "PYTHONPATH": os.getcwd(),
-        },
+        env=train_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, out

@@ -52,6 +52,47 @@ def base_args(model, data, out):
     ]
 
 
+NUM_ROLLOUT = 4
+
+
+def loop_args(model, data, out):
+    """The RL loop's config: TP 2 colocated, MTP speculation, the MTP layer trained online, the
+    weights checked in the engines after every push, --save-hf every 2 rollouts, and
+    batch-invariant engines (a request's samples do not depend on what it was batched with), so
+    that tests/test_checkpoint.py can compare a resumed run with this one bit for bit."""
+    argv = base_args(model, data, out) + [
+        "--lr",
+        "1e-3",
+        "--enable-mtp-training",
+        "--check-weight-update-equal",
+        "--colocate",
+        "--tensor-model-parallel-size",
+        "2",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--ray-num-cpus",
+        "4",
+        "--sglang-speculative-algorithm",
+        "EAGLE",
+        "--sglang-speculative-num-steps",
+        "2",
+        "--sglang-speculative-eagle-topk",
+        "1",
+        "--sglang-cuda-graph-bs",
+        "1",
+        "2",
+        "4",
+        "8",
+        "--sglang-enable-deterministic-inference",
+        "--save-interval",
+        "2",
+        "--save-hf",
+        os.path.join(out, "hf", "{rollout_id}"),
+    ]
+    argv[argv.index("--num-rollout") + 1] = str(NUM_ROLLOUT)
+    return argv
+
+
 def run(argv, code="from scripts.train import main; main(sys.argv[1:])"):
     proc = subprocess.run(
         [sys.executable, "-c", "import sys; " + code, *argv],
@@ -72,43 +113,15 @@ def metrics(out):
         return [json.loads(line) for line in f]
 
 
-def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path):
+def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, rl_loop_run, tmp_path):
+    """The loop (loop_args; the run of tests/conftest.py that tests/test_checkpoint.py also
+    compares a resumed run with), then its saved rollouts replayed with no engine."""
     model, data = task
-    out, saved = str(tmp_path / "run"), str(tmp_path / "rollouts" / "r{rollout_id}.pt")
-    proc = run(
-        base_args(model, data, out)
-        + [
-            "--lr",
-            "1e-3",
-            "--enable-mtp-training",
-            "--check-weight-update-equal",
-            "--save-debug-rollout-data",
-            saved,
-            "--colocate",
-            "--tensor-model-parallel-size",
-            "2",
-            "--actor-num-gpus-per-node",
-            "2",
-            "--ray-num-cpus",
-            "4",
-            "--sglang-speculative-algorithm",
-            "EAGLE",
-            "--sglang-speculative-num-steps",
-            "2",
-            "--sglang-speculative-eagle-topk",
-            "1",
-            "--sglang-cuda-graph-bs",
-            "1",
-            "2",
-            "4",
-            "8",
-        ]
-    )
+    out, saved = rl_loop_run.out, rl_loop_run.saved_rollouts
+    proc = rl_loop_run.finished()
     rows = metrics(out)
-    assert [r["rollout/weight_version"] for r in rows] == [
-        0,
-        1,
-    ]  # the weights each rollout was generated with
+    # The weights each rollout was generated with.
+    assert [r["rollout/weight_version"] for r in rows] == list(range(NUM_ROLLOUT))
     for r in rows:
         for key in (
             "rollout/raw_reward",
@@ -125,9 +138,9 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
         ):
             assert r[key] is not None, key
         assert abs(r["train/tis"] - 1.0) < 1e-3  # trainer and engine log-probs agree
-    assert os.path.exists(saved.format(rollout_id=1))
+    assert all(os.path.exists(saved.format(rollout_id=i)) for i in range(NUM_ROLLOUT))
     # The run explains itself: a closing summary read back from metrics.jsonl, and its plots.
-    summary = proc.stdout[proc.stdout.index("run summary (2 rollouts)") :]
+    summary = proc.stdout[proc.stdout.index(f"run summary ({NUM_ROLLOUT} rollouts)") :]
     reward = [r["rollout/raw_reward"] for r in rows]
     accept = [r["rollout/spec_accept_length"] for r in rows]
     assert f"reward:         {reward[0]:.3f} -> {reward[-1]:.3f} (first -> last" in summary
@@ -139,7 +152,8 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
         assert path in summary and open(path).read().startswith("<svg")
     # megatron's known warnings are filtered in the trainer's Ray workers too; no INFO on stderr.
     assert "megatron" not in proc.stderr and "all_gather_into_tensor" not in proc.stderr
-    assert "rollout 1/2: reward" in proc.stdout and "rollout 1/2" not in proc.stderr
+    first = f"rollout 1/{NUM_ROLLOUT}"
+    assert f"{first}: reward" in proc.stdout and first not in proc.stderr
     replay = str(tmp_path / "replay")
     run(
         base_args(model, data, replay)
