@@ -7,6 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -136,6 +141,133 @@ def rl_task(make_model, tmp_path_factory) -> tuple[str, str]:
     data = str(tmp_path_factory.mktemp("task") / "task.jsonl")
     write_tiny_task(data, AutoTokenizer.from_pretrained(model), n=32)
     return model, data
+
+
+def train_env() -> dict[str, str]:
+    """The environment of a scripts/train.py subprocess: this checkout importable, and no
+    torch.distributed variables a parent launcher may have set (the run starts its own)."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("MASTER_")},
+        "PYTHONPATH": os.getcwd(),
+    }
+
+
+class RLLoopRun:
+    """scripts/train.py with tests/test_train_loop.loop_args, started when the first test asks
+    for it and left running meanwhile (a test can do other work, e.g. start other runs, before it
+    waits with finished()). Runs in a session of its own: stop() ends what it started."""
+
+    def __init__(self, model: str, data: str, root: str) -> None:
+        from tests.test_train_loop import loop_args
+
+        self.out = os.path.join(root, "run")
+        self.saved_rollouts = os.path.join(root, "rollouts", "r{rollout_id}.pt")
+        argv = loop_args(model, data, self.out)
+        argv += ["--save-debug-rollout-data", self.saved_rollouts]
+        self._logs = [os.path.join(root, name) for name in ("stdout.log", "stderr.log")]
+        with open(self._logs[0], "w") as out, open(self._logs[1], "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "scripts.train", *argv],
+                stdout=out,
+                stderr=err,
+                env=train_env(),
+                start_new_session=True,
+            )
+        self._result: subprocess.CompletedProcess | None = None
+
+    def ray_started(self, timeout: float = 240) -> None:
+        """Waits until the run's Ray is up (or the run has ended): another run starting its own
+        Ray only then keeps two Ray startups from competing (a node that starts too slowly
+        times out)."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            with open(self._logs[0]) as f:
+                if " engine(s) and " in f.read():
+                    return
+            time.sleep(0.2)
+
+    def finished(self, timeout: float = 400) -> subprocess.CompletedProcess:
+        """Waits for the run; its stdout and stderr, once it has exited 0."""
+        if self._result is None:
+            try:
+                code = self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise
+            stdout, stderr = (open(path).read() for path in self._logs)
+            self._result = subprocess.CompletedProcess(self.proc.args, code, stdout, stderr)
+        assert self._result.returncode == 0, self._result.stderr[-3000:]
+        return self._result
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def rl_loop_run(rl_task, tmp_path_factory) -> Iterator[RLLoopRun]:
+    """One RL loop on the RL task, shared (each such run costs a Ray, an engine and two trainer
+    ranks starting): tests/test_train_loop.py checks the loop and replays its saved rollouts;
+    tests/test_checkpoint.py compares a killed and resumed run with it, bit for bit, and runs
+    the killed one while this one runs."""
+    run = RLLoopRun(*rl_task, str(tmp_path_factory.mktemp("rl_loop")))
+    yield run
+    run.stop()
+
+
+# What the shared --debug-rollout-only run executes: scripts/train.py's main with closing the
+# metrics log failing, then a check that megatron was never imported.
+ROLLOUT_ONLY_MAIN = """
+import ray
+import rollout.metrics
+def broken_close(self):
+    raise RuntimeError("disk gone")
+rollout.metrics.MetricsLogger.close = broken_close
+from scripts.train import main
+try:
+    main(sys.argv[1:])
+except RuntimeError as e:
+    assert "disk gone" in str(e), e
+    assert not ray.is_initialized(), "a failed shutdown step left Ray running"
+    print("shut down")
+else:
+    raise SystemExit("the failing close was not reported")
+assert not [m for m in sys.modules if m.startswith("megatron")], "megatron was imported"
+"""
+
+
+@pytest.fixture(scope="session")
+def rollout_only_run(rl_task, tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
+    """(the finished process, its output directory) of one scripts/train.py
+    --debug-rollout-only run on the RL task, shared by the tests that read it (each such run
+    costs a Ray and an engine start): three rollouts with --use-fault-tolerance and health
+    checks, the engine killed mid-request in rollout 0 and stopped (hung) in rollout 1
+    (tests/engine_killer.py), and closing the metrics log failing at the end
+    (ROLLOUT_ONLY_MAIN). tests/test_fault_tolerance.py checks the restarts,
+    tests/test_train_loop.py the shutdown and that megatron is never imported."""
+    from tests.test_train_loop import base_args
+
+    model, data = rl_task
+    out = str(tmp_path_factory.mktemp("rollout_only") / "run")
+    argv = base_args(model, data, out)
+    argv[argv.index("--num-rollout") + 1] = "3"
+    argv += ["--debug-rollout-only", "--use-fault-tolerance"]
+    argv += ["--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "2"]
+    argv += ["--rollout-health-check-first-wait", "0"]
+    argv += [
+        "--custom-generate-function-path",
+        "tests.engine_killer.generate_then_kill_then_hang_engine",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; " + ROLLOUT_ONLY_MAIN, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=train_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, out
 
 
 @pytest.fixture(scope="session")

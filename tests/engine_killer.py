@@ -1,5 +1,5 @@
-"""--custom-generate-function-paths for tests/test_fault_tolerance.py (test-only, kept out of
-the package): right after sending sample KILL_AT's request, once per run, kill the engine actor
+"""A --custom-generate-function-path for tests/test_fault_tolerance.py (test-only, kept out of
+the package): right after sending a given sample's request, once per run, kill the engine actor
 serving it (as a crash of its process would), or stop its process (SIGSTOP: hung, not dead)."""
 
 from __future__ import annotations
@@ -15,14 +15,22 @@ from rollout.generate import generate
 from rollout.sample import Sample
 
 KILL_AT = 1  # a sample of the first rollout (sample indices go on across rollouts)
+HANG_AT = KILL_AT + 8  # a sample of the second rollout (2 prompts x 4 samples a rollout)
 _killed: set[int] = set()
 
 
-async def generate_then_kill_engine(
+async def generate_then_kill_then_hang_engine(
     args: Any, sample: Sample, sampling_params: dict[str, Any], engine: Any
 ) -> Sample:
-    if sample.index != KILL_AT or sample.index in _killed:
+    """Both faults in one run: kills the engine serving sample KILL_AT (rollout 0), then stops
+    the one serving sample HANG_AT (rollout 1)."""
+    if sample.index in _killed or sample.index not in (KILL_AT, HANG_AT):
         return await generate(args, sample, sampling_params, engine)
+    fault = _kill if sample.index == KILL_AT else _hang
+    return await fault(args, sample, sampling_params, engine)
+
+
+async def _kill(args: Any, sample: Sample, sampling_params: dict[str, Any], engine: Any) -> Sample:
     _killed.add(sample.index)  # the redone request must not kill again
     request = asyncio.ensure_future(generate(args, sample, sampling_params, engine))
     await asyncio.sleep(0)  # the request is on its way to the actor
@@ -30,11 +38,7 @@ async def generate_then_kill_engine(
     return await request
 
 
-async def generate_then_hang_engine(
-    args: Any, sample: Sample, sampling_params: dict[str, Any], engine: Any
-) -> Sample:
-    if sample.index != KILL_AT or sample.index in _killed:
-        return await generate(args, sample, sampling_params, engine)
+async def _hang(args: Any, sample: Sample, sampling_params: dict[str, Any], engine: Any) -> Sample:
     _killed.add(sample.index)
     actor = engine.handle.actor
     pid = await actor.__ray_call__.remote(lambda self: os.getpid())

@@ -3,8 +3,9 @@ saved, loaded, trained on exactly as the policy that never stopped). A run on Ra
 SIGKILL (its whole session: launcher, Ray, engines, trainer ranks) during a rollout and again
 during a save, then rerun with the same command, resumes from the last complete checkpoint, in
 Megatron-LM's layout, with its weight version and its log intact, and ends with the same weights
-and metrics, bit for bit, as a run never killed. Bad directories and partial,
-corrupt or foreign checkpoints are refused before Ray starts, naming the path."""
+and metrics, bit for bit, as a run never killed nor saved (tests/conftest.py's rl_loop_run).
+Bad directories and partial, corrupt or foreign checkpoints are refused before Ray starts,
+naming the path."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -23,54 +25,18 @@ from safetensors.torch import load_file
 
 from specrl import checkpoint as run_checkpoint
 from specrl.plots import read_metrics
-from tests.test_train_loop import base_args
+from tests.test_train_loop import NUM_ROLLOUT, base_args, loop_args
 
 pytest.importorskip("ray")
 
-NUM_ROLLOUT = 4
-
 
 def run_argv(model: str, data: str, out: str) -> list[str]:
-    """The test loop's config (TP 2 colocated, MTP speculation, the MTP layer trained online) with
-    slime's resume pattern: the same directory to --load and --save."""
+    """The RL loop's config (tests/test_train_loop.loop_args: TP 2 colocated, MTP speculation,
+    the MTP layer trained online, batch-invariant engines, --save-hf every 2 rollouts) with
+    slime's resume pattern: the same directory to --load and --save. The resumed engines are
+    checked to hold the resumed weights (--check-weight-update-equal)."""
     save = os.path.join(out, "ckpt")
-    argv = base_args(model, data, out) + [
-        "--lr",
-        "1e-3",
-        "--enable-mtp-training",
-        "--colocate",
-        "--tensor-model-parallel-size",
-        "2",
-        "--actor-num-gpus-per-node",
-        "2",
-        "--ray-num-cpus",
-        "4",
-        "--sglang-speculative-algorithm",
-        "EAGLE",
-        "--sglang-speculative-num-steps",
-        "2",
-        "--sglang-speculative-eagle-topk",
-        "1",
-        "--sglang-cuda-graph-bs",
-        "1",
-        "2",
-        "4",
-        "8",
-        "--save",
-        save,
-        "--load",
-        save,
-        "--save-interval",
-        "2",
-        "--save-hf",
-        os.path.join(out, "hf", "{rollout_id}"),
-        "--check-weight-update-equal",  # the resumed engines hold the resumed weights
-        # Batch-invariant engines: a request's samples do not depend on what it was batched
-        # with, so a resumed run can be compared with an uninterrupted one bit for bit.
-        "--sglang-enable-deterministic-inference",
-    ]
-    argv[argv.index("--num-rollout") + 1] = str(NUM_ROLLOUT)
-    return argv
+    return loop_args(model, data, out) + ["--save", save, "--load", save]
 
 
 def launch(argv: list[str], log: str) -> subprocess.Popen:
@@ -93,16 +59,20 @@ def session_pids(sid: int) -> list[int]:
     return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid]
 
 
-def kill_run(proc: subprocess.Popen) -> list[int]:
-    """SIGKILL the run's process group, as a crash or an OOM killer would; returns the session's
-    processes still alive 30 s later (Ray workers put themselves in groups of their own and leave
-    once their raylet is gone), after killing them so nothing outlives the test."""
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's process group, as a crash or an OOM killer would."""
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def reap(sid: int) -> list[int]:
+    """The processes of killed session `sid` still alive 30 s later (Ray workers put themselves
+    in groups of their own and leave once their raylet is gone), after killing them so nothing
+    outlives the test."""
     deadline = time.monotonic() + 30
-    while session_pids(proc.pid) and time.monotonic() < deadline:
+    while session_pids(sid) and time.monotonic() < deadline:
         time.sleep(0.5)
-    lingering = session_pids(proc.pid)
+    lingering = session_pids(sid)
     for pid in lingering:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -135,37 +105,50 @@ def task(rl_task):
 
 
 @pytest.fixture(scope="module")
-def killed_run(task, tmp_path_factory) -> str:
+def killed_run(task, rl_loop_run, tmp_path_factory) -> str:
     """The output directory of a run killed during rollout 2, rerun and killed while saving
-    rollout 3, then rerun to the end."""
+    rollout 3, then rerun to the end. The run it must end as (rl_loop_run: the same config
+    without --save and --load, so saving is shown not to change a run either) runs meanwhile, in
+    a session of its own, filling the time each launch spends waiting rather than computing."""
     out = str(tmp_path_factory.mktemp("killed") / "run")
-    argv, log = run_argv(*task, out), os.path.join(os.path.dirname(out), "log.txt")
-    save = os.path.join(out, "ckpt")
-
-    # Killed during rollout 2: rollout 1's checkpoint is complete (it is written before the
-    # rollout's metrics line).
-    proc = launch(argv, log)
-    wait_for(proc, lambda: logged(out) >= 2, "rollout 1's metrics")
-    lingering = kill_run(proc)
-    assert run_checkpoint.read_latest(save) == 1
-    # Rerun: resumes after rollout 1 and is killed while saving rollout 3's checkpoint.
-    proc = launch(argv, log)
-    partial = run_checkpoint.iter_dir(save, 3) + run_checkpoint.PARTIAL
-    wait_for(proc, lambda: os.path.isdir(partial), "a save of rollout 3")
-    lingering += kill_run(proc)
-    assert run_checkpoint.read_latest(save) == 1, "a killed save must leave the previous one latest"
-    with open(log, "a") as f:
-        f.write(f"lingering: {lingering}\n")
-    # The same command once more: resumes after rollout 1 again and finishes.
-    finish(argv, log)
+    rl_loop_run.ray_started()
+    kill_and_resume(run_argv(*task, out), out, os.path.join(os.path.dirname(out), "log.txt"))
     return out
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_run(task, tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("uninterrupted") / "run")
-    finish(run_argv(*task, out), os.path.join(os.path.dirname(out), "log.txt"))
-    return out
+def uninterrupted_run(rl_loop_run) -> str:
+    rl_loop_run.finished()
+    return rl_loop_run.out
+
+
+def kill_and_resume(argv: list[str], out: str, log: str) -> None:
+    """A run killed during rollout 2, rerun and killed while saving rollout 3, then rerun to
+    the end. Each rerun starts as soon as the killed launcher is gone, as a user's would; a
+    thread meanwhile watches the killed session's other processes leave."""
+    save = os.path.join(out, "ckpt")
+    with ThreadPoolExecutor() as watchers:
+        # Killed during rollout 2: rollout 1's checkpoint is complete (it is written before the
+        # rollout's metrics line).
+        proc = launch(argv, log)
+        wait_for(proc, lambda: logged(out) >= 2, "rollout 1's metrics")
+        kill(proc)
+        killed = [watchers.submit(reap, proc.pid)]
+        assert run_checkpoint.read_latest(save) == 1
+        # Rerun: resumes after rollout 1 and is killed while saving rollout 3's checkpoint.
+        proc = launch(argv, log)
+        partial = run_checkpoint.iter_dir(save, 3) + run_checkpoint.PARTIAL
+        wait_for(proc, lambda: os.path.isdir(partial), "a save of rollout 3")
+        kill(proc)
+        killed.append(watchers.submit(reap, proc.pid))
+        assert run_checkpoint.read_latest(save) == 1, (
+            "a killed save must leave the previous one latest"
+        )
+        # The same command once more: resumes after rollout 1 again and finishes.
+        finish(argv, log)
+    lingering = [pid for watcher in killed for pid in watcher.result()]
+    with open(log, "a") as f:
+        f.write(f"lingering: {lingering}\n")
 
 
 def test_a_killed_and_resumed_run_ends_as_one_never_killed(killed_run, uninterrupted_run):
@@ -327,21 +310,19 @@ def test_bad_directories_and_checkpoints_are_refused_naming_the_path(task, kille
     assert f"names rollout 3, but {last} is missing" in refused(load, config)
 
 
-def test_a_bad_load_fails_before_ray_starts(task, tmp_path):
+def test_a_bad_load_fails_before_ray_starts(task, tmp_path, monkeypatch):
+    """scripts/train.py's main, called in-process: it raises the SystemExit whose message the
+    command prints, and never reaches Ray."""
+    import scripts.train
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started before --load was checked")
+
+    monkeypatch.setattr(scripts.train, "init_ray", no_ray)
+    for name in ("setup_logging", "quiet_known_noise"):  # keep pytest's logging as it is
+        monkeypatch.setattr(scripts.train, name, lambda: None)
     model, data = task
-    start = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.train",
-            *base_args(model, data, str(tmp_path / "out")),
-            "--load",
-            str(tmp_path / "nothing"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode != 0 and "holds no checkpoint" in proc.stderr
-    assert "starting Ray" not in proc.stdout and time.monotonic() - start < 60
+    argv = base_args(model, data, str(tmp_path / "out")) + ["--load", str(tmp_path / "nothing")]
+    with pytest.raises(SystemExit) as refused:
+        scripts.train.main(argv)
+    assert "holds no checkpoint" in str(refused.value)

@@ -52,6 +52,47 @@ def base_args(model, data, out):
     ]
 
 
+NUM_ROLLOUT = 4
+
+
+def loop_args(model, data, out):
+    """The RL loop's config: TP 2 colocated, MTP speculation, the MTP layer trained online, the
+    weights checked in the engines after every push, --save-hf every 2 rollouts, and
+    batch-invariant engines (a request's samples do not depend on what it was batched with), so
+    that tests/test_checkpoint.py can compare a resumed run with this one bit for bit."""
+    argv = base_args(model, data, out) + [
+        "--lr",
+        "1e-3",
+        "--enable-mtp-training",
+        "--check-weight-update-equal",
+        "--colocate",
+        "--tensor-model-parallel-size",
+        "2",
+        "--actor-num-gpus-per-node",
+        "2",
+        "--ray-num-cpus",
+        "4",
+        "--sglang-speculative-algorithm",
+        "EAGLE",
+        "--sglang-speculative-num-steps",
+        "2",
+        "--sglang-speculative-eagle-topk",
+        "1",
+        "--sglang-cuda-graph-bs",
+        "1",
+        "2",
+        "4",
+        "8",
+        "--sglang-enable-deterministic-inference",
+        "--save-interval",
+        "2",
+        "--save-hf",
+        os.path.join(out, "hf", "{rollout_id}"),
+    ]
+    argv[argv.index("--num-rollout") + 1] = str(NUM_ROLLOUT)
+    return argv
+
+
 def run(argv, code="from scripts.train import main; main(sys.argv[1:])"):
     proc = subprocess.run(
         [sys.executable, "-c", "import sys; " + code, *argv],
@@ -72,43 +113,15 @@ def metrics(out):
         return [json.loads(line) for line in f]
 
 
-def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path):
+def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, rl_loop_run, tmp_path):
+    """The loop (loop_args; the run of tests/conftest.py that tests/test_checkpoint.py also
+    compares a resumed run with), then its saved rollouts replayed with no engine."""
     model, data = task
-    out, saved = str(tmp_path / "run"), str(tmp_path / "rollouts" / "r{rollout_id}.pt")
-    proc = run(
-        base_args(model, data, out)
-        + [
-            "--lr",
-            "1e-3",
-            "--enable-mtp-training",
-            "--check-weight-update-equal",
-            "--save-debug-rollout-data",
-            saved,
-            "--colocate",
-            "--tensor-model-parallel-size",
-            "2",
-            "--actor-num-gpus-per-node",
-            "2",
-            "--ray-num-cpus",
-            "4",
-            "--sglang-speculative-algorithm",
-            "EAGLE",
-            "--sglang-speculative-num-steps",
-            "2",
-            "--sglang-speculative-eagle-topk",
-            "1",
-            "--sglang-cuda-graph-bs",
-            "1",
-            "2",
-            "4",
-            "8",
-        ]
-    )
+    out, saved = rl_loop_run.out, rl_loop_run.saved_rollouts
+    proc = rl_loop_run.finished()
     rows = metrics(out)
-    assert [r["rollout/weight_version"] for r in rows] == [
-        0,
-        1,
-    ]  # the weights each rollout was generated with
+    # The weights each rollout was generated with.
+    assert [r["rollout/weight_version"] for r in rows] == list(range(NUM_ROLLOUT))
     for r in rows:
         for key in (
             "rollout/raw_reward",
@@ -125,9 +138,9 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
         ):
             assert r[key] is not None, key
         assert abs(r["train/tis"] - 1.0) < 1e-3  # trainer and engine log-probs agree
-    assert os.path.exists(saved.format(rollout_id=1))
+    assert all(os.path.exists(saved.format(rollout_id=i)) for i in range(NUM_ROLLOUT))
     # The run explains itself: a closing summary read back from metrics.jsonl, and its plots.
-    summary = proc.stdout[proc.stdout.index("run summary (2 rollouts)") :]
+    summary = proc.stdout[proc.stdout.index(f"run summary ({NUM_ROLLOUT} rollouts)") :]
     reward = [r["rollout/raw_reward"] for r in rows]
     accept = [r["rollout/spec_accept_length"] for r in rows]
     assert f"reward:         {reward[0]:.3f} -> {reward[-1]:.3f} (first -> last" in summary
@@ -139,7 +152,8 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
         assert path in summary and open(path).read().startswith("<svg")
     # megatron's known warnings are filtered in the trainer's Ray workers too; no INFO on stderr.
     assert "megatron" not in proc.stderr and "all_gather_into_tensor" not in proc.stderr
-    assert "rollout 1/2: reward" in proc.stdout and "rollout 1/2" not in proc.stderr
+    first = f"rollout 1/{NUM_ROLLOUT}"
+    assert f"{first}: reward" in proc.stdout and first not in proc.stderr
     replay = str(tmp_path / "replay")
     run(
         base_args(model, data, replay)
@@ -169,37 +183,15 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, tmp_path
     )  # no engine was started, nothing pushed
 
 
-SHUTDOWN_AFTER_A_FAILED_STEP = """
-import ray
-import rollout.metrics
-def broken_close(self):
-    raise RuntimeError("disk gone")
-rollout.metrics.MetricsLogger.close = broken_close
-from scripts.train import main
-try:
-    main(sys.argv[1:])
-except RuntimeError as e:
-    assert "disk gone" in str(e), e
-    assert not ray.is_initialized(), "a failed shutdown step left Ray running"
-    print("shut down")
-else:
-    raise SystemExit("the failing close was not reported")
-assert not [m for m in sys.modules if m.startswith("megatron")], "megatron was imported"
-"""
-
-
-def test_debug_rollout_only_shuts_down_when_a_step_of_it_fails(task, tmp_path):
+def test_debug_rollout_only_shuts_down_when_a_step_of_it_fails(rollout_only_run):
     """--debug-rollout-only never imports megatron and logs rollout metrics only; a failure
     closing the metrics log is reported (logged and raised) and the engines and Ray are still
-    shut down."""
-    model, data = task
-    out = str(tmp_path / "rollout_only")
-    proc = run(
-        base_args(model, data, out) + ["--debug-rollout-only"], code=SHUTDOWN_AFTER_A_FAILED_STEP
-    )
+    shut down (the shared run of tests/conftest.py, whose engine is also killed and hung: see
+    tests/test_fault_tolerance.py)."""
+    proc, out = rollout_only_run
     assert "shut down" in proc.stdout
     rows = metrics(out)
-    assert len(rows) == 2
+    assert len(rows) == 3
     assert all(
         "rollout/raw_reward" in r and not any(k.startswith("train/") for k in r) for r in rows
     )
@@ -409,23 +401,21 @@ def test_dry_run_refuses_a_missing_draft_and_a_tree_too_big(task, tmp_path, caps
     assert "is a dense model with no router" in refusal("--moe-aux-loss-coeff", "1e-4")
 
 
-def test_colocate_refuses_nccl_weight_sync(task, tmp_path):
+def test_colocate_refuses_nccl_weight_sync(task, tmp_path, monkeypatch):
     """Two NCCL ranks cannot share one GPU: --colocate with --weight-sync-mode distributed is
-    refused before anything starts, naming the mode to use."""
+    refused before anything starts, naming the mode to use (scripts/train.py's main, called
+    in-process: it raises the SystemExit whose message the command prints)."""
+    import scripts.train
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(scripts.train, "init_ray", no_ray)
+    for name in ("setup_logging", "quiet_known_noise"):  # keep pytest's logging as it is
+        monkeypatch.setattr(scripts.train, name, lambda: None)
     model, data = task
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.train",
-            *base_args(model, data, str(tmp_path)),
-            "--colocate",
-            "--weight-sync-mode",
-            "distributed",
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode != 0 and "--weight-sync-mode tensor" in proc.stderr
+    argv = base_args(model, data, str(tmp_path))
+    argv += ["--colocate", "--weight-sync-mode", "distributed", "--dry-run"]
+    with pytest.raises(SystemExit) as refused:
+        scripts.train.main(argv)
+    assert "--weight-sync-mode tensor" in str(refused.value)
