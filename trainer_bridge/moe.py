@@ -144,10 +144,13 @@ def num_moe_layers(arch: ModelConfig, with_mtp: bool) -> int:
 def track_aux_losses(arch: ModelConfig, device: torch.device) -> None:
     """Size megatron's aux-loss tracker for the trunk and MTP layers now: megatron sizes it from
     the config at its first entry, and the TrainActor's trunk forward hides the MTP layers from
-    the config (mtp_num_layers None), so an MTP layer's entry would fall past the end."""
+    the config (mtp_num_layers None), so an MTP layer's entry would fall past the end. The
+    tracker is process-wide: entries an earlier model left (another loss type) are dropped, so
+    moe_aux_losses reports this model's loss alone."""
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
+    tracker.clear()
     tracker[BALANCE_LOSS] = {
         "values": torch.zeros(
             arch.num_hidden_layers + arch.num_mtp_layers, dtype=torch.float32, device=device
