@@ -14,7 +14,8 @@ NGRAM runs on prompts that repeat a pattern, as code or templated text does; ngr
 eagle3-adaptive and mtp-adaptive (and, on request, standalone-self-adaptive) add
 --speculative-adaptive (per step, decode plainly or speculate at a depth up to the configured
 one, by the measured cost model; the table gives the share of decode steps that speculated, the
-JSON the steps run at each depth).
+JSON the steps run at each depth), and each is compared with the better of its fixed
+speculation and plain decoding of the same target (mtp-plain: the MiMo target without MTP).
 --forced-acceptance makes every draft token accepted (sampling at temperature 1 with
 --speculative-accept-threshold-single 1e-9: lossy, a speed measurement only), which is what a
 perfect draft would give: the engine's speculative speedup at full acceptance, against plain
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from scripts.bench_engine import random_batches
+from scripts.bench_rollout_report import adaptive_vs_best, print_adaptive, print_table, roofline
 from specrl.plots import svg
 from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
@@ -50,6 +52,7 @@ ALGORITHMS = (
     "eagle",
     "eagle3",
     "mtp",
+    "mtp-plain",
     "standalone-self",
     "ngram",
     "ngram-adaptive",
@@ -105,6 +108,7 @@ def configs(
                 speculative_algorithm="EAGLE", speculative_num_steps=steps, speculative_eagle_topk=1
             ),
         ),
+        "mtp-plain": (models["mimo"], {}),  # MTP's target decoding plainly: its plain reference
         "standalone-self": (
             models["llama"],
             dict(
@@ -272,11 +276,6 @@ def cached(path: str, build: Callable[[str], str]) -> str:
     return path if os.path.exists(os.path.join(path, "config.json")) else build(path)
 
 
-def roofline_steps(weight_bytes: int, hbm_gbs: float) -> float:
-    """Decode steps/s if every step only streamed the weights once from HBM."""
-    return hbm_gbs * 1e9 / weight_bytes
-
-
 def device_hbm_gbs(device: str) -> float | None:
     if device != "cuda":
         return None
@@ -397,7 +396,7 @@ def main() -> None:
                     d, arch="llama", dtype=save, init_device=args.device, **shape
                 ),
             )
-            if wanted - {"mtp"}
+            if wanted - {"mtp", "mtp-plain"}
             else ""
         ),
         "eagle3": args.eagle3_draft_path,
@@ -414,7 +413,7 @@ def main() -> None:
                 d, models["llama"], version=3, std=0.02, draft_vocab_size=min(8192, args.vocab_size)
             ),
         )
-    if "mtp" in wanted:
+    if wanted & {"mtp", "mtp-plain"}:
         models["mimo"] = cached(
             os.path.join(root, "mimo"),
             lambda d: add_mimo_mtp(
@@ -425,7 +424,7 @@ def main() -> None:
     table = configs(models, args.steps, args.topk, args.draft_tokens)
     if args.forced_acceptance:
         for name, (_, kwargs) in table.items():
-            if name != "baseline":
+            if name not in ("baseline", "mtp-plain"):
                 kwargs["speculative_accept_threshold_single"] = 1e-9
     results = []
     for name in args.algorithms:
@@ -449,46 +448,23 @@ def main() -> None:
     )
     if args.forced_acceptance:
         print("forced acceptance: every draft token accepted (lossy; speed of a perfect draft)")
-    print(
-        "| algorithm | batch | tokens/s | decode tokens/s | vs baseline | accept length | "
-        "draft / verify / bookkeeping ms per step | speculative steps |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---|---:|")
-    for r in results:
-        speed = f"{r['tokens_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
-        ms = r["ms_per_step"]
-        split = f"{ms['draft']} / {ms['verify']} / {ms['bookkeeping']}" if ms else "-"
-        share = r["speculative_step_share"]
-        print(
-            f"| {r['algorithm']} | {r['batch']} | {r['tokens_per_s']} | "
-            f"{r['decode_tokens_per_s']} | {speed} | {r['accept_length'] or '-'} | {split} | "
-            f"{'-' if share is None else f'{100 * share:.0f}%'} |"
-        )
-    hbm = args.hbm_gbs or device_hbm_gbs(args.device)
-    one = next((r for r in results if r["algorithm"] == "baseline" and r["batch"] == 1), None)
-    roofline = None
-    if hbm and one:
-        roofline = {
-            "hbm_gbs": hbm,
-            "weight_bytes": one["weight_bytes"],
-            "roofline_steps_per_s": round(roofline_steps(one["weight_bytes"], hbm), 1),
-            "batch1_decode_tokens_per_s": one["decode_tokens_per_s"],
-        }
-        rate = one["decode_tokens_per_s"]
-        roofline["fraction"] = round(rate / roofline["roofline_steps_per_s"], 3)
-        print(
-            f"\nbatch-1 plain decode: {rate} tok/s = {100 * roofline['fraction']:.1f}% of the "
-            f"roofline {roofline['roofline_steps_per_s']} steps/s "
-            f"({one['weight_bytes'] / 1e9:.2f} GB of weights at {hbm:g} GB/s; prefill excluded; "
-            "target 90%, SGLang reaches about 75%)"
-        )
+    print_table(results, base)
+    ratios = adaptive_vs_best(results)
+    print_adaptive(ratios)
+    roof = roofline(results, args.hbm_gbs or device_hbm_gbs(args.device))
     if args.plot:
         with open(args.plot, "w") as f:
             f.write(speedup_svg(results, base))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"args": vars(args), "device": device, "results": results, "roofline": roofline},
+                {
+                    "args": vars(args),
+                    "device": device,
+                    "results": results,
+                    "adaptive_vs_best": ratios,
+                    "roofline": roof,
+                },
                 f,
                 indent=2,
             )

@@ -109,12 +109,12 @@ class EngineReports:
             "max_running_requests": s.max_running,
         }
         if (every or "spec" in sections) and s.spec_verify_ct:
-            accept = s.spec_emitted / s.spec_verify_ct
-            # The most draft tokens one verify can accept: the draft depth.
-            depth = self.args.speculative_num_steps or self.args.speculative_num_draft_tokens - 1
+            # Accepted drafts over the most the passes could accept: each pass's draft depth
+            # (--speculative-adaptive runs shallower passes than the configured depth).
+            accepted = s.spec_emitted - s.spec_verify_ct
             load["speculative"] = {
-                "accept_length": accept,
-                "accept_rate": (accept - 1) / max(depth, 1),
+                "accept_length": s.spec_emitted / s.spec_verify_ct,
+                "accept_rate": accepted / max(s.spec_depth_sum, 1),
             }
         if every or "disagg" in sections:
             load["disaggregation"] = {

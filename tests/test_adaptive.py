@@ -8,7 +8,13 @@ import pytest
 from spec_engine import Engine
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.args.spec_shapes import candidate_depths, spec_shapes
-from spec_engine.core.adaptive import EXPLORE_EVERY, WARM_STEPS, SpecCostModel, bucket
+from spec_engine.core.adaptive import (
+    EXPLORE_EVERY,
+    MAX_EXPLORE_EVERY,
+    WARM_STEPS,
+    SpecCostModel,
+    bucket,
+)
 from spec_engine.launch_server import build_parser
 from specrl.train_options import parse_args
 from tests.conftest import random_prompts
@@ -49,9 +55,12 @@ def test_cost_model_warms_up_every_mode_then_picks_the_fastest_and_explores():
     assert warm == [m for m in (3, 0, 2, 1) for _ in range(WARM_STEPS + 1)]
     assert model.accept_length(2) == pytest.approx(3.0)
     assert model.expected_speculative_gain(32) == pytest.approx(0.8)  # depth 3: 4 / 5
-    steps = run(30, 1.0, costly, 2 * EXPLORE_EVERY)  # same bucket as 32
-    assert steps[0] == 0
-    assert all(1 <= steps.count(d) <= 3 for d in (1, 2, 3))  # tried again, about every 64 steps
+    # Same bucket as 32. No depth could win even with every draft accepted ((d + 1) / cost < 1):
+    # each is tried again only after MAX_EXPLORE_EVERY steps, not every EXPLORE_EVERY.
+    steps = run(30, 1.0, costly, MAX_EXPLORE_EVERY + 8)
+    tries = [i for i, m in enumerate(steps) if m]
+    assert sorted(steps[i] for i in tries) == [1, 2, 3]  # once each, after about 1024 steps
+    assert min(tries) >= MAX_EXPLORE_EVERY - len(warm)  # (counted from their warm-up steps)
     # Batch 1 is measured on its own: there a verify is cheap and the deepest wins.
     run(1, 1.0, {1: 1.1, 2: 1.2, 3: 1.3}, 4 * (WARM_STEPS + 1))
     assert model.choose(1) == 3 and model.choose(20) == 0
@@ -60,6 +69,34 @@ def test_cost_model_warms_up_every_mode_then_picks_the_fastest_and_explores():
     assert report["buckets"][32]["depth"] == 0 and not report["buckets"][32]["speculate"]
     assert report["plain_steps"] > report["speculative_steps"] > 0
     assert report["steps_by_depth"][3] > 0 and report["accept_length"][3] == pytest.approx(4.0)
+
+
+def test_tries_of_a_losing_mode_back_off_and_start_over_with_new_weights():
+    """Depth 1 could win if its drafts were accepted (2 / 1.5 > 1) but nothing is: it is tried
+    again after 64 steps, then 128, 256, ... (each try a slow step), and after a weight update
+    at 64 again. A try that wins its step is tried again at once, until the averages agree."""
+    model = SpecCostModel([1], nested=True)
+
+    def run(steps: int, accepted: int) -> list[int]:
+        seen = []
+        for _ in range(steps):
+            mode = model.choose(8)
+            seen.append(mode)
+            model.observe(mode, 8, 8 * (1.5 if mode else 1.0), [[0] * (1 + accepted)] * 8)
+        return seen
+
+    run(2 * (WARM_STEPS + 1), accepted=0)
+    tries = [i for i, m in enumerate(run(64 + 128 + 256 + 8, accepted=0)) if m]
+    # (the first interval counts from depth 1's last warm-up step, plain's warm-up after it)
+    assert tries[0] == 64 - (WARM_STEPS + 1)
+    assert [b - a for a, b in zip(tries, tries[1:])] == [1 + 128, 1 + 256]
+    model.weights_updated()
+    assert run(64, accepted=0).count(1) == 1  # tried within 64 steps again (not 512)
+    # The draft now predicts (2 tokens per 1.5 steps): the next try (128 steps after the last)
+    # wins its step, so depth 1 is tried step after step until its averages make it the choice.
+    later = run(128 + 16, accepted=1)
+    assert later[:100] == [0] * 100 and later[-8:] == [1] * 8
+    assert model.best(8) == 1
 
 
 def test_expensive_deep_verifies_choose_a_shallower_depth():
@@ -227,12 +264,21 @@ def test_speculates_at_batch_1_and_decodes_plainly_at_a_large_batch(target):
 
 def test_measured_online_outputs_equal_plain_decoding(target):
     """The cost model left to measure (warm-up tries of both modes in every bucket the batch
-    passes through, then its own choices): outputs still equal plain decoding, log-probs too."""
+        passes through, then its own choices): outputs still equal plain decoding, log-probs too; a
+    weight update restarts the tries of every mode."""
     prompts = repetitive(6, seed=53)
     params = [{**GREEDY, "max_new_tokens": n} for n in (6, 12, 18, 24, 30, 36)]
     with Engine(model_path=target, random_seed=0, speculative_adaptive=True, **NGRAM) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         report = engine.get_server_info()["internal_states"][0]["spec_adaptive"]
+        costs = engine.scheduler.adaptive.costs
+        for modes in costs.values():
+            for cost in modes.values():
+                cost.interval = MAX_EXPLORE_EVERY  # as after many lost tries
+        # New weights: every mode's tries start over at the first interval.
+        engine.update_weights_from_disk(target, weight_version="v2")
+        intervals = {c.interval for modes in costs.values() for c in modes.values()}
+    assert intervals == {EXPLORE_EVERY}
     with Engine(model_path=target, random_seed=0) as engine:
         plain = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     assert report["speculative_steps"] > 0 and report["plain_steps"] > 0
@@ -270,7 +316,14 @@ def test_ngram_depth_switching_is_lossless_and_verifies_the_chosen_shape(
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         shapes = engine.scheduler.worker.shapes
         widths = [g.width for g in engine.runner.graphs[1:]]  # after the target decode graph
+        load = engine.get_load()["loads"][0]["speculative"]
     assert [o["output_ids"] for o in outs] == plain_outputs(target, prompts, params)
+    # The server's accept rate: accepted drafts over the most each pass could accept (its depth,
+    # not the configured 5).
+    passes = [(len(step["trees"]), step["depth"]) for step in verified]
+    accepted = sum(o["meta_info"]["spec_accept_token_num"] for o in outs)
+    assert load["accept_rate"] == pytest.approx(accepted / sum(n * d for n, d in passes))
+    assert load["accept_rate"] > accepted / (5 * sum(n for n, _ in passes))
     assert widths == [2, 3, 5, 6]
     assert {step["depth"] for step in verified} == {1, 2, 4, 5}
     for step in verified:

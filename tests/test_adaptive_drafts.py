@@ -124,26 +124,36 @@ def draft_kv(engine: Engine, tokens: list[int]) -> torch.Tensor:
 
 @pytest.fixture
 def spied(monkeypatch):
-    """Draft forwards counted per plain step, with whether a request's lag reached MAX_LAG in
-    it (5: PATTERN's six-step stretches reach it, and its catch-ups are wider than the captured
-    draft extend, so they run eagerly, the shorter ones replay it); every request that decoded
-    plainly; and one retraction of the running requests as soon as one of them lags two
-    positions."""
+    """Draft forwards counted per plain step (none: it records what the draft needs) and per
+    catch-up before a plain step, with whether a request's lag had reached MAX_LAG (5:
+    PATTERN's six-step stretches reach it, and its catch-ups are wider than the captured draft
+    extend, so they run eagerly, the shorter ones replay it); the longest lag a plain step
+    started from; every request that decoded plainly; and one retraction of the running
+    requests as soon as one of them lags two positions."""
     monkeypatch.setattr(draft_lag, "MAX_LAG", 5)
-    seen: dict = {"forwards": 0, "plain": [], "reqs": {}, "retracted": []}
+    seen: dict = {"forwards": 0, "plain": [], "full": [], "lag": 0, "reqs": {}, "retracted": []}
     forward, decode_plain, step = DraftRunner.forward, EagleWorker.decode_plain, Scheduler.step
+    catch_up = EagleWorker.catch_up
 
     def count(self, *args, **kwargs):
         seen["forwards"] += 1
         return forward(self, *args, **kwargs)
 
     def plain(self, reqs):
-        full = any(r.draft_lag and len(r.draft_lag.tokens) == draft_lag.MAX_LAG - 1 for r in reqs)
+        lags = [len(r.draft_lag.tokens) for r in reqs if r.draft_lag]
+        seen["lag"] = max([seen["lag"], *lags])
         before = seen["forwards"]
         result = decode_plain(self, reqs)
-        seen["plain"].append((full, seen["forwards"] - before))
+        seen["plain"].append(seen["forwards"] - before)
         seen["reqs"].update((id(r), r) for r in reqs)
         return result
+
+    def catch(self, reqs, full_only=False):
+        full = any(r.draft_lag and len(r.draft_lag.tokens) == draft_lag.MAX_LAG for r in reqs)
+        before = seen["forwards"]
+        catch_up(self, reqs, full_only)
+        if full_only:
+            seen["full"].append((full, seen["forwards"] - before))
 
     def retract_once(self):
         step(self)
@@ -154,6 +164,7 @@ def spied(monkeypatch):
 
     monkeypatch.setattr(DraftRunner, "forward", count)
     monkeypatch.setattr(EagleWorker, "decode_plain", plain)
+    monkeypatch.setattr(EagleWorker, "catch_up", catch)
     monkeypatch.setattr(Scheduler, "step", retract_once)
     return seen
 
@@ -165,7 +176,8 @@ def test_switching_every_few_steps_is_lossless_and_keeps_the_draft_in_step(
     """Requests of different prompt lengths, the later ones joining mid-run, under PATTERN,
     the first ones retracted once while their draft lags: greedy outputs equal the target
     alone's, and so does a continuation served from the prefix cache the run filled. A plain
-    step runs the draft only when a request's lag reaches MAX_LAG; no request keeps a record
+    step never runs the draft: it catches up before, untimed, only once a request's lag reaches
+    MAX_LAG; no request keeps a record
     after its release. Afterwards the draft KV the run left for a finished request (positions
     decoded plainly included; those its draft still lagged at when it finished stay out of the
     prefix cache) equals what a prefill of its whole sequence computes: a speculative step that
@@ -217,9 +229,11 @@ def test_switching_every_few_steps_is_lossless_and_keeps_the_draft_in_step(
             size == shape.draft_tokens and depth <= shape.depth for size, depth in step["trees"]
         )
         assert step["graph"] == shape.draft_tokens
-    plain = spied["plain"]
-    assert any(full for full, _ in plain) and any(not full for full, _ in plain)
-    assert all((forwards > 0) == full for full, forwards in plain)
+    # A plain step never runs the draft; before one, only a lag of MAX_LAG is caught up.
+    assert spied["plain"] and not any(spied["plain"]) and spied["lag"] < draft_lag.MAX_LAG
+    full = spied["full"]
+    assert any(f for f, _ in full) and any(not f for f, _ in full)
+    assert all((forwards > 0) == f for f, forwards in full)
 
 
 def test_a_draft_that_predicts_well_accepts_as_much_after_a_plain_stretch(

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_engine_script_runs(tmp_path):
     out_json = tmp_path / "bench.json"
@@ -84,12 +86,27 @@ def test_bench_rollout_script_runs(tmp_path):
         "eagle",
         "eagle3",
         "mtp",
+        "mtp-plain",
         "standalone-self",
         "ngram",
         "ngram-adaptive",
         "eagle3-adaptive",
         "mtp-adaptive",
     }
+    # Each adaptive configuration against the better of its fixed speculation and plain decoding
+    # of its own target (MTP's: MiMo without speculation).
+    ratios = json.loads(out_json.read_text())["adaptive_vs_best"]
+    assert {(e["algorithm"], e["plain"]) for e in ratios} == {
+        ("ngram-adaptive", "baseline"),
+        ("eagle3-adaptive", "baseline"),
+        ("mtp-adaptive", "mtp-plain"),
+    }
+    rate = {(r["algorithm"], r["batch"]): r["tokens_per_s"] for r in results}
+    mtp = next(e for e in ratios if e["algorithm"] == "mtp-adaptive")
+    assert mtp["tokens_per_s"] == pytest.approx(
+        rate[("mtp-adaptive", 2)] / max(rate[("mtp-plain", 2)], rate[("mtp", 2)]), abs=1e-3
+    )
+    assert "adaptive / max(plain, fixed)" in proc.stdout
     assert all(r["decode_tokens_per_s"] > 0 for r in results)
     for adaptive in (r for r in results if r["algorithm"].endswith("-adaptive")):
         assert 0.0 <= adaptive["speculative_step_share"] <= 1.0

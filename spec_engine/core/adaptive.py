@@ -21,11 +21,18 @@ NGRAM draft of fewer tokens keeps other nodes, so its survival is kept per depth
 Measuring is online: the first step of a mode in a bucket is not counted (it pays one-off costs
 such as a graph captured on first use), then each mode is tried until it has `WARM_STEPS`
 measurements there (the deepest first: it measures the shallower chains' accept lengths; then
-plain decoding, the comparison that matters most, then the shallower depths), and
-afterwards a mode not chosen is tried again once it has not run for `EXPLORE_EVERY` steps of
-the bucket, so the averages follow changes (a draft falling behind new weights, longer
-contexts). `choose(batch)` is a pure function of the state, so the scheduler may ask it several
-times per step (KV demand, retraction, the step itself); `observe` moves it.
+plain decoding, the comparison that matters most, then the shallower depths). Afterwards the
+chosen mode measures itself every step, and a mode not chosen is tried again so the averages
+follow changes (a draft learning or falling behind new weights, longer contexts), but each try
+costs a step in a slower mode, so tries back off: a mode is retried once it has not run for its
+interval of steps of the bucket (`EXPLORE_EVERY` at first), which doubles each time a try
+leaves it behind (up to `MAX_EXPLORE_EVERY`) and starts over when it wins or new weights
+arrive (`weights_updated`); a try whose own step beat the chosen mode is followed by another
+at once, until the averages agree or a step loses. A mode that could not win even if every
+draft token were accepted ((depth + 1) / its cost below the chosen mode's rate; plain
+decoding: its measured rate) waits `MAX_EXPLORE_EVERY` steps: its cost, not the draft, keeps
+it behind. `choose(batch)` is a pure function of the state, so the scheduler may ask it
+several times per step (KV demand, retraction, the step itself); `observe` moves it.
 
 Every speculative worker may switch mode per step: NGRAM has no draft state, a draft model
 drafts any depth from the same state, and under this flag the draft-model workers record what
@@ -47,7 +54,8 @@ from spec_engine.args.spec_shapes import nested_shapes, spec_shapes
 
 ALPHA = 0.25  # weight of the newest measurement in the moving averages
 WARM_STEPS = 2  # measurements per mode and bucket before the averages decide
-EXPLORE_EVERY = 64  # steps of a bucket a mode may go unrun before it is tried again
+EXPLORE_EVERY = 64  # steps of a bucket a mode may first go unrun before it is tried again
+MAX_EXPLORE_EVERY = 1024  # the longest interval between tries of a mode
 PLAIN = 0  # the mode of a plain decode step; speculative modes are their depth
 
 
@@ -68,6 +76,7 @@ class ModeCost:
     steps: int = 0  # counted measurements
     seen: bool = False  # the uncounted first step ran
     since: int = 0  # steps of the bucket since this mode last ran
+    interval: int = EXPLORE_EVERY  # steps unrun after which it is tried again
 
     def add(self, seconds: float) -> None:
         self.since = 0
@@ -110,11 +119,17 @@ class SpecCostModel:
                 if modes[mode].steps < WARM_STEPS:
                     return mode
         best = self.best(batch)
-        if not self.frozen:
-            stale = max((m for m in self.modes if m != best), key=lambda m: modes[m].since)
-            if modes[stale].since >= EXPLORE_EVERY:
-                return stale
-        return best
+        if self.frozen:
+            return best
+        due = [m for m in self.modes if m != best and modes[m].since >= self._interval(batch, m)]
+        return max(due, key=lambda m: modes[m].since) if due else best
+
+    def _interval(self, batch: int, mode: int) -> int:
+        """Steps of the bucket `mode` may go unrun before it is tried again."""
+        rates, cost = self.rates(batch), self._bucket(batch)[mode]
+        best = max(rates.values(), default=0.0)
+        ceiling = (mode + 1) / cost.seconds if cost.seconds else float("inf")
+        return cost.interval if ceiling >= best else MAX_EXPLORE_EVERY
 
     def accept_length(self, depth: int) -> Optional[float]:
         """Expected tokens a verify at `depth` emits per request (None until measured)."""
@@ -157,13 +172,37 @@ class SpecCostModel:
         modes = self._bucket(batch)
         for cost in modes.values():
             cost.since += 1
-        modes[mode].add(seconds / batch)
+        cost = modes[mode]
+        cost.add(seconds / batch)
         if mode != PLAIN and tokens:
             pool = PLAIN if self.nested else mode
             accepted = [len(t) - 1 for t in tokens]
             for k in range(1, mode + 1):
                 share = sum(a >= k for a in accepted) / len(accepted)
                 self.survival[(pool, k)] = _ema(self.survival.get((pool, k)), share)
+        if cost.steps > WARM_STEPS:
+            cost.interval = self._next_interval(batch, mode, seconds / batch, tokens)
+
+    def _next_interval(
+        self, batch: int, mode: int, seconds: float, tokens: Sequence[Sequence[int]]
+    ) -> int:
+        """After a step of `mode` past warm-up: the first interval if it is now the best mode;
+        1 if it is not yet but this step alone beat the best (one step moves the averages only
+        part of the way: keep trying while it wins); else the interval doubled."""
+        best = self.best(batch)
+        if best == mode:
+            return EXPLORE_EVERY
+        accept = sum(map(len, tokens)) / len(tokens) if mode != PLAIN and tokens else 1.0
+        if accept / seconds >= self.rates(batch).get(best, float("inf")):
+            return 1
+        return min(2 * self._bucket(batch)[mode].interval, MAX_EXPLORE_EVERY)
+
+    def weights_updated(self) -> None:
+        """New weights: a draft may now predict better or worse, so every mode is tried again
+        at the first interval."""
+        for modes in self.costs.values():
+            for cost in modes.values():
+                cost.interval = EXPLORE_EVERY
 
     def set_costs(
         self, batch: int, plain_s: float, spec_s: Union[float, Mapping[int, float]]

@@ -71,6 +71,7 @@ class Scheduler:
         self.last_gen_throughput = 0.0
         self.spec_verify_ct = 0  # verify passes, engine-wide
         self.spec_emitted = 0  # tokens those passes emitted
+        self.spec_depth_sum = 0  # the most drafts they could accept: each pass's depth
         # Bumped when weights change and cached KV is dropped; KV from an older epoch is never
         # shared.
         self.weight_epoch = 0
@@ -134,25 +135,23 @@ class Scheduler:
             start = time.perf_counter()
             n = 0
             for reqs, depth in self._decode_groups():
-                if depth != 0:  # untimed: a lagging draft catches up once per switch, not per step
-                    self.worker.catch_up(reqs)
+                # Untimed: a lagging draft catches up once per switch or MAX_LAG plain steps.
+                self.worker.catch_up(reqs, full_only=depth == 0)
                 began = time.perf_counter()
-                if depth is None:  # the configured shape (a plain worker: its decode step)
-                    result = self.worker.decode(reqs)
-                elif depth:
+                if depth != 0:  # None: the configured shape (a plain worker: its decode step)
                     result = self.worker.decode(reqs, depth)
-                else:
-                    # (never stale with NGRAM, which has no draft state, or with
-                    # --speculative-adaptive, whose next speculative step catches the draft up)
+                else:  # (never stale with NGRAM or --speculative-adaptive: draft_lag.py)
                     for req in reqs:
                         req.draft_stale = not self.worker.plain_steps_keep_draft
                     result = self.worker.decode_plain(reqs)
                 seconds = time.perf_counter() - began  # the tokens are on the host: synchronized
                 verify_ct, emitted = self.spec_verify_ct, self.spec_emitted
                 n += self._process_outputs(reqs, result)
+                passes = self.spec_verify_ct - verify_ct
+                self.spec_depth_sum += passes * (depth or self.worker.max_depth)
                 # The alarm compares accept lengths of one shape: the configured (deepest) one.
                 if self.alarm is not None and depth in (None, self.worker.max_depth):
-                    self.alarm.record(self.spec_verify_ct - verify_ct, self.spec_emitted - emitted)
+                    self.alarm.record(passes, self.spec_emitted - emitted)
                 if self.adaptive is not None:
                     self.adaptive.observe(depth, len(reqs), seconds, result.tokens if depth else ())
             self.last_gen_throughput = n / max(time.perf_counter() - start, 1e-9)
@@ -187,6 +186,8 @@ class Scheduler:
         measured afresh and speculation, if an alarm stopped it, resumes for new requests."""
         if self.alarm is not None:
             self.alarm.weights_updated(weight_version)
+        if self.adaptive is not None:
+            self.adaptive.weights_updated()
 
     def abort(self, rid: str, message: str = "aborted by request") -> int:
         """Abort every request with this rid (or whose n-sample parent has it); returns how many."""

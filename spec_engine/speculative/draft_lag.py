@@ -11,12 +11,12 @@ target's feature there, captured by the plain forward — and the next speculati
 catches every lagging request up with one batched draft extend over all its recorded positions
 (EagleWorker.catch_up), leaving the draft exactly where the per-step extends would have.
 
-Bounds: a request that lags MAX_LAG positions is caught up at once, so a record holds at most
-MAX_LAG feature rows (views of their step's output, which lives until every request of that
-step has caught up or been released). A record is dropped when the request's KV is released
-(finished, aborted, retracted: a retracted request's prefill rebuilds its draft from the
-target's prefill), and the positions it covers stay out of the prefix cache (their draft KV is
-missing; EagleWorker.release).
+Bounds: a request that lags MAX_LAG positions is caught up before the next step, so a record
+holds at most MAX_LAG feature rows (views of their step's output, which lives until every
+request of that step has caught up or been released). A record is dropped when the request's KV
+is released (finished, aborted, retracted: a retracted request's prefill rebuilds its draft from
+the target's prefill), and the positions it covers stay out of the prefix cache (their draft KV
+is missing; EagleWorker.release).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 
 from spec_engine.core.request import Req
 
-# Positions a request's draft may lag. The cost model retries speculation every
-# core.adaptive.EXPLORE_EVERY (64) steps of a batch-size bucket, which catches up before this.
+# Positions a request's draft may lag: while plain decoding wins for long (core.adaptive backs
+# off its tries of speculation), catch-ups come every MAX_LAG steps, one extend of this width.
 MAX_LAG = 128
 
 
@@ -43,23 +43,22 @@ class DraftLag:
     features: list[torch.Tensor] = field(default_factory=list)  # feature drafts: one row each
 
 
-def record(
-    reqs: Sequence[Req], tokens: Sequence[int], features: Optional[torch.Tensor]
-) -> list[Req]:
+def record(reqs: Sequence[Req], tokens: Sequence[int], features: Optional[torch.Tensor]) -> None:
     """After a plain step decoded position kv_len - 1 of each request: add the draft's input
-    token and (feature drafts) the target's feature row there. Returns the requests whose record
-    reached MAX_LAG."""
+    token and (feature drafts) the target's feature row there."""
     rows = features.unbind(0) if features is not None else None
-    full = []
     for i, (r, token) in enumerate(zip(reqs, tokens)):
         if r.draft_lag is None:
             r.draft_lag = DraftLag(r.kv_len - 1)
         r.draft_lag.tokens.append(token)
         if rows is not None:
             r.draft_lag.features.append(rows[i])
-        if len(r.draft_lag.tokens) >= MAX_LAG:
-            full.append(r)
-    return full
+
+
+def lagging(req: Req, full_only: bool = False) -> bool:
+    """Whether `req`'s draft lags (`full_only`: by MAX_LAG positions, to catch up now)."""
+    lag = req.draft_lag
+    return lag is not None and (not full_only or len(lag.tokens) >= MAX_LAG)
 
 
 def take(reqs: Sequence[Req]) -> tuple[list[DraftLag], Optional[torch.Tensor]]:

@@ -176,16 +176,16 @@ class EagleWorker(SpecWorker):
         # A feature draft pairs the decoded position's feature with the token sampled there, a
         # STANDALONE draft reads the token that was decoded there (the last output so far).
         if self.features:
-            full = draft_lag.record(reqs, [t[0] for t in result.tokens], self._features(out))
+            draft_lag.record(reqs, [t[0] for t in result.tokens], self._features(out))
         else:
-            full = draft_lag.record(reqs, [r.output_ids[-1] for r in reqs], None)
-        self.catch_up(full)
+            draft_lag.record(reqs, [r.output_ids[-1] for r in reqs], None)
         return result
 
-    def catch_up(self, reqs: Sequence[Req]) -> None:
-        """One draft extend over every recorded position of the lagging requests in `reqs`,
-        which leaves each one's draft KV and next-round state at its last position."""
-        lagging = [r for r in reqs if r.draft_lag is not None]
+    def catch_up(self, reqs: Sequence[Req], full_only: bool = False) -> None:
+        """One draft extend over every recorded position of the lagging requests in `reqs`
+        (`full_only`: of those whose record reached draft_lag.MAX_LAG), which leaves each one's
+        draft KV and next-round state at its last position."""
+        lagging = [r for r in reqs if draft_lag.lagging(r, full_only)]
         if not lagging:
             return
         start = self.timings.now()

@@ -1,0 +1,91 @@
+"""What scripts/bench_rollout.py prints: the per-configuration table, the adaptive modes against
+the better of plain decoding and fixed speculation, and the batch-1 roofline."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+# The plain decoding an algorithm's speculation is compared with: its own target decoding
+# without speculation (MTP's target is MiMo, a different model from the others' Llama).
+PLAIN_OF = {"mtp": "mtp-plain"}
+
+
+def print_table(results: list[dict], base: dict[int, float]) -> None:
+    print(
+        "| algorithm | batch | tokens/s | decode tokens/s | vs baseline | accept length | "
+        "draft / verify / bookkeeping ms per step | speculative steps |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    for r in results:
+        speed = f"{r['tokens_per_s'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
+        ms = r["ms_per_step"]
+        split = f"{ms['draft']} / {ms['verify']} / {ms['bookkeeping']}" if ms else "-"
+        share = r["speculative_step_share"]
+        print(
+            f"| {r['algorithm']} | {r['batch']} | {r['tokens_per_s']} | "
+            f"{r['decode_tokens_per_s']} | {speed} | {r['accept_length'] or '-'} | {split} | "
+            f"{'-' if share is None else f'{100 * share:.0f}%'} |"
+        )
+
+
+def adaptive_vs_best(results: list[dict]) -> list[dict[str, Any]]:
+    """Each adaptive row's tokens/s (whole generation and decode only) over the better of its
+    algorithm's fixed speculation and its target's plain decoding at the same batch size, where
+    both were measured."""
+    rows = {(r["algorithm"], r["batch"]): r for r in results}
+    out = []
+    for r in results:
+        name = r["algorithm"]
+        if not name.endswith("-adaptive"):
+            continue
+        fixed = name.removesuffix("-adaptive")
+        plain = rows.get((PLAIN_OF.get(fixed, "baseline"), r["batch"]))
+        spec = rows.get((fixed, r["batch"]))
+        if plain is None or spec is None:
+            continue
+        entry: dict[str, Any] = dict(algorithm=name, batch=r["batch"], plain=plain["algorithm"])
+        for key in ("tokens_per_s", "decode_tokens_per_s"):
+            entry[key] = round(r[key] / max(plain[key], spec[key]), 3)
+        out.append(entry)
+    return out
+
+
+def print_adaptive(ratios: list[dict[str, Any]]) -> None:
+    if not ratios:
+        return
+    print("\nadaptive / max(plain, fixed), whole generation (decode only):")
+    batches = sorted({e["batch"] for e in ratios})
+    print("| | " + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("|---|" + "---:|" * len(batches))
+    for name in dict.fromkeys(e["algorithm"] for e in ratios):
+        cells = {e["batch"]: e for e in ratios if e["algorithm"] == name}
+        row = [
+            f"{cells[b]['tokens_per_s']:.2f} ({cells[b]['decode_tokens_per_s']:.2f})"
+            if b in cells
+            else "-"
+            for b in batches
+        ]
+        print(f"| {name} | " + " | ".join(row) + " |")
+
+
+def roofline(results: list[dict], hbm_gbs: Optional[float]) -> Optional[dict[str, Any]]:
+    """Batch-1 plain decoding against weight bytes / HBM bandwidth (printed), or None."""
+    one = next((r for r in results if r["algorithm"] == "baseline" and r["batch"] == 1), None)
+    if not hbm_gbs or one is None:
+        return None
+    steps = hbm_gbs * 1e9 / one["weight_bytes"]  # decode steps/s streaming the weights once
+    rate = one["decode_tokens_per_s"]
+    out = {
+        "hbm_gbs": hbm_gbs,
+        "weight_bytes": one["weight_bytes"],
+        "roofline_steps_per_s": round(steps, 1),
+        "batch1_decode_tokens_per_s": rate,
+        "fraction": round(rate / round(steps, 1), 3),
+    }
+    print(
+        f"\nbatch-1 plain decode: {rate} tok/s = {100 * out['fraction']:.1f}% of the "
+        f"roofline {out['roofline_steps_per_s']} steps/s "
+        f"({one['weight_bytes'] / 1e9:.2f} GB of weights at {hbm_gbs:g} GB/s; prefill excluded; "
+        "target 90%, SGLang reaches about 75%)"
+    )
+    return out
