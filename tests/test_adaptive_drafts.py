@@ -130,7 +130,8 @@ def spied(monkeypatch):
     extend, so they run eagerly, the shorter ones replay it); the longest lag a plain step
     started from; every request that decoded plainly; and one retraction of the running
     requests as soon as one of them lags two positions."""
-    monkeypatch.setattr(draft_lag, "MAX_LAG", 5)
+    for bound in ("MIN_LAG", "MAX_LAG"):
+        monkeypatch.setattr(draft_lag, bound, 5)
     seen: dict = {"forwards": 0, "plain": [], "full": [], "lag": 0, "reqs": {}, "retracted": []}
     forward, decode_plain, step = DraftRunner.forward, EagleWorker.decode_plain, Scheduler.step
     catch_up = EagleWorker.catch_up
@@ -167,6 +168,17 @@ def spied(monkeypatch):
     monkeypatch.setattr(EagleWorker, "catch_up", catch)
     monkeypatch.setattr(Scheduler, "step", retract_once)
     return seen
+
+
+def test_lag_limit_holds_the_feature_budget_within_its_bounds():
+    """How far a draft may lag before it catches up: its share of the 256 MiB of feature rows
+    when every running request lags, within [128, 1024] positions; token-only drafts 1024."""
+    rows = lambda dim, dtype: torch.zeros(2, dim, dtype=dtype)  # noqa: E731
+    assert draft_lag.lag_limit(None, 256) == 1024
+    # An 8B EAGLE-3 draft's rows (3 x 4096 bfloat16, 24 KiB) for 256 requests: the floor.
+    assert draft_lag.lag_limit(rows(3 * 4096, torch.bfloat16), 256) == 128
+    assert draft_lag.lag_limit(rows(4096, torch.float32), 64) == 256  # 256 MiB / (64 x 16 KiB)
+    assert draft_lag.lag_limit(rows(3 * 512, torch.float32), 32) == 1024  # capped
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

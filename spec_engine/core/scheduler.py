@@ -135,7 +135,7 @@ class Scheduler:
             start = time.perf_counter()
             n = 0
             for reqs, depth in self._decode_groups():
-                # Untimed: a lagging draft catches up once per switch or MAX_LAG plain steps.
+                # Untimed: a lagging draft catches up once per switch or per long plain stretch.
                 self.worker.catch_up(reqs, full_only=depth == 0)
                 began = time.perf_counter()
                 if depth != 0:  # None: the configured shape (a plain worker: its decode step)

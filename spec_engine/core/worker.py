@@ -79,7 +79,7 @@ class ModelWorker:
     def catch_up(self, reqs: Sequence[Req], full_only: bool = False) -> None:
         """Before a speculative `decode`: bring a draft that lags behind plain steps up to date
         (speculative/draft_lag.py; `decode` would otherwise do it first), synchronized. Before a
-        plain step (`full_only`): only the drafts that lag by draft_lag.MAX_LAG positions."""
+        plain step (`full_only`): only the drafts that lag by draft_lag.lag_limit positions."""
 
     def release(self, req: Req) -> int:
         """Drop what the worker keeps for `req` between steps (its KV is being released).

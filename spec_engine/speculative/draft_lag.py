@@ -11,8 +11,8 @@ target's feature there, captured by the plain forward — and the next speculati
 catches every lagging request up with one batched draft extend over all its recorded positions
 (EagleWorker.catch_up), leaving the draft exactly where the per-step extends would have.
 
-Bounds: a request that lags MAX_LAG positions is caught up before the next step, so a record
-holds at most MAX_LAG feature rows (views of their step's output, which lives until every
+Bounds: a request that lags lag_limit() positions is caught up before the next step, so a
+record holds at most that many feature rows (views of their step's output, which lives until every
 request of that step has caught up or been released). A record is dropped when the request's KV
 is released (finished, aborted, retracted: a retracted request's prefill rebuilds its draft from
 the target's prefill), and the positions it covers stay out of the prefix cache (their draft KV
@@ -29,9 +29,23 @@ import torch
 
 from spec_engine.core.request import Req
 
-# Positions a request's draft may lag: while plain decoding wins for long (core.adaptive backs
-# off its tries of speculation), catch-ups come every MAX_LAG steps, one extend of this width.
-MAX_LAG = 128
+# Positions a request's draft may lag before it catches up: as many as its share of
+# LAG_BUDGET_BYTES of feature rows holds (all running requests lagging at once), at least MIN_LAG
+# and at most MAX_LAG (the widest catch-up extend per request; token-only drafts: MAX_LAG). While
+# plain decoding wins for long (core.adaptive backs off its tries of speculation) a catch-up
+# comes every that many plain steps, and a request that finishes lagging skips it.
+MIN_LAG = 128
+MAX_LAG = 1024
+LAG_BUDGET_BYTES = 256 << 20
+
+
+def lag_limit(features: Optional[torch.Tensor], max_running: int) -> int:
+    """Positions a request's draft may lag, for `features` rows like these (None: tokens only)
+    and at most `max_running` requests lagging."""
+    if features is None:
+        return MAX_LAG
+    row_bytes = features[0].numel() * features.element_size()
+    return max(MIN_LAG, min(MAX_LAG, LAG_BUDGET_BYTES // (max_running * row_bytes)))
 
 
 @dataclass
@@ -55,10 +69,10 @@ def record(reqs: Sequence[Req], tokens: Sequence[int], features: Optional[torch.
             r.draft_lag.features.append(rows[i])
 
 
-def lagging(req: Req, full_only: bool = False) -> bool:
-    """Whether `req`'s draft lags (`full_only`: by MAX_LAG positions, to catch up now)."""
+def lagging(req: Req, limit: Optional[int] = None) -> bool:
+    """Whether `req`'s draft lags (by `limit` positions or more: it must catch up now)."""
     lag = req.draft_lag
-    return lag is not None and (not full_only or len(lag.tokens) >= MAX_LAG)
+    return lag is not None and (limit is None or len(lag.tokens) >= limit)
 
 
 def take(reqs: Sequence[Req]) -> tuple[list[DraftLag], Optional[torch.Tensor]]:

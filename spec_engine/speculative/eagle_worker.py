@@ -90,6 +90,8 @@ class EagleWorker(SpecWorker):
         # k from MTP layer k (SGLang's MultiLayerEagleWorker); no draft decode steps run.
         self.multi_layer = draft.mtp_layers > 1
         self.adaptive = args.speculative_adaptive
+        self.max_running = args.max_running_requests
+        self.max_lag = draft_lag.MAX_LAG  # set from the feature rows' size by plain steps
 
     # ---------------------------------------------------------------- memory
 
@@ -175,17 +177,20 @@ class EagleWorker(SpecWorker):
         result, out = self._decode(reqs, capture_hidden=self.features)
         # A feature draft pairs the decoded position's feature with the token sampled there, a
         # STANDALONE draft reads the token that was decoded there (the last output so far).
-        if self.features:
-            draft_lag.record(reqs, [t[0] for t in result.tokens], self._features(out))
-        else:
-            draft_lag.record(reqs, [r.output_ids[-1] for r in reqs], None)
+        feats = self._features(out) if self.features else None
+        tokens = (
+            [t[0] for t in result.tokens] if self.features else [r.output_ids[-1] for r in reqs]
+        )
+        draft_lag.record(reqs, tokens, feats)
+        self.max_lag = draft_lag.lag_limit(feats, self.max_running)
         return result
 
     def catch_up(self, reqs: Sequence[Req], full_only: bool = False) -> None:
         """One draft extend over every recorded position of the lagging requests in `reqs`
-        (`full_only`: of those whose record reached draft_lag.MAX_LAG), which leaves each one's
-        draft KV and next-round state at its last position."""
-        lagging = [r for r in reqs if draft_lag.lagging(r, full_only)]
+        (`full_only`: of those whose record reached draft_lag.lag_limit), which leaves each
+        one's draft KV and next-round state at its last position."""
+        limit = self.max_lag if full_only else None
+        lagging = [r for r in reqs if draft_lag.lagging(r, limit)]
         if not lagging:
             return
         start = self.timings.now()
