@@ -27,8 +27,8 @@ follow changes (a draft learning or falling behind new weights, longer contexts)
 costs a step in a slower mode, so tries back off: a mode is retried once it has not run for its
 interval of steps of the bucket (`EXPLORE_EVERY` at first), which doubles each time a try
 leaves it behind (up to `MAX_EXPLORE_EVERY`) and starts over when it wins or new weights
-arrive (`weights_updated`); a try whose own step beat the chosen mode is followed by another
-at once, until the averages agree or a step loses. A mode that could not win even if every
+arrive (`weights_updated`) or a try's own step beats the chosen mode (a draft that got
+better is tried every `EXPLORE_EVERY` steps until the averages agree). A mode that could not win even if every
 draft token were accepted ((depth + 1) / its cost below the chosen mode's rate; plain
 decoding: its measured rate) waits `MAX_EXPLORE_EVERY` steps: its cost, not the draft, keeps
 it behind. `choose(batch)` is a pure function of the state, so the scheduler may ask it
@@ -186,15 +186,15 @@ class SpecCostModel:
     def _next_interval(
         self, batch: int, mode: int, seconds: float, tokens: Sequence[Sequence[int]]
     ) -> int:
-        """After a step of `mode` past warm-up: the first interval if it is now the best mode;
-        1 if it is not yet but this step alone beat the best (one step moves the averages only
-        part of the way: keep trying while it wins); else the interval doubled."""
+        """After a step of `mode` past warm-up: the first interval if it is now the best mode or
+        this step alone beat the best (one step moves the averages only part of the way: a
+        draft that got better is tried again soon, not after ever longer waits); else the
+        interval doubled. (Not at once: one step that accepted everything beats the deeper
+        mode's average though that mode would have accepted more in the same step.)"""
         best = self.best(batch)
-        if best == mode:
-            return EXPLORE_EVERY
         accept = sum(map(len, tokens)) / len(tokens) if mode != PLAIN and tokens else 1.0
-        if accept / seconds >= self.rates(batch).get(best, float("inf")):
-            return 1
+        if best == mode or accept / seconds >= self.rates(batch).get(best, float("inf")):
+            return EXPLORE_EVERY
         return min(2 * self._bucket(batch)[mode].interval, MAX_EXPLORE_EVERY)
 
     def weights_updated(self) -> None:
