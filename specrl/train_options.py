@@ -25,6 +25,7 @@ from spec_engine.args.engine_args import EngineArgs
 from spec_engine.args.resolve import resolve_engine_config
 from spec_engine.models.hf_config import ModelConfig
 from specrl.slime_compat import SlimeCompatArgs, check_model_shape, check_slime_options
+from trainer_bridge.expert_parallel import check_expert_parallel
 from trainer_bridge.loss import LossConfig
 from trainer_bridge.model_provider import check_tensor_parallel, read_model_config
 from trainer_bridge.moe import balance_config
@@ -283,6 +284,13 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
                 ) from None
             balance_config(args, target)  # MoE only
             check_tensor_parallel(target, args.tensor_model_parallel_size)
+            check_expert_parallel(
+                target,
+                args.expert_model_parallel_size,
+                args.tensor_model_parallel_size,
+                world_size=args.actor_num_nodes * args.actor_num_gpus_per_node,
+                expert_tp=args.expert_tensor_parallel_size,
+            )
         lines = [
             f"model: {args.hf_checkpoint} ({target.architecture}, {target.num_hidden_layers} "
             f"layers, {target.num_mtp_layers} MTP layers)"

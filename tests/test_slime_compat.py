@@ -44,6 +44,8 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
     assert "--num-layers 36 has no effect in specrl: the model's shape comes from" in notes
     assert "--sequence-parallel has no effect in specrl: sequence parallelism is on" in notes
     assert "--recompute-granularity 'full' has no effect" in notes
+    # a dense model has no experts to split (a MoE model refuses it: tests/test_moe_ep.py)
+    assert "--expert-tensor-parallel-size 1 has no effect in specrl: expert tensor" in notes
     # Values that are the only ones specrl runs are accepted silently.
     assert "--pipeline-model-parallel-size" not in notes and "--optimizer" not in notes
 
@@ -52,7 +54,7 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
     "extra,needle",
     [
         ("--pipeline-model-parallel-size 2", "pipeline parallelism is not implemented"),
-        ("--expert-model-parallel-size 8", "expert parallelism is not implemented"),
+        ("--expert-model-parallel-size 0", "--expert-model-parallel-size must be positive"),
         ("--lr-decay-style cosine", "the learning rate is constant"),
         ("--attention-dropout 0.1", "specrl trains without dropout"),
         ("--finetune", "export them with --save-hf and pass that as --hf-checkpoint"),

@@ -353,13 +353,16 @@ def test_moe_mtp_launcher_passes_flag_checks(model, arch, name, tmp_path):
     assert f"speculative EAGLE: draft MTP: {path} ({name}), steps 3, topk 1" in proc.stdout
     assert "enable_return_routed_experts=True" in proc.stdout
     assert "tensor_model_parallel_size=1" in proc.stdout
-    # MoE trains at TP 2 (sequence parallel); a TP size that does not divide the heads or the
-    # experts' widths is refused before Ray starts.
+    # MoE trains at TP 2 (sequence parallel) on 2 trainer ranks; a TP size that does not divide
+    # the heads or the experts' widths, or the trainer ranks, is refused before Ray starts.
     from specrl.train_options import check_checkpoints, parse_args
 
     argv = ["--hf-checkpoint", path, "--prompt-data", str(data), "--rollout-batch-size", "2"]
     argv += ["--num-rollout", "1", "--output-dir", str(tmp_path / "tp2")]
-    check_checkpoints(parse_args([*argv, "--tensor-model-parallel-size", "2"]))
+    two_ranks = ["--actor-num-gpus-per-node", "2"]
+    check_checkpoints(parse_args([*argv, "--tensor-model-parallel-size", "2", *two_ranks]))
+    with pytest.raises(SystemExit, match="1 trainer ranks .* not a multiple of"):
+        check_checkpoints(parse_args([*argv, "--tensor-model-parallel-size", "2"]))
     with pytest.raises(SystemExit, match="tensor parallel size 3 does not divide"):
         check_checkpoints(parse_args([*argv, "--tensor-model-parallel-size", "3"]))
 

@@ -18,15 +18,15 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from trainer_bridge import expert_parallel, moe
 from trainer_bridge import loss as losses
-from trainer_bridge import moe
 from trainer_bridge.batch import TrainBatch, pad_batch
 from trainer_bridge.draft_training import DraftLearningRate, set_trainable
 from trainer_bridge.loss import LossConfig
 from trainer_bridge.mtp_loss import mtp_loss
 from trainer_bridge.online_draft import OnlineDraft
 from trainer_bridge.options import TrainerArgs, check_mtp_flags
-from trainer_bridge.packing import MicroBatch, micro_batch
+from trainer_bridge.packing import MicroBatch
 from trainer_bridge.routing_replay import replay_config, replayed, routes_for
 from trainer_bridge.sequence_parallel import allreduce_norm_grads, local_tokens
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
@@ -72,16 +72,14 @@ class TrainActor:
         # TransformerConfig overrides of the policy and the reference model alike
         overrides = replay_config(args, self.arch)
         overrides.update(moe.balance_config(args, self.arch))
-        if world_size % args.tensor_model_parallel_size:
-            raise ValueError(
-                f"{world_size} trainer ranks are not a multiple of --tensor-model-parallel-size "
-                f"{args.tensor_model_parallel_size}"
-            )
+        ep, tp = args.expert_model_parallel_size, args.tensor_model_parallel_size
+        expert_parallel.check_expert_parallel(self.arch, ep, tp, world_size)
         # Alone: a fresh port, since an inherited MASTER_PORT may belong to a group that is gone.
         init_model_parallel(
             args.tensor_model_parallel_size,
             rank=rank,
             world_size=world_size,
+            ep=ep,
             seed=args.seed,
             master_addr=master_addr,
             master_port=master_port or free_port(),
@@ -159,10 +157,9 @@ class TrainActor:
 
     def _micro_batch(self, tokens: Tensor, lengths: list[int]) -> MicroBatch:
         """Padded `tokens` [b, S] (row i holding lengths[i] tokens) in --qkv-format's layout,
-        its sequence a multiple of the TP size (which sequence parallelism splits it by)."""
-        return micro_batch(
-            tokens, lengths, self.args.qkv_format, self.args.tensor_model_parallel_size
-        )
+        its sequence a multiple of the TP size (which sequence parallelism splits it by), as
+        long as the expert group's (a collective over it at EP > 1)."""
+        return expert_parallel.aligned_micro_batch(tokens, lengths, self.args)
 
     def _forward(
         self, batch: MicroBatch, reference: bool = False, routes: Optional[Tensor] = None
@@ -366,6 +363,8 @@ class TrainActor:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         n, mbs = rows.stop - rows.start, self.args.micro_batch_size
+        if self.args.moe_aux_loss_coeff:
+            moe.scale_balance_loss(-(-n // mbs), self.device)
         normalizer = None
         if per_token:
             count = mask[rows].sum()
@@ -455,9 +454,9 @@ class TrainActor:
                 pass
 
     def _join_gathers(self) -> None:
-        """Rank 0 exports; the other ranks of its tensor-parallel group must take part in each
-        gather (other data-parallel replicas hold the same weights and need not)."""
-        if self.dp_rank == 0:
+        """Rank 0 exports; the other ranks of its tensor-parallel and expert groups take part in
+        each gather (other data-parallel replicas hold the same weights and need not)."""
+        if expert_parallel.exports_with_rank0(self.dp_rank, self.args.expert_model_parallel_size):
             for _ in self.hf_named_tensors():
                 pass
 

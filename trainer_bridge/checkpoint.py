@@ -6,9 +6,11 @@ which megatron-core does not ship): `model` (the GPTModel, MTP layers included),
 (Adam's moments and step, sharded like the parameters), `rng_state` (every rank's Python, NumPy,
 torch and tracker states: one object per tensor-parallel rank holding the list of its
 data-parallel replicas' states), `iteration` (the rollout id, as in slime), `checkpoint_version`,
-and specrl's own `specrl` entry (the model's Hugging Face config, the tensor-parallel size and the
-optimizer step count), which the launcher reads back without megatron (`read_common`) to refuse a
-checkpoint of another model or TP size before anything starts. With --enable-draft-training,
+and specrl's own `specrl` entry (the model's Hugging Face config, the tensor- and expert-parallel
+sizes and the optimizer step count), which the launcher reads back without megatron
+(`read_common`) to refuse a checkpoint of another model, TP or EP size before anything starts.
+Under expert parallelism each rank writes its own experts, under their global numbers
+(megatron's SequentialMLP.sharded_state_dict). With --enable-draft-training,
 `draft` holds the draft trained online (EAGLE-2/3 or STANDALONE) and its Adam state
 (trainer_bridge.online_draft).
 """
@@ -114,6 +116,7 @@ def _state_dict(actor: TrainActor, rollout_id: int, loading: bool) -> dict[str, 
             "format": FORMAT,
             "hf_config": dict(actor.arch.hf_config),
             "tensor_model_parallel_size": actor.args.tensor_model_parallel_size,
+            "expert_model_parallel_size": actor.args.expert_model_parallel_size,
             "optimizer_step": actor.step,
         },
     }
@@ -157,7 +160,14 @@ def load_checkpoint(actor: TrainActor, directory: str) -> int:
     from megatron.core import dist_checkpointing
 
     common = read_common(directory)
-    check_common(common, actor.arch.hf_config, actor.args.tensor_model_parallel_size, directory)
+    args = actor.args
+    check_common(
+        common,
+        actor.arch.hf_config,
+        args.tensor_model_parallel_size,
+        directory,
+        args.expert_model_parallel_size,
+    )
     template = _state_dict(actor, common["iteration"], loading=True)
     state = dist_checkpointing.load(template, directory)
     actor.gpt.load_state_dict(state["model"])
@@ -229,9 +239,10 @@ def check_same_model(
 
 
 def check_common(
-    common: dict[str, Any], hf_config: dict[str, Any], tp_size: int, directory: str
+    common: dict[str, Any], hf_config: dict[str, Any], tp_size: int, directory: str, ep_size: int
 ) -> None:
-    """Refuse a checkpoint of another model shape or tensor-parallel size, saying what to do."""
+    """Refuse a checkpoint of another model shape, tensor- or expert-parallel size, saying what
+    to do."""
     meta = common["specrl"]
     check_same_model(
         meta["hf_config"],
@@ -245,4 +256,15 @@ def check_common(
             f"{meta['tensor_model_parallel_size']}, this run uses {tp_size}: resume with "
             f"--tensor-model-parallel-size {meta['tensor_model_parallel_size']}, or start a new "
             "run from its Hugging Face export (--save-hf) as --hf-checkpoint"
+        )
+    # Megatron keeps expert-parallel parameters in an optimizer of their own (a ChainedOptimizer
+    # of two at EP > 1, one at EP 1), so Adam's saved state has another layout at another EP,
+    # although the model's tensors carry global expert numbers. Checkpoints from before EP: 1.
+    saved_ep = meta.get("expert_model_parallel_size", 1)
+    if saved_ep != ep_size:
+        raise ValueError(
+            f"{directory} was saved at --expert-model-parallel-size {saved_ep}, this run uses "
+            f"{ep_size}: megatron's optimizer state is laid out per expert-parallel size; resume "
+            f"with --expert-model-parallel-size {saved_ep}, or start a new run from its Hugging "
+            "Face export (--save-hf) as --hf-checkpoint"
         )

@@ -285,6 +285,7 @@ def init_model_parallel(
     *,
     rank: int = 0,
     world_size: int = 1,
+    ep: int = 1,
     seed: int = 1234,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
@@ -293,13 +294,15 @@ def init_model_parallel(
     and RNG seeds.
 
     In a single process the defaults are enough; spawned ranks pass rank/world_size and one
-    shared port.
+    shared port. `ep`: expert-parallel size, carved out of data parallelism (megatron's
+    "tp-cp-ep-dp-pp" order: the ep ranks of an expert group are consecutive data-parallel
+    ranks); expert tensor parallelism stays `tp`, megatron's default.
     """
     apply_cpu_shims()
-    if world_size % (tp * pp):
+    if world_size % (tp * pp * ep):
         raise ValueError(
-            f"world_size={world_size} is not a multiple of tp*pp={tp}*{pp}; "
-            "launch tp*pp*dp processes"
+            f"world_size={world_size} is not a multiple of tp*pp*ep={tp}*{pp}*{ep}; "
+            "launch a multiple of tp*pp*ep processes"
         )
     if not dist.is_initialized():
         os.environ["MASTER_ADDR"] = master_addr
@@ -320,7 +323,7 @@ def init_model_parallel(
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     try:
-        parallel_state.initialize_model_parallel(tp, pp)
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
         model_parallel_cuda_manual_seed(seed)
     except BaseException:
         # Half-initialised global state would make every later initialisation fail.

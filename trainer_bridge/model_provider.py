@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from spec_engine.models.hf_config import ConfigSource, ModelConfig
+from trainer_bridge.expert_parallel import check_expert_parallel
 from trainer_bridge.mla import check_mla, mla_config_fields
 from trainer_bridge.moe import check_moe, count_real_tokens_only, moe_config_fields
 from trainer_bridge.sequence_parallel import sequence_parallel_spec, uses_sequence_parallel
@@ -106,14 +107,16 @@ def transformer_config(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
     params_dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ) -> TransformerConfig:
-    """The TransformerConfig for `arch`; `overrides` set any other TransformerConfig field
-    (dropout, recompute, ...)."""
+    """The TransformerConfig for `arch` (`ep`: expert-parallel size); `overrides` set any other
+    TransformerConfig field (dropout, recompute, ...)."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     check_tensor_parallel(arch, tp)
+    check_expert_parallel(arch, ep)
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_hidden_layers,
         hidden_size=arch.hidden_size,
@@ -135,6 +138,7 @@ def transformer_config(
         # MoE and MLA models at TP > 1 (see sequence_parallel.py)
         sequence_parallel=uses_sequence_parallel(arch, tp),
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -162,8 +166,9 @@ def build_gpt_model(
     `device` (default: trainer_device()); `packed`: its attention takes packed sequences
     (--qkv-format thd, see trainer_bridge.packed_attention).
 
-    Needs `megatron_compat.init_model_parallel()` (or an equivalent set-up) first; TP/PP sizes
-    come from megatron's parallel_state. Load weights with `trainer_bridge.convert`.
+    Needs `megatron_compat.init_model_parallel()` (or an equivalent set-up) first; TP/PP/EP sizes
+    come from megatron's parallel_state (this rank builds its share of the routed experts:
+    trainer_bridge.expert_parallel). Load weights with `trainer_bridge.convert`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -176,7 +181,10 @@ def build_gpt_model(
     arch = read_model_config(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    config = transformer_config(arch, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    config = transformer_config(
+        arch, tp=tp, pp=pp, ep=ep, params_dtype=params_dtype, **config_overrides
+    )
     if arch.moe is None:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
     else:  # one spec per layer: dense or MoE after config.moe_layer_freq

@@ -120,7 +120,8 @@ def update_expert_bias(model: torch.nn.Module, rate: float) -> None:
     finalize_model_grads runs it (the TrainActor steps its optimizer without that function):
     each router's `expert_bias` moves by `rate` towards the mean load of the real tokens it
     routed since the last call (counts summed over tensor- and data-parallel ranks, so every
-    rank moves the same way), then the counts restart. Nothing moves at rate 0."""
+    rank moves the same way; expert parallelism changes nothing here: every rank's router counts
+    its own tokens for all experts), then the counts restart. Nothing moves at rate 0."""
     from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 
     routers = [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
@@ -131,6 +132,17 @@ def update_expert_bias(model: torch.nn.Module, rate: float) -> None:
             router.expert_bias.copy_(bias)
     for router in routers:
         router.local_tokens_per_expert.zero_()
+
+
+def scale_balance_loss(num_micro_batches: int, device: torch.device) -> None:
+    """Make the balance loss's gradient that of its mean over the step's `num_micro_batches`, as
+    megatron's schedule does (MoEAuxLossAutoScaler's scale 1 / num_micro_batches; DDP then
+    averages over the data-parallel ranks), matching the value moe_aux_losses logs. Megatron's
+    default scale 1 counts every micro batch's loss whole, so the gradient would depend on how a
+    step's sequences split into micro batches and data-parallel ranks."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / num_micro_batches, device=device))
 
 
 def num_moe_layers(arch: ModelConfig, with_mtp: bool) -> int:

@@ -42,6 +42,16 @@ class TrainerArgs:
     tensor_model_parallel_size: int = field(
         default=1, metadata={"help": "Megatron tensor parallel size."}
     )
+    expert_model_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "MoE models: megatron's expert parallel size; each rank of an expert group "
+            "holds num_experts / this many routed experts (megatron's allgather dispatcher sends "
+            "tokens to them). Taken from the data-parallel ranks: the trainer ranks must be a "
+            "multiple of --tensor-model-parallel-size x this, and it must divide the experts. "
+            "Expert tensor parallelism follows --tensor-model-parallel-size."
+        },
+    )
     seed: int = field(
         default=1234,
         metadata={
@@ -176,7 +186,11 @@ class TrainerArgs:
             )
         if self.enable_draft_training:
             self._check_draft_training()
-        for name in ("micro_batch_size", "tensor_model_parallel_size"):
+        for name in (
+            "micro_batch_size",
+            "tensor_model_parallel_size",
+            "expert_model_parallel_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"

@@ -23,15 +23,19 @@ from trainer_bridge.thd_ops import positions_in_sequence
 class PaddedMicroBatch:
     """bshd: `tokens` [b, S] as pad_batch lays them out, widened with padding columns to
     [b, S'], S' a multiple of `pad_multiple` (under sequence parallelism each tensor-parallel rank
-    takes S'/tp positions), positions 0..S'-1 on every row."""
+    takes S'/tp positions), or `length` when given, positions 0..S'-1 on every row."""
 
     packed_seq_params = None
 
     def __init__(
-        self, tokens: Tensor, lengths: Optional[list[int]] = None, pad_multiple: int = 1
+        self,
+        tokens: Tensor,
+        lengths: Optional[list[int]] = None,
+        pad_multiple: int = 1,
+        length: Optional[int] = None,
     ) -> None:
         self._width = tokens.shape[1]
-        self._pad = -self._width % pad_multiple
+        self._pad = _padding(self._width, pad_multiple, length)
         self.tokens = self.pack(tokens)
         width = self.tokens.shape[1]
         columns = torch.arange(width, device=tokens.device)
@@ -61,15 +65,18 @@ class PaddedMicroBatch:
 
 class PackedMicroBatch:
     """thd: the sequences of padded `tokens` [b, S] (row i holding lengths[i] tokens)
-    concatenated into `tokens` [1, T], T the total length rounded up to `pad_multiple`."""
+    concatenated into `tokens` [1, T], T the total length rounded up to `pad_multiple`, or
+    `length` when given."""
 
-    def __init__(self, tokens: Tensor, lengths: list[int], pad_multiple: int) -> None:
+    def __init__(
+        self, tokens: Tensor, lengths: list[int], pad_multiple: int, length: Optional[int] = None
+    ) -> None:
         from megatron.core.packed_seq_params import PackedSeqParams
 
         device = tokens.device
         width = tokens.shape[1]
         total = sum(lengths)
-        self._pad = -total % pad_multiple
+        self._pad = _padding(total, pad_multiple, length)
         seqlens = lengths + ([self._pad] if self._pad else [])
         columns = torch.arange(width, device=device)
         self._lengths = torch.tensor(lengths, dtype=torch.long, device=device)
@@ -116,13 +123,31 @@ class PackedMicroBatch:
 MicroBatch = Union[PaddedMicroBatch, PackedMicroBatch]
 
 
+def _padding(natural: int, pad_multiple: int, length: Optional[int]) -> int:
+    """Padding positions taking a sequence dimension of `natural` to `length` (default: the next
+    multiple of `pad_multiple`)."""
+    if length is None:
+        return -natural % pad_multiple
+    if length < natural or length % pad_multiple:
+        raise ValueError(
+            f"a micro batch of {natural} positions cannot be padded to {length}: the length must "
+            f"be at least {natural} and a multiple of {pad_multiple}"
+        )
+    return length - natural
+
+
 def micro_batch(
-    tokens: Tensor, lengths: list[int], qkv_format: str, pad_multiple: int = 1
+    tokens: Tensor,
+    lengths: list[int],
+    qkv_format: str,
+    pad_multiple: int = 1,
+    length: Optional[int] = None,
 ) -> MicroBatch:
     """The micro batch of padded `tokens` [b, S] (row i holding lengths[i] tokens) in
     --qkv-format's layout; its sequence dimension (a pack's length, as slime pads, or the padded
     width) is padded to a multiple of `pad_multiple` (the tensor-parallel size, which sequence
-    parallelism splits it by)."""
+    parallelism splits it by), or to `length` (the expert group's common length:
+    trainer_bridge.expert_parallel.aligned_micro_batch)."""
     if qkv_format == "thd":
-        return PackedMicroBatch(tokens, lengths, pad_multiple)
-    return PaddedMicroBatch(tokens, lengths, pad_multiple)
+        return PackedMicroBatch(tokens, lengths, pad_multiple, length)
+    return PaddedMicroBatch(tokens, lengths, pad_multiple, length)

@@ -6,9 +6,11 @@ In memory:
     shard_state_dict / gather_state_dicts              whole <-> per-TP-rank state dicts
     shard_tensor / gather_tensor                       the same for one tensor (stream a TP>1 model)
     mcore_to_hf_tensors(model_or_state_dict, hf_config) (HF name, tensor) pairs, one at a time
-                                                       (a TP>1 model is gathered per tensor)
+                                                       (a TP>1 model is gathered per tensor, an
+                                                       EP>1 model's experts fetched from their
+                                                       ranks: expert_parallel.py)
     load_hf_weights(model, hf_checkpoint)              a Hugging Face directory into this rank's
-    model
+    model (its own experts under expert parallelism)
 On disk (see checkpoint.py for the megatron format) and on the command line:
     python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N]
     python -m trainer_bridge.convert mcore-to-hf --load B --hf-checkpoint A --save C
@@ -42,6 +44,7 @@ from trainer_bridge.convert.tp import (
     shard_state_dict,
     shard_tensor,
 )
+from trainer_bridge.expert_parallel import GatheredOverEP, local_state_dict
 from trainer_bridge.model_provider import (
     DEFAULT_VOCAB_DIVISOR,
     check_tensor_parallel,
@@ -108,16 +111,20 @@ def mcore_to_hf_tensors(
     """Hugging Face (name, tensor) pairs of this rank's GPTModel or of a whole (TP=1) megatron
     state dict.
 
-    Lazy: each megatron tensor is gathered (a model under tensor parallelism: every TP rank must
-    iterate, in step), split (q/k/v, gate/up) or trimmed (vocab padding) when reached, so callers
+    Lazy: each megatron tensor is gathered (a model under tensor or expert parallelism: every rank
+    of its TP and expert groups must iterate, in step; every expert comes once, under its global
+    number), split (q/k/v, gate/up) or trimmed (vocab padding) when reached, so callers
     can bucket the stream. Tensors keep the model's dtype and may be views of its parameters
     (copy what you keep across an optimizer step); a tied head is not repeated as lm_head.
     """
+    arch = read_model_config(hf_config)
     if isinstance(model_or_state_dict, nn.Module):
-        state: Mapping[str, Any] = _GatheredOverTP(model_or_state_dict.state_dict())
+        # an expert-parallel rank's experts under their global numbers, then whole over TP
+        local = GatheredOverEP(model_or_state_dict.state_dict(), arch)
+        state: Mapping[str, Any] = _GatheredOverTP(local)
     else:
         state = model_or_state_dict
-    return mcore_to_hf_items(state, read_model_config(hf_config))
+    return mcore_to_hf_items(state, arch)
 
 
 def load_mcore_state_dict(model: nn.Module, state: Mapping[str, Tensor]) -> None:
@@ -134,8 +141,8 @@ def load_mcore_state_dict(model: nn.Module, state: Mapping[str, Tensor]) -> None
 def load_hf_weights(
     model: nn.Module, hf_checkpoint: str, make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR
 ) -> None:
-    """Load a Hugging Face directory into this tensor-parallel rank's GPTModel (megatron parallel
-    state set up)."""
+    """Load a Hugging Face directory into this tensor- and expert-parallel rank's GPTModel
+    (megatron parallel state set up): its TP shard of every tensor, of its own experts only."""
     from megatron.core import parallel_state
 
     arch = read_model_config(hf_checkpoint)
@@ -143,7 +150,7 @@ def load_hf_weights(
     rank = parallel_state.get_tensor_model_parallel_rank()
     check_tensor_parallel(arch, tp)
     padded = padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by)
-    whole = _hf_to_mcore(read_hf_weights(hf_checkpoint), arch)
+    whole = local_state_dict(_hf_to_mcore(read_hf_weights(hf_checkpoint), arch), arch)
     load_mcore_state_dict(
         model, {name: shard_tensor(name, t, tp, padded)[rank] for name, t in whole.items()}
     )

@@ -1,0 +1,234 @@
+"""MoE models train at expert parallelism 2 (two spawned gloo ranks: TP 1, DP 2, each rank holding
+4 of the 8 routed experts, megatron's allgather token dispatcher): for tiny GLM-4.5 (grouped
+routing, replayed random routes, a next-n layer trained online, padded rows of different widths
+on the two ranks) and DeepSeek-V3 (MLA, packed, megatron's balance loss and the expert-bias
+update), the TrainActor's log-probs of a batch equal one process's, and one optimizer step over
+the same global batch gives that process's metrics (grad norm, losses), log-probs and updated
+weights (every expert exported once, under its global number, by hf_named_tensors and
+--save-hf), and a checkpoint of each rank's experts resumes bit for bit. Conversion keeps each
+rank's own experts and gathers them back bit-exactly; world sizes, expert counts, expert tensor
+parallel sizes and checkpoints of another EP size that do not fit are refused.
+
+Broken on purpose, each of these fails here: experts exported without the broadcast from their
+rank (the round trip), expert gradients averaged over the whole data-parallel group (grad norm),
+experts loaded and exported under a consistently wrong global number (log-probs), micro batches
+not padded to the expert group's length (gloo aborts the all-gather), the balance loss's
+gradient not scaled to its micro batches' mean (log-probs after the step)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import FAMILIES
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:::megatron"),
+    pytest.mark.filterwarnings("ignore:.*torch.jit.script_method:DeprecationWarning"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU megatron tests"),
+]
+VOCAB = 300
+LR = 1e-3
+RATE = 1e-2  # --moe-router-bias-update-rate of the DeepSeek-V3 run
+# name -> (checkpoint kwargs, trainer options, sequence lengths: two per data-parallel rank)
+RUNS = {
+    "glm4_moe": (
+        FAMILIES["glm4_moe"],
+        dict(qkv_format="bshd", enable_mtp_training=True, use_rollout_routing_replay=True),
+        (11, 9, 7, 10),  # rank 1's rows (width 10) are padded to rank 0's width 11
+    ),
+    "deepseek_v3": (
+        dict(arch="deepseek_v3"),
+        dict(qkv_format="thd", moe_aux_loss_coeff=1e-2, moe_router_bias_update_rate=RATE),
+        # equal packs: the balance loss, computed per pack, sees no padding on either rank
+        (12, 8, 10, 10),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(make_model) -> dict[str, str]:
+    return {name: make_model(**kw, vocab_size=VOCAB) for name, (kw, _, _) in RUNS.items()}
+
+
+def _batch(lengths: tuple[int, ...], path: str):
+    """Sequences of `lengths` (two prompts of two samples), with random routed experts (distinct
+    per token) as the engine would report them."""
+    from spec_engine.models.hf_config import ModelConfig
+    from trainer_bridge.batch import TrainBatch
+
+    arch = ModelConfig.load(path)
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(5, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    routes = [
+        torch.stack(
+            [
+                torch.randperm(arch.moe.num_experts, generator=g)[: arch.moe.top_k]
+                for _ in range((n - 1) * arch.num_hidden_layers)
+            ]
+        )
+        .view(n - 1, arch.num_hidden_layers, arch.moe.top_k)
+        .int()
+        for n in lengths
+    ]
+    return TrainBatch(
+        tokens,
+        [4, 3, 5, 2],
+        [1.0, 0.0, 0.0, 1.0],
+        n_samples_per_prompt=2,
+        rollout_routed_experts=routes,
+    )
+
+
+def _ports(n: int) -> list[int]:
+    from trainer_bridge.megatron_compat import free_port
+
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+def _run(rank: int, world_size: int, ports: list[int], jobs: dict, out_dir: str) -> None:
+    """Each model on this rank of `world_size` (EP = world size): log-probs of the whole batch,
+    one RL step, log-probs again and the exported weights; rank 0 saves them."""
+    torch.set_num_threads(1)
+    from trainer_bridge.actor import TrainActor
+    from trainer_bridge.convert import read_hf_weights
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+    from trainer_bridge.options import TrainerArgs
+
+    for i, (name, (path, options, lengths)) in enumerate(jobs.items()):
+        args = TrainerArgs(
+            hf_checkpoint=path,
+            lr=LR,
+            micro_batch_size=2,
+            expert_model_parallel_size=world_size,
+            **options,
+        )
+        actor = TrainActor(args, rank=rank, world_size=world_size, master_port=ports[i])
+        if world_size > 1 and i == 0:  # the checkpoint writer starts while the models train
+            actor.warm_checkpoint_writer()
+        try:
+            experts = actor.gpt.decoder.layers[-1].mlp.experts.local_experts
+            assert len(experts) == 8 // world_size
+            loaded = {k: v.clone() for k, v in actor.hf_named_tensors()}  # collective
+            initial = read_hf_weights(path)
+            assert loaded.keys() == initial.keys()  # HF -> this rank's experts -> HF: bit-exact
+            assert [k for k in initial if not torch.equal(loaded[k], initial[k])] == []
+            batch = _batch(lengths, path)
+            before = actor.compute_log_probs(batch)
+            metrics = {k: v for k, v in actor.train(batch).items() if not k.startswith("perf/")}
+            after = actor.compute_log_probs(batch)
+            weights = {k: v.clone() for k, v in actor.hf_named_tensors()}
+            if world_size > 1 and name == "glm4_moe":
+                # rank 0 writes the export; rank 1 holds half the experts and must send them
+                actor.save_hf(os.path.join(out_dir, f"{name}-hf"))
+                if rank == 0:
+                    saved = read_hf_weights(os.path.join(out_dir, f"{name}-hf"))
+                    assert saved.keys() == weights.keys()
+                    assert [k for k in saved if not torch.equal(saved[k], weights[k])] == []
+            if world_size > 1 and name == "deepseek_v3":
+                _resumes_bitwise(actor, batch, os.path.join(out_dir, "ckpt"))
+            if rank == 0:
+                torch.save(
+                    (before, metrics, after, weights),
+                    os.path.join(out_dir, f"{name}-ep{world_size}.pt"),
+                )
+        finally:
+            destroy_model_parallel()
+
+
+def _resumes_bitwise(actor, batch, directory: str) -> None:
+    """Each rank saves its experts (and the rest) with the optimizer and RNG; a step from the
+    loaded checkpoint repeats the step taken after saving, bit for bit."""
+    os.makedirs(directory, exist_ok=True)
+    actor.save_checkpoint(directory, 0)
+    results = []
+    for resumed in (False, True):
+        if resumed:
+            assert actor.load_checkpoint(directory) == 0
+        metrics = {k: v for k, v in actor.train(batch).items() if not k.startswith("perf/")}
+        state = actor.gpt.state_dict()
+        results.append((metrics, {k: v.clone() for k, v in state.items() if torch.is_tensor(v)}))
+    (metrics, weights), (resumed_metrics, resumed_weights) = results
+    assert resumed_metrics == metrics
+    tensors = list(weights)
+    assert any(".local_experts." in k for k in tensors)
+    assert [k for k in tensors if not torch.equal(weights[k], resumed_weights[k])] == []
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max((torch.tensor(x) - torch.tensor(y)).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def results(checkpoints, tmp_path_factory) -> dict[str, tuple]:
+    """name -> (EP 2's, one process's) (log-probs before, metrics, log-probs after, weights)."""
+    out = tmp_path_factory.mktemp("ep")
+    jobs = {name: (checkpoints[name], opts, lengths) for name, (_, opts, lengths) in RUNS.items()}
+    mp.spawn(_run, args=(2, _ports(len(jobs)), jobs, str(out)), nprocs=2, join=True)
+    _run(0, 1, _ports(len(jobs)), jobs, str(out))
+    return {
+        name: (torch.load(out / f"{name}-ep2.pt"), torch.load(out / f"{name}-ep1.pt"))
+        for name in jobs
+    }
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_moe_trains_at_ep2_as_in_one_process(results, checkpoints, name):
+    (before2, metrics2, after2, weights2), (before1, metrics1, after1, weights1) = results[name]
+    assert _max_diff(before2, before1) < 1e-5
+    assert metrics2.keys() == metrics1.keys()
+    logged = {"glm4_moe": "train/mtp_loss", "deepseek_v3": "train/moe_seq_load_balancing_loss"}
+    assert metrics1[logged[name]] > 0.1
+    for key, value in metrics1.items():
+        assert metrics2[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert _max_diff(after1, before1) > 0.1  # the step moved the policy ...
+    assert _max_diff(after2, after1) < 1e-4  # ... as far at EP 2
+    # every expert once, under its global number (HF names list each expert's tensors)
+    assert weights2.keys() == weights1.keys()
+    assert any(".mlp.experts.7.down_proj" in k for k in weights1)
+    diffs = {k: (weights2[k] - weights1[k]).abs().max().item() for k in weights1}
+    # Adam's first step moves each weight by about LR: a wrong expert's or a wrongly averaged
+    # gradient moves it further than this.
+    assert max(diffs.values()) < 0.2 * LR, max(diffs.items(), key=lambda kv: kv[1])
+    if name == "deepseek_v3":  # --moe-router-bias-update-rate moved the bias the same way
+        from trainer_bridge.convert import read_hf_weights
+
+        initial = read_hf_weights(checkpoints[name])
+        bias = [k for k in weights1 if k.endswith("e_score_correction_bias")]
+        assert bias and all(diffs[k] == 0 for k in bias)
+        assert all((weights2[k] - initial[k]).abs().max() > 0.5 * RATE for k in bias)
+
+
+def test_what_does_not_split_over_experts_is_refused(checkpoints, tmp_path):
+    from spec_engine.models.hf_config import ModelConfig
+    from specrl.train_options import check_checkpoints, parse_args
+    from trainer_bridge.checkpoint import check_common
+    from trainer_bridge.expert_parallel import check_expert_parallel
+
+    arch = ModelConfig.load(checkpoints["glm4_moe"])
+    with pytest.raises(ValueError, match="size 3 does not divide the 8 routed experts"):
+        check_expert_parallel(arch, 3)
+    base = (
+        f"--hf-checkpoint {checkpoints['glm4_moe']} --prompt-data x.jsonl --rollout-batch-size 2 "
+        f"--n-samples-per-prompt 2 --num-rollout 1 --output-dir {tmp_path} "
+        "--expert-model-parallel-size 2 --actor-num-gpus-per-node "
+    ).split()
+    # before Ray: 3 trainer ranks do not hold whole expert groups of 2
+    with pytest.raises(SystemExit, match="3 trainer ranks .* not a multiple of .* 1 x .* 2"):
+        check_checkpoints(parse_args([*base, "3"]))
+    with pytest.raises(SystemExit, match="--expert-tensor-parallel-size 2 with .*-size 1 is not"):
+        check_checkpoints(parse_args([*base, "2", "--expert-tensor-parallel-size", "2"]))
+    with pytest.raises(ValueError, match="dense model with none"):
+        check_expert_parallel(dataclasses.replace(arch, moe=None), 2)
+    # a checkpoint records its EP size (one from before EP: 1); another is refused with the reason
+    meta = {"hf_config": arch.hf_config, "tensor_model_parallel_size": 1}
+    check_common({"specrl": meta}, arch.hf_config, 1, "ckpt", 1)
+    meta["expert_model_parallel_size"] = 2
+    with pytest.raises(ValueError, match="at --expert-model-parallel-size 2, this run uses 1"):
+        check_common({"specrl": meta}, arch.hf_config, 1, "ckpt", 1)

@@ -1,0 +1,181 @@
+"""Expert parallelism (--expert-model-parallel-size) for MoE models: each expert-parallel rank
+holds num_experts / ep of every MoE layer's routed experts, megatron's allgather token dispatcher
+gathers the tokens of the ep ranks (and tp, under sequence parallelism) to them and scatters
+their outputs back.
+
+Megatron carves the ep ranks out of data parallelism (its "tp-cp-ep-dp-pp" order): trainer rank
+r has data-parallel rank r // tp, expert-parallel rank (r // tp) % ep and expert-data-parallel
+rank r // (tp * ep); expert tensor parallelism stays tp. Rank k of an expert group holds global
+experts k * (E / ep) .. (k + 1) * (E / ep) - 1 as its `local_experts.0 ..`. Megatron's DDP
+averages the experts' gradients over the expert-data-parallel group (its `allreduce=False`
+parameters), the router and shared experts over the whole data-parallel group, as before.
+
+This module renumbers experts between the whole (global) state dict the converter speaks and a
+rank's local one, fetches another rank's experts when the model is exported, and pads the micro
+batches of an expert group to one length: the dispatcher's all-gather takes equal token counts
+from every rank, while each data-parallel rank packs its own sequences.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from spec_engine.models.hf_config import ModelConfig
+from trainer_bridge.options import TrainerArgs
+from trainer_bridge.packing import MicroBatch, micro_batch
+
+# A routed expert's tensor in megatron's GPTModel (trunk and MTP layers alike).
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def check_expert_parallel(
+    arch: ModelConfig,
+    ep: int,
+    tp: int = 1,
+    world_size: Optional[int] = None,
+    expert_tp: Optional[int] = None,
+) -> None:
+    """Raise unless `arch` splits over `ep` expert-parallel ranks (and, given `world_size`
+    trainer ranks, those ranks hold whole tp x ep groups; given slime's
+    --expert-tensor-parallel-size `expert_tp`, it is tp), naming the values to change."""
+    if ep < 1:
+        raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+    if arch.moe is not None and expert_tp not in (None, tp):
+        # The converter and the TP tests split routed experts over the TP ranks as a dense MLP.
+        raise ValueError(
+            f"--expert-tensor-parallel-size {expert_tp} with --tensor-model-parallel-size {tp} "
+            "is not implemented: specrl splits experts over the tensor-parallel ranks (expert "
+            f"tensor parallelism = TP, megatron's default); give {tp} or leave the flag out"
+        )
+    if ep > 1 and arch.moe is None:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} splits MoE experts, and {arch.architecture} is a "
+            "dense model with none; use 1"
+        )
+    if arch.moe is not None and arch.moe.num_experts % ep:
+        raise ValueError(
+            f"--expert-model-parallel-size {ep} does not divide the {arch.moe.num_experts} "
+            f"routed experts (n_routed_experts) of {arch.architecture}; pick a divisor of it"
+        )
+    if world_size is not None and world_size % (tp * ep):
+        raise ValueError(
+            f"{world_size} trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node) are not "
+            f"a multiple of --tensor-model-parallel-size {tp} x --expert-model-parallel-size "
+            f"{ep} (expert parallelism splits the data-parallel ranks); launch a multiple of "
+            f"{tp * ep} ranks"
+        )
+
+
+def expert_index(name: str) -> Optional[int]:
+    """The expert number in megatron tensor `name` (a routed expert's), else None."""
+    match = _EXPERT.match(name)
+    return None if match is None else int(match.group(2))
+
+
+def renumbered(name: str, index: int) -> str:
+    """Routed-expert tensor `name` with its expert number replaced by `index`."""
+    match = _EXPERT.match(name)
+    if match is None:
+        raise ValueError(f"{name} is not a routed expert's tensor")
+    return f"{match.group(1)}{index}{match.group(3)}"
+
+
+def _layout(arch: ModelConfig) -> tuple[int, int, int]:
+    """(this rank's expert-parallel rank, ep size, experts per rank) of the current megatron
+    parallel state."""
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    per_rank = arch.moe.num_experts // ep if arch.moe is not None else 0
+    return parallel_state.get_expert_model_parallel_rank(), ep, per_rank
+
+
+def owner(index: int, per_rank: int) -> int:
+    """The expert-parallel rank holding global expert `index` (megatron's MoELayer gives rank k
+    experts k * per_rank ..)."""
+    return index // per_rank
+
+
+def local_state_dict(state: Mapping[str, Tensor], arch: ModelConfig) -> dict[str, Tensor]:
+    """A whole megatron state dict (global expert numbers) -> this expert-parallel rank's: its
+    own experts, renumbered from 0; every other tensor as it is."""
+    rank, ep, per_rank = _layout(arch)
+    if ep == 1:
+        return dict(state)
+    out = {}
+    for name, tensor in state.items():
+        index = expert_index(name)
+        if index is None:
+            out[name] = tensor
+        elif owner(index, per_rank) == rank:
+            out[renumbered(name, index % per_rank)] = tensor
+    return out
+
+
+class GatheredOverEP(Mapping[str, Tensor]):
+    """A rank's (local) megatron state dict read under global expert numbers: each routed
+    expert's tensor is broadcast by the rank holding it to its expert group, so every rank of
+    the group reads every expert. Reading is a collective: every rank of the group reads the same
+    names in the same order."""
+
+    def __init__(self, state: Mapping[str, Tensor], arch: ModelConfig) -> None:
+        from megatron.core import parallel_state
+
+        self._state = state
+        self._rank, self._ep, self._per_rank = _layout(arch)
+        self._group = parallel_state.get_expert_model_parallel_group()
+        self._names = {}  # global name -> local name
+        for name in state:
+            index = expert_index(name)
+            if index is None:
+                self._names[name] = name
+                continue
+            for rank in range(self._ep):
+                self._names[renumbered(name, rank * self._per_rank + index)] = name
+
+    def __getitem__(self, name: str) -> Tensor:
+        local = self._state[self._names[name]]
+        index = expert_index(name)
+        if self._ep == 1 or index is None:
+            return local
+        src = owner(index, self._per_rank)
+        tensor = local.detach().contiguous() if src == self._rank else torch.empty_like(local)
+        dist.broadcast(tensor, dist.get_global_rank(self._group, src), group=self._group)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def exports_with_rank0(dp_rank: int, ep: int) -> bool:
+    """Whether data-parallel rank `dp_rank` takes part in rank 0's export gathers: rank 0's
+    expert group (data-parallel ranks 0 .. ep - 1) and their tensor-parallel groups; the other
+    expert-data-parallel replicas hold the same weights."""
+    return dp_rank < ep
+
+
+def aligned_micro_batch(tokens: Tensor, lengths: list[int], args: TrainerArgs) -> MicroBatch:
+    """`micro_batch` in `args`' --qkv-format, its sequence dimension (padded width, or pack
+    length) a multiple of the TP size and the longest of the expert group's micro batches: the
+    allgather dispatcher gathers equally many tokens from each expert-parallel rank (each with
+    its own data-parallel sequences). A collective over the expert group at EP > 1."""
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    if ep == 1:
+        return micro_batch(tokens, lengths, args.qkv_format, tp)
+    from megatron.core import parallel_state
+
+    natural = sum(lengths) if args.qkv_format == "thd" else tokens.shape[1]
+    length = torch.tensor([-(-natural // tp) * tp], device=tokens.device)
+    dist.all_reduce(
+        length, dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group()
+    )
+    return micro_batch(tokens, lengths, args.qkv_format, tp, length=int(length))
