@@ -25,14 +25,14 @@ plain decoding, the comparison that matters most, then the shallower depths). Af
 chosen mode measures itself every step, and a mode not chosen is tried again so the averages
 follow changes (a draft learning or falling behind new weights, longer contexts), but each try
 costs a step in a slower mode, so tries back off: a mode is retried once it has not run for its
-interval of steps of the bucket (`EXPLORE_EVERY` at first), which doubles each time a try
-leaves it behind (up to `MAX_EXPLORE_EVERY`) and starts over when it wins or new weights
-arrive (`weights_updated`) or a try's own step beats the chosen mode (a draft that got
-better is tried every `EXPLORE_EVERY` steps until the averages agree). A mode that could not win even if every
-draft token were accepted ((depth + 1) / its cost below the chosen mode's rate; plain
-decoding: its measured rate) waits `MAX_EXPLORE_EVERY` steps: its cost, not the draft, keeps
-it behind. `choose(batch)` is a pure function of the state, so the scheduler may ask it
-several times per step (KV demand, retraction, the step itself); `observe` moves it.
+interval of steps of the bucket (`EXPLORE_EVERY` at first), which doubles each time a try leaves
+it behind (up to `MAX_EXPLORE_EVERY`) and starts over when it wins or new weights arrive
+(`weights_updated`) or a try's own step beats the chosen mode (a draft that got better is tried
+every `EXPLORE_EVERY` steps until the averages agree). A mode that could not win even if every
+draft token were accepted ((depth + 1) / its cost below the chosen mode's rate; plain decoding:
+its measured rate) waits `MAX_EXPLORE_EVERY` steps: its cost, not the draft, keeps it behind.
+`choose(batch)` is a pure function of the state, so the scheduler may ask it several times per
+step (KV demand, retraction, the step itself); `observe` moves it.
 
 Every speculative worker may switch mode per step: NGRAM has no draft state, a draft model
 drafts any depth from the same state, and under this flag the draft-model workers record what
