@@ -10,7 +10,8 @@ same prompts), the mean accept length (tokens per verify, SGLang's count), and t
 decode step split into draft, verify and bookkeeping. Drafts are random checkpoints of the
 right shape (EAGLE-2, EAGLE-3, MiMo MTP), so their acceptance is near 1 and they measure the
 overhead; STANDALONE with the target as its own draft accepts every token (the upper bound);
-NGRAM runs on prompts that repeat a pattern, as code or templated text does; ngram-adaptive,
+NGRAM runs on prompts that repeat a pattern, as code or templated text does (--interleave: all
+configurations' engines at once, rounds round-robin); ngram-adaptive,
 eagle3-adaptive and mtp-adaptive (and, on request, standalone-self-adaptive) add
 --speculative-adaptive (per step, decode plainly or speculate at a depth up to the configured
 one, by the measured cost model; the table gives the share of decode steps that speculated, the
@@ -28,9 +29,9 @@ decode steps per second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
-import math
 import os
 import tempfile
 import time
@@ -40,8 +41,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from scripts.bench_engine import random_batches
-from scripts.bench_rollout_report import adaptive_vs_best, print_adaptive, print_table, roofline
-from specrl.plots import svg
+from scripts.bench_rollout_report import (
+    adaptive_vs_best,
+    print_adaptive,
+    print_table,
+    roofline,
+    speedup_svg,
+)
 from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
 if TYPE_CHECKING:
@@ -141,13 +147,10 @@ def prompts(batch: int, length: int, vocab: int, repetitive: bool, seed: int) ->
     return out
 
 
-def run(
-    path: str, kwargs: dict, batch: int, args: argparse.Namespace, vocab: int, repetitive: bool
-) -> dict:
-    """Best of --repeats generations of `batch` prompts; tokens/s with and without prefill."""
+def open_engine(path: str, kwargs: dict, batch: int, args: argparse.Namespace) -> Engine:
     from spec_engine import Engine
 
-    with Engine(
+    return Engine(
         model_path=path,
         device=args.device,
         dtype=args.dtype,
@@ -163,85 +166,101 @@ def run(
         max_running_requests=batch,
         cuda_graph_bs=None if args.disable_cuda_graph else [batch],
         **kwargs,
-    ) as engine:
-        weight_bytes = engine.runner.weight_bytes()
-        temperature = 1.0 if args.forced_acceptance else 0.0
-        params = {"temperature": temperature, "max_new_tokens": args.output_len, "ignore_eos": True}
-        prefill_only = {**params, "max_new_tokens": 1}
-        engine.generate(
-            input_ids=prompts(batch, args.input_len, vocab, repetitive, 0), sampling_params=params
-        )
-        prefill_s = min(
-            timed(
-                engine.generate,
-                input_ids=prompts(batch, args.input_len, vocab, repetitive, 1000 + r),
-                sampling_params=prefill_only,
-            )
-            for r in range(args.repeats)
-        )
-        best, state = None, None
-        for r in range(args.repeats):
-            worker = engine.scheduler.worker
-            before = spec_time_breakdown(engine)
-            modes_before = adaptive_steps(engine)
-            steps_before = getattr(worker, "verify_steps", 0)
-            verify_before = engine.scheduler.spec_verify_ct
-            emitted_before = engine.scheduler.spec_emitted
-            start = time.perf_counter()
-            outs = engine.generate(
-                input_ids=prompts(batch, args.input_len, vocab, repetitive, r + 1),
-                sampling_params=params,
-            )
-            elapsed = time.perf_counter() - start
-            if best is None or elapsed < best:
-                best = elapsed
-                verifies = engine.scheduler.spec_verify_ct - verify_before
-                emitted = engine.scheduler.spec_emitted - emitted_before
-                steps = getattr(worker, "verify_steps", 0) - steps_before
-                spent = {k: v - before.get(k, 0.0) for k, v in spec_time_breakdown(engine).items()}
-                modes = {m: n - modes_before.get(m, 0) for m, n in adaptive_steps(engine).items()}
-                decode_steps = sum(modes.values())
-                state = {
-                    "accept_length": round(emitted / verifies, 3) if verifies else None,
-                    "ms_per_step": {
-                        k.removesuffix("_s"): round(1000 * v / steps, 2) for k, v in spent.items()
-                    }
-                    if steps
-                    else None,
-                    # --speculative-adaptive: the share of decode steps that speculated, and the
-                    # steps run per mode (0: plain, else the depth).
-                    "speculative_step_share": round(1 - modes[0] / decode_steps, 3)
-                    if decode_steps
-                    else None,
-                    "steps_by_depth": modes or None,
-                }
-        tokens = sum(len(o["output_ids"]) for o in outs)
-    del engine
-    # The next engine's KV cache is sized from free device memory: release this one's first.
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-    decode_s = max(best - prefill_s, 1e-9)
+    )
+
+
+def sampling(args: argparse.Namespace) -> dict:
+    temperature = 1.0 if args.forced_acceptance else 0.0
+    return {"temperature": temperature, "max_new_tokens": args.output_len, "ignore_eos": True}
+
+
+def measure(
+    engine: Engine, batch: int, args: argparse.Namespace, vocab: int, repetitive: bool, r: int
+) -> dict:
+    """Round `r`: a prefill-only run and a whole generation of `batch` prompts, timed, with the
+    generation's accept length, time split and steps per mode."""
+    params = sampling(args)
+    prefill_s = timed(
+        engine.generate,
+        input_ids=prompts(batch, args.input_len, vocab, repetitive, 1000 + r),
+        sampling_params={**params, "max_new_tokens": 1},
+    )
+    worker = engine.scheduler.worker
+    before = spec_time_breakdown(engine)
+    modes_before = adaptive_steps(engine)
+    steps_before = getattr(worker, "verify_steps", 0)
+    verify_before = engine.scheduler.spec_verify_ct
+    emitted_before = engine.scheduler.spec_emitted
+    start = time.perf_counter()
+    outs = engine.generate(
+        input_ids=prompts(batch, args.input_len, vocab, repetitive, r + 1), sampling_params=params
+    )
+    elapsed = time.perf_counter() - start
+    verifies = engine.scheduler.spec_verify_ct - verify_before
+    emitted = engine.scheduler.spec_emitted - emitted_before
+    steps = getattr(worker, "verify_steps", 0) - steps_before
+    spent = {k: v - before.get(k, 0.0) for k, v in spec_time_breakdown(engine).items()}
+    modes = {m: n - modes_before.get(m, 0) for m, n in adaptive_steps(engine).items()}
+    decode_steps = sum(modes.values())
+    state = {
+        "accept_length": round(emitted / verifies, 3) if verifies else None,
+        "ms_per_step": {k.removesuffix("_s"): round(1000 * v / steps, 2) for k, v in spent.items()}
+        if steps
+        else None,
+        # --speculative-adaptive: the share of decode steps that speculated, and the steps run
+        # per mode (0: plain, else the depth).
+        "speculative_step_share": round(1 - modes[0] / decode_steps, 3) if decode_steps else None,
+        "steps_by_depth": modes or None,
+    }
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    return {"prefill_s": prefill_s, "elapsed": elapsed, "tokens": tokens, "state": state}
+
+
+def summarize(batch: int, rounds: list[dict], weight_bytes: int) -> dict:
+    """Tokens/s of the best round, with and without prefill (the fastest prefill-only run)."""
+    best = min(rounds, key=lambda m: m["elapsed"])
+    decode_s = max(best["elapsed"] - min(m["prefill_s"] for m in rounds), 1e-9)
     return {
         "batch": batch,
-        "tokens_per_s": round(tokens / best, 1),
+        "tokens_per_s": round(best["tokens"] / best["elapsed"], 1),
         # The first token of each request comes with the prefill.
-        "decode_tokens_per_s": round((tokens - batch) / decode_s, 1),
+        "decode_tokens_per_s": round((best["tokens"] - batch) / decode_s, 1),
         "weight_bytes": weight_bytes,
-        **state,
+        **best["state"],
     }
 
 
-def speedup_svg(results: list[dict], base: dict[int, float]) -> str:
-    """Tokens/s over plain decoding's at the same batch size, one line per configuration,
-    against log2 of the batch size."""
-    series: dict[str, list[tuple[float, float]]] = {}
-    for r in results:
-        if r["batch"] in base:
-            point = (math.log2(r["batch"]), r["tokens_per_s"] / base[r["batch"]])
-            series.setdefault(r["algorithm"], []).append(point)
-    sizes = ", ".join(str(b) for b in sorted(base))
-    return svg(series, "tokens/s vs plain decoding", x_label=f"log2 batch size ({sizes})")
+def run(
+    table: dict[str, tuple[str, dict]], names: list[str], batch: int, args: argparse.Namespace
+) -> dict[str, dict]:
+    """Each configuration in `names` at `batch`: after one warm-up generation, the best of
+    --repeats rounds. --interleave: all engines open at once and the rounds go round-robin over
+    them, so a slow spell of the machine hits every configuration alike; else one engine at a
+    time."""
+    groups = [names] if args.interleave else [[name] for name in names]
+    out = {}
+    for group in groups:
+        with contextlib.ExitStack() as stack:
+            engines = {n: stack.enter_context(open_engine(*table[n], batch, args)) for n in group}
+            for n, engine in engines.items():
+                ngram = n.startswith("ngram")
+                engine.generate(
+                    input_ids=prompts(batch, args.input_len, args.vocab_size, ngram, 0),
+                    sampling_params=sampling(args),
+                )
+            rounds: dict[str, list[dict]] = {n: [] for n in group}
+            for r in range(args.repeats):
+                for n, engine in engines.items():
+                    ngram = n.startswith("ngram")
+                    rounds[n].append(measure(engine, batch, args, args.vocab_size, ngram, r))
+            for n, engine in engines.items():
+                out[n] = summarize(batch, rounds[n], engine.runner.weight_bytes())
+        del engines
+        # The next engine's KV cache is sized from free device memory: release this one's first.
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
 def timed(fn, *args, **kwargs) -> float:
@@ -327,6 +346,12 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--draft-tokens", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="per batch size, open every configuration's engine at once and run the rounds "
+        "round-robin (side by side on a machine whose speed drifts; needs the memory of all)",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument(
@@ -427,17 +452,12 @@ def main() -> None:
             if name not in ("baseline", "mtp-plain"):
                 kwargs["speculative_accept_threshold_single"] = 1e-9
     results = []
-    for name in args.algorithms:
-        path, kwargs = table[name]
-        for batch in args.batch_sizes:
-            row = {
-                "algorithm": name,
-                **run(
-                    path, kwargs, batch, args, args.vocab_size, repetitive=name.startswith("ngram")
-                ),
-            }
-            results.append(row)
-            print(json.dumps(row), flush=True)
+    for batch in args.batch_sizes:
+        for name, row in run(table, args.algorithms, batch, args).items():
+            results.append({"algorithm": name, **row})
+            print(json.dumps(results[-1]), flush=True)
+    order = {name: i for i, name in enumerate(args.algorithms)}
+    results.sort(key=lambda r: (order[r["algorithm"]], r["batch"]))
     base = {r["batch"]: r["tokens_per_s"] for r in results if r["algorithm"] == "baseline"}
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(

@@ -3,11 +3,26 @@ the better of plain decoding and fixed speculation, and the batch-1 roofline."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
+
+from specrl.plots import svg
 
 # The plain decoding an algorithm's speculation is compared with: its own target decoding
 # without speculation (MTP's target is MiMo, a different model from the others' Llama).
 PLAIN_OF = {"mtp": "mtp-plain"}
+
+
+def speedup_svg(results: list[dict], base: dict[int, float]) -> str:
+    """Tokens/s over plain decoding's at the same batch size, one line per configuration,
+    against log2 of the batch size."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in results:
+        if r["batch"] in base:
+            point = (math.log2(r["batch"]), r["tokens_per_s"] / base[r["batch"]])
+            series.setdefault(r["algorithm"], []).append(point)
+    sizes = ", ".join(str(b) for b in sorted(base))
+    return svg(series, "tokens/s vs plain decoding", x_label=f"log2 batch size ({sizes})")
 
 
 def print_table(results: list[dict], base: dict[int, float]) -> None:

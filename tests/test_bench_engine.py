@@ -65,7 +65,8 @@ def test_bench_rollout_script_runs(tmp_path):
             "--output-len",
             "8",
             "--repeats",
-            "1",
+            "2",
+            "--interleave",  # every engine open at once, rounds round-robin
             "--json",
             str(out_json),
             "--plot",
