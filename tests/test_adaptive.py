@@ -128,6 +128,26 @@ def test_accept_histogram_of_a_chain_sets_every_shallower_depth():
     assert chain.choose(8) == 3
 
 
+def test_accept_averages_count_requests_not_steps():
+    """Each verified request is one sample: the first 32 are averaged plainly (a depth's
+    estimate does not rest on one lucky batch-1 step), then each moves the average by 1/32,
+    a step of 8 requests by 1 - (31/32)^8."""
+    model = SpecCostModel([1, 2], nested=False)
+    model.observe(2, 1, 1.0, [[7, 7, 7]])  # one request accepted both drafts
+    model.observe(2, 1, 1.0, [[7]])  # one accepted none
+    assert model.accept_length(2) == pytest.approx(2.0)  # P(a >= 1) = P(a >= 2) = 1/2
+    for _ in range(30):
+        model.observe(2, 1, 1.0, [[7, 7]])  # one draft accepted
+    p1 = 31 / 32
+    assert model.survival[(2, 1)] == pytest.approx(p1)
+    assert model.survival[(2, 2)] == pytest.approx(1 / 32)
+    model.observe(2, 1, 1.0, [[7]])
+    assert model.survival[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32))
+    model.observe(2, 8, 1.0, [[7]] * 8)
+    assert model.survival[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32) * (31 / 32) ** 8)
+    assert model.accept_length(1) is None  # depth 1 of a tree: its own samples only
+
+
 def test_set_costs_freezes_the_model():
     model = SpecCostModel([1, 2], nested=True)
     model.set_costs(4, plain_s=1.0, spec_s=3.0)

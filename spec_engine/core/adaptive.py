@@ -16,7 +16,11 @@ kept across buckets as moving averages of the survival P(a >= k) of the drafts a
 accepts (a), per k. A chain's first d draft tokens do not depend on how deep it drafts
 (args.spec_shapes.nested_shapes), so accept(d) = 1 + sum_{k<=d} P(a >= k) with P(a >= k) from
 every step run at a depth >= k: running deep measures every shallower depth too. A tree or an
-NGRAM draft of fewer tokens keeps other nodes, so its survival is kept per depth.
+NGRAM draft of fewer tokens keeps other nodes, so its survival is kept per depth. Each request
+a step verified counts as one sample: the averages are plain means of the first
+1 / ALPHA_PER_REQUEST requests, then move by ALPHA_PER_REQUEST per request, so a step of one
+request (batch 1, where each step either accepts everything or not) moves them as little as its
+one sample warrants, and a depth's estimate does not rest on its first lucky or unlucky step.
 
 Measuring is online: the first step of a mode in a bucket is not counted (it pays one-off costs
 such as a graph captured on first use), then each mode is tried until it has `WARM_STEPS`
@@ -52,7 +56,8 @@ from typing import Any, Optional, Union
 
 from spec_engine.args.spec_shapes import nested_shapes, spec_shapes
 
-ALPHA = 0.25  # weight of the newest measurement in the moving averages
+ALPHA = 0.25  # weight of the newest measurement in the moving averages of costs
+ALPHA_PER_REQUEST = 1 / 32  # weight of one request's accepted drafts in the survival averages
 WARM_STEPS = 2  # measurements per mode and bucket before the averages decide
 EXPLORE_EVERY = 64  # steps of a bucket a mode may first go unrun before it is tried again
 MAX_EXPLORE_EVERY = 1024  # the longest interval between tries of a mode
@@ -100,6 +105,7 @@ class SpecCostModel:
         # (pool, k) -> EMA of the share of requests that accepted >= k drafts; the pool is 0
         # for nested shapes, else the depth the step ran at.
         self.survival: dict[tuple[int, int], float] = {}
+        self.samples: dict[tuple[int, int], int] = {}  # requests each survival average has seen
         self.frozen = False  # tests: measurements no longer move the model
         self.decisions = dict.fromkeys(self.modes, 0)  # steps run per mode
 
@@ -177,9 +183,14 @@ class SpecCostModel:
         if mode != PLAIN and tokens:
             pool = PLAIN if self.nested else mode
             accepted = [len(t) - 1 for t in tokens]
+            n = len(accepted)
             for k in range(1, mode + 1):
-                share = sum(a >= k for a in accepted) / len(accepted)
-                self.survival[(pool, k)] = _ema(self.survival.get((pool, k)), share)
+                share = sum(a >= k for a in accepted) / n
+                seen = self.samples.get((pool, k), 0)
+                weight = max(1 - (1 - ALPHA_PER_REQUEST) ** n, n / (seen + n))
+                old = self.survival.get((pool, k), share)
+                self.survival[(pool, k)] = old + weight * (share - old)
+                self.samples[(pool, k)] = seen + n
         if cost.steps > WARM_STEPS:
             cost.interval = self._next_interval(batch, mode, seconds / batch, tokens)
 
