@@ -73,10 +73,11 @@ def test_cost_model_warms_up_every_mode_then_picks_the_fastest_and_explores():
 
 def test_tries_of_a_losing_mode_back_off_and_start_over_with_new_weights():
     """Depth 1 could win if its drafts were accepted (2 / 1.5 > 1) but nothing is: it is tried
-    again after 64 steps, then 128, 256, ... (each try a slow step), and after a weight update
-    at 64 again. A try that wins its own step is tried again after 64, until the averages
-    agree."""
+    again after E = EXPLORE_EVERY steps, then 2E, 4E, ... (each try a slow step), and after a
+    weight update at E again. A try that wins its own step is tried again after E, until the
+    averages agree."""
     model = SpecCostModel([1], nested=True)
+    e = EXPLORE_EVERY
 
     def run(steps: int, accepted: int) -> list[int]:
         seen = []
@@ -87,19 +88,34 @@ def test_tries_of_a_losing_mode_back_off_and_start_over_with_new_weights():
         return seen
 
     run(2 * (WARM_STEPS + 1), accepted=0)
-    tries = [i for i, m in enumerate(run(64 + 128 + 256 + 8, accepted=0)) if m]
+    tries = [i for i, m in enumerate(run(e + 2 * e + 4 * e + 8, accepted=0)) if m]
     # (the first interval counts from depth 1's last warm-up step, plain's warm-up after it)
-    assert tries[0] == 64 - (WARM_STEPS + 1)
-    assert [b - a for a, b in zip(tries, tries[1:])] == [1 + 128, 1 + 256]
+    assert tries[0] == e - (WARM_STEPS + 1)
+    assert [b - a for a, b in zip(tries, tries[1:])] == [1 + 2 * e, 1 + 4 * e]
     model.weights_updated()
-    assert run(64, accepted=0).count(1) == 1  # tried within 64 steps again (not 512)
-    # The draft now predicts (2 tokens per 1.5 steps): the next try (128 steps after the last)
-    # wins its step, so depth 1 is tried every 64 steps (not 256, 512) until its averages make
-    # it the choice (the accept length's average: 1.25, 1.44, 1.58 > 1.5 after three tries).
-    later = run(128 + 2 * 64 + 8, accepted=1)
+    assert run(e, accepted=0).count(1) == 1  # tried within E steps again (not 8E)
+    # The draft now predicts (2 tokens per 1.5 steps): the next try (2E steps after the last)
+    # wins its step, so depth 1 is tried every E steps (not 4E, 8E) until its averages make it
+    # the choice (the accept length's average: 1.22, 1.40, 1.53 > 1.5 after three tries).
+    later = run(2 * e + 2 * e + 8, accepted=1)
     tries = [i for i, m in enumerate(later) if m][:3]
-    assert tries[0] < 128 and [b - a for a, b in zip(tries, tries[1:])] == [1 + 64, 1 + 64]
+    assert tries[0] < 2 * e and [b - a for a, b in zip(tries, tries[1:])] == [1 + e, 1 + e]
     assert later[-8:] == [1] * 8 and model.best(8) == 1
+
+
+def test_a_chain_tries_only_its_deepest_depth():
+    """A chain's shallower depths get their accept lengths from the deepest's steps, so after
+    warm-up only the deepest (and plain decoding) are tried again: depths 1 and 2 wait
+    MAX_EXPLORE_EVERY steps. A tree's depths are each tried."""
+    for nested, tried in ((True, {3}), (False, {1, 2, 3})):
+        model = SpecCostModel([1, 2, 3], nested=nested)
+        seen = []
+        for _ in range(4 * (WARM_STEPS + 1) + 3 * EXPLORE_EVERY):
+            mode = model.choose(8)
+            seen.append(mode)
+            # every depth could win with its drafts accepted (d + 1 > its cost), none is
+            model.observe(mode, 8, 8 * (1.0 + 0.1 * mode), [[0]] * 8 if mode else ())
+        assert set(seen[4 * (WARM_STEPS + 1) :]) == {0} | tried
 
 
 def test_expensive_deep_verifies_choose_a_shallower_depth():

@@ -59,8 +59,8 @@ from spec_engine.args.spec_shapes import nested_shapes, spec_shapes
 ALPHA = 0.25  # weight of the newest measurement in the moving averages of costs
 ALPHA_PER_REQUEST = 1 / 32  # weight of one request's accepted drafts in the survival averages
 WARM_STEPS = 2  # measurements per mode and bucket before the averages decide
-EXPLORE_EVERY = 64  # steps of a bucket a mode may first go unrun before it is tried again
-MAX_EXPLORE_EVERY = 1024  # the longest interval between tries of a mode
+EXPLORE_EVERY = 128  # steps of a bucket a mode may first go unrun before it is tried again
+MAX_EXPLORE_EVERY = 2048  # the longest interval between tries of a mode
 PLAIN = 0  # the mode of a plain decode step; speculative modes are their depth
 
 
@@ -132,6 +132,8 @@ class SpecCostModel:
 
     def _interval(self, batch: int, mode: int) -> int:
         """Steps of the bucket `mode` may go unrun before it is tried again."""
+        if self.nested and PLAIN < mode < self.depths[-1]:
+            return MAX_EXPLORE_EVERY  # the deepest depth's steps measure its accept length
         rates, cost = self.rates(batch), self._bucket(batch)[mode]
         best = max(rates.values(), default=0.0)
         ceiling = (mode + 1) / cost.seconds if cost.seconds else float("inf")
