@@ -139,7 +139,7 @@ class Scheduler:
                 self.worker.catch_up(reqs, full_only=depth == 0)
                 began = time.perf_counter()
                 if depth != 0:  # None: the configured shape (a plain worker: its decode step)
-                    result = self.worker.decode(reqs, depth)
+                    result = self.worker.decode(reqs, *(() if depth is None else (depth,)))
                 else:  # (never stale with NGRAM or --speculative-adaptive: draft_lag.py)
                     for req in reqs:
                         req.draft_stale = not self.worker.plain_steps_keep_draft
