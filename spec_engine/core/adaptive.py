@@ -127,17 +127,20 @@ class SpecCostModel:
         best = self.best(batch)
         if self.frozen:
             return best
-        due = [m for m in self.modes if m != best and modes[m].since >= self._interval(batch, m)]
+        top = max(self.rates(batch).values(), default=0.0)
+        due = [
+            m for m in self.modes if m != best and modes[m].since >= self._interval(m, modes, top)
+        ]
         return max(due, key=lambda m: modes[m].since) if due else best
 
-    def _interval(self, batch: int, mode: int) -> int:
-        """Steps of the bucket `mode` may go unrun before it is tried again."""
+    def _interval(self, mode: int, modes: dict[int, ModeCost], top: float) -> int:
+        """Steps of its bucket (`modes`) `mode` may go unrun before it is tried again, the
+        bucket's best rate being `top`."""
         if self.nested and PLAIN < mode < self.depths[-1]:
             return MAX_EXPLORE_EVERY  # the deepest depth's steps measure its accept length
-        rates, cost = self.rates(batch), self._bucket(batch)[mode]
-        best = max(rates.values(), default=0.0)
+        cost = modes[mode]
         ceiling = (mode + 1) / cost.seconds if cost.seconds else float("inf")
-        return cost.interval if ceiling >= best else MAX_EXPLORE_EVERY
+        return cost.interval if ceiling >= top else MAX_EXPLORE_EVERY
 
     def accept_length(self, depth: int) -> Optional[float]:
         """Expected tokens a verify at `depth` emits per request (None until measured)."""
