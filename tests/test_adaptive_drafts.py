@@ -173,7 +173,7 @@ def spied(monkeypatch):
 def test_lag_limit_holds_the_feature_budget_within_its_bounds():
     """How far a draft may lag before it catches up: its share of the 256 MiB of feature rows
     when every running request lags, within [128, 1024] positions; token-only drafts 1024."""
-    rows = lambda dim, dtype: torch.zeros(2, dim, dtype=dtype)  # noqa: E731
+    rows = lambda dim, dtype: torch.zeros(2, dim, dtype=dtype, device="cpu")  # noqa: E731
     assert draft_lag.lag_limit(None, 256) == 1024
     # An 8B EAGLE-3 draft's rows (3 x 4096 bfloat16, 24 KiB) for 256 requests: the floor.
     assert draft_lag.lag_limit(rows(3 * 4096, torch.bfloat16), 256) == 128

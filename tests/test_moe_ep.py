@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import FAMILIES
+from test_moe_tp import _max_diff, _ports
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:::megatron"),
@@ -62,7 +63,7 @@ def _batch(lengths: tuple[int, ...], path: str):
 
     arch = ModelConfig.load(path)
     g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(5, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    tokens = [torch.randint(5, VOCAB, (n,), generator=g, device="cpu").tolist() for n in lengths]
     routes = [
         torch.stack(
             [
@@ -81,15 +82,6 @@ def _batch(lengths: tuple[int, ...], path: str):
         n_samples_per_prompt=2,
         rollout_routed_experts=routes,
     )
-
-
-def _ports(n: int) -> list[int]:
-    from trainer_bridge.megatron_compat import free_port
-
-    ports: set[int] = set()
-    while len(ports) < n:
-        ports.add(free_port())
-    return sorted(ports)
 
 
 def _run(rank: int, world_size: int, ports: list[int], jobs: dict, out_dir: str) -> None:
@@ -159,10 +151,6 @@ def _resumes_bitwise(actor, batch, directory: str) -> None:
     tensors = list(weights)
     assert any(".local_experts." in k for k in tensors)
     assert [k for k in tensors if not torch.equal(weights[k], resumed_weights[k])] == []
-
-
-def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max((torch.tensor(x) - torch.tensor(y)).abs().max().item() for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")

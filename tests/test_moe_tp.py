@@ -55,7 +55,7 @@ def _batch(lengths: tuple[int, ...], path: str):
 
     arch = ModelConfig.load(path)
     g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(5, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    tokens = [torch.randint(5, VOCAB, (n,), generator=g, device="cpu").tolist() for n in lengths]
     if arch.moe is None:
         return TrainBatch(tokens, [4, 3], [1.0, 0.0], n_samples_per_prompt=2)
     routes = [
@@ -117,7 +117,8 @@ def _run(rank: int, world_size: int, ports: list[int], jobs: dict, out_dir: str)
 
 
 def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max((torch.tensor(x) - torch.tensor(y)).abs().max().item() for x, y in zip(a, b))
+    diffs = (torch.tensor(x, device="cpu") - torch.tensor(y, device="cpu") for x, y in zip(a, b))
+    return max(d.abs().max().item() for d in diffs)
 
 
 def test_moe_trains_at_tp2_as_at_tp1(checkpoints, tmp_path):
