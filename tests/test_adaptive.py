@@ -11,6 +11,7 @@ from spec_engine.args.spec_shapes import candidate_depths, spec_shapes
 from spec_engine.core.adaptive import (
     EXPLORE_EVERY,
     MAX_EXPLORE_EVERY,
+    RECENT,
     WARM_STEPS,
     SpecCostModel,
     bucket,
@@ -162,6 +163,49 @@ def test_accept_averages_count_requests_not_steps():
     model.observe(2, 8, 1.0, [[7]] * 8)
     assert model.survival[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32) * (31 / 32) ** 8)
     assert model.accept_length(1) is None  # depth 1 of a tree: its own samples only
+    model.observe(2, 64, 1.0, [[7, 7]] * 64)  # one step of 64 moves it by ALPHA, not 1 - (31/32)^64
+    assert model.survival[(2, 1)] == pytest.approx(0.75 * p1 * (1 - 1 / 32) * (31 / 32) ** 8 + 0.25)
+
+
+def test_a_larger_ngram_tree_is_credited_at_least_a_smaller_ones_accept_length():
+    """NGRAM depths are measured apart (a tree of more nodes keeps other nodes), but it holds the
+    smaller tree: a depth last measured in a stretch that accepted little is not ranked below a
+    smaller one measured in a better stretch."""
+    model = SpecCostModel([1, 2, 4], nested=False)
+    model.observe(1, 8, 1.0, [[7, 7]] * 8)  # depth 1: every draft accepted, accept 2.0
+    model.observe(4, 8, 1.0, [[7, 7]] * 4 + [[7]] * 4)  # depth 4: half accept one, 1.5 measured
+    assert model.accept_length(1) == pytest.approx(2.0)
+    assert model.accept_length(4) == pytest.approx(2.0)
+    assert model.accept_length(2) is None  # not measured itself
+    chain = SpecCostModel([1, 2], nested=True)  # a chain's survival is shared: no floor needed
+    chain.observe(2, 2, 1.0, [[7, 7, 7], [7]])
+    assert chain.accept_length(2) == pytest.approx(2.0)
+
+
+def test_a_step_slowed_by_another_process_does_not_move_a_cost():
+    """A mode's cost is the median of its last RECENT measurements: one slow step (another
+    process on the machine) is ignored, a slowdown that lasts is followed."""
+    model = SpecCostModel([1], nested=True)
+    for seconds in (9.0, 1.0, 1.1, 10.0):  # the first step is not counted
+        model.observe(0, 1, seconds)
+    assert model.seconds(1)[0] == pytest.approx(1.1)
+    for _ in range(RECENT // 2 + 1):
+        model.observe(0, 1, 3.0)
+    assert model.seconds(1)[0] == pytest.approx(3.0)
+
+
+def test_costs_are_read_through_their_isotonic_fit():
+    """A deeper step never costs less than a shallower one: noisy averages that say so are
+    pooled, weighted by their measurements, before the modes are compared."""
+    model = SpecCostModel([1, 2, 4], nested=False)
+    model.set_accept([0.9, 0.8, 0.7, 0.6])  # accept 1.9, 2.7, 4.0
+    model.set_costs(8, plain_s=1.0, spec_s={1: 1.2, 2: 2.4, 4: 1.8})  # depth 2 measured slower
+    assert model.seconds(8) == pytest.approx({0: 1.0, 1: 1.2, 2: 2.1, 4: 2.1})
+    assert model.best(8) == 4  # 4.0 / 2.1 against depth 2's 2.7 / 2.1 (raw: 2.7 / 2.4, 4.0 / 1.8)
+    model.costs[8][4].steps = 4  # the deeper average rests on twice the measurements
+    assert model.seconds(8)[2] == pytest.approx((2.4 * 2 + 1.8 * 4) / 6)
+    model.set_costs(16, plain_s=2.0, spec_s={1: 1.5, 2: 2.5, 4: 3.0})  # plain above depth 1
+    assert model.seconds(16) == pytest.approx({0: 1.75, 1: 1.75, 2: 2.5, 4: 3.0})
 
 
 def test_set_costs_freezes_the_model():

@@ -5,8 +5,8 @@ what the step costs over a plain decode step. Both costs depend on the batch siz
 memory-bound GPU a plain step at batch 1 leaves compute idle that a verify fills for free, while
 a compute-bound batch pays for every verified row, so a shallower draft (fewer verify rows and
 draft steps) can win where the configured depth loses. The model keeps, per batch-size bucket
-(powers of two: 1, 2, 3-4, 5-8, ...), an exponential moving average of the seconds one request
-spends in a plain step and in a speculative step at each candidate depth
+(powers of two: 1, 2, 3-4, 5-8, ...), the median of the last RECENT measurements of the seconds
+one request spends in a plain step and in a speculative step at each candidate depth
 (args.spec_shapes.candidate_depths: the configured depth and the powers of two below it). A step
 of batch B runs the mode with the most expected tokens per second per request: 1 / plain_s(B),
 or accept(d) / spec_s(B, d) for depth d.
@@ -21,6 +21,18 @@ a step verified counts as one sample: the averages are plain means of the first
 1 / ALPHA_PER_REQUEST requests, then move by ALPHA_PER_REQUEST per request, so a step of one
 request (batch 1, where each step either accepts everything or not) moves them as little as its
 one sample warrants, and a depth's estimate does not rest on its first lucky or unlucky step.
+One step moves them by ALPHA at most past the first samples: its requests sit at the same point
+of their generations (a repetitive stretch accepts more for all of them), so 64 requests of one
+step are not 64 independent samples. An NGRAM tree of more nodes holds the smaller one (the
+trie walk adds nodes breadth-first until its budget), so a deeper NGRAM depth is credited at
+least the accept length of any shallower one: each depth is measured at other points of the
+generations, and without this a deeper tree last measured in a stretch that accepted little
+reads worse than a smaller tree measured in a better one.
+
+Costs are monotone in the same way: a deeper step verifies more rows (and drafts more steps), so
+the per-request seconds of plain decoding and the depths, in that order, are read through their
+isotonic fit (pool adjacent violators, weighted by measurements): two warm-up steps on a noisy
+machine can measure depth 2 slower than depth 4, which no step of the batch could be.
 
 Measuring is online: the first step of a mode in a bucket is not counted (it pays one-off costs
 such as a graph captured on first use), then each mode is tried until it has `WARM_STEPS`
@@ -50,13 +62,16 @@ Runs on the scheduler thread only.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from spec_engine.args.spec_shapes import nested_shapes, spec_shapes
 
-ALPHA = 0.25  # weight of the newest measurement in the moving averages of costs
+ALPHA = 0.25  # the most one step moves the survival averages (past their first samples)
+RECENT = 5  # a mode's cost in a bucket: the median of its last RECENT measurements there
 ALPHA_PER_REQUEST = 1 / 32  # weight of one request's accepted drafts in the survival averages
 WARM_STEPS = 2  # measurements per mode and bucket before the averages decide
 EXPLORE_EVERY = 128  # steps of a bucket a mode may first go unrun before it is tried again
@@ -69,19 +84,21 @@ def bucket(batch: int) -> int:
     return 1 << max(batch - 1, 0).bit_length()
 
 
-def _ema(old: Optional[float], new: float) -> float:
-    return new if old is None else (1 - ALPHA) * old + ALPHA * new
-
-
 @dataclass
 class ModeCost:
     """One mode's measurements in one bucket."""
 
-    seconds: Optional[float] = None  # EMA of seconds per request per step
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # seconds per request
     steps: int = 0  # counted measurements
     seen: bool = False  # the uncounted first step ran
     since: int = 0  # steps of the bucket since this mode last ran
     interval: int = EXPLORE_EVERY  # steps unrun after which it is tried again
+
+    @property
+    def seconds(self) -> Optional[float]:
+        """Seconds per request per step: the median of the recent measurements (a step slowed by
+        another process on the machine moves it only once it is the rule)."""
+        return statistics.median(self.recent) if self.recent else None
 
     def add(self, seconds: float) -> None:
         self.since = 0
@@ -89,7 +106,7 @@ class ModeCost:
             self.seen = True
             return
         self.steps += 1
-        self.seconds = _ema(self.seconds, seconds)
+        self.recent.append(seconds)
 
 
 class SpecCostModel:
@@ -127,34 +144,63 @@ class SpecCostModel:
         best = self.best(batch)
         if self.frozen:
             return best
+        seconds = self.seconds(batch)
         top = max(self.rates(batch).values(), default=0.0)
         due = [
-            m for m in self.modes if m != best and modes[m].since >= self._interval(m, modes, top)
+            m
+            for m in self.modes
+            if m != best and modes[m].since >= self._interval(m, modes, seconds.get(m), top)
         ]
         return max(due, key=lambda m: modes[m].since) if due else best
 
-    def _interval(self, mode: int, modes: dict[int, ModeCost], top: float) -> int:
-        """Steps of its bucket (`modes`) `mode` may go unrun before it is tried again, the
-        bucket's best rate being `top`."""
+    def _interval(
+        self, mode: int, modes: dict[int, ModeCost], seconds: Optional[float], top: float
+    ) -> int:
+        """Steps of its bucket (`modes`) `mode`, costing `seconds` per request, may go unrun
+        before it is tried again, the bucket's best rate being `top`."""
         if self.nested and PLAIN < mode < self.depths[-1]:
             return MAX_EXPLORE_EVERY  # the deepest depth's steps measure its accept length
-        cost = modes[mode]
-        ceiling = (mode + 1) / cost.seconds if cost.seconds else float("inf")
-        return cost.interval if ceiling >= top else MAX_EXPLORE_EVERY
+        ceiling = (mode + 1) / seconds if seconds else float("inf")
+        return modes[mode].interval if ceiling >= top else MAX_EXPLORE_EVERY
 
     def accept_length(self, depth: int) -> Optional[float]:
-        """Expected tokens a verify at `depth` emits per request (None until measured)."""
-        pool = PLAIN if self.nested else depth
+        """Expected tokens a verify at `depth` emits per request (None until measured); not
+        nested, at least a shallower depth's (its draft holds theirs)."""
+        if self.nested:
+            return self._measured_accept(PLAIN, depth)
+        own = self._measured_accept(depth, depth)
+        if own is None:
+            return None
+        shallower = (self._measured_accept(d, d) for d in self.depths if d < depth)
+        return max([own, *(a for a in shallower if a is not None)])
+
+    def _measured_accept(self, pool: int, depth: int) -> Optional[float]:
         survival = [self.survival.get((pool, k)) for k in range(1, depth + 1)]
         return None if None in survival else 1.0 + sum(survival)
 
+    def seconds(self, batch: int) -> dict[int, float]:
+        """Seconds per request of every measured mode at `batch`: the isotonic fit (non-decreasing
+        from plain decoding to the deepest depth) of the averages, weighted by measurements."""
+        measured = [(m, c) for m, c in self._bucket(batch).items() if c.seconds is not None]
+        blocks: list[tuple[float, int, int]] = []  # (mean, weight, modes pooled)
+        for _, cost in measured:
+            mean, weight, count = cost.seconds, max(cost.steps, 1), 1
+            while blocks and blocks[-1][0] > mean:
+                prev_mean, prev_weight, prev_count = blocks.pop()
+                total = prev_weight + weight
+                mean = (prev_mean * prev_weight + mean * weight) / total
+                weight, count = total, prev_count + count
+            blocks.append((mean, weight, count))
+        fitted = [mean for mean, _, count in blocks for _ in range(count)]
+        return {mode: s for (mode, _), s in zip(measured, fitted)}
+
     def rates(self, batch: int) -> dict[int, float]:
         """Expected tokens per second per request of every measured mode at `batch`."""
-        modes, rates = self._bucket(batch), {}
-        for mode, cost in modes.items():
+        rates = {}
+        for mode, seconds in self.seconds(batch).items():
             accept = 1.0 if mode == PLAIN else self.accept_length(mode)
-            if cost.seconds is not None and accept is not None:
-                rates[mode] = accept / cost.seconds
+            if accept is not None:
+                rates[mode] = accept / seconds
         return rates
 
     def best(self, batch: int) -> int:
@@ -192,7 +238,8 @@ class SpecCostModel:
             for k in range(1, mode + 1):
                 share = sum(a >= k for a in accepted) / n
                 seen = self.samples.get((pool, k), 0)
-                weight = max(1 - (1 - ALPHA_PER_REQUEST) ** n, n / (seen + n))
+                mean = n / (seen + n) if seen * ALPHA_PER_REQUEST < 1 else 0.0
+                weight = max(min(1 - (1 - ALPHA_PER_REQUEST) ** n, ALPHA), mean)
                 old = self.survival.get((pool, k), share)
                 self.survival[(pool, k)] = old + weight * (share - old)
                 self.samples[(pool, k)] = seen + n
@@ -232,7 +279,7 @@ class SpecCostModel:
             raise ValueError(f"depths {sorted(unknown)} are not candidates ({self.depths})")
         modes = self._bucket(batch)
         for mode, seconds in ((PLAIN, plain_s), *per_depth.items()):
-            modes[mode] = ModeCost(seconds, WARM_STEPS, True, 0)
+            modes[mode] = ModeCost(deque([seconds], maxlen=RECENT), WARM_STEPS, True, 0)
         self.frozen = True
 
     def set_accept(self, survival: Sequence[float]) -> None:
