@@ -30,6 +30,8 @@ import torch.multiprocessing as mp
 from conftest import FAMILIES
 from test_moe_tp import _max_diff, _ports
 
+from trainer_bridge.convert.__main__ import main as convert_cli
+
 pytestmark = [
     pytest.mark.filterwarnings("ignore:::megatron"),
     pytest.mark.filterwarnings("ignore:.*torch.jit.script_method:DeprecationWarning"),
@@ -94,7 +96,7 @@ def _run(rank: int, world_size: int, ports: list[int], jobs: dict, out_dir: str)
     to `_checkpoint_steps`."""
     torch.set_num_threads(1)
     from trainer_bridge.actor import TrainActor
-    from trainer_bridge.convert import read_hf_weights
+    from trainer_bridge.convert import load_mcore_rank, read_hf_weights
     from trainer_bridge.megatron_compat import destroy_model_parallel
     from trainer_bridge.options import TrainerArgs
 
@@ -116,6 +118,11 @@ def _run(rank: int, world_size: int, ports: list[int], jobs: dict, out_dir: str)
             initial = read_hf_weights(path)
             assert loaded.keys() == initial.keys()  # HF -> this rank's experts -> HF: bit-exact
             assert [k for k in initial if not torch.equal(loaded[k], initial[k])] == []
+            if world_size > 1 and name == "glm4_moe":  # the converter's --ep 2 file of this rank
+                converted = load_mcore_rank(os.path.join(out_dir, "mcore-ep2"), 0, rank)
+                state = actor.gpt.state_dict()
+                assert converted.keys() == {k for k in state if not k.endswith("_extra_state")}
+                assert [k for k in converted if not torch.equal(converted[k], state[k])] == []
             batch = _batch(lengths, path)
             before = actor.compute_log_probs(batch)
             metrics = {k: v for k, v in actor.train(batch).items() if not k.startswith("perf/")}
@@ -187,10 +194,20 @@ def _resume_at_ep1(job: tuple, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(checkpoints, tmp_path_factory):
-    """The directory of every run's results: one process (EP 1), two ranks (EP 2), then one
-    process resuming EP 2's checkpoint."""
+    """The directory of every run's results: one process (EP 1), two ranks (EP 2, each checking
+    its part of GLM-4.5 converted for EP 2), then one process resuming EP 2's checkpoint."""
     out = tmp_path_factory.mktemp("ep")
     jobs = {name: (checkpoints[name], opts, lengths) for name, (_, opts, lengths) in RUNS.items()}
+    convert_cli(  # Megatron's flag name, as slime's conversion scripts take it
+        [
+            "hf-to-mcore",
+            "--hf-checkpoint",
+            checkpoints["glm4_moe"],
+            "--save",
+            str(out / "mcore-ep2"),
+        ]
+        + ["--expert-model-parallel-size", "2"]
+    )
     _run(0, 1, _ports(len(jobs)), jobs, str(out))  # first: EP 2 resumes its checkpoint
     mp.spawn(_run, args=(2, _ports(len(jobs)), jobs, str(out)), nprocs=2, join=True)
     _resume_at_ep1(jobs["deepseek_v3"], _ports(1)[0], str(out))
