@@ -300,6 +300,16 @@ def test_errors_name_the_bad_value(checkpoints, tmp_path, capsys):
             ]
         )
     assert "nothing' is not a specrl megatron checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        convert_cli(
+            ["hf-to-mcore", "--hf-checkpoint", checkpoints["qwen2"], "--save", str(tmp_path / "e")]
+            + ["--ep", "2"]
+        )
+    assert "--expert-model-parallel-size 2 splits MoE experts" in capsys.readouterr().err
+    with pytest.raises(
+        ValueError, match="expert-parallel rank 1 is outside .* expert-parallel size 1"
+    ):
+        load_mcore_rank(str(tmp_path / "qwen2"), 0, 1)
 
 
 def test_arch_from_a_transformers_config_equals_from_the_directory(checkpoints):

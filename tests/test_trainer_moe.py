@@ -171,12 +171,19 @@ def test_mtp_layer_matches_transformers_modules(variant, checkpoints, tp1):
     torch.testing.assert_close(got, mtp_reference(path), rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize(("variant", "tp"), [("glm4_moe", 1), ("glm4_moe", 2), ("deepseek_v3", 2)])
-def test_roundtrip_is_bit_exact(variant, tp, checkpoints, tmp_path):
+@pytest.mark.parametrize(
+    ("variant", "tp", "ep"),
+    [("glm4_moe", 1, 1), ("glm4_moe", 2, 1), ("deepseek_v3", 2, 2), ("glm4_moe", 1, 4)],
+)
+def test_roundtrip_is_bit_exact(variant, tp, ep, checkpoints, tmp_path):
+    """HF -> megatron files of every TP and EP rank -> HF gives the tensors back bit for bit."""
     src = checkpoints[variant]
-    hf_to_mcore(src, str(tmp_path / "mcore"), tp=tp)
-    shard = load_mcore_rank(str(tmp_path / "mcore"), tp - 1)
-    expert = "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight"
+    hf_to_mcore(src, str(tmp_path / "mcore"), tp=tp, ep=ep)
+    # the last rank holds the last 8 / ep experts, numbered from 0 as its model names them
+    shard = load_mcore_rank(str(tmp_path / "mcore"), tp - 1, ep - 1)
+    experts = {k for k in shard if ".layers.1.mlp.experts.local_experts." in k}
+    assert len(experts) == 2 * 8 // ep  # fc1 and fc2 of each
+    expert = f"decoder.layers.1.mlp.experts.local_experts.{8 // ep - 1}.linear_fc1.weight"
     assert shard[expert].shape == (2 * 32 // tp, 64)  # gate and up rows, each split over TP
     if variant == "glm4_moe":
         assert shard["mtp.layers.0.transformer_layer.mlp.router.expert_bias"].shape == (8,)

@@ -3,14 +3,15 @@ backend), one directory per checkpoint, every rank writing its own shards.
 
 The state dict follows Megatron-LM's `generate_state_dict` (megatron/training/checkpointing.py,
 which megatron-core does not ship): `model` (the GPTModel, MTP layers included), `optimizer`
-(Adam's moments and step, sharded like the parameters), `rng_state` (every rank's Python, NumPy,
-torch and tracker states: one object per tensor-parallel rank holding the list of its
-data-parallel replicas' states), `iteration` (the rollout id, as in slime), `checkpoint_version`,
-and specrl's own `specrl` entry (the model's Hugging Face config, the tensor- and expert-parallel
-sizes and the optimizer step count), which the launcher reads back without megatron
-(`read_common`) to refuse a checkpoint of another model, TP or EP size before anything starts.
-Under expert parallelism each rank writes its own experts, under their global numbers
-(megatron's SequentialMLP.sharded_state_dict). With --enable-draft-training,
+(Adam's moments and step, sharded like the parameters: `_optimizer_state`), `rng_state` (every
+rank's Python, NumPy, torch and tracker states: one object per tensor-parallel rank holding the
+list of its data-parallel replicas' states), `iteration` (the rollout id, as in slime),
+`checkpoint_version`, and specrl's own `specrl` entry (the model's Hugging Face config, the tensor-
+and expert-parallel sizes and the optimizer step count), which the launcher reads back without
+megatron (`read_common`) to refuse a checkpoint of another model or TP size before anything
+starts. Under expert parallelism each rank writes its own experts under their global numbers
+(megatron's SequentialMLP.sharded_state_dict), their Adam state too: a checkpoint resumes at
+another expert-parallel size, each rank reading its experts back. With --enable-draft-training,
 `draft` holds the draft trained online (EAGLE-2/3 or STANDALONE) and its Adam state
 (trainer_bridge.online_draft).
 """
@@ -21,6 +22,7 @@ import dataclasses
 import os
 import random
 import threading
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -46,7 +48,10 @@ class TrainActor(Protocol):
 
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
 COMMON_FILE = "common.pt"  # where dist_checkpointing keeps the non-sharded entries
-FORMAT = "specrl-torch_dist-v1"
+FORMAT = "specrl-torch_dist-v2"
+# v1 kept megatron's own optimizer layout: at EP 1 the same tensor keys and step as v2's, at EP > 1
+# under the `chained_N.` prefixes of megatron's ChainedOptimizer, which v2 does not read.
+V1_FORMAT = "specrl-torch_dist-v1"
 
 
 def _rng_state() -> dict[str, Any]:
@@ -103,6 +108,68 @@ def _gather_dp(obj: Any, actor: TrainActor) -> list[Any]:
     return out
 
 
+def _trained(actor: TrainActor) -> Iterator[tuple[str, Any, torch.Tensor, Any]]:
+    """(name, model parameter, the tensor Adam updates, its torch optimizer) of each trained
+    parameter; the tensor is the parameter, or under --bf16 megatron's float32 main copy."""
+    inner = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    owner = {}
+    for megatron_optimizer in inner:
+        # Adam's zero moments where no step has run yet, as its first step makes them (its step
+        # 0: `_optimizer_state`), so that a checkpoint holds every trained parameter's state.
+        megatron_optimizer.init_state_fn(megatron_optimizer.optimizer, megatron_optimizer.config)
+        for group in megatron_optimizer.optimizer.param_groups:
+            owner.update((id(p), megatron_optimizer.optimizer) for p in group["params"])
+    for name, param in actor.gpt.named_parameters():
+        main = getattr(param, "main_param", param)
+        if id(main) in owner:
+            yield name, param, main, owner[id(main)]
+
+
+def _optimizer_state(actor: TrainActor, model: dict[str, Any]) -> dict[str, Any]:
+    """Adam's state of each trained parameter (by its name on this rank) as tensors sharded like
+    the parameter (`optimizer.state.exp_avg.<its sharded key>`, experts' under their global
+    numbers), and the step all parameters share.
+
+    Megatron's own layout (MegatronOptimizer.sharded_state_dict) nests the state per optimizer of a
+    ChainedOptimizer, two at EP > 1 (expert and other parameters) and one at EP 1, by position
+    in each, with `chained_N.` key prefixes: a checkpoint of one EP size would not load at
+    another. These keys are those of megatron's single optimizer at EP 1 (a v1 checkpoint's)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    # As megatron's get_param_id_to_sharded_param_map: the sharded entry holding the parameter.
+    sharded = {
+        id(t.data): t for t in nested_values(extract_sharded_tensors_and_factories(model)[0])
+    }
+    state: dict[str, Any] = {}
+    for name, param, main, optimizer in _trained(actor):
+        adam = optimizer.state[main]
+        step = adam.setdefault("step", torch.zeros((), dtype=torch.float32, device="cpu"))
+        tensors = {k: v for k, v in adam.items() if k != "step"}
+        if main is not param:
+            tensors["fp32_param"] = main
+        state[name] = {
+            k: make_sharded_optimizer_tensor(sharded[id(param)], v, f"optimizer.state.{k}")
+            for k, v in tensors.items()
+        }
+        # every parameter steps together (DDP gives each a gradient): one step, as megatron's
+        # `common_step`, where v1 kept it
+        state["common_step"] = step
+    return {"state": state}
+
+
+def _restore_optimizer(actor: TrainActor, loaded: dict[str, Any]) -> None:
+    """Copy `_optimizer_state`'s loaded tensors and step into the optimizer. Its param groups
+    stay this run's (learning rate, betas, weight decay: flags, with no schedule to resume)."""
+    saved = loaded["state"]
+    for name, _, main, optimizer in _trained(actor):
+        adam = optimizer.state[main]
+        for key, tensor in saved[name].items():
+            (main.data if key == "fp32_param" else adam[key]).copy_(tensor)
+        adam["step"] = saved["common_step"].clone()
+
+
 def _state_dict(actor: TrainActor, rollout_id: int, loading: bool) -> dict[str, Any]:
     model = actor.gpt.sharded_state_dict()
     rng = [None] * actor.dp_size if loading else _gather_dp(_rng_state(), actor)
@@ -110,7 +177,7 @@ def _state_dict(actor: TrainActor, rollout_id: int, loading: bool) -> dict[str, 
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": rollout_id,
         "model": model,
-        "optimizer": actor.optimizer.sharded_state_dict(model, is_loading=loading),
+        "optimizer": _optimizer_state(actor, model),
         "rng_state": _rng_sharded_object(actor, rng),
         "specrl": {
             "format": FORMAT,
@@ -154,26 +221,25 @@ def save_checkpoint(actor: TrainActor, directory: str, rollout_id: int) -> None:
 
 
 def load_checkpoint(actor: TrainActor, directory: str) -> int:
-    """Restore model, optimizer and RNG from `directory`; returns its rollout id. The launcher
-    has already checked the model and TP size (`check_common`); dist_checkpointing still refuses
-    a tensor whose global shape differs."""
+    """Restore model, optimizer and RNG from `directory`, saved at any expert-parallel size;
+    returns its rollout id. The launcher has already checked the model and TP size
+    (`check_common`); dist_checkpointing still refuses a tensor whose global shape differs."""
     from megatron.core import dist_checkpointing
 
     common = read_common(directory)
     args = actor.args
-    check_common(
-        common,
-        actor.arch.hf_config,
-        args.tensor_model_parallel_size,
-        directory,
-        args.expert_model_parallel_size,
-    )
+    check_common(common, actor.arch.hf_config, args.tensor_model_parallel_size, directory)
     template = _state_dict(actor, common["iteration"], loading=True)
     state = dist_checkpointing.load(template, directory)
     actor.gpt.load_state_dict(state["model"])
-    actor.optimizer.load_state_dict(state["optimizer"])
+    _restore_optimizer(actor, state["optimizer"])
     states = state["rng_state"]
-    _set_rng_state(states[actor.dp_rank])
+    # A rank's RNG states come from seeds of its place in the layout (the expert-parallel
+    # tracker's from its expert rank): at another data- or expert-parallel size they are another
+    # rank's, so the run keeps those --seed gave it.
+    saved_ep = common["specrl"].get("expert_model_parallel_size", 1)  # 1 from before EP
+    if len(states) == actor.dp_size and saved_ep == args.expert_model_parallel_size:
+        _set_rng_state(states[actor.dp_rank])
     actor.step = common["specrl"]["optimizer_step"]
     # A checkpoint of a run without --enable-draft-training has none: the draft starts from the
     # engines' draft checkpoint, as it did before.
@@ -211,7 +277,7 @@ def read_common(directory: str) -> dict[str, Any]:
     except Exception as e:  # a truncated or foreign pickle: the message names the file
         raise ValueError(f"{path} cannot be read ({e}); the checkpoint is corrupt") from e
     meta = common.get("specrl") if isinstance(common, dict) else None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, V1_FORMAT):
         raise ValueError(
             f"{directory} was not written by specrl's --save (no {FORMAT!r} entry in "
             f"{COMMON_FILE}); convert a Hugging Face model with --hf-checkpoint instead"
@@ -239,10 +305,10 @@ def check_same_model(
 
 
 def check_common(
-    common: dict[str, Any], hf_config: dict[str, Any], tp_size: int, directory: str, ep_size: int
+    common: dict[str, Any], hf_config: dict[str, Any], tp_size: int, directory: str
 ) -> None:
-    """Refuse a checkpoint of another model shape, tensor- or expert-parallel size, saying what
-    to do."""
+    """Refuse a checkpoint of another model shape or tensor-parallel size, or one this version
+    cannot read, saying what to do (any expert-parallel size resumes)."""
     meta = common["specrl"]
     check_same_model(
         meta["hf_config"],
@@ -257,14 +323,12 @@ def check_common(
             f"--tensor-model-parallel-size {meta['tensor_model_parallel_size']}, or start a new "
             "run from its Hugging Face export (--save-hf) as --hf-checkpoint"
         )
-    # Megatron keeps expert-parallel parameters in an optimizer of their own (a ChainedOptimizer
-    # of two at EP > 1, one at EP 1), so Adam's saved state has another layout at another EP,
-    # although the model's tensors carry global expert numbers. Checkpoints from before EP: 1.
-    saved_ep = meta.get("expert_model_parallel_size", 1)
-    if saved_ep != ep_size:
+    saved_ep = meta.get("expert_model_parallel_size", 1)  # 1 from before EP
+    if meta["format"] == V1_FORMAT and saved_ep > 1:
         raise ValueError(
-            f"{directory} was saved at --expert-model-parallel-size {saved_ep}, this run uses "
-            f"{ep_size}: megatron's optimizer state is laid out per expert-parallel size; resume "
-            f"with --expert-model-parallel-size {saved_ep}, or start a new run from its Hugging "
+            f"{directory} was written by an older specrl ({V1_FORMAT}) at "
+            f"--expert-model-parallel-size {saved_ep}, whose Adam state is laid out per "
+            "expert-parallel size (megatron's chained optimizers), which this version does not "
+            "read: resume it with the specrl that wrote it, or start a new run from its Hugging "
             "Face export (--save-hf) as --hf-checkpoint"
         )

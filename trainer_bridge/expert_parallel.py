@@ -11,15 +11,16 @@ averages the experts' gradients over the expert-data-parallel group (its `allred
 parameters), the router and shared experts over the whole data-parallel group, as before.
 
 This module renumbers experts between the whole (global) state dict the converter speaks and a
-rank's local one, fetches another rank's experts when the model is exported, and pads the micro
-batches of an expert group to one length: the dispatcher's all-gather takes equal token counts
-from every rank, while each data-parallel rank packs its own sequences.
+rank's local one (or every rank's, for a converted checkpoint), fetches another rank's experts
+when the model is exported, and pads the micro batches of an expert group to one length: the
+dispatcher's all-gather takes equal token counts from every rank, while each data-parallel rank
+packs its own sequences.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Optional
 
 import torch
@@ -102,12 +103,9 @@ def owner(index: int, per_rank: int) -> int:
     return index // per_rank
 
 
-def local_state_dict(state: Mapping[str, Tensor], arch: ModelConfig) -> dict[str, Tensor]:
-    """A whole megatron state dict (global expert numbers) -> this expert-parallel rank's: its
-    own experts, renumbered from 0; every other tensor as it is."""
-    rank, ep, per_rank = _layout(arch)
-    if ep == 1:
-        return dict(state)
+def _rank_state_dict(state: Mapping[str, Tensor], rank: int, per_rank: int) -> dict[str, Tensor]:
+    """Expert-parallel rank `rank`'s part of a whole megatron state dict: its own experts,
+    renumbered from 0; every other tensor as it is."""
     out = {}
     for name, tensor in state.items():
         index = expert_index(name)
@@ -116,6 +114,37 @@ def local_state_dict(state: Mapping[str, Tensor], arch: ModelConfig) -> dict[str
         elif owner(index, per_rank) == rank:
             out[renumbered(name, index % per_rank)] = tensor
     return out
+
+
+def local_state_dict(state: Mapping[str, Tensor], arch: ModelConfig) -> dict[str, Tensor]:
+    """A whole megatron state dict (global expert numbers) -> this expert-parallel rank's: its
+    own experts, renumbered from 0; every other tensor as it is."""
+    rank, ep, per_rank = _layout(arch)
+    return dict(state) if ep == 1 else _rank_state_dict(state, rank, per_rank)
+
+
+def split_experts(
+    state: Mapping[str, Tensor], arch: ModelConfig, ep: int
+) -> list[dict[str, Tensor]]:
+    """A whole megatron state dict -> each of `ep` expert-parallel ranks' (rank order), as
+    `local_state_dict` gives that rank."""
+    check_expert_parallel(arch, ep)
+    per_rank = arch.moe.num_experts // ep if arch.moe is not None else 0
+    return [_rank_state_dict(state, rank, per_rank) for rank in range(ep)]
+
+
+def merge_experts(ranks: Sequence[Mapping[str, Tensor]], arch: ModelConfig) -> dict[str, Tensor]:
+    """Expert-parallel ranks' state dicts (rank order) -> the whole one, each rank's experts
+    under their global numbers; every other tensor from rank 0 (all ranks hold it alike)."""
+    check_expert_parallel(arch, len(ranks))
+    per_rank = arch.moe.num_experts // len(ranks) if arch.moe is not None else 0
+    whole = {name: t for name, t in ranks[0].items() if expert_index(name) is None}
+    for rank, state in enumerate(ranks):
+        for name, tensor in state.items():
+            index = expert_index(name)
+            if index is not None:
+                whole[renumbered(name, rank * per_rank + index)] = tensor
+    return whole
 
 
 class GatheredOverEP(Mapping[str, Tensor]):

@@ -12,7 +12,7 @@ In memory:
     load_hf_weights(model, hf_checkpoint)              a Hugging Face directory into this rank's
     model (its own experts under expert parallelism)
 On disk (see checkpoint.py for the megatron format) and on the command line:
-    python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N]
+    python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N] [--ep N]
     python -m trainer_bridge.convert mcore-to-hf --load B --hf-checkpoint A --save C
 """
 

@@ -1,7 +1,10 @@
 """Command line: convert between Hugging Face directories and specrl's megatron checkpoints.
 
-python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N]
+python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N] [--ep N]
 python -m trainer_bridge.convert mcore-to-hf --load B --hf-checkpoint A --save C
+
+--tp and --ep also answer to Megatron's --tensor-model-parallel-size and
+--expert-model-parallel-size; mcore-to-hf reads a checkpoint of any TP and EP size.
 """
 
 from __future__ import annotations
@@ -30,7 +33,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         help="Hugging Face directory (config.json + *.safetensors)",
     )
     to_mcore.add_argument("--save", required=True, help="output megatron checkpoint directory")
-    to_mcore.add_argument("--tp", type=int, default=1, help="tensor parallel size to shard for")
+    to_mcore.add_argument(
+        "--tp",
+        "--tensor-model-parallel-size",
+        dest="tp",
+        type=int,
+        default=1,
+        help="tensor parallel size to shard for",
+    )
+    to_mcore.add_argument(
+        "--ep",
+        "--expert-model-parallel-size",
+        dest="ep",
+        type=int,
+        default=1,
+        help="expert parallel size to split MoE experts over (the training run's "
+        "--expert-model-parallel-size)",
+    )
     to_mcore.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
@@ -55,6 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 args.save,
                 tp=args.tp,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                ep=args.ep,
             )
         else:
             mcore_to_hf(args.load, args.hf_checkpoint, args.save)

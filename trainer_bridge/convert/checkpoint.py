@@ -3,10 +3,15 @@
 The megatron format (Megatron's legacy torch layout, without iteration directories):
 
     <dir>/specrl_mcore.json                      {"format", "tensor_model_parallel_size",
+                                                  "expert_model_parallel_size",
                                                   "make_vocab_size_divisible_by",
                                                   "padded_vocab_size",
                                                   "hf_config": the source config.json}
-    <dir>/mp_rank_{r:02d}/model_optim_rng.pt     torch.save({"model": rank r's GPTModel state dict})
+    <dir>/mp_rank_{t:02d}/model_optim_rng.pt     torch.save({"model": TP rank t's GPTModel state
+                                                 dict}), at expert-parallel size 1
+    <dir>/mp_rank_{t:02d}_{e:03d}/model_optim_rng.pt   at EP > 1 (Megatron-LM's names): TP rank t's
+                                                 of expert-parallel rank e, its experts numbered
+                                                 from 0 as that rank's model names them
 
 Each rank's state dict holds exactly the tensors of that rank's `model.state_dict()` (no
 `_extra_state`), so `model.load_state_dict(ckpt["model"], strict=False)` restores it.
@@ -28,6 +33,7 @@ from torch import Tensor
 from spec_engine.weights.loader import iterate_checkpoint
 from trainer_bridge.convert.state_dict import hf_to_mcore_state_dict, mcore_to_hf_items
 from trainer_bridge.convert.tp import gather_state_dicts, shard_state_dict
+from trainer_bridge.expert_parallel import check_expert_parallel, merge_experts, split_experts
 from trainer_bridge.model_provider import (
     DEFAULT_VOCAB_DIVISOR,
     padded_vocab_size,
@@ -36,7 +42,7 @@ from trainer_bridge.model_provider import (
 
 FORMAT = "specrl-mcore-v1"
 META_FILE = "specrl_mcore.json"
-RANK_FILE = os.path.join("mp_rank_{rank:02d}", "model_optim_rng.pt")
+RANK_FILE = "model_optim_rng.pt"
 # Files of a Hugging Face directory that hold weights; every other file (config, tokenizer,
 # generation config, chat template) is copied as is on export.
 _WEIGHT_PATTERNS = (
@@ -73,22 +79,32 @@ def save_hf_checkpoint(named_tensors: Iterable[tuple[str, Tensor]], save: str, l
     )
 
 
+def _rank_path(load: str, rank: int, ep_rank: int, ep: int) -> str:
+    """Megatron-LM's file of (tensor-parallel rank, expert-parallel rank of `ep`)."""
+    folder = f"mp_rank_{rank:02d}" if ep == 1 else f"mp_rank_{rank:02d}_{ep_rank:03d}"
+    return os.path.join(load, folder, RANK_FILE)
+
+
 def save_mcore_checkpoint(
     save: str,
     shards: list[dict[str, Tensor]],
     hf_config: Mapping[str, Any],
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+    ep: int = 1,
 ) -> None:
-    """Write per-rank state dicts (rank order) and the metadata file."""
+    """Write per-TP-rank state dicts (rank order, every expert under its global number), each
+    split over `ep` expert-parallel ranks, and the metadata file."""
     arch = read_model_config(hf_config)
     tp = len(shards)
     for rank, state in enumerate(shards):
-        path = os.path.join(save, RANK_FILE.format(rank=rank))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"model": state}, path)
+        for ep_rank, part in enumerate(split_experts(state, arch, ep)):
+            path = _rank_path(save, rank, ep_rank, ep)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"model": part}, path)
     meta = {
         "format": FORMAT,
         "tensor_model_parallel_size": tp,
+        "expert_model_parallel_size": ep,
         "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
         "padded_vocab_size": padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by),
         "hf_config": dict(hf_config),
@@ -114,16 +130,20 @@ def read_mcore_meta(load: str) -> dict[str, Any]:
     return meta
 
 
-def load_mcore_rank(load: str, rank: int) -> dict[str, Tensor]:
-    """Tensor-parallel rank `rank`'s state dict (on CPU)."""
-    tp = read_mcore_meta(load)["tensor_model_parallel_size"]
-    if not 0 <= rank < tp:
+def load_mcore_rank(load: str, rank: int, ep_rank: int = 0) -> dict[str, Tensor]:
+    """The state dict (on CPU) of tensor-parallel rank `rank` and expert-parallel rank `ep_rank`,
+    as that rank's model names its tensors."""
+    meta = read_mcore_meta(load)
+    # checkpoints from before expert parallelism: 1
+    tp, ep = meta["tensor_model_parallel_size"], meta.get("expert_model_parallel_size", 1)
+    if not (0 <= rank < tp and 0 <= ep_rank < ep):
         raise ValueError(
-            f"rank {rank} is outside the checkpoint's tensor parallel size {tp} ({load!r})"
+            f"rank {rank}, expert-parallel rank {ep_rank} is outside the checkpoint's tensor "
+            f"parallel size {tp} and expert-parallel size {ep} ({load!r})"
         )
-    return torch.load(
-        os.path.join(load, RANK_FILE.format(rank=rank)), map_location="cpu", weights_only=True
-    )["model"]
+    return torch.load(_rank_path(load, rank, ep_rank, ep), map_location="cpu", weights_only=True)[
+        "model"
+    ]
 
 
 def hf_to_mcore(
@@ -131,17 +151,20 @@ def hf_to_mcore(
     save: str,
     tp: int = 1,
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+    ep: int = 1,
 ) -> None:
-    """Convert a Hugging Face directory into a megatron checkpoint sharded for `tp` ranks."""
+    """Convert a Hugging Face directory into a megatron checkpoint for `tp` tensor-parallel and
+    `ep` expert-parallel ranks."""
     arch = read_model_config(hf_checkpoint)
+    check_expert_parallel(arch, ep)  # before any work: the error names the flag
     whole = hf_to_mcore_state_dict(read_hf_weights(hf_checkpoint), arch)
     shards = shard_state_dict(whole, arch, tp, make_vocab_size_divisible_by)
-    save_mcore_checkpoint(save, shards, arch.hf_config, make_vocab_size_divisible_by)
+    save_mcore_checkpoint(save, shards, arch.hf_config, make_vocab_size_divisible_by, ep)
 
 
 def mcore_to_hf(load: str, hf_checkpoint: str, save: str) -> None:
-    """Convert a megatron checkpoint back into a Hugging Face directory shaped like
-    `hf_checkpoint`."""
+    """Convert a megatron checkpoint (any TP and EP size) back into a Hugging Face directory
+    shaped like `hf_checkpoint`."""
     meta = read_mcore_meta(load)
     arch = read_model_config(hf_checkpoint)
     if read_model_config(meta["hf_config"]) != arch:
@@ -149,7 +172,11 @@ def mcore_to_hf(load: str, hf_checkpoint: str, save: str) -> None:
             f"{load!r} was converted from a different architecture than {hf_checkpoint!r}: "
             f"{read_model_config(meta['hf_config'])} vs {arch}; pass the checkpoint it came from"
         )
-    shards = [load_mcore_rank(load, r) for r in range(meta["tensor_model_parallel_size"])]
+    ep = meta.get("expert_model_parallel_size", 1)
+    shards = [
+        merge_experts([load_mcore_rank(load, r, e) for e in range(ep)], arch)
+        for r in range(meta["tensor_model_parallel_size"])
+    ]
     save_hf_checkpoint(
         mcore_to_hf_items(gather_state_dicts(shards), arch), save, like=hf_checkpoint
     )
