@@ -156,30 +156,35 @@ def test_accept_averages_count_requests_not_steps():
     for _ in range(30):
         model.observe(2, 1, 1.0, [[7, 7]])  # one draft accepted
     p1 = 31 / 32
-    assert model.survival[(2, 1)] == pytest.approx(p1)
-    assert model.survival[(2, 2)] == pytest.approx(1 / 32)
+    assert model.rate[(2, 1)] == pytest.approx(p1)
+    assert model.rate[(2, 2)] == pytest.approx(1 / 31)  # of the 31 requests that accepted one
     model.observe(2, 1, 1.0, [[7]])
-    assert model.survival[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32))
+    assert model.rate[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32))
     model.observe(2, 8, 1.0, [[7]] * 8)
-    assert model.survival[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32) * (31 / 32) ** 8)
+    assert model.rate[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32) * (31 / 32) ** 8)
     assert model.accept_length(1) is None  # depth 1 of a tree: its own samples only
     model.observe(2, 64, 1.0, [[7, 7]] * 64)  # one step of 64 moves it by ALPHA, not 1 - (31/32)^64
-    assert model.survival[(2, 1)] == pytest.approx(0.75 * p1 * (1 - 1 / 32) * (31 / 32) ** 8 + 0.25)
+    assert model.rate[(2, 1)] == pytest.approx(0.75 * p1 * (1 - 1 / 32) * (31 / 32) ** 8 + 0.25)
 
 
-def test_a_larger_ngram_tree_is_credited_at_least_a_smaller_ones_accept_length():
-    """NGRAM depths are measured apart (a tree of more nodes keeps other nodes), but it holds the
-    smaller tree: a depth last measured in a stretch that accepted little is not ranked below a
-    smaller one measured in a better stretch."""
-    model = SpecCostModel([1, 2, 4], nested=False)
-    model.observe(1, 8, 1.0, [[7, 7]] * 8)  # depth 1: every draft accepted, accept 2.0
-    model.observe(4, 8, 1.0, [[7, 7]] * 4 + [[7]] * 4)  # depth 4: half accept one, 1.5 measured
-    assert model.accept_length(1) == pytest.approx(2.0)
-    assert model.accept_length(4) == pytest.approx(2.0)
-    assert model.accept_length(2) is None  # not measured itself
-    chain = SpecCostModel([1, 2], nested=True)  # a chain's survival is shared: no floor needed
-    chain.observe(2, 2, 1.0, [[7, 7, 7], [7]])
-    assert chain.accept_length(2) == pytest.approx(2.0)
+def test_ngram_depths_share_continuation_rates_kaplan_meier():
+    """An NGRAM tree of fewer nodes is the start of a larger one's walk: every step measures the
+    continuation rates h_k = P(a >= k | a >= k - 1) of the depths up to its own, a shallower step
+    says nothing past its depth (censored), and accept(d) = 1 + sum_k prod_{j<=k} h_j."""
+    model = SpecCostModel([1, 2, 4], nested=False, shared=True)
+    model.observe(4, 4, 1.0, [[7] * 5, [7] * 5, [7, 7], [7]])  # accepted 4, 4, 1, 0
+    assert model.rate[(0, 1)] == pytest.approx(3 / 4)
+    assert model.rate[(0, 2)] == pytest.approx(2 / 3)  # of the 3 that reached 1, 2 reached 2
+    assert [model.accept_length(d) for d in (1, 2, 4)] == pytest.approx([1.75, 2.25, 3.25])
+    model.observe(1, 4, 1.0, [[7, 7]] * 4)  # a stretch where every draft is taken, at depth 1
+    assert model.rate[(0, 1)] == pytest.approx(7 / 8) and model.rate[(0, 2)] == pytest.approx(2 / 3)
+    # Depth 4 is credited with the better stretch at k = 1 (not its own early steps alone).
+    assert model.accept_length(4) == pytest.approx(1 + 7 / 8 + 3 * (7 / 8) * (2 / 3))
+    tree = SpecCostModel([1, 2, 4], nested=False)  # a draft model's trees: per depth
+    tree.observe(4, 4, 1.0, [[7] * 5, [7] * 5, [7, 7], [7]])
+    assert tree.accept_length(4) == pytest.approx(3.25) and tree.accept_length(2) is None
+    args = EngineArgs(model_path="m", **NGRAM, speculative_adaptive=True)
+    assert SpecCostModel.from_args(args).shared and not SpecCostModel.from_args(args).nested
 
 
 def test_a_step_slowed_by_another_process_does_not_move_a_cost():
@@ -226,6 +231,8 @@ def test_bad_depths_and_costs_are_refused_by_value():
         SpecCostModel([1, 2], nested=True).set_costs(1, 1.0, {4: 1.0})
     with pytest.raises(ValueError, match=r"in \[0, 1\], got \[1.5\]"):
         SpecCostModel([1], nested=True).set_accept([1.5])
+    with pytest.raises(ValueError, match=r"must not grow with k, got \[0.5, 0.9\]"):
+        SpecCostModel([1, 2], nested=True).set_accept([0.5, 0.9])
     with pytest.raises(ValueError, match="at least 1, got 0"):
         candidate_depths(0)
 

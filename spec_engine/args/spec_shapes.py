@@ -71,3 +71,11 @@ def nested_shapes(args: Any) -> bool:
     accepted (a) at any depth >= d. A tree of fewer tokens keeps other branches, and a smaller
     NGRAM tree other nodes, so their accept lengths are measured per depth."""
     return args.speculative_algorithm != "NGRAM" and args.speculative_eagle_topk == 1
+
+
+def contained_shapes(args: Any) -> bool:
+    """Whether a shallower shape's draft is contained in a deeper one's: a chain's (its first
+    tokens) and NGRAM's, whose tree of d + 1 nodes is the first d + 1 nodes of the same
+    breadth-first trie walk (speculative/ngram.py), so it accepts at most what the larger tree
+    does."""
+    return nested_shapes(args) or args.speculative_algorithm == "NGRAM"

@@ -12,22 +12,24 @@ of batch B runs the mode with the most expected tokens per second per request: 1
 or accept(d) / spec_s(B, d) for depth d.
 
 Accept lengths are a property of the text and the draft more than of the batch, so they are
-kept across buckets as moving averages of the survival P(a >= k) of the drafts a request
-accepts (a), per k. A chain's first d draft tokens do not depend on how deep it drafts
-(args.spec_shapes.nested_shapes), so accept(d) = 1 + sum_{k<=d} P(a >= k) with P(a >= k) from
-every step run at a depth >= k: running deep measures every shallower depth too. A tree or an
-NGRAM draft of fewer tokens keeps other nodes, so its survival is kept per depth. Each request
-a step verified counts as one sample: the averages are plain means of the first
-1 / ALPHA_PER_REQUEST requests, then move by ALPHA_PER_REQUEST per request, so a step of one
-request (batch 1, where each step either accepts everything or not) moves them as little as its
-one sample warrants, and a depth's estimate does not rest on its first lucky or unlucky step.
-One step moves them by ALPHA at most past the first samples: its requests sit at the same point
-of their generations (a repetitive stretch accepts more for all of them), so 64 requests of one
-step are not 64 independent samples. An NGRAM tree of more nodes holds the smaller one (the
-trie walk adds nodes breadth-first until its budget), so a deeper NGRAM depth is credited at
-least the accept length of any shallower one: each depth is measured at other points of the
-generations, and without this a deeper tree last measured in a stretch that accepted little
-reads worse than a smaller tree measured in a better one.
+kept across buckets, as the survival of the drafts a request accepts (a): accept(d) =
+1 + sum_{k<=d} P(a >= k), with P(a >= k) the product of the continuation rates
+h_j = P(a >= j | a >= j - 1), j <= k (Kaplan-Meier: a step at depth d says nothing about
+k > d, and a rate conditioned on reaching j - 1 depends less on where in their generations the
+requests were than P(a >= k) does: a repetitive stretch accepts more at every k). A chain's first
+d draft tokens do not depend on how deep it drafts (args.spec_shapes.nested_shapes), and an
+NGRAM tree of fewer nodes is the start of the same breadth-first trie walk
+(args.spec_shapes.contained_shapes), so their rates come from every step run at a depth >= j:
+running deep measures every shallower depth too (exactly for a chain; for NGRAM the smaller
+tree accepts at most as much, so its rate reads a little high), and the deeper depths' first
+rates follow the text as it goes. Trees of a draft model keep other branches at fewer tokens:
+their rates are kept per depth. Each request at risk (a >= j - 1) counts as one sample: the
+averages are plain means of the first 1 / ALPHA_PER_REQUEST requests, then move by
+ALPHA_PER_REQUEST per request, so a step of one request (batch 1, where each step either accepts
+everything or not) moves them as little as its one sample warrants, and a depth's estimate does
+not rest on its first lucky or unlucky step. One step moves them by ALPHA at most past the first
+samples: its requests sit at the same point of their generations, so 64 requests of one step are
+not 64 independent samples.
 
 Costs are monotone in the same way: a deeper step verifies more rows (and drafts more steps), so
 the per-request seconds of plain decoding and the depths, in that order, are read through their
@@ -68,7 +70,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from spec_engine.args.spec_shapes import nested_shapes, spec_shapes
+from spec_engine.args.spec_shapes import contained_shapes, nested_shapes, spec_shapes
 
 ALPHA = 0.25  # the most one step moves the survival averages (past their first samples)
 RECENT = 5  # a mode's cost in a bucket: the median of its last RECENT measurements there
@@ -110,26 +112,30 @@ class ModeCost:
 
 
 class SpecCostModel:
-    def __init__(self, depths: Sequence[int], nested: bool) -> None:
+    def __init__(self, depths: Sequence[int], nested: bool, shared: Optional[bool] = None) -> None:
         """`depths`: the candidate speculative depths (ascending); `nested`: whether a
-        shallower draft is the start of a deeper one (a chain)."""
+        shallower draft is the start of a deeper one (a chain); `shared` (default: `nested`):
+        whether a shallower draft is contained in a deeper one (a chain or NGRAM), so that all
+        depths share their continuation rates."""
         if not depths or any(d < 1 for d in depths) or list(depths) != sorted(set(depths)):
             raise ValueError(f"speculative depths must be ascending and >= 1, got {list(depths)}")
         self.depths = list(depths)
         self.modes = [PLAIN, *self.depths]
         self.nested = nested
+        self.shared = nested if shared is None else shared
         self.costs: dict[int, dict[int, ModeCost]] = {}
-        # (pool, k) -> EMA of the share of requests that accepted >= k drafts; the pool is 0
-        # for nested shapes, else the depth the step ran at.
-        self.survival: dict[tuple[int, int], float] = {}
-        self.samples: dict[tuple[int, int], int] = {}  # requests each survival average has seen
+        # (pool, k) -> average share of the requests that accepted >= k - 1 drafts which accepted
+        # >= k; the pool is 0 for shared shapes, else the depth the step ran at.
+        self.rate: dict[tuple[int, int], float] = {}
+        self.samples: dict[tuple[int, int], int] = {}  # requests each rate average has seen
         self.frozen = False  # tests: measurements no longer move the model
         self.decisions = dict.fromkeys(self.modes, 0)  # steps run per mode
 
     @classmethod
     def from_args(cls, args: Any) -> SpecCostModel:
         """The model over the candidate shapes of resolved engine `args`."""
-        return cls([s.depth for s in spec_shapes(args, adaptive=True)], nested_shapes(args))
+        depths = [s.depth for s in spec_shapes(args, adaptive=True)]
+        return cls(depths, nested_shapes(args), contained_shapes(args))
 
     def _bucket(self, batch: int) -> dict[int, ModeCost]:
         return self.costs.setdefault(bucket(batch), {m: ModeCost() for m in self.modes})
@@ -164,19 +170,16 @@ class SpecCostModel:
         return modes[mode].interval if ceiling >= top else MAX_EXPLORE_EVERY
 
     def accept_length(self, depth: int) -> Optional[float]:
-        """Expected tokens a verify at `depth` emits per request (None until measured); not
-        nested, at least a shallower depth's (its draft holds theirs)."""
-        if self.nested:
-            return self._measured_accept(PLAIN, depth)
-        own = self._measured_accept(depth, depth)
-        if own is None:
+        """Expected tokens a verify at `depth` emits per request (None until measured)."""
+        pool = PLAIN if self.shared else depth
+        rates = [self.rate.get((pool, k)) for k in range(1, depth + 1)]
+        if None in rates:
             return None
-        shallower = (self._measured_accept(d, d) for d in self.depths if d < depth)
-        return max([own, *(a for a in shallower if a is not None)])
-
-    def _measured_accept(self, pool: int, depth: int) -> Optional[float]:
-        survival = [self.survival.get((pool, k)) for k in range(1, depth + 1)]
-        return None if None in survival else 1.0 + sum(survival)
+        accept, survival = 1.0, 1.0
+        for rate in rates:
+            survival *= rate
+            accept += survival
+        return accept
 
     def seconds(self, batch: int) -> dict[int, float]:
         """Seconds per request of every measured mode at `batch`: the isotonic fit (non-decreasing
@@ -232,16 +235,18 @@ class SpecCostModel:
         cost = modes[mode]
         cost.add(seconds / batch)
         if mode != PLAIN and tokens:
-            pool = PLAIN if self.nested else mode
+            pool = PLAIN if self.shared else mode
             accepted = [len(t) - 1 for t in tokens]
-            n = len(accepted)
             for k in range(1, mode + 1):
+                n = sum(a >= k - 1 for a in accepted)  # at risk
+                if n == 0:
+                    break
                 share = sum(a >= k for a in accepted) / n
                 seen = self.samples.get((pool, k), 0)
                 mean = n / (seen + n) if seen * ALPHA_PER_REQUEST < 1 else 0.0
                 weight = max(min(1 - (1 - ALPHA_PER_REQUEST) ** n, ALPHA), mean)
-                old = self.survival.get((pool, k), share)
-                self.survival[(pool, k)] = old + weight * (share - old)
+                old = self.rate.get((pool, k), share)
+                self.rate[(pool, k)] = old + weight * (share - old)
                 self.samples[(pool, k)] = seen + n
         if cost.steps > WARM_STEPS:
             cost.interval = self._next_interval(batch, mode, seconds / batch, tokens)
@@ -287,9 +292,13 @@ class SpecCostModel:
         and freeze the model."""
         if any(not 0.0 <= p <= 1.0 for p in survival):
             raise ValueError(f"survival probabilities must lie in [0, 1], got {list(survival)}")
-        for pool in [PLAIN] if self.nested else self.depths:
+        if any(b > a for a, b in zip(survival, survival[1:])):
+            raise ValueError(f"survival probabilities must not grow with k, got {list(survival)}")
+        padded = [1.0, *survival, *[0.0] * self.depths[-1]]
+        for pool in [PLAIN] if self.shared else self.depths:
             for k in range(1, self.depths[-1] + 1):
-                self.survival[(pool, k)] = survival[k - 1] if k <= len(survival) else 0.0
+                before = padded[k - 1]
+                self.rate[(pool, k)] = padded[k] / before if before else 0.0
         self.frozen = True
 
     def report(self) -> dict[str, Any]:
