@@ -44,10 +44,6 @@ _SIGMOID = "MoE routers score experts with a sigmoid, as the checkpoints specrl 
 _NO_RECOMPUTE = "specrl's trainer does not recompute activations (no memory saving flag yet)"
 _KERNELS = "specrl's trainer runs megatron-core's local layer spec; no kernel choice"
 _NO_PP = "pipeline parallelism is not implemented; use --tensor-model-parallel-size and DP"
-_ETP = (
-    "expert tensor parallelism follows --tensor-model-parallel-size (megatron's default); for a "
-    "MoE model another size is refused (trainer_bridge.expert_parallel)"
-)
 _WANDB = "wandb runs offline under --output-dir with --wandb-project; other wandb options unused"
 _LOAD = (
     "--load resumes a run whole (policy, optimizer, RNG, data position); to start a new run from "
@@ -145,7 +141,6 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "pipeline_model_parallel_size": _only(1, _NO_PP, 1, type=int),
     "context_parallel_size": _only(1, "context parallelism is not implemented", 1, type=int),
     # --expert-model-parallel-size is the trainer's own option (trainer_bridge.options)
-    "expert_tensor_parallel_size": _noop(None, _ETP, int),
     "megatron_to_hf_mode": _noop(None, "specrl converts with its own converter (bit-exact)"),
     # Optimizer and schedule
     "optimizer": _only("adam", "specrl's trainer runs Adam (megatron's optimizer)", "adam"),

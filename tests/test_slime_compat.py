@@ -44,8 +44,8 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
     assert "--num-layers 36 has no effect in specrl: the model's shape comes from" in notes
     assert "--sequence-parallel has no effect in specrl: sequence parallelism is on" in notes
     assert "--recompute-granularity 'full' has no effect" in notes
-    # a dense model has no experts to split (a MoE model refuses it: tests/test_moe_ep.py)
-    assert "--expert-tensor-parallel-size 1 has no effect in specrl: expert tensor" in notes
+    # a trainer option (whole experts per rank for MoE models: tests/test_moe_etp.py)
+    assert args.options.trainer.expert_tensor_parallel_size == 1
     # Values that are the only ones specrl runs are accepted silently.
     assert "--pipeline-model-parallel-size" not in notes and "--optimizer" not in notes
 

@@ -73,26 +73,26 @@ class TrainActor:
         overrides = replay_config(args, self.arch)
         overrides.update(moe.balance_config(args, self.arch))
         ep, tp = args.expert_model_parallel_size, args.tensor_model_parallel_size
-        expert_parallel.check_expert_parallel(self.arch, ep, tp, world_size)
+        expert_parallel.check_expert_parallel(self.arch, ep, tp, world_size, args.expert_tp)
         # Alone: a fresh port, since an inherited MASTER_PORT may belong to a group that is gone.
         init_model_parallel(
-            args.tensor_model_parallel_size,
+            tp,
             rank=rank,
             world_size=world_size,
             ep=ep,
+            etp=args.expert_tp,
             seed=args.seed,
             master_addr=master_addr,
             master_port=master_port or free_port(),
         )
         self.rank, self.world_size = rank, world_size
-        self.dp_size = world_size // args.tensor_model_parallel_size
+        # Megatron's default rank order: the ranks of a TP group are adjacent.
+        self.dp_size, self.dp_rank = world_size // tp, rank // tp
         if args.global_batch_size is not None and args.global_batch_size % self.dp_size:
             raise ValueError(
                 f"--global-batch-size {args.global_batch_size} does not split over {self.dp_size} "
                 "data-parallel trainer ranks; make it a multiple"
             )
-        # Megatron's default rank order: the ranks of a TP group are adjacent.
-        self.dp_rank = rank // args.tensor_model_parallel_size
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.device = trainer_device()
         # The policy's and the reference model's build (both replay routes, as slime's reference)
@@ -456,7 +456,7 @@ class TrainActor:
     def _join_gathers(self) -> None:
         """Rank 0 exports; the other ranks of its tensor-parallel and expert groups take part in
         each gather (other data-parallel replicas hold the same weights and need not)."""
-        if expert_parallel.exports_with_rank0(self.dp_rank, self.args.expert_model_parallel_size):
+        if expert_parallel.exports_with_rank0(self.dp_rank, self.args):
             for _ in self.hf_named_tensors():
                 pass
 

@@ -6,12 +6,14 @@ which megatron-core does not ship): `model` (the GPTModel, MTP layers included),
 (Adam's moments and step, sharded like the parameters: `_optimizer_state`), `rng_state` (every
 rank's Python, NumPy, torch and tracker states: one object per tensor-parallel rank holding the
 list of its data-parallel replicas' states), `iteration` (the rollout id, as in slime),
-`checkpoint_version`, and specrl's own `specrl` entry (the model's Hugging Face config, the tensor-
-and expert-parallel sizes and the optimizer step count), which the launcher reads back without
-megatron (`read_common`) to refuse a checkpoint of another model or TP size before anything
-starts. Under expert parallelism each rank writes its own experts under their global numbers
-(megatron's SequentialMLP.sharded_state_dict), their Adam state too: a checkpoint resumes at
-another expert-parallel size, each rank reading its experts back. With --enable-draft-training,
+`checkpoint_version`, and specrl's own `specrl` entry (the model's Hugging Face config, the tensor-,
+expert- and expert tensor parallel sizes and the optimizer step count), which the launcher reads
+back without megatron (`read_common`) to refuse a checkpoint of another model or TP size before
+anything starts. Under expert parallelism each rank writes its own experts under their global
+numbers (megatron's SequentialMLP.sharded_state_dict), their Adam state too, each expert's tensor
+sharded over the expert tensor parallel ranks (whole at --expert-tensor-parallel-size 1): a
+checkpoint resumes at another expert-parallel and expert tensor parallel size, each rank reading
+its experts (or its slices of them) back. With --enable-draft-training,
 `draft` holds the draft trained online (EAGLE-2/3 or STANDALONE) and its Adam state
 (trainer_bridge.online_draft).
 """
@@ -184,6 +186,7 @@ def _state_dict(actor: TrainActor, rollout_id: int, loading: bool) -> dict[str, 
             "hf_config": dict(actor.arch.hf_config),
             "tensor_model_parallel_size": actor.args.tensor_model_parallel_size,
             "expert_model_parallel_size": actor.args.expert_model_parallel_size,
+            "expert_tensor_parallel_size": actor.args.expert_tp,
             "optimizer_step": actor.step,
         },
     }
@@ -221,9 +224,10 @@ def save_checkpoint(actor: TrainActor, directory: str, rollout_id: int) -> None:
 
 
 def load_checkpoint(actor: TrainActor, directory: str) -> int:
-    """Restore model, optimizer and RNG from `directory`, saved at any expert-parallel size;
-    returns its rollout id. The launcher has already checked the model and TP size
-    (`check_common`); dist_checkpointing still refuses a tensor whose global shape differs."""
+    """Restore model, optimizer and RNG from `directory`, saved at any expert-parallel and
+    expert tensor parallel size; returns its rollout id. The launcher has already checked the
+    model and TP size (`check_common`); dist_checkpointing still refuses a tensor whose global
+    shape differs."""
     from megatron.core import dist_checkpointing
 
     common = read_common(directory)
@@ -235,10 +239,14 @@ def load_checkpoint(actor: TrainActor, directory: str) -> int:
     _restore_optimizer(actor, state["optimizer"])
     states = state["rng_state"]
     # A rank's RNG states come from seeds of its place in the layout (the expert-parallel
-    # tracker's from its expert rank): at another data- or expert-parallel size they are another
-    # rank's, so the run keeps those --seed gave it.
-    saved_ep = common["specrl"].get("expert_model_parallel_size", 1)  # 1 from before EP
-    if len(states) == actor.dp_size and saved_ep == args.expert_model_parallel_size:
+    # tracker's from its expert and expert tensor parallel ranks): at another data-, expert- or
+    # expert tensor parallel size they are another rank's, so the run keeps those --seed gave it.
+    meta = common["specrl"]
+    saved = (
+        meta.get("expert_model_parallel_size", 1),  # 1 from before EP
+        meta.get("expert_tensor_parallel_size", args.tensor_model_parallel_size),  # before ETP
+    )
+    if len(states) == actor.dp_size and saved == (args.expert_model_parallel_size, args.expert_tp):
         _set_rng_state(states[actor.dp_rank])
     actor.step = common["specrl"]["optimizer_step"]
     # A checkpoint of a run without --enable-draft-training has none: the draft starts from the
@@ -308,7 +316,8 @@ def check_common(
     common: dict[str, Any], hf_config: dict[str, Any], tp_size: int, directory: str
 ) -> None:
     """Refuse a checkpoint of another model shape or tensor-parallel size, or one this version
-    cannot read, saying what to do (any expert-parallel size resumes)."""
+    cannot read, saying what to do (any expert-parallel and expert tensor parallel size
+    resumes)."""
     meta = common["specrl"]
     check_same_model(
         meta["hf_config"],

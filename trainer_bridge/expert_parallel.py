@@ -1,14 +1,19 @@
 """Expert parallelism (--expert-model-parallel-size) for MoE models: each expert-parallel rank
 holds num_experts / ep of every MoE layer's routed experts, megatron's allgather token dispatcher
-gathers the tokens of the ep ranks (and tp, under sequence parallelism) to them and scatters
-their outputs back.
+gathers the tokens of the ep ranks (and of the etp ranks splitting each expert, under sequence
+parallelism) to them and scatters their outputs back.
 
-Megatron carves the ep ranks out of data parallelism (its "tp-cp-ep-dp-pp" order): trainer rank
-r has data-parallel rank r // tp, expert-parallel rank (r // tp) % ep and expert-data-parallel
-rank r // (tp * ep); expert tensor parallelism stays tp. Rank k of an expert group holds global
-experts k * (E / ep) .. (k + 1) * (E / ep) - 1 as its `local_experts.0 ..`. Megatron's DDP
-averages the experts' gradients over the expert-data-parallel group (its `allreduce=False`
-parameters), the router and shared experts over the whole data-parallel group, as before.
+Megatron lays the expert ranks out as the attention ranks, in its "tp-cp-ep-dp-pp" order, with
+the expert tensor parallel size etp (--expert-tensor-parallel-size) in place of tp: trainer rank
+r has data-parallel rank r // tp, expert-parallel rank (r // etp) % ep and expert-data-parallel
+rank r // (etp * ep). At etp = tp (the default) the ep ranks are carved out of data parallelism
+and each expert is split over the TP ranks; at etp = 1 every rank holds whole experts, and the
+expert group spans the TP ranks first (slime's TP 4, EP 8, ETP 1 runs one expert group over two
+TP groups). Rank k of an expert group holds global experts k * (E / ep) .. (k + 1) * (E / ep) - 1
+as its `local_experts.0 ..`. Megatron's DDP sums the experts' gradients over the
+expert-data-parallel group (its `allreduce=False` parameters; at etp = 1 that group holds the TP
+ranks, each of which ran the experts on its own part of the sequence), the router and shared
+experts over the whole data-parallel group, as before.
 
 This module renumbers experts between the whole (global) state dict the converter speaks and a
 rank's local one (or every rank's, for a converted checkpoint), fetches another rank's experts
@@ -42,17 +47,20 @@ def check_expert_parallel(
     world_size: Optional[int] = None,
     expert_tp: Optional[int] = None,
 ) -> None:
-    """Raise unless `arch` splits over `ep` expert-parallel ranks (and, given `world_size`
-    trainer ranks, those ranks hold whole tp x ep groups; given slime's
-    --expert-tensor-parallel-size `expert_tp`, it is tp), naming the values to change."""
+    """Raise unless `arch` splits over `ep` expert-parallel ranks of expert tensor parallel size
+    `expert_tp` (--expert-tensor-parallel-size: 1 or tp, its default) and, given `world_size`
+    trainer ranks, those ranks hold whole TP and expert groups, naming the values to change."""
+    etp = tp if expert_tp is None else expert_tp
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
-    if arch.moe is not None and expert_tp not in (None, tp):
-        # The converter and the TP tests split routed experts over the TP ranks as a dense MLP.
+    if etp not in (1, tp):
+        # Megatron would also split experts over a part of the TP ranks (1 < etp < tp) or more
+        # ranks than TP; the converter and the tests cover whole experts and TP-split ones only.
         raise ValueError(
-            f"--expert-tensor-parallel-size {expert_tp} with --tensor-model-parallel-size {tp} "
-            "is not implemented: specrl splits experts over the tensor-parallel ranks (expert "
-            f"tensor parallelism = TP, megatron's default); give {tp} or leave the flag out"
+            f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp} is not "
+            f"implemented: specrl splits each routed expert over the tensor-parallel ranks ({tp}, "
+            "megatron's default) or gives every rank whole experts (1, as slime's MoE recipes); "
+            f"give {tp} or 1"
         )
     if ep > 1 and arch.moe is None:
         raise ValueError(
@@ -64,13 +72,31 @@ def check_expert_parallel(
             f"--expert-model-parallel-size {ep} does not divide the {arch.moe.num_experts} "
             f"routed experts (n_routed_experts) of {arch.architecture}; pick a divisor of it"
         )
-    if world_size is not None and world_size % (tp * ep):
+    if world_size is not None and (world_size % tp or world_size % (etp * ep)):
         raise ValueError(
             f"{world_size} trainer ranks (--actor-num-nodes x --actor-num-gpus-per-node) are not "
-            f"a multiple of --tensor-model-parallel-size {tp} x --expert-model-parallel-size "
-            f"{ep} (expert parallelism splits the data-parallel ranks); launch a multiple of "
-            f"{tp * ep} ranks"
+            f"a multiple of --tensor-model-parallel-size {tp} and of "
+            f"--expert-tensor-parallel-size {etp} x --expert-model-parallel-size {ep} (megatron "
+            "builds whole tensor-parallel and expert groups); launch a multiple of both"
         )
+
+
+def reduce_experts_over_expert_data_parallel(model: torch.nn.Module) -> None:
+    """Mark `model`'s routed-expert parameters as megatron's DDP expects for experts whose
+    expert-data-parallel group is not the data-parallel one (`allreduce=False`: summed over the
+    expert-data-parallel group, scaled by 1 / DP). Megatron-core 0.16.1's linears mark them only
+    at EP > 1 (tensor_parallel/layers.py: `not (self.is_expert and self.expert_parallel)`), so at
+    --expert-tensor-parallel-size 1 with EP 1 and TP > 1 DDP would reduce them over the
+    data-parallel group alone: each TP rank's whole experts would keep the gradient of its own
+    part of the sequence, and the ranks' copies would drift apart."""
+    from megatron.core import parallel_state
+
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    if etp == parallel_state.get_tensor_model_parallel_world_size():
+        return
+    for name, param in model.named_parameters():
+        if expert_index(name) is not None:
+            param.allreduce = False
 
 
 def expert_index(name: str) -> Optional[int]:
@@ -185,11 +211,12 @@ class GatheredOverEP(Mapping[str, Tensor]):
         return len(self._names)
 
 
-def exports_with_rank0(dp_rank: int, ep: int) -> bool:
+def exports_with_rank0(dp_rank: int, args: TrainerArgs) -> bool:
     """Whether data-parallel rank `dp_rank` takes part in rank 0's export gathers: rank 0's
-    expert group (data-parallel ranks 0 .. ep - 1) and their tensor-parallel groups; the other
-    expert-data-parallel replicas hold the same weights."""
-    return dp_rank < ep
+    expert group (global ranks 0, etp, .. (ep - 1) * etp) and their tensor-parallel groups,
+    the first ceil(ep * etp / tp) data-parallel ranks; the other replicas hold the same weights."""
+    ep, tp = args.expert_model_parallel_size, args.tensor_model_parallel_size
+    return dp_rank < -(-ep * args.expert_tp // tp)
 
 
 def aligned_micro_batch(tokens: Tensor, lengths: list[int], args: TrainerArgs) -> MicroBatch:

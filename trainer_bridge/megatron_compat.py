@@ -286,6 +286,7 @@ def init_model_parallel(
     rank: int = 0,
     world_size: int = 1,
     ep: int = 1,
+    etp: int | None = None,
     seed: int = 1234,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
@@ -296,13 +297,15 @@ def init_model_parallel(
     In a single process the defaults are enough; spawned ranks pass rank/world_size and one
     shared port. `ep`: expert-parallel size, carved out of data parallelism (megatron's
     "tp-cp-ep-dp-pp" order: the ep ranks of an expert group are consecutive data-parallel
-    ranks); expert tensor parallelism stays `tp`, megatron's default.
+    ranks); `etp`: expert tensor parallel size, default `tp` (megatron's), at 1 the expert
+    groups are carved out of tp x dp instead (trainer_bridge.expert_parallel).
     """
     apply_cpu_shims()
-    if world_size % (tp * pp * ep):
+    expert_ranks = (tp if etp is None else etp) * pp * ep
+    if world_size % (tp * pp) or world_size % expert_ranks:
         raise ValueError(
-            f"world_size={world_size} is not a multiple of tp*pp*ep={tp}*{pp}*{ep}; "
-            "launch a multiple of tp*pp*ep processes"
+            f"world_size={world_size} is not a multiple of tp*pp={tp}*{pp} and of "
+            f"etp*pp*ep={expert_ranks}; launch a multiple of both"
         )
     if not dist.is_initialized():
         os.environ["MASTER_ADDR"] = master_addr
@@ -323,7 +326,9 @@ def init_model_parallel(
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     try:
-        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(
+            tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+        )
         model_parallel_cuda_manual_seed(seed)
     except BaseException:
         # Half-initialised global state would make every later initialisation fail.

@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from spec_engine.models.hf_config import ConfigSource, ModelConfig
-from trainer_bridge.expert_parallel import check_expert_parallel
+from trainer_bridge.expert_parallel import (
+    check_expert_parallel,
+    reduce_experts_over_expert_data_parallel,
+)
 from trainer_bridge.mla import check_mla, mla_config_fields
 from trainer_bridge.moe import check_moe, count_real_tokens_only, moe_config_fields
 from trainer_bridge.sequence_parallel import sequence_parallel_spec, uses_sequence_parallel
@@ -108,15 +111,17 @@ def transformer_config(
     tp: int = 1,
     pp: int = 1,
     ep: int = 1,
+    etp: Optional[int] = None,
     params_dtype: torch.dtype = torch.float32,
     **overrides: Any,
 ) -> TransformerConfig:
-    """The TransformerConfig for `arch` (`ep`: expert-parallel size); `overrides` set any other
-    TransformerConfig field (dropout, recompute, ...)."""
+    """The TransformerConfig for `arch` (`ep`: expert-parallel size, `etp`: expert tensor
+    parallel size, default `tp`); `overrides` set any other TransformerConfig field (dropout,
+    recompute, ...)."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     check_tensor_parallel(arch, tp)
-    check_expert_parallel(arch, ep)
+    check_expert_parallel(arch, ep, tp, expert_tp=etp)
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_hidden_layers,
         hidden_size=arch.hidden_size,
@@ -139,6 +144,7 @@ def transformer_config(
         sequence_parallel=uses_sequence_parallel(arch, tp),
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -166,8 +172,8 @@ def build_gpt_model(
     `device` (default: trainer_device()); `packed`: its attention takes packed sequences
     (--qkv-format thd, see trainer_bridge.packed_attention).
 
-    Needs `megatron_compat.init_model_parallel()` (or an equivalent set-up) first; TP/PP/EP sizes
-    come from megatron's parallel_state (this rank builds its share of the routed experts:
+    Needs `megatron_compat.init_model_parallel()` (or an equivalent set-up) first; TP/PP/EP/ETP
+    sizes come from megatron's parallel_state (this rank builds its share of the routed experts:
     trainer_bridge.expert_parallel). Load weights with `trainer_bridge.convert`.
     """
     from megatron.core import parallel_state
@@ -182,8 +188,9 @@ def build_gpt_model(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
     config = transformer_config(
-        arch, tp=tp, pp=pp, ep=ep, params_dtype=params_dtype, **config_overrides
+        arch, tp=tp, pp=pp, ep=ep, etp=etp, params_dtype=params_dtype, **config_overrides
     )
     if arch.moe is None:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
@@ -221,6 +228,7 @@ def build_gpt_model(
     )
     if arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "llama3":
         _apply_llama3_scaling(model, arch.rope_scaling)
+    reduce_experts_over_expert_data_parallel(model)
     # Megatron puts its parallel layers on the current CUDA device but builds norms and other
     # plain modules on the default device: move the whole model, as Megatron-LM's get_model does.
     return model.to(device or trainer_device())

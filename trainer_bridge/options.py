@@ -48,8 +48,18 @@ class TrainerArgs:
             "help": "MoE models: megatron's expert parallel size; each rank of an expert group "
             "holds num_experts / this many routed experts (megatron's allgather dispatcher sends "
             "tokens to them). Taken from the data-parallel ranks: the trainer ranks must be a "
-            "multiple of --tensor-model-parallel-size x this, and it must divide the experts. "
-            "Expert tensor parallelism follows --tensor-model-parallel-size."
+            "multiple of --tensor-model-parallel-size x this (with "
+            "--expert-tensor-parallel-size 1: of each), and it must divide the experts."
+        },
+    )
+    expert_tensor_parallel_size: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "MoE models: megatron's expert tensor parallel size, --tensor-model-parallel-"
+            "size (the default: each routed expert split over the TP ranks like a dense MLP) or "
+            "1 (slime's MoE recipes: every rank holds whole experts and runs them on its own "
+            "tokens; the expert-parallel group is then carved out of TP x DP, so "
+            "--expert-model-parallel-size may span the TP ranks). Other sizes are refused."
         },
     )
     seed: int = field(
@@ -221,6 +231,12 @@ class TrainerArgs:
                     "update on the model's parameters, and with --bf16 the optimizer steps "
                     "float32 master copies of them; drop one of the two flags"
                 )
+
+    @property
+    def expert_tp(self) -> int:
+        """--expert-tensor-parallel-size, its default resolved (--tensor-model-parallel-size)."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if etp is None else etp
 
     def _check_draft_training(self) -> None:
         if self.enable_mtp_training:

@@ -13,6 +13,7 @@ In memory:
     model (its own experts under expert parallelism)
 On disk (see checkpoint.py for the megatron format) and on the command line:
     python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N] [--ep N]
+        [--etp 1]
     python -m trainer_bridge.convert mcore-to-hf --load B --hf-checkpoint A --save C
 """
 
@@ -81,7 +82,9 @@ def hf_to_mcore_state_dict(
 
 
 class _GatheredOverTP(Mapping[str, Tensor]):
-    """A tensor-parallel rank's state dict whose sharded values are all-gathered when read."""
+    """A tensor-parallel rank's state dict whose sharded values are all-gathered when read
+    (routed experts only where the expert tensor parallel size splits them: at 1 each rank's
+    are whole)."""
 
     def __init__(self, state: Mapping[str, Any]) -> None:
         from megatron.core import parallel_state
@@ -89,14 +92,15 @@ class _GatheredOverTP(Mapping[str, Tensor]):
         self._state = state
         self._group = parallel_state.get_tensor_model_parallel_group()
         self._size = parallel_state.get_tensor_model_parallel_world_size()
+        self._expert_tp = parallel_state.get_expert_tensor_parallel_world_size()
 
     def __getitem__(self, name: str) -> Tensor:
         local = self._state[name]
-        if self._size == 1 or not is_sharded(name):
+        if self._size == 1 or not is_sharded(name, self._expert_tp):
             return local
         shards = [torch.empty_like(local) for _ in range(self._size)]
         dist.all_gather(shards, local.contiguous(), group=self._group)
-        return gather_tensor(name, shards)
+        return gather_tensor(name, shards, self._expert_tp)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._state)
@@ -142,15 +146,17 @@ def load_hf_weights(
     model: nn.Module, hf_checkpoint: str, make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR
 ) -> None:
     """Load a Hugging Face directory into this tensor- and expert-parallel rank's GPTModel
-    (megatron parallel state set up): its TP shard of every tensor, of its own experts only."""
+    (megatron parallel state set up): its TP shard of every tensor, of its own experts only
+    (whole at expert tensor parallel size 1)."""
     from megatron.core import parallel_state
 
     arch = read_model_config(hf_checkpoint)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
     check_tensor_parallel(arch, tp)
     padded = padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by)
     whole = local_state_dict(_hf_to_mcore(read_hf_weights(hf_checkpoint), arch), arch)
     load_mcore_state_dict(
-        model, {name: shard_tensor(name, t, tp, padded)[rank] for name, t in whole.items()}
+        model, {name: shard_tensor(name, t, tp, padded, etp)[rank] for name, t in whole.items()}
     )

@@ -1,10 +1,11 @@
 """Command line: convert between Hugging Face directories and specrl's megatron checkpoints.
 
-python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N] [--ep N]
+python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N] [--ep N] [--etp 1]
 python -m trainer_bridge.convert mcore-to-hf --load B --hf-checkpoint A --save C
 
---tp and --ep also answer to Megatron's --tensor-model-parallel-size and
---expert-model-parallel-size; mcore-to-hf reads a checkpoint of any TP and EP size.
+--tp, --ep and --etp also answer to Megatron's --tensor-model-parallel-size,
+--expert-model-parallel-size and --expert-tensor-parallel-size; mcore-to-hf reads a checkpoint of
+any TP, EP and expert TP size.
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "--expert-model-parallel-size)",
     )
     to_mcore.add_argument(
+        "--etp",
+        "--expert-tensor-parallel-size",
+        dest="etp",
+        type=int,
+        default=None,
+        help="expert tensor parallel size: --tp (the default) splits each routed expert over the "
+        "tensor-parallel ranks, 1 gives every rank whole experts (the training run's "
+        "--expert-tensor-parallel-size)",
+    )
+    to_mcore.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
         default=DEFAULT_VOCAB_DIVISOR,
@@ -75,6 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 tp=args.tp,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                 ep=args.ep,
+                expert_tp=args.etp,
             )
         else:
             mcore_to_hf(args.load, args.hf_checkpoint, args.save)

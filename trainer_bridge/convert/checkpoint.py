@@ -4,6 +4,7 @@ The megatron format (Megatron's legacy torch layout, without iteration directori
 
     <dir>/specrl_mcore.json                      {"format", "tensor_model_parallel_size",
                                                   "expert_model_parallel_size",
+                                                  "expert_tensor_parallel_size",
                                                   "make_vocab_size_divisible_by",
                                                   "padded_vocab_size",
                                                   "hf_config": the source config.json}
@@ -12,6 +13,8 @@ The megatron format (Megatron's legacy torch layout, without iteration directori
     <dir>/mp_rank_{t:02d}_{e:03d}/model_optim_rng.pt   at EP > 1 (Megatron-LM's names): TP rank t's
                                                  of expert-parallel rank e, its experts numbered
                                                  from 0 as that rank's model names them
+                                                 (whole at expert tensor parallel size 1, split
+                                                 over the TP ranks at the default, TP)
 
 Each rank's state dict holds exactly the tensors of that rank's `model.state_dict()` (no
 `_extra_state`), so `model.load_state_dict(ckpt["model"], strict=False)` restores it.
@@ -24,7 +27,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -91,9 +94,11 @@ def save_mcore_checkpoint(
     hf_config: Mapping[str, Any],
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
     ep: int = 1,
+    expert_tp: Optional[int] = None,
 ) -> None:
-    """Write per-TP-rank state dicts (rank order, every expert under its global number), each
-    split over `ep` expert-parallel ranks, and the metadata file."""
+    """Write per-TP-rank state dicts (rank order, every expert under its global number, split
+    at expert tensor parallel size `expert_tp`, default the TP size), each split over `ep`
+    expert-parallel ranks, and the metadata file."""
     arch = read_model_config(hf_config)
     tp = len(shards)
     for rank, state in enumerate(shards):
@@ -105,6 +110,7 @@ def save_mcore_checkpoint(
         "format": FORMAT,
         "tensor_model_parallel_size": tp,
         "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": tp if expert_tp is None else expert_tp,
         "make_vocab_size_divisible_by": make_vocab_size_divisible_by,
         "padded_vocab_size": padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by),
         "hf_config": dict(hf_config),
@@ -152,19 +158,21 @@ def hf_to_mcore(
     tp: int = 1,
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
     ep: int = 1,
+    expert_tp: Optional[int] = None,
 ) -> None:
     """Convert a Hugging Face directory into a megatron checkpoint for `tp` tensor-parallel and
-    `ep` expert-parallel ranks."""
+    `ep` expert-parallel ranks, routed experts split at `expert_tp` (1 or `tp`, the default)."""
     arch = read_model_config(hf_checkpoint)
-    check_expert_parallel(arch, ep)  # before any work: the error names the flag
+    # before any work: the error names the flag
+    check_expert_parallel(arch, ep, tp, expert_tp=expert_tp)
     whole = hf_to_mcore_state_dict(read_hf_weights(hf_checkpoint), arch)
-    shards = shard_state_dict(whole, arch, tp, make_vocab_size_divisible_by)
-    save_mcore_checkpoint(save, shards, arch.hf_config, make_vocab_size_divisible_by, ep)
+    shards = shard_state_dict(whole, arch, tp, make_vocab_size_divisible_by, expert_tp)
+    save_mcore_checkpoint(save, shards, arch.hf_config, make_vocab_size_divisible_by, ep, expert_tp)
 
 
 def mcore_to_hf(load: str, hf_checkpoint: str, save: str) -> None:
-    """Convert a megatron checkpoint (any TP and EP size) back into a Hugging Face directory
-    shaped like `hf_checkpoint`."""
+    """Convert a megatron checkpoint (any TP, EP and expert TP size) back into a Hugging Face
+    directory shaped like `hf_checkpoint`."""
     meta = read_mcore_meta(load)
     arch = read_model_config(hf_checkpoint)
     if read_model_config(meta["hf_config"]) != arch:
@@ -172,11 +180,10 @@ def mcore_to_hf(load: str, hf_checkpoint: str, save: str) -> None:
             f"{load!r} was converted from a different architecture than {hf_checkpoint!r}: "
             f"{read_model_config(meta['hf_config'])} vs {arch}; pass the checkpoint it came from"
         )
-    ep = meta.get("expert_model_parallel_size", 1)
+    tp, ep = meta["tensor_model_parallel_size"], meta.get("expert_model_parallel_size", 1)
     shards = [
-        merge_experts([load_mcore_rank(load, r, e) for e in range(ep)], arch)
-        for r in range(meta["tensor_model_parallel_size"])
+        merge_experts([load_mcore_rank(load, r, e) for e in range(ep)], arch) for r in range(tp)
     ]
-    save_hf_checkpoint(
-        mcore_to_hf_items(gather_state_dicts(shards), arch), save, like=hf_checkpoint
-    )
+    # checkpoints from before --expert-tensor-parallel-size split experts over the TP ranks
+    whole = gather_state_dicts(shards, meta.get("expert_tensor_parallel_size", tp))
+    save_hf_checkpoint(mcore_to_hf_items(whole, arch), save, like=hf_checkpoint)

@@ -6,17 +6,21 @@ output layer, whose rows are first padded to `padded_vocab_size(vocab, tp, divis
 splits gate and up separately and concatenates each rank's parts; row-parallel (split along input
 columns): linear_proj, linear_fc2 (dense, routed-expert and shared-expert MLPs alike); everything
 else (norms, the MoE router and its expert bias, MLA's key/value down projection) is replicated.
+Routed experts split over the expert tensor parallel size `expert_tp` (default: tp); at 1
+(--expert-tensor-parallel-size 1) every rank holds them whole, as a replicated tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
 from spec_engine.models.hf_config import ModelConfig
+from trainer_bridge.expert_parallel import check_expert_parallel
 from trainer_bridge.model_provider import (
     DEFAULT_VOCAB_DIVISOR,
     check_tensor_parallel,
@@ -36,13 +40,16 @@ _COLUMN = (
     "linear_q_up_proj.weight",
     "linear_kv_up_proj.weight",
 )
-# MLP suffixes cover the dense MLP, each routed expert (expert tensor parallelism follows the
-# tensor-parallel size) and the shared experts.
+# MLP suffixes cover the dense MLP, each routed expert (at expert tensor parallel size tp) and
+# the shared experts.
 _GATED = "linear_fc1.weight"
 _ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")
+_ROUTED = ".mlp.experts.local_experts."
 
 
-def _kind(name: str) -> str:
+def _kind(name: str, expert_tp: Optional[int]) -> str:
+    if expert_tp == 1 and _ROUTED in name:
+        return "replicated"
     if name in _VOCAB:
         return "vocab"
     if name.endswith(_COLUMN):
@@ -54,9 +61,10 @@ def _kind(name: str) -> str:
     return "replicated"
 
 
-def is_sharded(name: str) -> bool:
-    """Whether tensor-parallel ranks hold different pieces of megatron tensor `name`."""
-    return _kind(name) != "replicated"
+def is_sharded(name: str, expert_tp: Optional[int] = None) -> bool:
+    """Whether tensor-parallel ranks hold different pieces of megatron tensor `name` at expert
+    tensor parallel size `expert_tp` (default: the TP size)."""
+    return _kind(name, expert_tp) != "replicated"
 
 
 def pad_vocab(tensor: Tensor, padded_rows: int) -> Tensor:
@@ -64,10 +72,12 @@ def pad_vocab(tensor: Tensor, padded_rows: int) -> Tensor:
     return F.pad(tensor, (0, 0, 0, padded_rows - tensor.shape[0]))
 
 
-def shard_tensor(name: str, tensor: Tensor, tp: int, padded_vocab: int) -> list[Tensor]:
+def shard_tensor(
+    name: str, tensor: Tensor, tp: int, padded_vocab: int, expert_tp: Optional[int] = None
+) -> list[Tensor]:
     """The `tp` per-rank pieces of whole megatron tensor `name` (vocab tensors padded to
-    `padded_vocab` rows)."""
-    kind = _kind(name)
+    `padded_vocab` rows; routed experts whole at `expert_tp` 1)."""
+    kind = _kind(name, expert_tp)
     if kind == "vocab":
         return list(pad_vocab(tensor, padded_vocab).chunk(tp, dim=0))
     if kind == "column":
@@ -82,10 +92,10 @@ def shard_tensor(name: str, tensor: Tensor, tp: int, padded_vocab: int) -> list[
     return [tensor] * tp
 
 
-def gather_tensor(name: str, shards: Sequence[Tensor]) -> Tensor:
+def gather_tensor(name: str, shards: Sequence[Tensor], expert_tp: Optional[int] = None) -> Tensor:
     """Whole megatron tensor `name` from its per-rank pieces (vocab padding kept; `to_hf` drops
-    it)."""
-    kind = _kind(name)
+    it; a routed expert at `expert_tp` 1 is every rank's whole copy)."""
+    kind = _kind(name, expert_tp)
     if kind in ("vocab", "column"):
         return torch.cat(list(shards), dim=0)
     if kind == "gated":
@@ -101,20 +111,26 @@ def shard_state_dict(
     arch: ModelConfig,
     tp: int,
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+    expert_tp: Optional[int] = None,
 ) -> list[dict[str, Tensor]]:
-    """Per-rank state dicts (rank order) of a whole megatron state dict.
+    """Per-rank state dicts (rank order) of a whole megatron state dict (routed experts split at
+    expert tensor parallel size `expert_tp`, default `tp`: 1 or tp).
 
     Every piece is a compact copy: a view would drag its whole parent storage into torch.save.
     """
     check_tensor_parallel(arch, tp)
+    check_expert_parallel(arch, 1, tp, expert_tp=expert_tp)
     padded = padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by)
     ranks: list[dict[str, Tensor]] = [{} for _ in range(tp)]
     for name, tensor in state.items():
-        for rank, piece in zip(ranks, shard_tensor(name, tensor, tp, padded)):
+        for rank, piece in zip(ranks, shard_tensor(name, tensor, tp, padded, expert_tp)):
             rank[name] = piece.clone(memory_format=torch.contiguous_format)
     return ranks
 
 
-def gather_state_dicts(shards: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """The whole megatron state dict from per-rank state dicts (rank order)."""
-    return {name: gather_tensor(name, [s[name] for s in shards]) for name in shards[0]}
+def gather_state_dicts(
+    shards: Sequence[Mapping[str, Tensor]], expert_tp: Optional[int] = None
+) -> dict[str, Tensor]:
+    """The whole megatron state dict from per-rank state dicts (rank order; routed experts at
+    expert tensor parallel size `expert_tp`, default the TP size)."""
+    return {name: gather_tensor(name, [s[name] for s in shards], expert_tp) for name in shards[0]}
