@@ -23,8 +23,9 @@ The task file holds 256 prompts (specrl.tiny_run), 64 rollouts' worth; a longer 
 around to the prompts before the shift, so the file is extended by repeating its post-shift
 prompts in order, and every rollout after the shift is scored by the shifted reward. --reuse
 keeps runs that already finished (their metrics.jsonl has every rollout), so more seeds can be
-added to a finished measurement. A run that fails to start (Ray's start-up wait, a taken port on
-a busy machine) is started again.
+added to a finished measurement, and (EAGLE-3) a kept run shorter than --num-rollout goes on
+from its last checkpoint, so a run can be made longer without running its start again. A run
+that fails to start (Ray's start-up wait, a taken port on a busy machine) is started again.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ PER_ROLLOUT = (*METRICS.values(), "train/entropy", "train/draft_loss/step_0", "t
 START_ERRORS = ("The current node timed out during startup", "EADDRINUSE")
 START_TRIES = 3
 ROLLOUT_LINE = re.compile(r"rollout \d+/\d+:")
+LATEST = "latest_checkpointed_iteration.txt"  # a checkpoint directory holding one
 
 
 def tiny_run(out: str, env: dict[str, str], *flags: str) -> None:
@@ -186,9 +188,15 @@ def main() -> None:
                 out = fresh_run(args.root, run_name, assets)
                 env = {**base_env, "MTP_TRAINING": training}
             else:
-                shutil.rmtree(out, ignore_errors=True)
-                shutil.copytree(shared, out)
                 resume = os.path.join(out, "ckpt")
+                if not (args.reuse and os.path.exists(os.path.join(resume, LATEST))):
+                    shutil.rmtree(out, ignore_errors=True)
+                    shutil.copytree(shared, out)
+                # A longer run than the one kept goes on from its last checkpoint; the copies of
+                # the task file that runs read are extended like the prepared one.
+                extend_task(
+                    os.path.join(out, "assets", "task.jsonl"), n * PROMPTS_PER_ROLLOUT, drift_at
+                )
                 extra = ("--load", resume, "--save", resume, *extra)
                 extra += ("--draft-lr", "0") if training == "0" else ()
                 env = base_env
