@@ -4,6 +4,8 @@ a measured cost model (NGRAM); outputs equal plain decoding either way."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spec_engine import Engine
 from spec_engine.args.engine_args import EngineArgs
@@ -12,11 +14,13 @@ from spec_engine.core.adaptive import (
     EXPLORE_EVERY,
     MAX_EXPLORE_EVERY,
     RECENT,
+    STEP_SAMPLES,
     WARM_STEPS,
     SpecCostModel,
     bucket,
 )
 from spec_engine.launch_server import build_parser
+from spec_engine.speculative.ngram import NgramCache
 from specrl.train_options import parse_args
 from tests.conftest import random_prompts
 from tests.test_adaptive_drafts import verified  # noqa: F401  (fixture)
@@ -53,7 +57,7 @@ def test_cost_model_warms_up_every_mode_then_picks_the_fastest_and_explores():
     # 2 + d plain steps per request: (d + 1) / (d + 2) < 1, plain decoding is faster.
     costly = {1: 3.0, 2: 4.0, 3: 5.0}
     warm = run(32, 1.0, costly, 4 * (WARM_STEPS + 1))  # the first step of each is not counted
-    assert warm == [m for m in (3, 0, 2, 1) for _ in range(WARM_STEPS + 1)]
+    assert warm == [3, 0, 2, 1] * (WARM_STEPS + 1)  # round-robin: each mode across the same steps
     assert model.accept_length(2) == pytest.approx(3.0)
     assert model.expected_speculative_gain(32) == pytest.approx(0.8)  # depth 3: 4 / 5
     # Same bucket as 32. No depth could win even with every draft accepted ((d + 1) / cost < 1):
@@ -90,8 +94,9 @@ def test_tries_of_a_losing_mode_back_off_and_start_over_with_new_weights():
 
     run(2 * (WARM_STEPS + 1), accepted=0)
     tries = [i for i, m in enumerate(run(e + 2 * e + 4 * e + 8, accepted=0)) if m]
-    # (the first interval counts from depth 1's last warm-up step, plain's warm-up after it)
-    assert tries[0] == e - (WARM_STEPS + 1)
+    # (the first interval counts from depth 1's last warm-up step, one plain step before the end
+    # of the round-robin warm-up)
+    assert tries[0] == e - 1
     assert [b - a for a, b in zip(tries, tries[1:])] == [1 + 2 * e, 1 + 4 * e]
     model.weights_updated()
     assert run(e, accepted=0).count(1) == 1  # tried within E steps again (not 8E)
@@ -156,35 +161,61 @@ def test_accept_averages_count_requests_not_steps():
     for _ in range(30):
         model.observe(2, 1, 1.0, [[7, 7]])  # one draft accepted
     p1 = 31 / 32
-    assert model.rate[(2, 1)] == pytest.approx(p1)
-    assert model.rate[(2, 2)] == pytest.approx(1 / 31)  # of the 31 requests that accepted one
+    assert model.survival[(2, 1)] == pytest.approx(p1)
+    assert model.survival[(2, 2)] == pytest.approx(1 / 32)
     model.observe(2, 1, 1.0, [[7]])
-    assert model.rate[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32))
+    assert model.survival[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32))
     model.observe(2, 8, 1.0, [[7]] * 8)
-    assert model.rate[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32) * (31 / 32) ** 8)
+    assert model.survival[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32) * (31 / 32) ** 8)
     assert model.accept_length(1) is None  # depth 1 of a tree: its own samples only
-    model.observe(2, 64, 1.0, [[7, 7]] * 64)  # one step of 64 moves it by ALPHA, not 1 - (31/32)^64
-    assert model.rate[(2, 1)] == pytest.approx(0.75 * p1 * (1 - 1 / 32) * (31 / 32) ** 8 + 0.25)
+    before = model.survival[(2, 1)]
+    model.observe(2, 64, 1.0, [[7, 7]] * 64)  # one step counts as STEP_SAMPLES requests at most
+    weight = 1 - (31 / 32) ** STEP_SAMPLES
+    assert model.survival[(2, 1)] == pytest.approx(before + weight * (1 - before))
 
 
-def test_ngram_depths_share_continuation_rates_kaplan_meier():
-    """An NGRAM tree of fewer nodes is the start of a larger one's walk: every step measures the
-    continuation rates h_k = P(a >= k | a >= k - 1) of the depths up to its own, a shallower step
-    says nothing past its depth (censored), and accept(d) = 1 + sum_k prod_{j<=k} h_j."""
-    model = SpecCostModel([1, 2, 4], nested=False, shared=True)
-    model.observe(4, 4, 1.0, [[7] * 5, [7] * 5, [7, 7], [7]])  # accepted 4, 4, 1, 0
-    assert model.rate[(0, 1)] == pytest.approx(3 / 4)
-    assert model.rate[(0, 2)] == pytest.approx(2 / 3)  # of the 3 that reached 1, 2 reached 2
-    assert [model.accept_length(d) for d in (1, 2, 4)] == pytest.approx([1.75, 2.25, 3.25])
-    model.observe(1, 4, 1.0, [[7, 7]] * 4)  # a stretch where every draft is taken, at depth 1
-    assert model.rate[(0, 1)] == pytest.approx(7 / 8) and model.rate[(0, 2)] == pytest.approx(2 / 3)
-    # Depth 4 is credited with the better stretch at k = 1 (not its own early steps alone).
-    assert model.accept_length(4) == pytest.approx(1 + 7 / 8 + 3 * (7 / 8) * (2 / 3))
-    tree = SpecCostModel([1, 2, 4], nested=False)  # a draft model's trees: per depth
-    tree.observe(4, 4, 1.0, [[7] * 5, [7] * 5, [7, 7], [7]])
-    assert tree.accept_length(4) == pytest.approx(3.25) and tree.accept_length(2) is None
+def test_an_ngram_step_measures_every_smaller_tree_from_its_accepted_paths():
+    """An NGRAM tree of d + 1 nodes is the first d + 1 nodes of a larger tree's walk, and node
+    indices grow along a path: a step's accepted paths say what each smaller tree would have
+    accepted (the path's leading nodes numbered <= d)."""
+    model = SpecCostModel([1, 2, 4], nested=False, contained=True)
+    # Request A accepted nodes 1, 3, 4 (three drafts), request B nodes 2, 4 (two).
+    tokens, paths = [[7] * 4, [7] * 3], [[0, 1, 3, 4], [0, 2, 4]]
+    model.observe(4, 2, 1.0, tokens, paths)
+    # Depth 1 (nodes 0-1): A 1, B 0. Depth 2 (nodes 0-2): A 1 (node 3 is not in it), B 1.
+    assert [model.accept_length(d) for d in (1, 2, 4)] == pytest.approx([1.5, 2.0, 3.5])
+    model.observe(1, 2, 1.0, [[7, 7], [7, 7]], [[0, 1], [0, 1]])  # a depth-1 step: depth 1 only
+    assert model.accept_length(1) == pytest.approx(1 + 3 / 4)
+    assert model.accept_length(2) == pytest.approx(2.0)
+    tree = SpecCostModel([1, 2, 4], nested=False)  # a draft model's trees: its own depth only
+    tree.observe(4, 2, 1.0, tokens, paths)
+    assert tree.accept_length(4) == pytest.approx(3.5) and tree.accept_length(2) is None
     args = EngineArgs(model_path="m", **NGRAM, speculative_adaptive=True)
-    assert SpecCostModel.from_args(args).shared and not SpecCostModel.from_args(args).nested
+    assert SpecCostModel.from_args(args).contained and not SpecCostModel.from_args(args).nested
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.lists(st.integers(0, 5), min_size=2, max_size=200),
+    windows=st.tuples(st.integers(1, 3), st.integers(0, 4)),
+    breadths=st.tuples(st.integers(1, 3), st.integers(0, 8)),
+    nodes=st.tuples(st.integers(1, 8), st.integers(0, 8)),
+)
+def test_a_smaller_ngram_tree_is_the_start_of_a_larger_one(text, windows, breadths, nodes):
+    """What the accepted-path reading above rests on, for the real n-gram cache: a tree of
+    fewer nodes is the first nodes of a larger one (tokens and parents)."""
+    cache = NgramCache(
+        min_window=windows[0],
+        max_window=sum(windows),
+        min_breadth=breadths[0],
+        max_breadth=sum(breadths),
+        branch_length=8,
+        capacity=10**6,
+    )
+    cache.insert(None, text)
+    small, large = cache.draft(text, nodes[0]), cache.draft(text, sum(nodes))
+    assert large.tokens[: small.size] == small.tokens
+    assert large.parents[: small.size] == small.parents
 
 
 def test_a_step_slowed_by_another_process_does_not_move_a_cost():
@@ -207,8 +238,8 @@ def test_costs_are_read_through_their_isotonic_fit():
     model.set_costs(8, plain_s=1.0, spec_s={1: 1.2, 2: 2.4, 4: 1.8})  # depth 2 measured slower
     assert model.seconds(8) == pytest.approx({0: 1.0, 1: 1.2, 2: 2.1, 4: 2.1})
     assert model.best(8) == 4  # 4.0 / 2.1 against depth 2's 2.7 / 2.1 (raw: 2.7 / 2.4, 4.0 / 1.8)
-    model.costs[8][4].steps = 4  # the deeper average rests on twice the measurements
-    assert model.seconds(8)[2] == pytest.approx((2.4 * 2 + 1.8 * 4) / 6)
+    model.costs[8][4].recent.extend([1.8] * 3)  # the deeper median rests on four measurements
+    assert model.seconds(8)[2] == pytest.approx((2.4 * 1 + 1.8 * 4) / 5)
     model.set_costs(16, plain_s=2.0, spec_s={1: 1.5, 2: 2.5, 4: 3.0})  # plain above depth 1
     assert model.seconds(16) == pytest.approx({0: 1.75, 1: 1.75, 2: 2.5, 4: 3.0})
 

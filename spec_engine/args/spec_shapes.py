@@ -68,14 +68,13 @@ def spec_shapes(args: Any, adaptive: bool) -> list[SpecShape]:
 def nested_shapes(args: Any) -> bool:
     """Whether a shallower shape's draft is the first tokens of a deeper one's (a chain: top-k 1
     with a draft model), so the accept length of depth d is 1 + E[min(a, d)] over the drafts
-    accepted (a) at any depth >= d. A tree of fewer tokens keeps other branches, and a smaller
-    NGRAM tree other nodes, so their accept lengths are measured per depth."""
+    accepted (a) at any depth >= d. A tree of fewer tokens keeps other branches, so its accept
+    length is measured per depth (NGRAM's: from the accepted paths, contained_shapes)."""
     return args.speculative_algorithm != "NGRAM" and args.speculative_eagle_topk == 1
 
 
 def contained_shapes(args: Any) -> bool:
-    """Whether a shallower shape's draft is contained in a deeper one's: a chain's (its first
-    tokens) and NGRAM's, whose tree of d + 1 nodes is the first d + 1 nodes of the same
-    breadth-first trie walk (speculative/ngram.py), so it accepts at most what the larger tree
-    does."""
-    return nested_shapes(args) or args.speculative_algorithm == "NGRAM"
+    """Whether a tree of d + 1 nodes is the first d + 1 nodes of a deeper shape's tree: NGRAM's
+    (the same breadth-first trie walk, stopped at its budget: speculative/ngram.py), so a step's
+    accepted path tells what every smaller tree would have accepted."""
+    return args.speculative_algorithm == "NGRAM"

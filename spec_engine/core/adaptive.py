@@ -12,24 +12,21 @@ of batch B runs the mode with the most expected tokens per second per request: 1
 or accept(d) / spec_s(B, d) for depth d.
 
 Accept lengths are a property of the text and the draft more than of the batch, so they are
-kept across buckets, as the survival of the drafts a request accepts (a): accept(d) =
-1 + sum_{k<=d} P(a >= k), with P(a >= k) the product of the continuation rates
-h_j = P(a >= j | a >= j - 1), j <= k (Kaplan-Meier: a step at depth d says nothing about
-k > d, and a rate conditioned on reaching j - 1 depends less on where in their generations the
-requests were than P(a >= k) does: a repetitive stretch accepts more at every k). A chain's first
-d draft tokens do not depend on how deep it drafts (args.spec_shapes.nested_shapes), and an
-NGRAM tree of fewer nodes is the start of the same breadth-first trie walk
-(args.spec_shapes.contained_shapes), so their rates come from every step run at a depth >= j:
-running deep measures every shallower depth too (exactly for a chain; for NGRAM the smaller
-tree accepts at most as much, so its rate reads a little high), and the deeper depths' first
-rates follow the text as it goes. Trees of a draft model keep other branches at fewer tokens:
-their rates are kept per depth. Each request at risk (a >= j - 1) counts as one sample: the
-averages are plain means of the first 1 / ALPHA_PER_REQUEST requests, then move by
-ALPHA_PER_REQUEST per request, so a step of one request (batch 1, where each step either accepts
+kept across buckets as moving averages of the survival P(a >= k) of the drafts a request
+accepts (a), per k. A chain's first d draft tokens do not depend on how deep it drafts
+(args.spec_shapes.nested_shapes), so accept(d) = 1 + sum_{k<=d} P(a >= k) with P(a >= k) from
+every step run at a depth >= k: running deep measures every shallower depth too. An NGRAM tree
+of d + 1 nodes is the first d + 1 nodes of a larger tree's trie walk
+(args.spec_shapes.contained_shapes): a step's accepted path (node indices, which grow along it)
+says exactly what each smaller tree would have accepted, its leading nodes numbered <= d, so
+every step feeds the averages of its own depth and of every shallower one. A draft model's tree
+of fewer tokens keeps other branches: its survival is kept from its own steps. Each request a
+step verified counts as one sample, up to STEP_SAMPLES per step (its requests sit at the same
+point of their generations: 64 requests of one step are not 64 independent samples): the
+averages are plain means of the first 1 / ALPHA_PER_REQUEST samples, then move by
+ALPHA_PER_REQUEST per sample, so a step of one request (batch 1, where each step either accepts
 everything or not) moves them as little as its one sample warrants, and a depth's estimate does
-not rest on its first lucky or unlucky step. One step moves them by ALPHA at most past the first
-samples: its requests sit at the same point of their generations, so 64 requests of one step are
-not 64 independent samples.
+not rest on its first lucky or unlucky step.
 
 Costs are monotone in the same way: a deeper step verifies more rows (and drafts more steps), so
 the per-request seconds of plain decoding and the depths, in that order, are read through their
@@ -38,8 +35,10 @@ machine can measure depth 2 slower than depth 4, which no step of the batch coul
 
 Measuring is online: the first step of a mode in a bucket is not counted (it pays one-off costs
 such as a graph captured on first use), then each mode is tried until it has `WARM_STEPS`
-measurements there (the deepest first: it measures the shallower chains' accept lengths; then
-plain decoding, the comparison that matters most, then the shallower depths). Afterwards the
+measurements there, round-robin (the deepest first: it measures the shallower depths' accept
+lengths; then plain decoding, the comparison that matters most, then the shallower depths), so
+that no mode is measured only in the first steps of the generations, which accept differently
+from later ones (NGRAM finds more repetition as a generation goes on). Afterwards the
 chosen mode measures itself every step, and a mode not chosen is tried again so the averages
 follow changes (a draft learning or falling behind new weights, longer contexts), but each try
 costs a step in a slower mode, so tries back off: a mode is retried once it has not run for its
@@ -72,7 +71,7 @@ from typing import Any, Optional, Union
 
 from spec_engine.args.spec_shapes import contained_shapes, nested_shapes, spec_shapes
 
-ALPHA = 0.25  # the most one step moves the survival averages (past their first samples)
+STEP_SAMPLES = 8  # the most samples one step's requests count for in the survival averages
 RECENT = 5  # a mode's cost in a bucket: the median of its last RECENT measurements there
 ALPHA_PER_REQUEST = 1 / 32  # weight of one request's accepted drafts in the survival averages
 WARM_STEPS = 2  # measurements per mode and bucket before the averages decide
@@ -84,6 +83,13 @@ PLAIN = 0  # the mode of a plain decode step; speculative modes are their depth
 def bucket(batch: int) -> int:
     """The bucket of a batch size: the smallest power of two >= it."""
     return 1 << max(batch - 1, 0).bit_length()
+
+
+def _leading(path: Sequence[int], depth: int) -> int:
+    """Drafts of the accepted `path` (node indices, root 0 first) that the tree of its first
+    depth + 1 nodes holds: node indices grow along a path, so its leading nodes numbered
+    <= depth."""
+    return next((i for i, node in enumerate(path[1:]) if node > depth), len(path) - 1)
 
 
 @dataclass
@@ -112,22 +118,22 @@ class ModeCost:
 
 
 class SpecCostModel:
-    def __init__(self, depths: Sequence[int], nested: bool, shared: Optional[bool] = None) -> None:
+    def __init__(self, depths: Sequence[int], nested: bool, contained: bool = False) -> None:
         """`depths`: the candidate speculative depths (ascending); `nested`: whether a
-        shallower draft is the start of a deeper one (a chain); `shared` (default: `nested`):
-        whether a shallower draft is contained in a deeper one (a chain or NGRAM), so that all
-        depths share their continuation rates."""
+        shallower draft is the start of a deeper one (a chain); `contained`: whether a tree of
+        d + 1 nodes is the first d + 1 nodes of a deeper one (NGRAM), so that a step's accepted
+        paths tell what each shallower depth would have accepted."""
         if not depths or any(d < 1 for d in depths) or list(depths) != sorted(set(depths)):
             raise ValueError(f"speculative depths must be ascending and >= 1, got {list(depths)}")
         self.depths = list(depths)
         self.modes = [PLAIN, *self.depths]
         self.nested = nested
-        self.shared = nested if shared is None else shared
+        self.contained = contained
         self.costs: dict[int, dict[int, ModeCost]] = {}
-        # (pool, k) -> average share of the requests that accepted >= k - 1 drafts which accepted
-        # >= k; the pool is 0 for shared shapes, else the depth the step ran at.
-        self.rate: dict[tuple[int, int], float] = {}
-        self.samples: dict[tuple[int, int], int] = {}  # requests each rate average has seen
+        # (pool, k) -> EMA of the share of requests that accepted >= k drafts; the pool is 0
+        # for nested shapes, else the depth whose draft accepted them.
+        self.survival: dict[tuple[int, int], float] = {}
+        self.samples: dict[tuple[int, int], int] = {}  # samples each survival average has seen
         self.frozen = False  # tests: measurements no longer move the model
         self.decisions = dict.fromkeys(self.modes, 0)  # steps run per mode
 
@@ -144,9 +150,10 @@ class SpecCostModel:
         """The mode of the next decode step of `batch` requests: PLAIN or a depth."""
         modes = self._bucket(batch)
         if not self.frozen:
-            for mode in [self.depths[-1], PLAIN, *reversed(self.depths[:-1])]:
-                if modes[mode].steps < WARM_STEPS:
-                    return mode
+            order = [self.depths[-1], PLAIN, *reversed(self.depths[:-1])]
+            cold = [m for m in order if modes[m].steps < WARM_STEPS]
+            if cold:  # the first of those run least so far: round-robin
+                return min(cold, key=lambda m: modes[m].steps + modes[m].seen)
         best = self.best(batch)
         if self.frozen:
             return best
@@ -171,15 +178,9 @@ class SpecCostModel:
 
     def accept_length(self, depth: int) -> Optional[float]:
         """Expected tokens a verify at `depth` emits per request (None until measured)."""
-        pool = PLAIN if self.shared else depth
-        rates = [self.rate.get((pool, k)) for k in range(1, depth + 1)]
-        if None in rates:
-            return None
-        accept, survival = 1.0, 1.0
-        for rate in rates:
-            survival *= rate
-            accept += survival
-        return accept
+        pool = PLAIN if self.nested else depth
+        survival = [self.survival.get((pool, k)) for k in range(1, depth + 1)]
+        return None if None in survival else 1.0 + sum(survival)
 
     def seconds(self, batch: int) -> dict[int, float]:
         """Seconds per request of every measured mode at `batch`: the isotonic fit (non-decreasing
@@ -187,7 +188,7 @@ class SpecCostModel:
         measured = [(m, c) for m, c in self._bucket(batch).items() if c.seconds is not None]
         blocks: list[tuple[float, int, int]] = []  # (mean, weight, modes pooled)
         for _, cost in measured:
-            mean, weight, count = cost.seconds, max(cost.steps, 1), 1
+            mean, weight, count = cost.seconds, len(cost.recent), 1
             while blocks and blocks[-1][0] > mean:
                 prev_mean, prev_weight, prev_count = blocks.pop()
                 total = prev_weight + weight
@@ -222,10 +223,16 @@ class SpecCostModel:
         return max(spec) / rates[PLAIN] if spec and PLAIN in rates else 1.0
 
     def observe(
-        self, mode: int, batch: int, seconds: float, tokens: Sequence[Sequence[int]] = ()
+        self,
+        mode: int,
+        batch: int,
+        seconds: float,
+        tokens: Sequence[Sequence[int]] = (),
+        paths: Optional[Sequence[Sequence[int]]] = None,
     ) -> None:
         """A decode step ran: its mode, batch size, duration and, speculating, the tokens each
-        request's verify emitted (the accepted drafts and the bonus token)."""
+        request's verify emitted (the accepted drafts and the bonus token) and the tree nodes
+        each accepted (root first; used for contained shapes)."""
         self.decisions[mode] += 1
         if self.frozen or batch <= 0:
             return
@@ -235,21 +242,37 @@ class SpecCostModel:
         cost = modes[mode]
         cost.add(seconds / batch)
         if mode != PLAIN and tokens:
-            pool = PLAIN if self.shared else mode
-            accepted = [len(t) - 1 for t in tokens]
-            for k in range(1, mode + 1):
-                n = sum(a >= k - 1 for a in accepted)  # at risk
-                if n == 0:
-                    break
-                share = sum(a >= k for a in accepted) / n
-                seen = self.samples.get((pool, k), 0)
-                mean = n / (seen + n) if seen * ALPHA_PER_REQUEST < 1 else 0.0
-                weight = max(min(1 - (1 - ALPHA_PER_REQUEST) ** n, ALPHA), mean)
-                old = self.rate.get((pool, k), share)
-                self.rate[(pool, k)] = old + weight * (share - old)
-                self.samples[(pool, k)] = seen + n
+            for pool, depth, accepted in self._accepted(mode, tokens, paths):
+                self._add_survival(pool, depth, accepted)
         if cost.steps > WARM_STEPS:
             cost.interval = self._next_interval(batch, mode, seconds / batch, tokens)
+
+    def _accepted(
+        self,
+        mode: int,
+        tokens: Sequence[Sequence[int]],
+        paths: Optional[Sequence[Sequence[int]]],
+    ) -> list[tuple[int, int, list[int]]]:
+        """(pool, depth, drafts each request accepted) for every depth a step of `mode` measures:
+        a chain's shared pool up to `mode`; with accepted paths of contained trees, each depth
+        up to `mode`, what its smaller tree would have accepted; else `mode` alone."""
+        accepted = [len(t) - 1 for t in tokens]
+        if self.nested:
+            return [(PLAIN, mode, accepted)]
+        if not (self.contained and paths):
+            return [(mode, mode, accepted)]
+        return [(d, d, [_leading(p, d) for p in paths]) for d in self.depths if d <= mode]
+
+    def _add_survival(self, pool: int, depth: int, accepted: Sequence[int]) -> None:
+        n = min(len(accepted), STEP_SAMPLES)
+        for k in range(1, depth + 1):
+            share = sum(a >= k for a in accepted) / len(accepted)
+            seen = self.samples.get((pool, k), 0)
+            mean = n / (seen + n) if seen * ALPHA_PER_REQUEST < 1 else 0.0
+            weight = max(1 - (1 - ALPHA_PER_REQUEST) ** n, mean)
+            old = self.survival.get((pool, k), share)
+            self.survival[(pool, k)] = old + weight * (share - old)
+            self.samples[(pool, k)] = seen + n
 
     def _next_interval(
         self, batch: int, mode: int, seconds: float, tokens: Sequence[Sequence[int]]
@@ -294,16 +317,16 @@ class SpecCostModel:
             raise ValueError(f"survival probabilities must lie in [0, 1], got {list(survival)}")
         if any(b > a for a, b in zip(survival, survival[1:])):
             raise ValueError(f"survival probabilities must not grow with k, got {list(survival)}")
-        padded = [1.0, *survival, *[0.0] * self.depths[-1]]
-        for pool in [PLAIN] if self.shared else self.depths:
+        for pool in [PLAIN] if self.nested else self.depths:
             for k in range(1, self.depths[-1] + 1):
-                before = padded[k - 1]
-                self.rate[(pool, k)] = padded[k] / before if before else 0.0
+                self.survival[(pool, k)] = survival[k - 1] if k <= len(survival) else 0.0
         self.frozen = True
 
     def report(self) -> dict[str, Any]:
-        """For get_server_info: the accept length per depth, the averages per bucket and the
-        mode each implies (`depth`: 0 for plain decoding), the steps run in each mode."""
+        """For get_server_info: the accept length per depth, the costs per bucket (as fitted:
+        the values the choice compares) and the mode each implies (`depth`: 0 for plain
+        decoding), the steps run in each mode."""
+        fitted = {b: self.seconds(b) for b in self.costs}
         return {
             "depths": self.depths,
             "accept_length": {d: self.accept_length(d) for d in self.depths},
@@ -312,11 +335,11 @@ class SpecCostModel:
             "steps_by_depth": {d: self.decisions[d] for d in self.depths},
             "buckets": {
                 b: {
-                    "plain_s_per_req": modes[PLAIN].seconds,
-                    "spec_s_per_req": {d: modes[d].seconds for d in self.depths},
+                    "plain_s_per_req": fitted[b].get(PLAIN),
+                    "spec_s_per_req": {d: fitted[b].get(d) for d in self.depths},
                     "depth": self.best(b),
                     "speculate": self.best(b) != PLAIN,
                 }
-                for b, modes in sorted(self.costs.items())
+                for b in sorted(self.costs)
             },
         }

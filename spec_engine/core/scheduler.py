@@ -139,21 +139,21 @@ class Scheduler:
                 self.worker.catch_up(reqs, full_only=depth == 0)
                 began = time.perf_counter()
                 if depth != 0:  # None: the configured shape (a plain worker: its decode step)
-                    result = self.worker.decode(reqs, *(() if depth is None else (depth,)))
+                    out = self.worker.decode(reqs, *(() if depth is None else (depth,)))
                 else:  # (never stale with NGRAM or --speculative-adaptive: draft_lag.py)
                     for req in reqs:
                         req.draft_stale = not self.worker.plain_steps_keep_draft
-                    result = self.worker.decode_plain(reqs)
+                    out = self.worker.decode_plain(reqs)
                 seconds = time.perf_counter() - began  # the tokens are on the host: synchronized
                 verify_ct, emitted = self.spec_verify_ct, self.spec_emitted
-                n += self._process_outputs(reqs, result)
+                n += self._process_outputs(reqs, out)
                 passes = self.spec_verify_ct - verify_ct
                 self.spec_depth_sum += passes * (depth or self.worker.max_depth)
                 # The alarm compares accept lengths of one shape: the configured (deepest) one.
                 if self.alarm is not None and depth in (None, self.worker.max_depth):
                     self.alarm.record(passes, self.spec_emitted - emitted)
                 if self.adaptive is not None:
-                    self.adaptive.observe(depth, len(reqs), seconds, result.tokens if depth else ())
+                    self.adaptive.observe(depth, len(reqs), seconds, out.tokens, out.accept_paths)
             self.last_gen_throughput = n / max(time.perf_counter() - start, 1e-9)
             self.new_token_ratio = max(
                 self.min_ratio,

@@ -40,6 +40,9 @@ class StepResult:
     top_logprobs: Optional[list[list[list[tuple[float, int]]]]] = None
     # Speculative decode steps: draft tokens proposed per request (None for plain steps).
     drafted: Optional[list[int]] = None
+    # Speculative decode steps: the tree nodes each request accepted, root first (the adaptive
+    # cost model reads what a smaller NGRAM tree would have accepted from them).
+    accept_paths: Optional[list[list[int]]] = None
     # slime's top-p replay: per request (empty when not asked), each emitted token's nucleus.
     top_p_ids: Optional[list[list[list[int]]]] = None
     # Requests the model failed this step (non-finite logits): index -> why; they emit nothing.

@@ -164,6 +164,7 @@ class SpecWorker(ModelWorker):
             logprobs=logprobs,
             top_logprobs=top,
             drafted=[n - 1 for n in sizes],
+            accept_paths=[a.path for a in accepts],
             top_p_ids=top_p_ids,
             # Only rows that produced an emitted token count: a rejected draft branch (say, a
             # token whose embedding is broken) does not fail its request.
