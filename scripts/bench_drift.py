@@ -39,6 +39,7 @@ import statistics
 import subprocess
 
 from specrl.plots import read_metrics, svg
+from specrl.tiny_run import TASK_PROMPTS
 
 MODES = {"online": "1", "frozen": "0"}  # MTP_TRAINING; "online-fast" (--draft-lr) is optional
 ARMS = ("online", "frozen", "online-fast")
@@ -91,19 +92,30 @@ def finished(out: str, num_rollout: int) -> bool:
 
 def extend_task(path: str, num_prompts: int, drift_at: int) -> int:
     """Make the task file at `path` hold at least `num_prompts` prompts, so that the data source
-    does not wrap around to the prompts before the shift: the prompts from `drift_at` on repeat
-    in order. The first lines stay as they were. Returns the number of lines added."""
+    does not wrap around to the prompts before the shift: the written task's prompts from
+    `drift_at` on repeat in order, line j being the same whether the file was extended once or
+    several times. The first lines stay as they were. Returns the number of lines added."""
     with open(path) as f:
         lines = [line for line in f if line.strip()]
-    after = lines[drift_at:]
+    after = lines[drift_at:TASK_PROMPTS]
     if len(lines) >= num_prompts:
         return 0
     if not after:
         raise SystemExit(f"{path}: no prompts after the shift ({drift_at}) to repeat")
-    added = [after[i % len(after)] for i in range(num_prompts - len(lines))]
+    added = [after[(j - drift_at) % len(after)] for j in range(len(lines), num_prompts)]
     with open(path, "a") as f:
         f.writelines(added)
     return len(added)
+
+
+def goes_on_from(out: str, shared: str, drift_rollout: int) -> bool:
+    """Whether the kept run in `out` has a checkpoint and started from the run in `shared`
+    as it is now (the same first `drift_rollout` rollouts): else it is started again."""
+    paths = [os.path.join(run, "metrics.jsonl") for run in (out, shared)]
+    if not (os.path.exists(os.path.join(out, "ckpt", LATEST)) and all(map(os.path.exists, paths))):
+        return False
+    mine, theirs = (read_metrics(p)[:drift_rollout] for p in paths)
+    return len(mine) == drift_rollout and mine == theirs
 
 
 def fresh_run(root: str, name: str, assets: str) -> str:
@@ -189,7 +201,7 @@ def main() -> None:
                 env = {**base_env, "MTP_TRAINING": training}
             else:
                 resume = os.path.join(out, "ckpt")
-                if not (args.reuse and os.path.exists(os.path.join(resume, LATEST))):
+                if not (args.reuse and goes_on_from(out, shared, d)):
                     shutil.rmtree(out, ignore_errors=True)
                     shutil.copytree(shared, out)
                 # A longer run than the one kept goes on from its last checkpoint; the copies of

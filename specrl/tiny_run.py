@@ -27,6 +27,8 @@ logger = logging.getLogger("specrl.tiny_run")
 
 LOG_LINES = 8  # warm-up progress lines, spread over the steps
 
+TASK_PROMPTS = 256  # prompts in the tiny task's file (64 rollouts of 4)
+
 
 def _mimo(out: str, seed: int) -> None:
     build_tiny_model(out, arch="qwen2", num_layers=2, seed=seed)
@@ -102,7 +104,7 @@ def prepare(
     MODELS[model](base, seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
     letters = write_tiny_task(
-        os.path.join(out, "task.jsonl"), tokenizer, n=256, seed=seed, drift_at=drift_at
+        os.path.join(out, "task.jsonl"), tokenizer, n=TASK_PROMPTS, seed=seed, drift_at=drift_at
     )
     args = TrainerArgs(
         hf_checkpoint=base,
