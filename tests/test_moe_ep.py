@@ -124,26 +124,31 @@ def _run(rank: int, world_size: int, ports: list[int], jobs: dict, out_dir: str)
                 assert converted.keys() == {k for k in state if not k.endswith("_extra_state")}
                 assert [k for k in converted if not torch.equal(converted[k], state[k])] == []
             batch = _batch(lengths, path)
-            before = actor.compute_log_probs(batch)
-            metrics = {k: v for k, v in actor.train(batch).items() if not k.startswith("perf/")}
-            after = actor.compute_log_probs(batch)
-            weights = {k: v.clone() for k, v in actor.hf_named_tensors()}
-            if world_size > 1 and name == "glm4_moe":
-                # rank 0 writes the export; rank 1 holds half the experts and must send them
-                actor.save_hf(os.path.join(out_dir, f"{name}-hf"))
-                if rank == 0:
-                    saved = read_hf_weights(os.path.join(out_dir, f"{name}-hf"))
-                    assert saved.keys() == weights.keys()
-                    assert [k for k in saved if not torch.equal(saved[k], weights[k])] == []
-            if rank == 0:
-                torch.save(
-                    (before, metrics, after, weights),
-                    os.path.join(out_dir, f"{name}-ep{world_size}.pt"),
-                )
+            _step_and_export(actor, name, batch, out_dir, f"ep{world_size}")
             if name == "deepseek_v3":
                 _checkpoint_steps(actor, batch, out_dir, world_size)
         finally:
             destroy_model_parallel()
+
+
+def _step_and_export(actor, name: str, batch, out_dir: str, tag: str) -> None:
+    """One RL step on `actor`: log-probs before and after, metrics and exported weights, saved by
+    rank 0 as `{name}-{tag}.pt`; GLM-4.5 on several ranks also checks `--save-hf` (rank 0 writes
+    it with the other ranks' experts) against the export."""
+    from trainer_bridge.convert import read_hf_weights
+
+    before = actor.compute_log_probs(batch)
+    metrics = {k: v for k, v in actor.train(batch).items() if not k.startswith("perf/")}
+    after = actor.compute_log_probs(batch)
+    weights = {k: v.clone() for k, v in actor.hf_named_tensors()}
+    if actor.world_size > 1 and name == "glm4_moe":
+        actor.save_hf(os.path.join(out_dir, f"{name}-hf"))
+        if actor.rank == 0:
+            saved = read_hf_weights(os.path.join(out_dir, f"{name}-hf"))
+            assert saved.keys() == weights.keys()
+            assert [k for k in saved if not torch.equal(saved[k], weights[k])] == []
+    if actor.rank == 0:
+        torch.save((before, metrics, after, weights), os.path.join(out_dir, f"{name}-{tag}.pt"))
 
 
 def _next_step(actor, batch) -> tuple[dict, list, dict]:

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import FAMILIES
-from test_moe_ep import _assert_same_step, _next_step
+from test_moe_ep import _assert_same_step, _next_step, _step_and_export
 from test_moe_tp import _batch, _max_diff, _ports
 
 from trainer_bridge.convert.__main__ import main as convert_cli
@@ -95,7 +95,6 @@ def _run(rank: int, world_size: int, ports: list[int], jobs: dict, out_dir: str)
     log-probs again and the exported weights; rank 0 saves them. DeepSeek-V3 then saves a
     checkpoint, steps on, and resumes from the checkpoint at ETP 2."""
     torch.set_num_threads(1)
-    from trainer_bridge.convert import read_hf_weights
     from trainer_bridge.megatron_compat import destroy_model_parallel
 
     for i, (name, (path, options, ep, lengths)) in enumerate(jobs.items()):
@@ -111,21 +110,7 @@ def _run(rank: int, world_size: int, ports: list[int], jobs: dict, out_dir: str)
             if world_size > 1:
                 _check_loaded(actor, name, path, ep, out_dir)
             batch = _batch(lengths, path)
-            before = actor.compute_log_probs(batch)
-            metrics = {k: v for k, v in actor.train(batch).items() if not k.startswith("perf/")}
-            after = actor.compute_log_probs(batch)
-            weights = {k: v.clone() for k, v in actor.hf_named_tensors()}
-            if world_size > 1 and name == "glm4_moe":  # rank 1 sends its 4 experts
-                actor.save_hf(os.path.join(out_dir, f"{name}-hf"))
-                if rank == 0:
-                    saved = read_hf_weights(os.path.join(out_dir, f"{name}-hf"))
-                    assert saved.keys() == weights.keys()
-                    assert [k for k in saved if not torch.equal(saved[k], weights[k])] == []
-            if rank == 0:
-                torch.save(
-                    (before, metrics, after, weights),
-                    os.path.join(out_dir, f"{name}-tp{world_size}.pt"),
-                )
+            _step_and_export(actor, name, batch, out_dir, f"tp{world_size}")
             if world_size > 1 and name == "deepseek_v3":
                 directory = os.path.join(out_dir, "ckpt-etp1")
                 os.makedirs(directory, exist_ok=True)
