@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 from typing import Any, Optional
 
 from rollout.sample import Sample
+
+logger = logging.getLogger(__name__)
 
 
 class DataSource:
@@ -105,11 +108,24 @@ class DataSource:
                 "with the same flags"
             )
         count = state.get("num_prompts", len(self.records))
-        if count != len(self.records) or not 0 <= offset <= len(self.records):
+        # A file grown by appending, read in file order and still in its first epoch, continues
+        # exactly as a run on the longer file from the start would have (a longer run's prompts
+        # added after the checkpoint); a shuffle or a later epoch would read another order.
+        grown = count < len(self.records) and not self.shuffle and epoch == 0
+        if (count != len(self.records) and not grown) or not 0 <= offset <= count:
             raise ValueError(
-                f"the checkpoint was saved reading {count} prompts (offset {offset}), "
-                f"{self.path} has {len(self.records)}; resume with the prompt file it was "
-                "saved with"
+                f"the checkpoint was saved reading {count} prompts (offset {offset}, epoch "
+                f"{epoch}), {self.path} has {len(self.records)}; resume with the prompt file it "
+                "was saved with (a file grown by appending resumes only unshuffled in its first "
+                "epoch)"
+            )
+        if grown:
+            logger.info(
+                "%s has %d prompts, %d when the checkpoint was saved: reading on from prompt %d",
+                self.path,
+                len(self.records),
+                count,
+                offset,
             )
         self.epoch, self.offset = epoch, offset
         self._order = self._epoch_order(epoch)

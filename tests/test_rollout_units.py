@@ -204,6 +204,23 @@ def test_data_source_epochs_and_deterministic_shuffle(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="saved reading 9 prompts"):
         plain.load_state_dict({**c.state_dict(), "shuffle": False, "seed": 42, "num_prompts": 9})
 
+    grown = write_jsonl(
+        tmp_path / "grown.jsonl",
+        [{"input": f"q{i}", "label": str(i), "metadata": {"i": i}} for i in range(8)],
+    )
+    short = DataSource(path, tokenizer, label_key="label")
+    labels(short, 4)
+    longer = DataSource(grown, tokenizer, label_key="label")
+    longer.load_state_dict(short.state_dict())  # appended prompts, file order, epoch 0: read on
+    assert labels(longer, 5) == ["4", "5", "6", "7", "0"]
+    labels(short, 3)  # into epoch 1: the longer file's epochs would have cut elsewhere
+    with pytest.raises(ValueError, match=r"saved reading 5 prompts \(offset 2, epoch 1\)"):
+        DataSource(grown, tokenizer, label_key="label").load_state_dict(short.state_dict())
+    with pytest.raises(ValueError, match="grown by appending resumes only unshuffled"):
+        DataSource(grown, tokenizer, label_key="label", shuffle=True, seed=3).load_state_dict(
+            {**c.state_dict(), "epoch": 0, "offset": 2}
+        )
+
     first = plain.all_prompts()[2]
     assert first.prompt == "q2" and first.metadata == {"i": 2}
     assert first.tokens == tokenizer("q2")["input_ids"]
