@@ -154,11 +154,12 @@ class SpecCostModel:
             cold = [m for m in order if modes[m].steps < WARM_STEPS]
             if cold:  # the first of those run least so far: round-robin
                 return min(cold, key=lambda m: modes[m].steps + modes[m].seen)
-        best = self.best(batch)
+        seconds = self.seconds(batch)
+        rates = self._rates(seconds)
+        best = self._best(rates)
         if self.frozen:
             return best
-        seconds = self.seconds(batch)
-        top = max(self.rates(batch).values(), default=0.0)
+        top = max(rates.values(), default=0.0)
         due = [
             m
             for m in self.modes
@@ -200,8 +201,11 @@ class SpecCostModel:
 
     def rates(self, batch: int) -> dict[int, float]:
         """Expected tokens per second per request of every measured mode at `batch`."""
+        return self._rates(self.seconds(batch))
+
+    def _rates(self, costs: Mapping[int, float]) -> dict[int, float]:
         rates = {}
-        for mode, seconds in self.seconds(batch).items():
+        for mode, seconds in costs.items():
             accept = 1.0 if mode == PLAIN else self.accept_length(mode)
             if accept is not None:
                 rates[mode] = accept / seconds
@@ -210,7 +214,10 @@ class SpecCostModel:
     def best(self, batch: int) -> int:
         """The measured mode with the most expected tokens/s at `batch`; plain decoding while it
         has no measurement to compare with (ties go to the shallower mode)."""
-        rates = self.rates(batch)
+        return self._best(self.rates(batch))
+
+    @staticmethod
+    def _best(rates: Mapping[int, float]) -> int:
         if PLAIN not in rates:
             return PLAIN
         return max(sorted(rates), key=lambda m: (rates[m], -m))
@@ -282,9 +289,10 @@ class SpecCostModel:
         draft that got better is tried again soon, not after ever longer waits); else the
         interval doubled. (Not at once: one step that accepted everything beats the deeper
         mode's average though that mode would have accepted more in the same step.)"""
-        best = self.best(batch)
+        rates = self.rates(batch)
+        best = self._best(rates)
         accept = sum(map(len, tokens)) / len(tokens) if mode != PLAIN and tokens else 1.0
-        if best == mode or accept / seconds >= self.rates(batch).get(best, float("inf")):
+        if best == mode or accept / seconds >= rates.get(best, float("inf")):
             return EXPLORE_EVERY
         return min(2 * self._bucket(batch)[mode].interval, MAX_EXPLORE_EVERY)
 
