@@ -11,8 +11,9 @@ decode step split into draft, verify and bookkeeping. Drafts are random checkpoi
 right shape (EAGLE-2, EAGLE-3, MiMo MTP), so their acceptance is near 1 and they measure the
 overhead; STANDALONE with the target as its own draft accepts every token (the upper bound);
 NGRAM runs on prompts that repeat a pattern, as code or templated text does (--interleave: all
-configurations' engines at once, rounds round-robin); ngram-adaptive,
-eagle3-adaptive and mtp-adaptive (and, on request, standalone-self-adaptive) add
+configurations' engines at once, rounds round-robin, the order turning by one each round; the
+JSON keeps every round's tokens/s and the adaptive rows' median of per-round ratios);
+ngram-adaptive, eagle3-adaptive and mtp-adaptive (and, on request, standalone-self-adaptive) add
 --speculative-adaptive (per step, decode plainly or speculate at a depth up to the configured
 one, by the measured cost model; the table gives the share of decode steps that speculated, the
 JSON the steps run at each depth), and each is compared with the better of its fixed
@@ -226,6 +227,8 @@ def summarize(batch: int, rounds: list[dict], weight_bytes: int) -> dict:
         # The first token of each request comes with the prefill.
         "decode_tokens_per_s": round((best["tokens"] - batch) / decode_s, 1),
         "weight_bytes": weight_bytes,
+        # every round's, in order: round r of each configuration ran side by side under --interleave
+        "round_tokens_per_s": [round(m["tokens"] / m["elapsed"], 1) for m in rounds],
         **best["state"],
     }
 
@@ -235,8 +238,8 @@ def run(
 ) -> dict[str, dict]:
     """Each configuration in `names` at `batch`: after one warm-up generation, the best of
     --repeats rounds. --interleave: all engines open at once and the rounds go round-robin over
-    them, so a slow spell of the machine hits every configuration alike; else one engine at a
-    time."""
+    them (starting one further each round), so a slow spell of the machine hits every
+    configuration alike; else one engine at a time."""
     groups = [names] if args.interleave else [[name] for name in names]
     out = {}
     for group in groups:
@@ -250,9 +253,11 @@ def run(
                 )
             rounds: dict[str, list[dict]] = {n: [] for n in group}
             for r in range(args.repeats):
-                for n, engine in engines.items():
+                # The order turns by one each round: no configuration always runs right after
+                # the same one (an adaptive engine after its slow fixed speculation).
+                for n in group[r % len(group) :] + group[: r % len(group)]:
                     ngram = n.startswith("ngram")
-                    rounds[n].append(measure(engine, batch, args, args.vocab_size, ngram, r))
+                    rounds[n].append(measure(engines[n], batch, args, args.vocab_size, ngram, r))
             for n, engine in engines.items():
                 out[n] = summarize(batch, rounds[n], engine.runner.weight_bytes())
         del engines

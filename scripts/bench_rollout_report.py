@@ -4,6 +4,7 @@ the better of plain decoding and fixed speculation, and the batch-1 roofline."""
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any, Optional
 
 from specrl.plots import svg
@@ -46,7 +47,9 @@ def print_table(results: list[dict], base: dict[int, float]) -> None:
 def adaptive_vs_best(results: list[dict]) -> list[dict[str, Any]]:
     """Each adaptive row's tokens/s (whole generation and decode only) over the better of its
     algorithm's fixed speculation and its target's plain decoding at the same batch size, where
-    both were measured."""
+    both were measured; and `paired_median`, the median over rounds of the same ratio taken round
+    by round (under --interleave a round of each engine ran one after the other, so a slow spell
+    of the machine divides out, where best-of-rounds compares different moments)."""
     rows = {(r["algorithm"], r["batch"]): r for r in results}
     out = []
     for r in results:
@@ -61,6 +64,10 @@ def adaptive_vs_best(results: list[dict]) -> list[dict[str, Any]]:
         entry: dict[str, Any] = dict(algorithm=name, batch=r["batch"], plain=plain["algorithm"])
         for key in ("tokens_per_s", "decode_tokens_per_s"):
             entry[key] = round(r[key] / max(plain[key], spec[key]), 3)
+        rounds = zip(
+            r["round_tokens_per_s"], plain["round_tokens_per_s"], spec["round_tokens_per_s"]
+        )
+        entry["paired_median"] = round(statistics.median(a / max(p, s) for a, p, s in rounds), 3)
         out.append(entry)
     return out
 
@@ -80,6 +87,13 @@ def print_adaptive(ratios: list[dict[str, Any]]) -> None:
             else "-"
             for b in batches
         ]
+        print(f"| {name} | " + " | ".join(row) + " |")
+    print("\nthe same, round by round: median over rounds")
+    print("| | " + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("|---|" + "---:|" * len(batches))
+    for name in dict.fromkeys(e["algorithm"] for e in ratios):
+        cells = {e["batch"]: e["paired_median"] for e in ratios if e["algorithm"] == name}
+        row = [f"{cells[b]:.2f}" if b in cells else "-" for b in batches]
         print(f"| {name} | " + " | ".join(row) + " |")
 
 

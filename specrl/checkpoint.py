@@ -189,7 +189,7 @@ def resolve_ref_load(args: argparse.Namespace, hf_config: dict[str, Any]) -> str
     directory = iter_dir(path, latest) if latest is not None else path
     if os.path.isfile(os.path.join(directory, MEGATRON_FILES[0])):
         check_complete(directory)
-        check_common(read_common(directory), hf_config, args.tensor_model_parallel_size, directory)
+        check_common(read_common(directory), hf_config, directory)
         return directory
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
@@ -253,7 +253,7 @@ def _find_resume(args: argparse.Namespace, hf_config: dict[str, Any]) -> Resume 
         )
     check_complete(directory)
     common = read_common(directory)
-    check_common(common, hf_config, args.tensor_model_parallel_size, directory)
+    check_common(common, hf_config, directory)
     with open(os.path.join(directory, ROLLOUT_STATE)) as f:
         state = json.load(f)
     return Resume(directory, latest, state)

@@ -107,6 +107,15 @@ def test_bench_rollout_script_runs(tmp_path):
     assert mtp["tokens_per_s"] == pytest.approx(
         rate[("mtp-adaptive", 2)] / max(rate[("mtp-plain", 2)], rate[("mtp", 2)]), abs=1e-3
     )
+    # Round by round: the median of each round's ratio (the rounds ran side by side).
+    rounds = {(r["algorithm"], r["batch"]): r["round_tokens_per_s"] for r in results}
+    paired = sorted(
+        a / max(p, s)
+        for a, p, s in zip(
+            rounds[("mtp-adaptive", 2)], rounds[("mtp-plain", 2)], rounds[("mtp", 2)]
+        )
+    )
+    assert len(paired) == 2 and mtp["paired_median"] == pytest.approx(sum(paired) / 2, abs=1e-3)
     assert "adaptive / max(plain, fixed)" in proc.stdout
     assert all(r["decode_tokens_per_s"] > 0 for r in results)
     for adaptive in (r for r in results if r["algorithm"].endswith("-adaptive")):

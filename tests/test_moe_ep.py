@@ -297,9 +297,9 @@ def test_what_does_not_split_over_experts_is_refused(checkpoints, tmp_path):
         check_expert_parallel(dataclasses.replace(arch, moe=None), 2)
     # any EP size resumes (one from before EP: 1), but an older specrl's EP > 1 Adam layout not
     meta = {"format": FORMAT, "hf_config": arch.hf_config, "tensor_model_parallel_size": 1}
-    check_common({"specrl": meta}, arch.hf_config, 1, "ckpt")
+    check_common({"specrl": meta}, arch.hf_config, "ckpt")
     meta["format"] = V1_FORMAT
-    check_common({"specrl": meta}, arch.hf_config, 1, "ckpt")
+    check_common({"specrl": meta}, arch.hf_config, "ckpt")
     meta["expert_model_parallel_size"] = 2
     with pytest.raises(ValueError, match=r"older specrl .*-v1\) at --expert-model-parallel-size 2"):
-        check_common({"specrl": meta}, arch.hf_config, 1, "ckpt")
+        check_common({"specrl": meta}, arch.hf_config, "ckpt")

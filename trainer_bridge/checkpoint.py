@@ -8,14 +8,17 @@ rank's Python, NumPy, torch and tracker states: one object per tensor-parallel r
 list of its data-parallel replicas' states), `iteration` (the rollout id, as in slime),
 `checkpoint_version`, and specrl's own `specrl` entry (the model's Hugging Face config, the tensor-,
 expert- and expert tensor parallel sizes and the optimizer step count), which the launcher reads
-back without megatron (`read_common`) to refuse a checkpoint of another model or TP size before
-anything starts. Under expert parallelism each rank writes its own experts under their global
-numbers (megatron's SequentialMLP.sharded_state_dict), their Adam state too, each expert's tensor
-sharded over the expert tensor parallel ranks (whole at --expert-tensor-parallel-size 1): a
-checkpoint resumes at another expert-parallel and expert tensor parallel size, each rank reading
-its experts (or its slices of them) back. With --enable-draft-training,
-`draft` holds the draft trained online (EAGLE-2/3 or STANDALONE) and its Adam state
-(trainer_bridge.online_draft).
+back without megatron (`read_common`) to refuse a checkpoint of another model before anything
+starts. Every tensor, Adam's moments included, is saved as megatron's sharded tensor of its
+parameter (global shape, this rank's offsets), so a checkpoint resumes at another tensor-parallel
+size too: dist_checkpointing reads each rank's slices of it (the vocabulary padded for another TP
+size: megatron's `allow_shape_mismatch`, the padding rows zero). Under expert parallelism each rank
+writes its own experts under their global numbers (megatron's SequentialMLP.sharded_state_dict),
+their Adam state too, each expert's tensor sharded over the expert tensor parallel ranks (whole at
+--expert-tensor-parallel-size 1): a checkpoint resumes at another expert-parallel and expert tensor
+parallel size, each rank reading its experts (or its slices of them) back. With
+--enable-draft-training, `draft` holds the draft trained online (EAGLE-2/3 or STANDALONE) and
+its Adam state (trainer_bridge.online_draft).
 """
 
 from __future__ import annotations
@@ -224,29 +227,36 @@ def save_checkpoint(actor: TrainActor, directory: str, rollout_id: int) -> None:
 
 
 def load_checkpoint(actor: TrainActor, directory: str) -> int:
-    """Restore model, optimizer and RNG from `directory`, saved at any expert-parallel and
+    """Restore model, optimizer and RNG from `directory`, saved at any tensor-, expert- and
     expert tensor parallel size; returns its rollout id. The launcher has already checked the
-    model and TP size (`check_common`); dist_checkpointing still refuses a tensor whose global
-    shape differs."""
+    model (`check_common`); dist_checkpointing still refuses a tensor whose global shape
+    differs."""
     from megatron.core import dist_checkpointing
 
     common = read_common(directory)
     args = actor.args
-    check_common(common, actor.arch.hf_config, args.tensor_model_parallel_size, directory)
+    check_common(common, actor.arch.hf_config, directory)
+    meta = common["specrl"]
+    saved_tp = meta["tensor_model_parallel_size"]
+    saved = (
+        saved_tp,
+        meta.get("expert_model_parallel_size", 1),  # 1 from before EP
+        meta.get("expert_tensor_parallel_size", saved_tp),  # from before ETP: TP
+    )
     template = _state_dict(actor, common["iteration"], loading=True)
+    if saved_tp != args.tensor_model_parallel_size:
+        # one RNG object per TP rank: at another TP size there is none of this rank's to read
+        del template["rng_state"]
     state = dist_checkpointing.load(template, directory)
     actor.gpt.load_state_dict(state["model"])
     _restore_optimizer(actor, state["optimizer"])
-    states = state["rng_state"]
-    # A rank's RNG states come from seeds of its place in the layout (the expert-parallel
-    # tracker's from its expert and expert tensor parallel ranks): at another data-, expert- or
-    # expert tensor parallel size they are another rank's, so the run keeps those --seed gave it.
-    meta = common["specrl"]
-    saved = (
-        meta.get("expert_model_parallel_size", 1),  # 1 from before EP
-        meta.get("expert_tensor_parallel_size", args.tensor_model_parallel_size),  # before ETP
-    )
-    if len(states) == actor.dp_size and saved == (args.expert_model_parallel_size, args.expert_tp):
+    # A rank's RNG states come from seeds of its place in the layout (the tensor- and
+    # expert-parallel trackers' from its TP, expert and expert tensor parallel ranks): at another
+    # layout they are another rank's, so the run keeps those --seed gave it, as Megatron-LM does
+    # at another TP size.
+    states = state.get("rng_state", [])
+    layout = (args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tp)
+    if len(states) == actor.dp_size and saved == layout:
         _set_rng_state(states[actor.dp_rank])
     actor.step = common["specrl"]["optimizer_step"]
     # A checkpoint of a run without --enable-draft-training has none: the draft starts from the
@@ -312,12 +322,9 @@ def check_same_model(
         )
 
 
-def check_common(
-    common: dict[str, Any], hf_config: dict[str, Any], tp_size: int, directory: str
-) -> None:
-    """Refuse a checkpoint of another model shape or tensor-parallel size, or one this version
-    cannot read, saying what to do (any expert-parallel and expert tensor parallel size
-    resumes)."""
+def check_common(common: dict[str, Any], hf_config: dict[str, Any], directory: str) -> None:
+    """Refuse a checkpoint of another model shape, or one this version cannot read, saying what
+    to do (any tensor-, expert- and expert tensor parallel size resumes)."""
     meta = common["specrl"]
     check_same_model(
         meta["hf_config"],
@@ -325,13 +332,6 @@ def check_common(
         directory,
         "pass the --hf-checkpoint the run started from, or a checkpoint of this model",
     )
-    if meta["tensor_model_parallel_size"] != tp_size:
-        raise ValueError(
-            f"{directory} was saved at --tensor-model-parallel-size "
-            f"{meta['tensor_model_parallel_size']}, this run uses {tp_size}: resume with "
-            f"--tensor-model-parallel-size {meta['tensor_model_parallel_size']}, or start a new "
-            "run from its Hugging Face export (--save-hf) as --hf-checkpoint"
-        )
     saved_ep = meta.get("expert_model_parallel_size", 1)  # 1 from before EP
     if meta["format"] == V1_FORMAT and saved_ep > 1:
         raise ValueError(
