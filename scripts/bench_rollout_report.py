@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from typing import Any, Optional
 
 from specrl.plots import svg
@@ -76,24 +77,19 @@ def print_adaptive(ratios: list[dict[str, Any]]) -> None:
     if not ratios:
         return
     print("\nadaptive / max(plain, fixed), whole generation (decode only):")
+    _print_cells(ratios, lambda e: f"{e['tokens_per_s']:.2f} ({e['decode_tokens_per_s']:.2f})")
+    print("\nthe same, round by round: median over rounds")
+    _print_cells(ratios, lambda e: f"{e['paired_median']:.2f}")
+
+
+def _print_cells(ratios: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> None:
+    """A table of `cell` of each adaptive configuration's entry (rows) at each batch size."""
     batches = sorted({e["batch"] for e in ratios})
     print("| | " + " | ".join(f"batch {b}" for b in batches) + " |")
     print("|---|" + "---:|" * len(batches))
     for name in dict.fromkeys(e["algorithm"] for e in ratios):
         cells = {e["batch"]: e for e in ratios if e["algorithm"] == name}
-        row = [
-            f"{cells[b]['tokens_per_s']:.2f} ({cells[b]['decode_tokens_per_s']:.2f})"
-            if b in cells
-            else "-"
-            for b in batches
-        ]
-        print(f"| {name} | " + " | ".join(row) + " |")
-    print("\nthe same, round by round: median over rounds")
-    print("| | " + " | ".join(f"batch {b}" for b in batches) + " |")
-    print("|---|" + "---:|" * len(batches))
-    for name in dict.fromkeys(e["algorithm"] for e in ratios):
-        cells = {e["batch"]: e["paired_median"] for e in ratios if e["algorithm"] == name}
-        row = [f"{cells[b]:.2f}" if b in cells else "-" for b in batches]
+        row = [cell(cells[b]) if b in cells else "-" for b in batches]
         print(f"| {name} | " + " | ".join(row) + " |")
 
 
