@@ -1,9 +1,10 @@
-"""Page allocator and radix cache, unit level."""
+"""Page allocator, radix cache and the CPU attention gather buffers, unit level."""
 
 from __future__ import annotations
 
 import torch
 
+from spec_engine.attention.torch_native import TorchNativeBackend
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import ReqToTokenPool
 from spec_engine.mem.radix_cache import RadixCache
@@ -80,3 +81,36 @@ def test_next_token_keys_share_a_position_only_when_its_next_token_agrees():
     unigram = RadixCache(alloc, ReqToTokenPool(4, 64, CPU), page_size=1)
     unigram.insert(tokens[:5], a)
     assert len(unigram.match_prefix([1, 2, 3, 9, 9])[0]) == 3
+
+
+def test_cpu_attention_gathers_reuse_kept_buffers_and_graphs_keep_theirs():
+    backend = TorchNativeBackend(CPU)
+    pool = torch.randn(50, 2, 4, device=CPU)
+    large = torch.randint(0, 50, (20,), device=CPU)
+    small = torch.tensor([3, 1, 4], device=CPU)
+    k = backend._gather("k", pool, large)
+    assert torch.equal(k, pool[large]) and k.shape == (20, 2, 4)
+    block = k.data_ptr()
+    v = backend._gather("v", pool, small)
+    assert torch.equal(v, pool[small]) and v.data_ptr() != block  # K and V live side by side
+    again = backend._gather("k", pool, small)
+    assert torch.equal(again, pool[small]) and again.data_ptr() == block
+    # A graph pins its view at capture; a larger eager gather then grows the kept buffer, and
+    # the graph's replays still read (and rewrite) the view it captured.
+    graph: dict = {}
+    captured = backend._gather("k", pool, small, graph)
+    grown = backend._gather("k", pool, torch.cat([large, large, large]))
+    assert torch.equal(grown, pool[torch.cat([large, large, large])])
+    assert grown.data_ptr() != block
+    other = torch.tensor([7, 0, 2], device=CPU)
+    replay = backend._gather("k", pool, other, graph)
+    assert replay.data_ptr() == captured.data_ptr() == block and torch.equal(replay, pool[other])
+    half = backend._gather("k", pool.to(torch.bfloat16), small)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, pool[small].to(torch.bfloat16))
+    wide = backend._gather("k", torch.randn(50, 1, 12, device=CPU), small)  # an MLA latent row
+    assert wide.shape == (3, 1, 12)
+    # Off CPU the gather is index_select's own fresh output (CUDA's caching allocator reuses
+    # blocks): the meta device stands in for CUDA.
+    meta = TorchNativeBackend(torch.device("meta"))
+    out = meta._gather("k", pool.to("meta"), small.to("meta"))
+    assert out.device.type == "meta" and out.shape == (3, 2, 4) and not meta._workspace

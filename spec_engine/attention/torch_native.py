@@ -45,6 +45,7 @@ class _Padded:
     mask: torch.Tensor  # [B, Q, L] bool
     q_rows: Optional[torch.Tensor]  # [B * Q] flat token row of each padded query (None: identity)
     out_rows: Optional[torch.Tensor]  # [T] padded position of each flat token (None: identity)
+    pinned: Optional[dict] = None  # a graph's gather buffers, pinned at capture (None: eager)
 
 
 # Per request of a long prefill: (query start, query length, KV slots or None to use the new
@@ -62,6 +63,8 @@ class TorchNativeBackend(AttentionBackend):
         # Graph metadata buffers by (queries per row, kv width), sized by the first (largest)
         # capture; every captured size uses a view, as the graph runner's input buffers do.
         self._graph_buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # CPU gathers land in kept buffers (see _gather), one per K or V, dtype and row shape.
+        self._workspace: dict[tuple, torch.Tensor] = {}
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if (
@@ -109,7 +112,7 @@ class TorchNativeBackend(AttentionBackend):
             idx = torch.zeros(rows * kv_width, dtype=torch.int64, device=self.device)
             mask = torch.zeros(rows, queries, kv_width, dtype=torch.bool, device=self.device)
             self._graph_buffers[(queries, kv_width)] = idx, mask
-        meta = _Padded(rows, queries, idx[: rows * kv_width], mask[:rows], None, None)
+        meta = _Padded(rows, queries, idx[: rows * kv_width], mask[:rows], None, None, pinned={})
         self.fill_graph_metadata(meta, batch)
         return meta
 
@@ -211,35 +214,57 @@ class TorchNativeBackend(AttentionBackend):
                     qi, ki, vi, is_causal=True, scale=layer.scaling, enable_gqa=True
                 )
             else:
-                # index_select: several times faster than advanced indexing on CPU.
-                ki = (
-                    pool.k_buffer[layer.layer_id].index_select(0, slots).transpose(0, 1).to(q.dtype)
-                )
-                vi = (
-                    pool.v_buffer[layer.layer_id].index_select(0, slots).transpose(0, 1).to(q.dtype)
-                )
+                ki = self._gather("k", pool.k_buffer[layer.layer_id], slots)
+                vi = self._gather("v", pool.v_buffer[layer.layer_id], slots)
+                ki, vi = ki.transpose(0, 1).to(q.dtype), vi.transpose(0, 1).to(q.dtype)
                 oi = F.scaled_dot_product_attention(
                     qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=True
                 )
             out[start : start + q_len] = oi.transpose(0, 1)
         return out.view(-1, nh * vd)
 
+    def _gather(
+        self,
+        which: str,
+        buffer: torch.Tensor,
+        slots: torch.Tensor,
+        pinned: Optional[dict] = None,
+    ) -> torch.Tensor:
+        """The pool rows `slots` of one layer's K or V buffer, [len(slots), heads, dim].
+
+        index_select: several times faster than advanced indexing on CPU. On CPU the rows land in
+        a kept buffer: a decode step gathers every running request's keys per layer (tens of MB
+        at batch 128), and fresh blocks that size come from glibc's mmap or a trimmed heap, so
+        each call paid its page faults again (4.4 million per 128-token batch-128 generation, a
+        fifth of the step time). The buffer grows by powers of two; a graph pins its view of it
+        at capture in `pinned` (its metadata's), so a later, larger buffer leaves the graph
+        reading what it captured (--cuda-graph-self-check holds CPU graphs to CUDA's rule). CUDA
+        keeps index_select's own output: its caching allocator already reuses blocks.
+        """
+        if self.device.type != "cpu":
+            return buffer.index_select(0, slots)
+        key = (which, buffer.dtype, buffer.shape[1:])
+        out = None if pinned is None else pinned.get(key)
+        if out is None:
+            need = slots.numel() * buffer[0].numel()
+            space = self._workspace.get(key)
+            if space is None or space.numel() < need:
+                space = self._workspace[key] = torch.empty(
+                    1 << (need - 1).bit_length(), dtype=buffer.dtype, device=buffer.device
+                )
+            out = space[:need].view(slots.numel(), *buffer.shape[1:])
+            if pinned is not None:
+                pinned[key] = out
+        return torch.index_select(buffer, 0, slots, out=out)
+
     def _forward_padded(self, q: torch.Tensor, layer: Attention, pool, p: _Padded) -> torch.Tensor:
         nh, nkv, hd, vd = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim
         group = nh // nkv
         b, nq = p.batch, p.queries
-        k_all = (
-            pool.k_buffer[layer.layer_id]
-            .index_select(0, p.kv_idx)
-            .view(b, -1, nkv, hd)
-            .transpose(1, 2)
-        )
-        v_all = (
-            pool.v_buffer[layer.layer_id]
-            .index_select(0, p.kv_idx)
-            .view(b, -1, nkv, vd)
-            .transpose(1, 2)
-        )
+        k_all = self._gather("k", pool.k_buffer[layer.layer_id], p.kv_idx, p.pinned)
+        v_all = self._gather("v", pool.v_buffer[layer.layer_id], p.kv_idx, p.pinned)
+        k_all = k_all.view(b, -1, nkv, hd).transpose(1, 2)
+        v_all = v_all.view(b, -1, nkv, vd).transpose(1, 2)
         q = q.view(-1, nh, hd)
         if p.q_rows is not None:
             q = q.index_select(0, p.q_rows)
@@ -265,8 +290,9 @@ class TorchNativeBackend(AttentionBackend):
         group = nh // nkv
         b, nq, dtype = p.batch, p.queries, q.dtype
         # [B, 1, L, nkv, 1, hd]: broadcast over query rows and each KV head's query group.
-        k_all = pool.k_buffer[layer.layer_id].index_select(0, p.kv_idx).view(b, 1, -1, nkv, 1, hd)
-        v_all = pool.v_buffer[layer.layer_id].index_select(0, p.kv_idx).view(b, 1, -1, nkv, 1, vd)
+        k_all = self._gather("k", pool.k_buffer[layer.layer_id], p.kv_idx, p.pinned)
+        v_all = self._gather("v", pool.v_buffer[layer.layer_id], p.kv_idx, p.pinned)
+        k_all, v_all = k_all.view(b, 1, -1, nkv, 1, hd), v_all.view(b, 1, -1, nkv, 1, vd)
         q = q.view(-1, nh, hd)
         if p.q_rows is not None:
             q = q.index_select(0, p.q_rows)
