@@ -258,7 +258,7 @@ def load_checkpoint(actor: TrainActor, directory: str) -> int:
     layout = (args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tp)
     if len(states) == actor.dp_size and saved == layout:
         _set_rng_state(states[actor.dp_rank])
-    actor.step = common["specrl"]["optimizer_step"]
+    actor.step = meta["optimizer_step"]
     # A checkpoint of a run without --enable-draft-training has none: the draft starts from the
     # engines' draft checkpoint, as it did before.
     if "draft" in common:
