@@ -12,7 +12,9 @@ right shape (EAGLE-2, EAGLE-3, MiMo MTP), so their acceptance is near 1 and they
 overhead; STANDALONE with the target as its own draft accepts every token (the upper bound);
 NGRAM runs on prompts that repeat a pattern, as code or templated text does (--interleave: all
 configurations' engines at once, rounds round-robin, the order turning by one each round; the
-JSON keeps every round's tokens/s and the adaptive rows' median of per-round ratios);
+JSON keeps every round's tokens/s and the adaptive rows' median of per-round ratios; --isolate:
+the same rounds, each engine in a fresh process every round, for comparisons finer than the ~10%
+an engine's memory layout moves it on CPU);
 ngram-adaptive, eagle3-adaptive and mtp-adaptive (and, on request, standalone-self-adaptive) add
 --speculative-adaptive (per step, decode plainly or speculate at a depth up to the configured
 one, by the measured cost model; the table gives the share of decode steps that speculated, the
@@ -35,13 +37,12 @@ import gc
 import json
 import os
 import tempfile
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-from scripts.bench_engine import random_batches
+from scripts.bench_isolate import EngineProcess
+from scripts.bench_measure import measure, open_engine, warm_up
 from scripts.bench_rollout_report import (
     adaptive_vs_best,
     print_adaptive,
@@ -50,9 +51,6 @@ from scripts.bench_rollout_report import (
     speedup_svg,
 )
 from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
-
-if TYPE_CHECKING:
-    from spec_engine import Engine
 
 ALGORITHMS = (
     "baseline",
@@ -137,86 +135,6 @@ def configs(
     return table
 
 
-def prompts(batch: int, length: int, vocab: int, repetitive: bool, seed: int) -> list[list[int]]:
-    if not repetitive:
-        return random_batches(batch, length, vocab, seed)
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(batch):
-        pattern = torch.randint(5, vocab, (16,), generator=g, device="cpu").tolist()
-        out.append((pattern * (length // 16 + 1))[:length])
-    return out
-
-
-def open_engine(path: str, kwargs: dict, batch: int, args: argparse.Namespace) -> Engine:
-    from spec_engine import Engine
-
-    return Engine(
-        model_path=path,
-        device=args.device,
-        dtype=args.dtype,
-        skip_tokenizer_init=True,
-        random_seed=0,
-        disable_radix_cache=True,
-        disable_cuda_graph=args.disable_cuda_graph,
-        enable_deterministic_inference=args.enable_deterministic_inference,
-        attention_backend=args.attention_backend,
-        context_length=args.context_length,
-        # One engine per batch size: its KV cache and CUDA graphs sized for that batch alone, so
-        # an 8B model's engines start in seconds and never hold more memory than they use.
-        max_running_requests=batch,
-        cuda_graph_bs=None if args.disable_cuda_graph else [batch],
-        **kwargs,
-    )
-
-
-def sampling(args: argparse.Namespace) -> dict:
-    temperature = 1.0 if args.forced_acceptance else 0.0
-    return {"temperature": temperature, "max_new_tokens": args.output_len, "ignore_eos": True}
-
-
-def measure(
-    engine: Engine, batch: int, args: argparse.Namespace, vocab: int, repetitive: bool, r: int
-) -> dict:
-    """Round `r`: a prefill-only run and a whole generation of `batch` prompts, timed, with the
-    generation's accept length, time split and steps per mode."""
-    params = sampling(args)
-    prefill_s = timed(
-        engine.generate,
-        input_ids=prompts(batch, args.input_len, vocab, repetitive, 1000 + r),
-        sampling_params={**params, "max_new_tokens": 1},
-    )
-    worker = engine.scheduler.worker
-    before = spec_time_breakdown(engine)
-    modes_before = adaptive_steps(engine)
-    steps_before = getattr(worker, "verify_steps", 0)
-    verify_before = engine.scheduler.spec_verify_ct
-    emitted_before = engine.scheduler.spec_emitted
-    start = time.perf_counter()
-    outs = engine.generate(
-        input_ids=prompts(batch, args.input_len, vocab, repetitive, r + 1), sampling_params=params
-    )
-    elapsed = time.perf_counter() - start
-    verifies = engine.scheduler.spec_verify_ct - verify_before
-    emitted = engine.scheduler.spec_emitted - emitted_before
-    steps = getattr(worker, "verify_steps", 0) - steps_before
-    spent = {k: v - before.get(k, 0.0) for k, v in spec_time_breakdown(engine).items()}
-    modes = {m: n - modes_before.get(m, 0) for m, n in adaptive_steps(engine).items()}
-    decode_steps = sum(modes.values())
-    state = {
-        "accept_length": round(emitted / verifies, 3) if verifies else None,
-        "ms_per_step": {k.removesuffix("_s"): round(1000 * v / steps, 2) for k, v in spent.items()}
-        if steps
-        else None,
-        # --speculative-adaptive: the share of decode steps that speculated, and the steps run
-        # per mode (0: plain, else the depth).
-        "speculative_step_share": round(1 - modes[0] / decode_steps, 3) if decode_steps else None,
-        "steps_by_depth": modes or None,
-    }
-    tokens = sum(len(o["output_ids"]) for o in outs)
-    return {"prefill_s": prefill_s, "elapsed": elapsed, "tokens": tokens, "state": state}
-
-
 def summarize(batch: int, rounds: list[dict], weight_bytes: int) -> dict:
     """Tokens/s of the best round, with and without prefill (the fastest prefill-only run)."""
     best = min(rounds, key=lambda m: m["elapsed"])
@@ -239,25 +157,21 @@ def run(
     """Each configuration in `names` at `batch`: after one warm-up generation, the best of
     --repeats rounds. --interleave: all engines open at once and the rounds go round-robin over
     them (starting one further each round), so a slow spell of the machine hits every
-    configuration alike; else one engine at a time."""
+    configuration alike; --isolate: the same rounds, each engine in a fresh process every round;
+    else one engine at a time."""
+    if args.isolate:
+        return run_isolated(table, names, batch, args)
     groups = [names] if args.interleave else [[name] for name in names]
     out = {}
     for group in groups:
         with contextlib.ExitStack() as stack:
             engines = {n: stack.enter_context(open_engine(*table[n], batch, args)) for n in group}
             for n, engine in engines.items():
-                ngram = n.startswith("ngram")
-                engine.generate(
-                    input_ids=prompts(batch, args.input_len, args.vocab_size, ngram, 0),
-                    sampling_params=sampling(args),
-                )
+                warm_up(engine, batch, args, n.startswith("ngram"))
             rounds: dict[str, list[dict]] = {n: [] for n in group}
             for r in range(args.repeats):
-                # The order turns by one each round: no configuration always runs right after
-                # the same one (an adaptive engine after its slow fixed speculation).
-                for n in group[r % len(group) :] + group[: r % len(group)]:
-                    ngram = n.startswith("ngram")
-                    rounds[n].append(measure(engines[n], batch, args, args.vocab_size, ngram, r))
+                for n in turned(group, r):
+                    rounds[n].append(measure(engines[n], batch, args, n.startswith("ngram"), r))
             for n, engine in engines.items():
                 out[n] = summarize(batch, rounds[n], engine.runner.weight_bytes())
         del engines
@@ -268,11 +182,26 @@ def run(
     return out
 
 
-def timed(fn, *args, **kwargs) -> float:
-    """Seconds `fn(*args, **kwargs)` takes."""
-    start = time.perf_counter()
-    fn(*args, **kwargs)
-    return time.perf_counter() - start
+def run_isolated(
+    table: dict[str, tuple[str, dict]], names: list[str], batch: int, args: argparse.Namespace
+) -> dict[str, dict]:
+    """--isolate: round by round, each configuration's engine opened in a fresh process, warmed
+    up, measured once and closed (scripts/bench_isolate.py says why)."""
+    rounds: dict[str, list[dict]] = {n: [] for n in names}
+    weight_bytes = {}
+    for r in range(args.repeats):
+        for n in turned(names, r):
+            with EngineProcess(*table[n], batch, args) as engine:
+                engine.call("warm_up", n.startswith("ngram"))
+                rounds[n].append(engine.call("measure", n.startswith("ngram"), r))
+                weight_bytes[n] = engine.weight_bytes
+    return {n: summarize(batch, rounds[n], weight_bytes[n]) for n in names}
+
+
+def turned(names: list[str], r: int) -> list[str]:
+    """Round `r`'s order: turned by one each round, so no configuration always runs right after
+    the same one (an adaptive engine after its slow fixed speculation)."""
+    return names[r % len(names) :] + names[: r % len(names)]
 
 
 def work_dir(base: str | None, prefix: str, args: argparse.Namespace) -> str:
@@ -305,18 +234,6 @@ def device_hbm_gbs(device: str) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((gbs for key, gbs in HBM_GBS.items() if key in name), None)
-
-
-def spec_time_breakdown(engine: Engine) -> dict[str, float]:
-    """Seconds drafting, verifying and in bookkeeping so far (none without speculation)."""
-    return engine.get_server_info()["internal_states"][0].get("spec_time_breakdown", {})
-
-
-def adaptive_steps(engine: Engine) -> dict[int, int]:
-    """Decode steps run so far per mode: 0 plain, else the speculative depth
-    (--speculative-adaptive; else empty)."""
-    report = engine.get_server_info()["internal_states"][0].get("spec_adaptive")
-    return {0: report["plain_steps"], **report["steps_by_depth"]} if report else {}
 
 
 def main() -> None:
@@ -356,6 +273,13 @@ def main() -> None:
         action="store_true",
         help="per batch size, open every configuration's engine at once and run the rounds "
         "round-robin (side by side on a machine whose speed drifts; needs the memory of all)",
+    )
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="rounds round-robin as --interleave, but each configuration's engine in a fresh "
+        "process every round (on CPU an engine's speed depends on where its memory landed: up "
+        "to ~10%% per instance; see scripts/bench_isolate.py)",
     )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

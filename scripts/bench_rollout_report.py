@@ -47,10 +47,12 @@ def print_table(results: list[dict], base: dict[int, float]) -> None:
 
 def adaptive_vs_best(results: list[dict]) -> list[dict[str, Any]]:
     """Each adaptive row's tokens/s (whole generation and decode only) over the better of its
-    algorithm's fixed speculation and its target's plain decoding at the same batch size, where
-    both were measured; and `paired_median`, the median over rounds of the same ratio taken round
-    by round (under --interleave a round of each engine ran one after the other, so a slow spell
-    of the machine divides out, where best-of-rounds compares different moments)."""
+    algorithm's fixed speculation (`fixed`: None where that was not measured, as at batch sizes
+    where it is known to lose: then over plain decoding alone) and its target's plain decoding
+    (`plain`) at the same batch size; and `paired_median`, the median over rounds of the same
+    ratio taken round by round (under --interleave or --isolate a round of each engine ran one
+    after the other, so a slow spell of the machine divides out, where best-of-rounds compares
+    different moments)."""
     rows = {(r["algorithm"], r["batch"]): r for r in results}
     out = []
     for r in results:
@@ -59,16 +61,20 @@ def adaptive_vs_best(results: list[dict]) -> list[dict[str, Any]]:
             continue
         fixed = name.removesuffix("-adaptive")
         plain = rows.get((PLAIN_OF.get(fixed, "baseline"), r["batch"]))
-        spec = rows.get((fixed, r["batch"]))
-        if plain is None or spec is None:
+        if plain is None:
             continue
-        entry: dict[str, Any] = dict(algorithm=name, batch=r["batch"], plain=plain["algorithm"])
-        for key in ("tokens_per_s", "decode_tokens_per_s"):
-            entry[key] = round(r[key] / max(plain[key], spec[key]), 3)
-        rounds = zip(
-            r["round_tokens_per_s"], plain["round_tokens_per_s"], spec["round_tokens_per_s"]
+        spec = rows.get((fixed, r["batch"]))
+        others = [plain] if spec is None else [plain, spec]
+        entry: dict[str, Any] = dict(
+            algorithm=name,
+            batch=r["batch"],
+            plain=plain["algorithm"],
+            fixed=None if spec is None else fixed,
         )
-        entry["paired_median"] = round(statistics.median(a / max(p, s) for a, p, s in rounds), 3)
+        for key in ("tokens_per_s", "decode_tokens_per_s"):
+            entry[key] = round(r[key] / max(o[key] for o in others), 3)
+        rounds = zip(r["round_tokens_per_s"], *(o["round_tokens_per_s"] for o in others))
+        entry["paired_median"] = round(statistics.median(a / max(b) for a, *b in rounds), 3)
         out.append(entry)
     return out
 
@@ -76,10 +82,18 @@ def adaptive_vs_best(results: list[dict]) -> list[dict[str, Any]]:
 def print_adaptive(ratios: list[dict[str, Any]]) -> None:
     if not ratios:
         return
-    print("\nadaptive / max(plain, fixed), whole generation (decode only):")
-    _print_cells(ratios, lambda e: f"{e['tokens_per_s']:.2f} ({e['decode_tokens_per_s']:.2f})")
+    print("\nadaptive / max(plain, fixed), whole generation (decode only; *: fixed not measured):")
+    _print_cells(
+        ratios,
+        lambda e: (
+            f"{e['tokens_per_s']:.2f} ({e['decode_tokens_per_s']:.2f})"
+            + ("*" if e["fixed"] is None else "")
+        ),
+    )
     print("\nthe same, round by round: median over rounds")
-    _print_cells(ratios, lambda e: f"{e['paired_median']:.2f}")
+    _print_cells(
+        ratios, lambda e: f"{e['paired_median']:.2f}" + ("*" if e["fixed"] is None else "")
+    )
 
 
 def _print_cells(ratios: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> None:

@@ -97,10 +97,10 @@ def test_bench_rollout_script_runs(tmp_path):
     # Each adaptive configuration against the better of its fixed speculation and plain decoding
     # of its own target (MTP's: MiMo without speculation).
     ratios = json.loads(out_json.read_text())["adaptive_vs_best"]
-    assert {(e["algorithm"], e["plain"]) for e in ratios} == {
-        ("ngram-adaptive", "baseline"),
-        ("eagle3-adaptive", "baseline"),
-        ("mtp-adaptive", "mtp-plain"),
+    assert {(e["algorithm"], e["plain"], e["fixed"]) for e in ratios} == {
+        ("ngram-adaptive", "baseline", "ngram"),
+        ("eagle3-adaptive", "baseline", "eagle3"),
+        ("mtp-adaptive", "mtp-plain", "mtp"),
     }
     rate = {(r["algorithm"], r["batch"]): r["tokens_per_s"] for r in results}
     mtp = next(e for e in ratios if e["algorithm"] == "mtp-adaptive")
@@ -193,3 +193,84 @@ def test_bench_rollout_forced_acceptance_accepts_every_draft(tmp_path):
     results = {r["algorithm"]: r for r in json.loads(out_json.read_text())["results"]}
     assert results["eagle3"]["accept_length"] == 4.0  # 16 decode tokens in 4 verifies of 3 + 1
     assert "forced acceptance" in proc.stdout
+
+
+def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path):
+    """--isolate: each configuration's engine in a process of its own, every round; the rounds
+    still pair up for the adaptive rows' paired median."""
+    out_json = tmp_path / "isolated.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scripts.bench_rollout",
+            "--hidden-size",
+            "64",
+            "--num-layers",
+            "2",
+            "--vocab-size",
+            "512",
+            "--batch-sizes",
+            "2",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--repeats",
+            "2",
+            "--algorithms",
+            "baseline",
+            "ngram-adaptive",
+            "--isolate",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    rounds = {r["algorithm"]: r["round_tokens_per_s"] for r in report["results"]}
+    assert set(rounds) == {"baseline", "ngram-adaptive"}
+    assert all(len(v) == 2 and min(v) > 0 for v in rounds.values())
+    assert all(r["weight_bytes"] > 0 for r in report["results"])
+    (ratio,) = report["adaptive_vs_best"]  # no fixed ngram row: against plain decoding alone
+    assert (ratio["plain"], ratio["fixed"]) == ("baseline", None)
+    paired = sorted(a / p for a, p in zip(rounds["ngram-adaptive"], rounds["baseline"]))
+    assert ratio["paired_median"] == pytest.approx(sum(paired) / 2, abs=1e-3)
+
+
+def test_engine_process_runs_calls_in_its_own_process_and_reports_failures(llama_path):
+    import argparse
+    import os
+
+    from scripts.bench_isolate import EngineProcess
+
+    with open(os.path.join(llama_path, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+
+    args = argparse.Namespace(
+        device="cpu",
+        dtype="float32",
+        disable_cuda_graph=True,
+        enable_deterministic_inference=False,
+        attention_backend=None,
+        context_length=64,
+        forced_acceptance=False,
+        input_len=8,
+        output_len=4,
+        vocab_size=vocab_size,
+    )
+    with EngineProcess(llama_path, {}, 2, args) as engine:
+        assert engine.pid != os.getpid()
+        result = engine.call("measure", False, 0)
+        assert result["tokens"] == 2 * 4 and result["elapsed"] > 0
+        with pytest.raises(ValueError, match="no benchmark call 'generate'"):
+            engine.call("generate")
+        # An exception in the child comes back with its traceback; the engine serves on.
+        with pytest.raises(RuntimeError, match="in the benchmark engine process"):
+            engine.call("measure", False)
+        assert engine.call("measure", False, 1)["tokens"] == 8
+    with pytest.raises(RuntimeError, match="does-not-exist"):
+        EngineProcess(str(llama_path) + "-does-not-exist", {}, 2, args)
