@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer_bridge.checkpoint import check_common, check_same_model, read_common
+from trainer_bridge.convert.checkpoint import META_FILE as MCORE_META_FILE
+from trainer_bridge.convert.checkpoint import read_mcore_meta
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +180,9 @@ def resolve(args: argparse.Namespace, hf_config: dict[str, Any]) -> Resume | Non
 
 def resolve_ref_load(args: argparse.Namespace, hf_config: dict[str, Any]) -> str:
     """--ref-load as the directory the trainer reads: the latest complete checkpoint of a --save
-    directory, one iter_NNNNNNN/ directory, or a Hugging Face checkpoint of the same model."""
+    directory, one iter_NNNNNNN/ directory, the megatron checkpoint `trainer_bridge.convert
+    hf-to-mcore` writes (slime's `--ref-load` of a converted checkpoint), or a Hugging Face
+    checkpoint of the same model."""
     path = args.ref_load
     loss = args.options.loss
     if not (loss.use_kl_loss or loss.kl_coef):
@@ -191,11 +195,21 @@ def resolve_ref_load(args: argparse.Namespace, hf_config: dict[str, Any]) -> str
         check_complete(directory)
         check_common(read_common(directory), hf_config, directory)
         return directory
+    if os.path.isfile(os.path.join(path, MCORE_META_FILE)):
+        # `python -m trainer_bridge.convert hf-to-mcore` output, at any TP / EP size
+        check_same_model(
+            read_mcore_meta(path)["hf_config"],
+            hf_config,
+            path,
+            "convert the policy's own Hugging Face checkpoint with hf-to-mcore",
+        )
+        return path
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise ValueError(
-            f"--ref-load {path} is neither a --save directory, a checkpoint of one, nor a Hugging "
-            "Face checkpoint (no config.json); point it at one of these"
+            f"--ref-load {path} is neither a --save directory, a checkpoint of one, a "
+            "`trainer_bridge.convert hf-to-mcore` output, nor a Hugging Face checkpoint (no "
+            "config.json); point it at one of these"
         )
     with open(config) as f:
         check_same_model(

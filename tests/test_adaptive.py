@@ -11,6 +11,7 @@ from spec_engine import Engine
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.args.spec_shapes import candidate_depths, spec_shapes
 from spec_engine.core.adaptive import (
+    EXPLORE_BUDGET,
     EXPLORE_EVERY,
     MAX_EXPLORE_EVERY,
     RECENT,
@@ -107,6 +108,36 @@ def test_tries_of_a_losing_mode_back_off_and_start_over_with_new_weights():
     tries = [i for i, m in enumerate(later) if m][:3]
     assert tries[0] < 2 * e and [b - a for a, b in zip(tries, tries[1:])] == [1 + e, 1 + e]
     assert later[-8:] == [1] * 8 and model.best(8) == 1
+
+
+def test_a_costly_try_waits_until_its_loss_fits_the_exploration_budget():
+    """A verify of random drafts at batch 32 on CPU: 3.6 plain steps per request, no draft
+    accepted, yet it could win were every draft accepted (4 / 3.6 > 1), so it is retried. Each try
+    loses 2.6 plain steps against plain decoding: the first comes after 2.6 / EXPLORE_BUDGET =
+    260 steps, not EXPLORE_EVERY (128), and over a long run the tries cost under the budget."""
+    model = SpecCostModel([3], nested=True)
+
+    def run(steps: int) -> list[int]:
+        seen = []
+        for _ in range(steps):
+            mode = model.choose(32)
+            seen.append(mode)
+            model.observe(mode, 32, 32 * (3.6 if mode else 1.0), [[0]] * 32 if mode else ())
+        return seen
+
+    run(2 * (WARM_STEPS + 1))
+    steps = run(4000)
+    tries = [i for i, m in enumerate(steps) if m]
+    # (counted from depth 3's last warm-up step, one plain step before the warm-up's end)
+    assert 2.6 / EXPLORE_BUDGET - 1 <= tries[0] + 1 <= 2.6 / EXPLORE_BUDGET + 1
+    assert all(b - a > 2.6 / EXPLORE_BUDGET for a, b in zip(tries, tries[1:]))
+    assert len(tries) * 2.6 <= EXPLORE_BUDGET * len(steps)
+    # A cheap verify (1.5 plain steps: a try loses 0.5) keeps the first interval.
+    cheap = SpecCostModel([3], nested=True)
+    for _ in range(2 * (WARM_STEPS + 1) + EXPLORE_EVERY):
+        mode = cheap.choose(32)
+        cheap.observe(mode, 32, 32 * (1.5 if mode else 1.0), [[0]] * 32 if mode else ())
+    assert cheap.decisions[3] == WARM_STEPS + 2  # its warm-up steps and one try
 
 
 def test_a_chain_tries_only_its_deepest_depth():

@@ -91,3 +91,26 @@ def test_a_bad_ref_load_is_refused_naming_it(models, tmp_path):
         resolved(policy, str(tmp_path / "empty"), out, "--use-kl-loss")
     with pytest.raises(SystemExit, match=r"holds another model than --hf-checkpoint \(interm"):
         resolved(policy, other_shape, out, "--use-kl-loss")
+
+
+def test_ref_load_reads_the_converters_megatron_checkpoint_at_another_tp_size(models, tmp_path):
+    """slime's flow: `--ref-load` of the model converted to megatron's layout beforehand. Here
+    `trainer_bridge.convert hf-to-mcore --tp 2` output, loaded by a TP 1 trainer: the reference
+    log-probs equal those of the Hugging Face checkpoint it came from, bit for bit."""
+    from trainer_bridge.convert import hf_to_mcore
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+
+    policy, other, other_shape = models
+    out = str(tmp_path / "out")
+    converted, wrong = str(tmp_path / "mcore"), str(tmp_path / "mcore-other-shape")
+    hf_to_mcore(other, converted, tp=2)
+    hf_to_mcore(other_shape, wrong, tp=2)
+
+    assert resolved(policy, converted, out, "--use-kl-loss") == converted
+    with pytest.raises(SystemExit, match=r"holds another model than --hf-checkpoint \(interm"):
+        resolved(policy, wrong, out, "--use-kl-loss")
+    from_mcore = actor(policy, converted).compute_log_probs(batch(), reference=True)
+    destroy_model_parallel()
+    from_hf = actor(policy, other).compute_log_probs(batch(), reference=True)
+    destroy_model_parallel()
+    assert from_mcore == from_hf

@@ -268,7 +268,8 @@ def load_checkpoint(actor: TrainActor, directory: str) -> int:
 
 def load_reference(gpt: Any, directory: str) -> None:
     """--ref-load, resolved by the launcher to a directory: the model part of one of these
-    checkpoints (optimizer and RNG are not read), or a Hugging Face checkpoint."""
+    checkpoints (optimizer and RNG are not read), an hf-to-mcore output or a Hugging Face
+    checkpoint."""
     if not os.path.isfile(os.path.join(directory, COMMON_FILE)):
         from trainer_bridge.convert import load_hf_weights
 

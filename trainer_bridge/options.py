@@ -175,7 +175,8 @@ class TrainerArgs:
         default=None,
         metadata={
             "help": "The KL reference model (slime's flag): a --save directory (the policy of its "
-            "latest checkpoint), one iter_NNNNNNN/ directory of it, or a Hugging Face checkpoint "
+            "latest checkpoint), one iter_NNNNNNN/ directory of it, the output of `python -m "
+            "trainer_bridge.convert hf-to-mcore` (any TP / EP size), or a Hugging Face checkpoint "
             "of the same model. Default: --hf-checkpoint's weights. Used with --use-kl-loss or "
             "--kl-coef."
         },

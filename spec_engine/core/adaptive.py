@@ -42,10 +42,13 @@ from later ones (NGRAM finds more repetition as a generation goes on). Afterward
 chosen mode measures itself every step, and a mode not chosen is tried again so the averages
 follow changes (a draft learning or falling behind new weights, longer contexts), but each try
 costs a step in a slower mode, so tries back off: a mode is retried once it has not run for its
-interval of steps of the bucket (`EXPLORE_EVERY` at first), which doubles each time a try leaves
-it behind (up to `MAX_EXPLORE_EVERY`) and starts over when it wins or new weights arrive
-(`weights_updated`) or a try's own step beats the chosen mode (a draft that got better is tried
-every `EXPLORE_EVERY` steps until the averages agree). A mode that could not win even if every
+interval of steps of the bucket (`EXPLORE_EVERY` at first, or as many as keep a try's measured
+loss against the chosen mode within `EXPLORE_BUDGET` of the steps between tries, where that is
+more: a try of a verify three times a plain step's cost waits longer than one of a cheap one),
+which doubles each time a try leaves it behind (up to `MAX_EXPLORE_EVERY`) and starts over when
+it wins or new weights arrive (`weights_updated`) or a try's own step beats the chosen mode (a
+draft that got better is tried at that first interval until the averages agree). The draft
+catch-up a try of a lagging draft model pays first is not in the measured loss. A mode that could not win even if every
 draft token were accepted ((depth + 1) / its cost below the chosen mode's rate; plain decoding:
 its measured rate) waits `MAX_EXPLORE_EVERY` steps: its cost, not the draft, keeps it behind.
 `choose(batch)` is a pure function of the state, so the scheduler may ask it several times per
@@ -63,6 +66,7 @@ Runs on the scheduler thread only.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -77,7 +81,24 @@ ALPHA_PER_REQUEST = 1 / 32  # weight of one request's accepted drafts in the sur
 WARM_STEPS = 2  # measurements per mode and bucket before the averages decide
 EXPLORE_EVERY = 128  # steps of a bucket a mode may first go unrun before it is tried again
 MAX_EXPLORE_EVERY = 2048  # the longest interval between tries of a mode
+# The most a mode's tries may cost, as a share of the steps between them, against the chosen
+# mode: a try that costs 2.6 best-mode steps (a verify of random drafts at batch 32 on CPU) waits
+# 260 steps, not EXPLORE_EVERY.
+EXPLORE_BUDGET = 0.01
 PLAIN = 0  # the mode of a plain decode step; speculative modes are their depth
+
+
+def _affordable_interval(
+    seconds: Optional[float], rate: Optional[float], best_seconds: Optional[float], top: float
+) -> int:
+    """The fewest steps of the best mode (`best_seconds` per request, `top` tokens/s per
+    request) over which one try of a mode (`seconds` per request, `rate` tokens/s per request)
+    costs at most EXPLORE_BUDGET of their time: the try's loss is its time less what the best
+    mode takes for the tokens it emits. 0 while a figure is unmeasured."""
+    if not (seconds and rate and best_seconds and top):
+        return 0
+    loss = seconds * max(0.0, 1.0 - rate / top)
+    return math.ceil(loss / (EXPLORE_BUDGET * best_seconds))
 
 
 def bucket(batch: int) -> int:
@@ -159,23 +180,32 @@ class SpecCostModel:
         best = self._best(rates)
         if self.frozen:
             return best
-        top = max(rates.values(), default=0.0)
         due = [
             m
             for m in self.modes
-            if m != best and modes[m].since >= self._interval(m, modes, seconds.get(m), top)
+            if m != best and modes[m].since >= self._interval(m, modes, seconds, rates, best)
         ]
         return max(due, key=lambda m: modes[m].since) if due else best
 
     def _interval(
-        self, mode: int, modes: dict[int, ModeCost], seconds: Optional[float], top: float
+        self,
+        mode: int,
+        modes: dict[int, ModeCost],
+        seconds: Mapping[int, float],
+        rates: Mapping[int, float],
+        best: int,
     ) -> int:
-        """Steps of its bucket (`modes`) `mode`, costing `seconds` per request, may go unrun
-        before it is tried again, the bucket's best rate being `top`."""
+        """Steps of its bucket (`modes`) `mode` may go unrun before it is tried again, the
+        bucket's fitted `seconds` per request and expected `rates` being these and `best` the
+        chosen mode."""
         if self.nested and PLAIN < mode < self.depths[-1]:
             return MAX_EXPLORE_EVERY  # the deepest depth's steps measure its accept length
-        ceiling = (mode + 1) / seconds if seconds else float("inf")
-        return modes[mode].interval if ceiling >= top else MAX_EXPLORE_EVERY
+        own, top = seconds.get(mode), max(rates.values(), default=0.0)
+        ceiling = (mode + 1) / own if own else float("inf")
+        if ceiling < top:
+            return MAX_EXPLORE_EVERY
+        affordable = _affordable_interval(own, rates.get(mode), seconds.get(best), top)
+        return max(modes[mode].interval, min(affordable, MAX_EXPLORE_EVERY))
 
     def accept_length(self, depth: int) -> Optional[float]:
         """Expected tokens a verify at `depth` emits per request (None until measured)."""

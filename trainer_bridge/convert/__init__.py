@@ -9,8 +9,8 @@ In memory:
                                                        (a TP>1 model is gathered per tensor, an
                                                        EP>1 model's experts fetched from their
                                                        ranks: expert_parallel.py)
-    load_hf_weights(model, hf_checkpoint)              a Hugging Face directory into this rank's
-    model (its own experts under expert parallelism)
+    load_hf_weights(model, hf_checkpoint)              a Hugging Face directory (or an hf-to-mcore
+    checkpoint) into this rank's model (its own experts under expert parallelism)
 On disk (see checkpoint.py for the megatron format) and on the command line:
     python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N] [--ep N]
         [--etp 1]
@@ -19,6 +19,7 @@ On disk (see checkpoint.py for the megatron format) and on the command line:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any, Union
 
@@ -28,10 +29,12 @@ from torch import Tensor, nn
 
 from spec_engine.models.hf_config import ConfigSource
 from trainer_bridge.convert.checkpoint import (
+    META_FILE,
     hf_to_mcore,
     load_mcore_rank,
     mcore_to_hf,
     read_hf_weights,
+    read_mcore_as_hf,
     read_mcore_meta,
     save_hf_checkpoint,
     save_mcore_checkpoint,
@@ -65,6 +68,7 @@ __all__ = [
     "mcore_to_hf_tensors",
     "name_map",
     "read_hf_weights",
+    "read_mcore_as_hf",
     "read_mcore_meta",
     "save_hf_checkpoint",
     "save_mcore_checkpoint",
@@ -145,18 +149,23 @@ def load_mcore_state_dict(model: nn.Module, state: Mapping[str, Tensor]) -> None
 def load_hf_weights(
     model: nn.Module, hf_checkpoint: str, make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR
 ) -> None:
-    """Load a Hugging Face directory into this tensor- and expert-parallel rank's GPTModel
+    """Load a Hugging Face directory, or a megatron checkpoint `hf-to-mcore` wrote (any TP, EP
+    and expert TP size: re-sharded here), into this tensor- and expert-parallel rank's GPTModel
     (megatron parallel state set up): its TP shard of every tensor, of its own experts only
     (whole at expert tensor parallel size 1)."""
     from megatron.core import parallel_state
 
-    arch = read_model_config(hf_checkpoint)
+    if os.path.isfile(os.path.join(hf_checkpoint, META_FILE)):
+        hf_config, tensors = read_mcore_as_hf(hf_checkpoint)
+    else:
+        hf_config, tensors = hf_checkpoint, read_hf_weights(hf_checkpoint)
+    arch = read_model_config(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     etp = parallel_state.get_expert_tensor_parallel_world_size()
     check_tensor_parallel(arch, tp)
     padded = padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by)
-    whole = local_state_dict(_hf_to_mcore(read_hf_weights(hf_checkpoint), arch), arch)
+    whole = local_state_dict(_hf_to_mcore(tensors, arch), arch)
     load_mcore_state_dict(
         model, {name: shard_tensor(name, t, tp, padded, etp)[rank] for name, t in whole.items()}
     )

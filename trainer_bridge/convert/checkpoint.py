@@ -170,6 +170,20 @@ def hf_to_mcore(
     save_mcore_checkpoint(save, shards, arch.hf_config, make_vocab_size_divisible_by, ep, expert_tp)
 
 
+def read_mcore_as_hf(load: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The Hugging Face config and tensors of a megatron checkpoint written by
+    `save_mcore_checkpoint` (any TP, EP and expert TP size)."""
+    meta = read_mcore_meta(load)
+    arch = read_model_config(meta["hf_config"])
+    tp, ep = meta["tensor_model_parallel_size"], meta.get("expert_model_parallel_size", 1)
+    shards = [
+        merge_experts([load_mcore_rank(load, r, e) for e in range(ep)], arch) for r in range(tp)
+    ]
+    # checkpoints from before --expert-tensor-parallel-size split experts over the TP ranks
+    whole = gather_state_dicts(shards, meta.get("expert_tensor_parallel_size", tp))
+    return meta["hf_config"], dict(mcore_to_hf_items(whole, arch))
+
+
 def mcore_to_hf(load: str, hf_checkpoint: str, save: str) -> None:
     """Convert a megatron checkpoint (any TP, EP and expert TP size) back into a Hugging Face
     directory shaped like `hf_checkpoint`."""
@@ -180,10 +194,5 @@ def mcore_to_hf(load: str, hf_checkpoint: str, save: str) -> None:
             f"{load!r} was converted from a different architecture than {hf_checkpoint!r}: "
             f"{read_model_config(meta['hf_config'])} vs {arch}; pass the checkpoint it came from"
         )
-    tp, ep = meta["tensor_model_parallel_size"], meta.get("expert_model_parallel_size", 1)
-    shards = [
-        merge_experts([load_mcore_rank(load, r, e) for e in range(ep)], arch) for r in range(tp)
-    ]
-    # checkpoints from before --expert-tensor-parallel-size split experts over the TP ranks
-    whole = gather_state_dicts(shards, meta.get("expert_tensor_parallel_size", tp))
-    save_hf_checkpoint(mcore_to_hf_items(whole, arch), save, like=hf_checkpoint)
+    _, tensors = read_mcore_as_hf(load)
+    save_hf_checkpoint(tensors.items(), save, like=hf_checkpoint)
