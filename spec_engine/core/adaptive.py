@@ -48,9 +48,10 @@ more: a try of a verify three times a plain step's cost waits longer than one of
 which doubles each time a try leaves it behind (up to `MAX_EXPLORE_EVERY`) and starts over when
 it wins or new weights arrive (`weights_updated`) or a try's own step beats the chosen mode (a
 draft that got better is tried at that first interval until the averages agree). The draft
-catch-up a try of a lagging draft model pays first is not in the measured loss. A mode that could not win even if every
-draft token were accepted ((depth + 1) / its cost below the chosen mode's rate; plain decoding:
-its measured rate) waits `MAX_EXPLORE_EVERY` steps: its cost, not the draft, keeps it behind.
+catch-up a try of a lagging draft model pays first is not in the measured loss. A mode that
+could not win even if every draft token were accepted ((depth + 1) / its cost below the chosen
+mode's rate; plain decoding: its measured rate) waits `MAX_EXPLORE_EVERY` steps: its cost, not
+the draft, keeps it behind.
 `choose(batch)` is a pure function of the state, so the scheduler may ask it several times per
 step (KV demand, retraction, the step itself); `observe` moves it.
 
