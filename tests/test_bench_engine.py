@@ -9,6 +9,17 @@ import sys
 import pytest
 
 
+def run_bench_rollout(*flags: str) -> subprocess.CompletedProcess:
+    """`python -m scripts.bench_rollout` on a tiny random Llama (and its drafts) with `flags`."""
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.bench_rollout", "--hidden-size", "64", "--num-layers", "2"]
+        + ["--vocab-size", "512", *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 def test_bench_engine_script_runs(tmp_path):
     out_json = tmp_path / "bench.json"
     proc = subprocess.run(
@@ -47,34 +58,20 @@ def test_bench_engine_script_runs(tmp_path):
 
 def test_bench_rollout_script_runs(tmp_path):
     out_json = tmp_path / "rollout.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.bench_rollout",
-            "--hidden-size",
-            "64",
-            "--num-layers",
-            "2",
-            "--vocab-size",
-            "512",
-            "--batch-sizes",
-            "2",
-            "--input-len",
-            "16",
-            "--output-len",
-            "8",
-            "--repeats",
-            "2",
-            "--interleave",  # every engine open at once, rounds round-robin
-            "--json",
-            str(out_json),
-            "--plot",
-            str(tmp_path / "speedup.svg"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_bench_rollout(
+        "--batch-sizes",
+        "2",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--repeats",
+        "2",
+        "--interleave",  # every engine open at once, rounds round-robin
+        "--json",
+        str(out_json),
+        "--plot",
+        str(tmp_path / "speedup.svg"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out_json.read_text())["results"]
@@ -155,39 +152,25 @@ def test_bench_rollout_forced_acceptance_accepts_every_draft(tmp_path):
     """--forced-acceptance (the speed a perfect draft would give): a random EAGLE-3 draft's
     tokens are all accepted, so a verify emits a full path."""
     out_json = tmp_path / "forced.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.bench_rollout",
-            "--hidden-size",
-            "64",
-            "--num-layers",
-            "2",
-            "--vocab-size",
-            "512",
-            "--batch-sizes",
-            "1",
-            "--input-len",
-            "16",
-            "--output-len",
-            "17",
-            "--repeats",
-            "1",
-            "--steps",
-            "3",
-            "--topk",
-            "1",
-            "--algorithms",
-            "baseline",
-            "eagle3",
-            "--forced-acceptance",
-            "--json",
-            str(out_json),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_bench_rollout(
+        "--batch-sizes",
+        "1",
+        "--input-len",
+        "16",
+        "--output-len",
+        "17",
+        "--repeats",
+        "1",
+        "--steps",
+        "3",
+        "--topk",
+        "1",
+        "--algorithms",
+        "baseline",
+        "eagle3",
+        "--forced-acceptance",
+        "--json",
+        str(out_json),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["algorithm"]: r for r in json.loads(out_json.read_text())["results"]}
@@ -199,35 +182,21 @@ def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path
     """--isolate: each configuration's engine in a process of its own, every round; the rounds
     still pair up for the adaptive rows' paired median."""
     out_json = tmp_path / "isolated.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.bench_rollout",
-            "--hidden-size",
-            "64",
-            "--num-layers",
-            "2",
-            "--vocab-size",
-            "512",
-            "--batch-sizes",
-            "2",
-            "--input-len",
-            "16",
-            "--output-len",
-            "8",
-            "--repeats",
-            "2",
-            "--algorithms",
-            "baseline",
-            "ngram-adaptive",
-            "--isolate",
-            "--json",
-            str(out_json),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = run_bench_rollout(
+        "--batch-sizes",
+        "2",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--repeats",
+        "2",
+        "--algorithms",
+        "baseline",
+        "ngram-adaptive",
+        "--isolate",
+        "--json",
+        str(out_json),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out_json.read_text())
