@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from scripts.bench_engine import random_batches
+from spec_engine.core.adaptive import bucket
 
 if TYPE_CHECKING:
     from spec_engine import Engine
@@ -100,6 +101,9 @@ def measure(engine: Engine, batch: int, args: argparse.Namespace, repetitive: bo
         # per mode (0: plain, else the depth).
         "speculative_step_share": round(1 - modes[0] / decode_steps, 3) if decode_steps else None,
         "steps_by_depth": modes or None,
+        # --speculative-adaptive: why it chose as it did (the fitted costs and accept lengths of
+        # this batch's bucket, the generation's last steps as (mode, batch, ms))
+        "cost_model": cost_model(engine, batch),
     }
     tokens = sum(len(o["output_ids"]) for o in outs)
     return {"prefill_s": prefill_s, "elapsed": elapsed, "tokens": tokens, "state": state}
@@ -122,3 +126,16 @@ def adaptive_steps(engine: Engine) -> dict[int, int]:
     (--speculative-adaptive; else empty)."""
     report = engine.get_server_info()["internal_states"][0].get("spec_adaptive")
     return {0: report["plain_steps"], **report["steps_by_depth"]} if report else {}
+
+
+def cost_model(engine: Engine, batch: int) -> dict | None:
+    """--speculative-adaptive's state at `batch` (None without it): accept length per depth,
+    the fitted seconds per request of each mode, and the latest steps."""
+    report = engine.get_server_info()["internal_states"][0].get("spec_adaptive")
+    if not report:
+        return None
+    return {
+        "accept_length": report["accept_length"],
+        "bucket": report["buckets"].get(bucket(batch)),
+        "latest_steps": report["latest_steps"],
+    }

@@ -13,6 +13,7 @@ from spec_engine.args.spec_shapes import candidate_depths, spec_shapes
 from spec_engine.core.adaptive import (
     EXPLORE_BUDGET,
     EXPLORE_EVERY,
+    LATEST_STEPS,
     MAX_EXPLORE_EVERY,
     RECENT,
     STEP_SAMPLES,
@@ -75,6 +76,14 @@ def test_cost_model_warms_up_every_mode_then_picks_the_fastest_and_explores():
     assert report["buckets"][32]["depth"] == 0 and not report["buckets"][32]["speculate"]
     assert report["plain_steps"] > report["speculative_steps"] > 0
     assert report["steps_by_depth"][3] > 0 and report["accept_length"][3] == pytest.approx(4.0)
+    # the latest steps as run: (mode, batch, ms); the last, batch 1's warm-up of depth 1 (1.1 s)
+    assert report["latest_steps"][-4:] == [
+        (3, 1, 1300.0),
+        (0, 1, 1000.0),
+        (2, 1, 1200.0),
+        (1, 1, 1100.0),
+    ]
+    assert len(report["latest_steps"]) == LATEST_STEPS
 
 
 def test_tries_of_a_losing_mode_back_off_and_start_over_with_new_weights():

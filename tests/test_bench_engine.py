@@ -117,6 +117,16 @@ def test_bench_rollout_script_runs(tmp_path):
     assert all(r["decode_tokens_per_s"] > 0 for r in results)
     for adaptive in (r for r in results if r["algorithm"].endswith("-adaptive")):
         assert 0.0 <= adaptive["speculative_step_share"] <= 1.0
+        # why it chose: this batch's fitted costs, and the warm-up's and the round's steps
+        model = adaptive["cost_model"]
+        assert model["bucket"]["plain_s_per_req"] > 0
+        steps = model["latest_steps"]
+        assert all(b == adaptive["batch"] and ms > 0 for _, b, ms in steps)
+        # the round's steps are the last ones listed, in the modes it counted
+        counted = {int(m): n for m, n in adaptive["steps_by_depth"].items()}
+        last = [m for m, _, _ in steps[-sum(counted.values()) :]]
+        assert {m: last.count(m) for m in counted} == counted
+    assert all(r["cost_model"] is None for r in results if r["algorithm"] == "baseline")
     self_draft = next(r for r in results if r["algorithm"] == "standalone-self")
     assert self_draft["accept_length"] > 3.0 and set(self_draft["ms_per_step"]) == {
         "draft",

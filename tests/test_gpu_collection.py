@@ -25,7 +25,10 @@ def test_gpu_tests_collect_without_optional_packages(tmp_path):
             "pytest",
             "--collect-only",
             "-q",
-            "tests/test_gpu.py",  # what the runbook runs (collecting the whole suite takes 20 s)
+            # what the runbook runs (collecting the whole suite takes 20 s)
+            "tests/test_gpu.py",
+            "tests/test_gpu_moe.py",
+            "tests/test_gpu_adaptive.py",
             "-m",
             "gpu",
             "-p",
@@ -37,6 +40,9 @@ def test_gpu_tests_collect_without_optional_packages(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    collected = [line for line in out.stdout.splitlines() if "tests/test_gpu.py::" in line]
+    lines = out.stdout.splitlines()
+    collected = [line for line in lines if "tests/test_gpu.py::" in line]
     # One float32 greedy test per model family, and ten others.
     assert len(collected) == len(FAMILIES) + 10, out.stdout[-3000:]
+    assert sum("tests/test_gpu_moe.py::" in line for line in lines) == 5, out.stdout[-3000:]
+    assert sum("tests/test_gpu_adaptive.py::" in line for line in lines) == 4, out.stdout[-3000:]

@@ -45,12 +45,13 @@ class _Replayed:
         return next(self.outputs)
 
 
-@pytest.fixture(scope="module")
-def batch(glm):
-    """Rollout groups from the engine -> rollout.generate -> to_train_batch."""
-    prompts = random_prompts(N_PROMPTS, 5, 11, seed=41)
+def rollout_batch(glm: str, prompts: list[list[int]], **engine_kwargs) -> tuple:
+    """Rollout groups of `prompts` from an engine (`engine_kwargs`) -> rollout.generate ->
+    to_train_batch; with the engine's log-probs of each sample."""
     params = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "n": N}
-    with Engine(model_path=glm, random_seed=5, enable_return_routed_experts=True) as engine:
+    with Engine(
+        model_path=glm, random_seed=5, enable_return_routed_experts=True, **engine_kwargs
+    ) as engine:
         outs = engine.generate(
             input_ids=prompts, sampling_params=params, return_logprob=True,
             return_routed_experts=True,
@@ -69,6 +70,11 @@ def batch(glm):
     out = to_train_batch([samples[i : i + N] for i in range(0, len(samples), N)])
     logps = [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
     return out, logps
+
+
+@pytest.fixture(scope="module")
+def batch(glm):
+    return rollout_batch(glm, random_prompts(N_PROMPTS, 5, 11, seed=41))
 
 
 @pytest.fixture(scope="module")

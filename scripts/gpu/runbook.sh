@@ -6,6 +6,8 @@
 #                                       under its own time limit (the device tool's 15 minutes)
 #   bash scripts/gpu/runbook.sh recheck  a second lease: every GPU test (FlashInfer's too), the
 #                                       weight updates and the tiny RL loop, each time-limited
+#   bash scripts/gpu/runbook.sh moe-adaptive  a third lease: the MoE/MLA and adaptive GPU tests,
+#                                       then adaptive EAGLE-3 against plain and fixed at 8B
 # Results (logs, JSON, summary.md naming the device) go to $OUT (the device tool's), else to
 # docs/benchmarks/gpu_<device>/ to commit. Archives made by scripts/gpu/pack.sh in .gpu_pack/ are
 # unpacked first (a machine without internet); with internet, `pip install -e ".[gpu]"` instead.
@@ -134,6 +136,33 @@ step_recheck() {  # one call after a lease's fixes: what it failed or left out; 
   fi
 }
 
+step_moe_adaptive() {  # one call: what landed after the second lease; <= 8 files to $OUT
+  local out=${OUT:-}
+  RESULTS=/tmp/specrl-results
+  mkdir -p "$RESULTS"
+  step_env
+  timeout 230 python3 -m pytest tests/test_gpu_moe.py tests/test_gpu_adaptive.py -m gpu -q -rs \
+    -p no:cacheprovider -o junit_family=legacy --junitxml="$RESULTS/pytest_moe_adaptive.xml" 2>&1 \
+    | tee "$RESULTS/pytest_moe_adaptive.txt"
+  # A perfect draft (--forced-acceptance), then the random draft as it is (accepting ~nothing):
+  # adaptive must track the better of plain and fixed EAGLE-3 in both.
+  timeout 190 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --algorithms baseline eagle3 eagle3-adaptive --batch-sizes 1 32 128 \
+    --steps 3 --topk 1 --forced-acceptance --input-len 128 --output-len 128 \
+    --context-length 512 --repeats 1 --work-dir "$WORK" --json "$RESULTS/adaptive_forced.json" \
+    2>&1 | tee "$RESULTS/adaptive.txt"
+  timeout 110 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --algorithms baseline eagle3 eagle3-adaptive --batch-sizes 1 32 \
+    --steps 3 --topk 1 --input-len 128 --output-len 128 --context-length 512 --repeats 1 \
+    --work-dir "$WORK" --json "$RESULTS/adaptive_random.json" 2>&1 | tee -a "$RESULTS/adaptive.txt"
+  if [ -n "$out" ]; then
+    for f in env.txt pytest_moe_adaptive.txt pytest_moe_adaptive.xml adaptive.txt \
+      adaptive_forced.json adaptive_random.json; do
+      [ -e "$RESULTS/$f" ] && tail -c 300000 "$RESULTS/$f" > "$out/$f"
+    done
+  fi
+}
+
 setup
 case "${1:-all}" in
   env) step_env ;;
@@ -146,6 +175,7 @@ case "${1:-all}" in
   all) step_env; step_tests; step_decode; step_eagle3; step_weights; step_loop; step_summary ;;
   lease) step_lease ;;
   recheck) step_recheck ;;
-  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease|recheck" >&2
+  moe-adaptive) step_moe_adaptive ;;
+  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease|recheck|moe-adaptive" >&2
      exit 2 ;;
 esac

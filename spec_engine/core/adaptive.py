@@ -87,6 +87,7 @@ MAX_EXPLORE_EVERY = 2048  # the longest interval between tries of a mode
 # 260 steps, not EXPLORE_EVERY.
 EXPLORE_BUDGET = 0.01
 PLAIN = 0  # the mode of a plain decode step; speculative modes are their depth
+LATEST_STEPS = 256  # steps the report lists (mode, batch, milliseconds): a generation or two
 
 
 def _affordable_interval(
@@ -158,6 +159,8 @@ class SpecCostModel:
         self.samples: dict[tuple[int, int], int] = {}  # samples each survival average has seen
         self.frozen = False  # tests: measurements no longer move the model
         self.decisions = dict.fromkeys(self.modes, 0)  # steps run per mode
+        # (mode, batch, milliseconds) of the latest steps: why a mode was chosen, for the report
+        self.latest: deque = deque(maxlen=LATEST_STEPS)
 
     @classmethod
     def from_args(cls, args: Any) -> SpecCostModel:
@@ -272,6 +275,7 @@ class SpecCostModel:
         request's verify emitted (the accepted drafts and the bonus token) and the tree nodes
         each accepted (root first; used for contained shapes)."""
         self.decisions[mode] += 1
+        self.latest.append((mode, batch, round(1000 * seconds, 3)))
         if self.frozen or batch <= 0:
             return
         modes = self._bucket(batch)
@@ -364,7 +368,7 @@ class SpecCostModel:
     def report(self) -> dict[str, Any]:
         """For get_server_info: the accept length per depth, the costs per bucket (as fitted:
         the values the choice compares) and the mode each implies (`depth`: 0 for plain
-        decoding), the steps run in each mode."""
+        decoding), the steps run in each mode and the latest steps' (mode, batch, ms)."""
         fitted = {b: self.seconds(b) for b in self.costs}
         return {
             "depths": self.depths,
@@ -381,4 +385,5 @@ class SpecCostModel:
                 }
                 for b in sorted(self.costs)
             },
+            "latest_steps": list(self.latest),
         }
