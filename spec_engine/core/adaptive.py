@@ -34,7 +34,9 @@ isotonic fit (pool adjacent violators, weighted by measurements): two warm-up st
 machine can measure depth 2 slower than depth 4, which no step of the batch could be.
 
 Measuring is online: the first step of a mode in a bucket is not counted (it pays one-off costs
-such as a graph captured on first use), then each mode is tried until it has `WARM_STEPS`
+such as a graph captured on first use), a step much faster than a mode's median replaces its
+measurements (`STALE_SHARE`: they were taken cold, and would otherwise keep a mode that loses on
+them unchosen for several tries), then each mode is tried until it has `WARM_STEPS`
 measurements there, round-robin (the deepest first: it measures the shallower depths' accept
 lengths; then plain decoding, the comparison that matters most, then the shallower depths), so
 that no mode is measured only in the first steps of the generations, which accept differently
@@ -50,8 +52,9 @@ it wins or new weights arrive (`weights_updated`) or a try's own step beats the 
 draft that got better is tried at that first interval until the averages agree). The draft
 catch-up a try of a lagging draft model pays first is not in the measured loss. A mode that
 could not win even if every draft token were accepted ((depth + 1) / its cost below the chosen
-mode's rate; plain decoding: its measured rate) waits `MAX_EXPLORE_EVERY` steps: its cost, not
-the draft, keeps it behind.
+mode's rate; plain decoding: its measured rate) waits `MAX_EXPLORE_EVERY` steps once its cost
+rests on `RECENT` measurements: its cost, not the draft, keeps it behind (on fewer, the warm-up's
+alone, it may have been measured cold, and is tried as any losing mode).
 `choose(batch)` is a pure function of the state, so the scheduler may ask it several times per
 step (KV demand, retraction, the step itself); `observe` moves it.
 
@@ -86,6 +89,11 @@ MAX_EXPLORE_EVERY = 2048  # the longest interval between tries of a mode
 # mode: a try that costs 2.6 best-mode steps (a verify of random drafts at batch 32 on CPU) waits
 # 260 steps, not EXPLORE_EVERY.
 EXPLORE_BUDGET = 0.01
+# A measurement below this share of a mode's median says the earlier ones were cold (an H200's
+# first speculative steps of an 8B model measured 48 ms where steady ones take 33): they are
+# dropped. Another process on the machine only slows steps, so a fast one is not noise of that
+# kind, while a slow one moves the median only once it is the rule.
+STALE_SHARE = 0.75
 PLAIN = 0  # the mode of a plain decode step; speculative modes are their depth
 LATEST_STEPS = 256  # steps the report lists (mode, batch, milliseconds): a generation or two
 
@@ -137,6 +145,8 @@ class ModeCost:
             self.seen = True
             return
         self.steps += 1
+        if self.recent and seconds < STALE_SHARE * self.seconds:
+            self.recent.clear()
         self.recent.append(seconds)
 
 
@@ -206,7 +216,7 @@ class SpecCostModel:
             return MAX_EXPLORE_EVERY  # the deepest depth's steps measure its accept length
         own, top = seconds.get(mode), max(rates.values(), default=0.0)
         ceiling = (mode + 1) / own if own else float("inf")
-        if ceiling < top:
+        if ceiling < top and len(modes[mode].recent) >= RECENT:
             return MAX_EXPLORE_EVERY
         affordable = _affordable_interval(own, rates.get(mode), seconds.get(best), top)
         return max(modes[mode].interval, min(affordable, MAX_EXPLORE_EVERY))
