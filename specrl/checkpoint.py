@@ -29,7 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_bridge.checkpoint import check_common, check_same_model, read_common
+from trainer_bridge.checkpoint import (
+    check_common,
+    check_megatron_model,
+    check_same_model,
+    is_specrl_checkpoint,
+    read_common,
+)
 from trainer_bridge.convert.checkpoint import META_FILE as MCORE_META_FILE
 from trainer_bridge.convert.checkpoint import read_mcore_meta
 
@@ -109,13 +115,22 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def read_latest(root: str) -> int | None:
-    """The rollout id named by `root`'s latest file, None without one."""
+def read_tracker(root: str) -> str | None:
+    """What `root`'s latest file names (a rollout id, or Megatron-LM's 'release'), None without
+    one."""
     path = os.path.join(root, LATEST_FILE)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        text = f.read().strip()
+        return f.read().strip()
+
+
+def read_latest(root: str) -> int | None:
+    """The rollout id named by `root`'s latest file, None without one."""
+    text = read_tracker(root)
+    if text is None:
+        return None
+    path = os.path.join(root, LATEST_FILE)
     if not text.isdigit():
         raise ValueError(
             f"{path} holds {text!r}, not a rollout id; it was not written by --save (Megatron's "
@@ -124,12 +139,14 @@ def read_latest(root: str) -> int | None:
     return int(text)
 
 
-def check_complete(directory: str) -> None:
-    """Refuse a checkpoint directory that lacks a file or whose shards are cut short (every
-    shard file named in dist_checkpointing's .metadata must hold the bytes it lists)."""
+def check_complete(
+    directory: str, files: tuple[str, ...] = (*MEGATRON_FILES, ROLLOUT_STATE)
+) -> None:
+    """Refuse a checkpoint directory that lacks one of `files` or whose shards are cut short
+    (every shard file named in dist_checkpointing's .metadata must hold the bytes it lists)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    for name in (*MEGATRON_FILES, ROLLOUT_STATE):
+    for name in files:
         if not os.path.isfile(os.path.join(directory, name)):
             raise ValueError(
                 f"{directory} is incomplete (no {name}); delete it, and its number from "
@@ -180,8 +197,9 @@ def resolve(args: argparse.Namespace, hf_config: dict[str, Any]) -> Resume | Non
 
 def resolve_ref_load(args: argparse.Namespace, hf_config: dict[str, Any]) -> str:
     """--ref-load as the directory the trainer reads: the latest complete checkpoint of a --save
-    directory, one iter_NNNNNNN/ directory, the megatron checkpoint `trainer_bridge.convert
-    hf-to-mcore` writes (slime's `--ref-load` of a converted checkpoint), or a Hugging Face
+    directory, one iter_NNNNNNN/ directory, a Megatron-LM checkpoint (slime's torch_dist: its
+    tools/convert_hf_to_torch_dist.py output, whose latest file says 'release', or its --save's),
+    the megatron checkpoint `trainer_bridge.convert hf-to-mcore` writes, or a Hugging Face
     checkpoint of the same model."""
     path = args.ref_load
     loss = args.options.loss
@@ -189,11 +207,19 @@ def resolve_ref_load(args: argparse.Namespace, hf_config: dict[str, Any]) -> str
         logger.warning("--ref-load %s is not used: no --use-kl-loss or --kl-coef", path)
     if not os.path.isdir(path):
         raise ValueError(f"--ref-load {path} is not a directory")
-    latest = read_latest(path)
-    directory = iter_dir(path, latest) if latest is not None else path
+    tracker = read_tracker(path)
+    if tracker == "release":  # Megatron-LM's name for a checkpoint of no training iteration
+        directory = os.path.join(path, "release")
+    else:
+        latest = read_latest(path)
+        directory = iter_dir(path, latest) if latest is not None else path
     if os.path.isfile(os.path.join(directory, MEGATRON_FILES[0])):
-        check_complete(directory)
-        check_common(read_common(directory), hf_config, directory)
+        if is_specrl_checkpoint(directory):
+            check_complete(directory)
+            check_common(read_common(directory), hf_config, directory)
+        else:  # Megatron-LM's: the model's tensors under the same keys as ours
+            check_complete(directory, MEGATRON_FILES)
+            check_megatron_model(directory, hf_config)
         return directory
     if os.path.isfile(os.path.join(path, MCORE_META_FILE)):
         # `python -m trainer_bridge.convert hf-to-mcore` output, at any TP / EP size
@@ -208,8 +234,8 @@ def resolve_ref_load(args: argparse.Namespace, hf_config: dict[str, Any]) -> str
     if not os.path.isfile(config):
         raise ValueError(
             f"--ref-load {path} is neither a --save directory, a checkpoint of one, a "
-            "`trainer_bridge.convert hf-to-mcore` output, nor a Hugging Face checkpoint (no "
-            "config.json); point it at one of these"
+            "Megatron-LM (slime torch_dist) checkpoint, a `trainer_bridge.convert hf-to-mcore` "
+            "output, nor a Hugging Face checkpoint (no config.json); point it at one of these"
         )
     with open(config) as f:
         check_same_model(

@@ -4,6 +4,10 @@ latest checkpoint) or a Hugging Face checkpoint; resolved and checked before any
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,3 +118,86 @@ def test_ref_load_reads_the_converters_megatron_checkpoint_at_another_tp_size(mo
     from_hf = actor(policy, other).compute_log_probs(batch(), reference=True)
     destroy_model_parallel()
     assert from_mcore == from_hf
+
+
+def megatron_lm_release(model: str, root: str) -> None:
+    """What slime's tools/convert_hf_to_torch_dist.py leaves in `root`: Megatron-LM's save of
+    the model alone in root/release (bfloat16 weights, the vocabulary padded for TP 2, Megatron's
+    args and enums in common.pt) and 'release' in the latest file."""
+    import argparse
+    import dataclasses
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.enums import ModelType
+
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+
+    sharded = actor(model).gpt.sharded_state_dict()
+    for key, t in sharded.items():
+        if isinstance(t, ShardedTensorFactory):  # e.g. a gated MLP's fc1, saved as two halves
+            sharded[key] = dataclasses.replace(t, data=t.data.to(torch.bfloat16))
+        if not isinstance(t, ShardedTensor):
+            continue
+        data = t.data.to(torch.bfloat16)
+        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            data = torch.cat([data, data.new_zeros(128, data.shape[1])])  # 128 more rows at TP 2
+        shape = dict(local_shape=tuple(data.shape), global_shape=tuple(data.shape))
+        sharded[key] = dataclasses.replace(
+            t, data=data, dtype=torch.bfloat16, **(shape if t.prepend_axis_num == 0 else {})
+        )
+    args = argparse.Namespace(
+        bf16=True, model_type=ModelType.encoder_or_decoder, ckpt_format="torch_dist"
+    )
+    os.makedirs(os.path.join(root, "release"))
+    dist_checkpointing.save(
+        {"model": sharded, "args": args, "checkpoint_version": 3.0, "iteration": 1},
+        os.path.join(root, "release"),
+    )
+    destroy_model_parallel()
+    with open(os.path.join(root, run_checkpoint.LATEST_FILE), "w") as f:
+        f.write("release")
+
+
+def test_ref_load_reads_slimes_torch_dist_checkpoint(models, tmp_path):
+    """slime's own flow: --ref-load of its tools/convert_hf_to_torch_dist.py output (Megatron-LM's
+    layout, bfloat16, padded for another TP size). The reference log-probs equal those of the
+    Hugging Face checkpoint it came from with its weights rounded to bfloat16, bit for bit; one of
+    another shape is refused before anything starts, naming what differs."""
+    from safetensors.torch import load_file, save_file
+
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+
+    policy, other, other_shape = models
+    out = str(tmp_path / "out")
+    release, wrong = str(tmp_path / "torch_dist"), str(tmp_path / "torch_dist_other_shape")
+    megatron_lm_release(other, release)
+    megatron_lm_release(other_shape, wrong)
+    rounded = str(tmp_path / "rounded")
+    shutil.copytree(other, rounded)
+    weights = os.path.join(rounded, "model.safetensors")
+    save_file(
+        {k: v.to(torch.bfloat16).float() for k, v in load_file(weights).items()},
+        weights,
+        metadata={"format": "pt"},
+    )
+
+    assert resolved(policy, release, out, "--use-kl-loss") == os.path.join(release, "release")
+    # The launcher reads Megatron-LM's common.pt (its args, its enums) before megatron is imported.
+    code = (
+        "import sys; from trainer_bridge.checkpoint import is_specrl_checkpoint as f; "
+        f"assert 'megatron.core' not in sys.modules; print(f({os.path.join(release, 'release')!r}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "False", proc.stderr[-2000:]
+    with pytest.raises(SystemExit, match=r"another model than --hf-checkpoint \(intermediate size"):
+        resolved(policy, wrong, out, "--use-kl-loss")
+    from_slime = actor(policy, os.path.join(release, "release"))
+    got = from_slime.compute_log_probs(batch(), reference=True)
+    destroy_model_parallel()
+    want = actor(policy, rounded).compute_log_probs(batch(), reference=True)
+    destroy_model_parallel()
+    assert got == want
+    # Megatron-LM's checkpoint is not one --load resumes
+    with pytest.raises(SystemExit, match="holds 'release', not a rollout id"):
+        resolved(policy, release, out, "--use-kl-loss", "--load", release)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import random
 import threading
 from collections.abc import Iterator
@@ -268,8 +269,8 @@ def load_checkpoint(actor: TrainActor, directory: str) -> int:
 
 def load_reference(gpt: Any, directory: str) -> None:
     """--ref-load, resolved by the launcher to a directory: the model part of one of these
-    checkpoints (optimizer and RNG are not read), an hf-to-mcore output or a Hugging Face
-    checkpoint."""
+    checkpoints or of a Megatron-LM one (slime's torch_dist; optimizer and RNG are not read), an
+    hf-to-mcore output or a Hugging Face checkpoint."""
     if not os.path.isfile(os.path.join(directory, COMMON_FILE)):
         from trainer_bridge.convert import load_hf_weights
 
@@ -281,9 +282,78 @@ def load_reference(gpt: Any, directory: str) -> None:
     gpt.load_state_dict(state["model"])
 
 
+def _load_common(directory: str) -> Any:
+    """common.pt's entries. Megatron-LM's hold its args (a Namespace) and enums, which torch's
+    weights-only loading refuses until megatron.core registers them (on import), so a checkpoint
+    of specrl's is read without importing megatron."""
+    path = os.path.join(directory, COMMON_FILE)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        import megatron.core  # noqa: F401
+
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{path} cannot be read ({e}); the checkpoint is corrupt") from e
+    except Exception as e:  # a truncated file: the message names it
+        raise ValueError(f"{path} cannot be read ({e}); the checkpoint is corrupt") from e
+
+
+def is_specrl_checkpoint(directory: str) -> bool:
+    """Whether `directory` (a megatron dist checkpoint) was written by specrl's --save, rather than
+    by Megatron-LM (slime's `--save`, or its tools/convert_hf_to_torch_dist.py)."""
+    common = _load_common(directory)
+    return isinstance(common, dict) and isinstance(common.get("specrl"), dict)
+
+
+def check_megatron_model(directory: str, hf_config: dict[str, Any]) -> None:
+    """Refuse a Megatron-LM checkpoint of another model than --hf-checkpoint's: its hidden size,
+    layers and (padded) vocabulary, read from its tensors' global shapes."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shapes = {
+        key: tuple(meta.size)
+        for key, meta in FileSystemReader(directory).read_metadata().state_dict_metadata.items()
+        if hasattr(meta, "size")
+    }
+    embedding = shapes.get("embedding.word_embeddings.weight")
+    layers = shapes.get("decoder.layers.self_attention.linear_proj.weight")
+    if embedding is None or layers is None:
+        raise ValueError(
+            f"{directory} holds no GPT model's embedding and stacked decoder layers (megatron "
+            "torch_dist keys embedding.word_embeddings.weight, decoder.layers.*); point --ref-load "
+            "at a checkpoint of the policy's model"
+        )
+    # A dense model's MLP: gate and up projections stacked in linear_fc1 (MoE layers' experts are
+    # under other keys, and a dense first layer's fc1 only counts those layers).
+    fc1 = shapes.get("decoder.layers.mlp.linear_fc1.weight")
+    dense = fc1 is not None and fc1[0] == layers[0]
+    found = {
+        "hidden size": embedding[1],
+        "layers": layers[0],
+        "intermediate size": fc1[1] // 2 if dense else None,
+    }
+    wanted = {
+        "hidden size": hf_config["hidden_size"],
+        "layers": hf_config["num_hidden_layers"],
+        "intermediate size": hf_config.get("intermediate_size") if dense else None,
+    }
+    diffs = [
+        f"{name} {found[name]} vs {wanted[name]}" for name in found if found[name] != wanted[name]
+    ]
+    if embedding[0] < hf_config["vocab_size"]:
+        diffs.append(f"vocabulary {embedding[0]} vs at least {hf_config['vocab_size']}")
+    if diffs:
+        raise ValueError(
+            f"{directory} holds another model than --hf-checkpoint ({', '.join(diffs)}); point "
+            "--ref-load at a checkpoint of the policy's model"
+        )
+
+
 def read_common(directory: str) -> dict[str, Any]:
-    """The non-sharded entries of a checkpoint (iteration, specrl's metadata), read with torch
-    alone. Raises ValueError naming the directory when it is not one of these checkpoints."""
+    """The non-sharded entries of a checkpoint (iteration, specrl's metadata). Raises ValueError
+    naming the directory when it is not one of these checkpoints."""
     path = os.path.join(directory, COMMON_FILE)
     if not os.path.isfile(path):
         raise ValueError(
@@ -291,15 +361,13 @@ def read_common(directory: str) -> dict[str, Any]:
             "short or is not a checkpoint; point --load at a directory with "
             "latest_checkpointed_iteration.txt, or remove it"
         )
-    try:
-        common = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated or foreign pickle: the message names the file
-        raise ValueError(f"{path} cannot be read ({e}); the checkpoint is corrupt") from e
+    common = _load_common(directory)
     meta = common.get("specrl") if isinstance(common, dict) else None
     if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, V1_FORMAT):
         raise ValueError(
             f"{directory} was not written by specrl's --save (no {FORMAT!r} entry in "
-            f"{COMMON_FILE}); convert a Hugging Face model with --hf-checkpoint instead"
+            f"{COMMON_FILE}); a Megatron-LM (slime) checkpoint is read as --ref-load only: start "
+            "from its Hugging Face export with --hf-checkpoint instead"
         )
     return common
 
