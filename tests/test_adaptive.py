@@ -15,6 +15,7 @@ from spec_engine.core.adaptive import (
     EXPLORE_EVERY,
     LATEST_STEPS,
     MAX_EXPLORE_EVERY,
+    PLAIN,
     RECENT,
     STEP_SAMPLES,
     WARM_STEPS,
@@ -152,6 +153,38 @@ def test_a_costly_try_waits_until_its_loss_fits_the_exploration_budget():
         mode = cheap.choose(32)
         cheap.observe(mode, 32, 32 * (1.5 if mode else 1.0), [[0]] * 32 if mode else ())
     assert cheap.decisions[3] == WARM_STEPS + 2  # its warm-up steps and one try
+
+
+def test_a_trys_draft_catch_up_counts_in_its_loss_and_a_trees_depths_share_the_budget():
+    """A try of a draft model after a plain stretch first catches its draft up (outside the
+    step's time): that catch-up is part of what the try loses. Depth 3 at 1.5 plain steps per
+    request, nothing accepted, loses 0.5 a try (EXPLORE_EVERY apart); with 5.0 of catch-up
+    before each, 5.5: tries come 5.5 / EXPLORE_BUDGET = 550 steps apart. A tree's three depths,
+    each losing 2.6 (a costly verify), share the budget: 3 x 2.6 / EXPLORE_BUDGET = 780 steps
+    apart each, not 260."""
+
+    def tries(model: SpecCostModel, spec_s: float, catch_up: float, steps: int) -> list[int]:
+        seen, last = [], None
+        for _ in range(steps):
+            mode = model.choose(32)
+            seen.append(mode)
+            cost = 32 * (spec_s if mode else 1.0)
+            lagging = mode and last == PLAIN
+            model.observe(mode, 32, cost, [[0]] * 32 if mode else (), None, 32 * catch_up * lagging)
+            last = mode
+        return [i for i, m in enumerate(seen) if m]
+
+    # (the first try counts from depth 3's last warm-up step, one plain step before its end)
+    warm = 2 * (WARM_STEPS + 1)
+    cheap = tries(SpecCostModel([3], nested=True), 1.5, 0.0, warm + 700)[WARM_STEPS + 1]
+    assert abs(cheap - (warm + EXPLORE_EVERY)) <= 2
+    lagged = tries(SpecCostModel([3], nested=True), 1.5, 5.0, warm + 700)[WARM_STEPS + 1]
+    assert abs(lagged - (warm + 5.5 / EXPLORE_BUDGET)) <= 2
+
+    tree = SpecCostModel([1, 2, 3], nested=False)
+    steps = tries(tree, 3.6, 0.0, 4 * (WARM_STEPS + 1) + 2500)[3 * (WARM_STEPS + 1) :]
+    assert sorted(set(steps)) == steps and len(steps) >= 3  # each depth's tries, in order
+    assert min(steps) >= 3 * 2.6 / EXPLORE_BUDGET - 4 * (WARM_STEPS + 1)
 
 
 def test_a_chain_tries_only_its_deepest_depth():

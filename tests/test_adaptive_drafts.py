@@ -65,10 +65,10 @@ def verified(monkeypatch):
             verifying[0]["graph"] = self.width
         return out
 
-    def record_depth(self, mode, batch, seconds, tokens=(), paths=None):
+    def record_depth(self, mode, batch, seconds, tokens=(), paths=None, catch_up=0.0):
         if mode:
             seen[-1].update(depth=mode, accepted=[len(t) - 1 for t in tokens])
-        return observe(self, mode, batch, seconds, tokens, paths)
+        return observe(self, mode, batch, seconds, tokens, paths, catch_up)
 
     monkeypatch.setattr(SpecWorker, "verify", record_tree)
     monkeypatch.setattr(GraphRunner, "run", record_graph)

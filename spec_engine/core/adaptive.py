@@ -45,12 +45,14 @@ chosen mode measures itself every step, and a mode not chosen is tried again so 
 follow changes (a draft learning or falling behind new weights, longer contexts), but each try
 costs a step in a slower mode, so tries back off: a mode is retried once it has not run for its
 interval of steps of the bucket (`EXPLORE_EVERY` at first, or as many as keep a try's measured
-loss against the chosen mode within `EXPLORE_BUDGET` of the steps between tries, where that is
-more: a try of a verify three times a plain step's cost waits longer than one of a cheap one),
+loss against the chosen mode within its share of `EXPLORE_BUDGET` of the steps between tries,
+where that is more: a try of a verify three times a plain step's cost waits longer than one of a
+cheap one; the modes tried share the budget, so a tree's three depths each get a third),
 which doubles each time a try leaves it behind (up to `MAX_EXPLORE_EVERY`) and starts over when
 it wins or new weights arrive (`weights_updated`) or a try's own step beats the chosen mode (a
-draft that got better is tried at that first interval until the averages agree). The draft
-catch-up a try of a lagging draft model pays first is not in the measured loss. A mode that
+draft that got better is tried at that first interval until the averages agree). A try's loss
+includes the draft catch-up a lagging draft model pays before it (the median of that mode's
+recent switches): the longer the plain stretch, the more it costs. A mode that
 could not win even if every draft token were accepted ((depth + 1) / its cost below the chosen
 mode's rate; plain decoding: its measured rate) waits `MAX_EXPLORE_EVERY` steps once its cost
 rests on `RECENT` measurements: its cost, not the draft, keeps it behind (on fewer, the warm-up's
@@ -62,8 +64,8 @@ Every speculative worker may switch mode per step: NGRAM has no draft state, a d
 drafts any depth from the same state, and under this flag the draft-model workers record what
 their draft needs of each plainly decoded position and catch it up in one extend when
 speculation resumes (speculative/draft_lag.py), so a plain step runs no draft and switching
-loses nothing. That catch-up runs outside the step the model times: it is paid once per
-switch, not per step of a stretch.
+loses nothing. That catch-up runs outside the step the model times (it is paid once per
+switch, not per step of a stretch) and is charged to the tries.
 
 Runs on the scheduler thread only.
 """
@@ -99,16 +101,22 @@ LATEST_STEPS = 256  # steps the report lists (mode, batch, milliseconds): a gene
 
 
 def _affordable_interval(
-    seconds: Optional[float], rate: Optional[float], best_seconds: Optional[float], top: float
+    seconds: Optional[float],
+    rate: Optional[float],
+    best_seconds: Optional[float],
+    top: float,
+    switch: float = 0.0,
+    budget: float = EXPLORE_BUDGET,
 ) -> int:
     """The fewest steps of the best mode (`best_seconds` per request, `top` tokens/s per
-    request) over which one try of a mode (`seconds` per request, `rate` tokens/s per request)
-    costs at most EXPLORE_BUDGET of their time: the try's loss is its time less what the best
-    mode takes for the tokens it emits. 0 while a figure is unmeasured."""
+    request) over which one try of a mode (`seconds` per request, `rate` tokens/s per request,
+    `switch` seconds per request of draft catch-up before it) costs at most `budget` of their
+    time: the try's loss is its time and its catch-up less what the best mode takes for the
+    tokens it emits. 0 while a figure is unmeasured."""
     if not (seconds and rate and best_seconds and top):
         return 0
-    loss = seconds * max(0.0, 1.0 - rate / top)
-    return math.ceil(loss / (EXPLORE_BUDGET * best_seconds))
+    loss = seconds * max(0.0, 1.0 - rate / top) + switch
+    return math.ceil(loss / (budget * best_seconds))
 
 
 def bucket(batch: int) -> int:
@@ -131,6 +139,8 @@ class ModeCost:
     steps: int = 0  # counted measurements
     seen: bool = False  # the uncounted first step ran
     since: int = 0  # steps of the bucket since this mode last ran
+    # seconds per request of the draft catch-up before the mode's steps that followed another mode
+    switch: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     interval: int = EXPLORE_EVERY  # steps unrun after which it is tried again
 
     @property
@@ -169,6 +179,7 @@ class SpecCostModel:
         self.samples: dict[tuple[int, int], int] = {}  # samples each survival average has seen
         self.frozen = False  # tests: measurements no longer move the model
         self.decisions = dict.fromkeys(self.modes, 0)  # steps run per mode
+        self.last_mode: Optional[int] = None
         # (mode, batch, milliseconds) of the latest steps: why a mode was chosen, for the report
         self.latest: deque = deque(maxlen=LATEST_STEPS)
 
@@ -218,7 +229,14 @@ class SpecCostModel:
         ceiling = (mode + 1) / own if own else float("inf")
         if ceiling < top and len(modes[mode].recent) >= RECENT:
             return MAX_EXPLORE_EVERY
-        affordable = _affordable_interval(own, rates.get(mode), seconds.get(best), top)
+        # One budget for all the modes tried: a tree's depths share it with plain decoding.
+        tried = [
+            m for m in self.modes if m != best and not (self.nested and PLAIN < m < self.depths[-1])
+        ]
+        switch = statistics.median(modes[mode].switch) if modes[mode].switch else 0.0
+        affordable = _affordable_interval(
+            own, rates.get(mode), seconds.get(best), top, switch, EXPLORE_BUDGET / len(tried)
+        )
         return max(modes[mode].interval, min(affordable, MAX_EXPLORE_EVERY))
 
     def accept_length(self, depth: int) -> Optional[float]:
@@ -280,12 +298,15 @@ class SpecCostModel:
         seconds: float,
         tokens: Sequence[Sequence[int]] = (),
         paths: Optional[Sequence[Sequence[int]]] = None,
+        catch_up: float = 0.0,
     ) -> None:
         """A decode step ran: its mode, batch size, duration and, speculating, the tokens each
-        request's verify emitted (the accepted drafts and the bonus token) and the tree nodes
-        each accepted (root first; used for contained shapes)."""
+        request's verify emitted (the accepted drafts and the bonus token), the tree nodes each
+        accepted (root first; used for contained shapes) and the seconds the draft's catch-up
+        took before it (not in `seconds`)."""
         self.decisions[mode] += 1
         self.latest.append((mode, batch, round(1000 * seconds, 3)))
+        switched, self.last_mode = mode != self.last_mode, mode
         if self.frozen or batch <= 0:
             return
         modes = self._bucket(batch)
@@ -293,6 +314,8 @@ class SpecCostModel:
             cost.since += 1
         cost = modes[mode]
         cost.add(seconds / batch)
+        if mode != PLAIN and switched:  # a try: what a switch to it costs the draft
+            cost.switch.append(catch_up / batch)
         if mode != PLAIN and tokens:
             for pool, depth, accepted in self._accepted(mode, tokens, paths):
                 self._add_survival(pool, depth, accepted)
