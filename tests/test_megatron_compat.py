@@ -77,6 +77,25 @@ def test_model_parallel_tears_down_process_groups():
     assert not parallel_state.model_parallel_is_initialized()
 
 
+def test_free_ports_lie_below_the_ephemeral_range_and_leave_the_global_generator_alone():
+    """A port the kernel hands out for bind(0) can go to an outgoing socket (an earlier process
+    group's gloo pairs) before a rendezvous listens on it: ours come from below that range."""
+    import random
+    import socket
+
+    from trainer_bridge.megatron_compat import FIRST_PORT, _ephemeral_low, free_port
+
+    random.seed(7)
+    want = random.random()
+    random.seed(7)
+    ports = {free_port() for _ in range(20)}
+    assert random.random() == want
+    assert all(FIRST_PORT <= p < _ephemeral_low() for p in ports) and len(ports) > 1
+    port = ports.pop()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free
+
+
 def test_current_device_places_rotary_and_ddp_buffers_on_cpu(mp):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import socket
 import types
@@ -272,11 +273,37 @@ def filter_known_warnings() -> None:
             warnings.filterwarnings("ignore", re.escape(message), category, module)
 
 
+FIRST_PORT = 20000  # above the well-known and most services' registered ports
+
+
 def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago."""
-    with socket.socket() as s:
+    """A TCP port on localhost that was free a moment ago, below the kernel's ephemeral range:
+    a port the kernel handed out (bind to 0) can be handed out again to an outgoing socket, such
+    as an earlier process group's gloo pairs', before the rendezvous listens on it
+    (EADDRINUSE)."""
+    low = _ephemeral_low()
+    picker = random.Random()  # not the seeded global generator: a port is no part of a result
+    for _ in range(64):
+        port = picker.randrange(FIRST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use: try another
+                continue
+            return port
+    with socket.socket() as s:  # all tried were taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return low if low > FIRST_PORT + 1000 else 32768
 
 
 def init_model_parallel(

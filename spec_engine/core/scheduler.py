@@ -135,9 +135,7 @@ class Scheduler:
             start = time.perf_counter()
             n = 0
             for reqs, depth in self._decode_groups():
-                # Apart from the step's time: a lagging draft catches up once per switch or per
-                # long plain stretch (synchronized: worker.catch_up).
-                caught = time.perf_counter()
+                caught = time.perf_counter()  # a lagging draft's catch-up: timed apart
                 self.worker.catch_up(reqs, full_only=depth == 0)
                 began = time.perf_counter()
                 if depth != 0:  # None: the configured shape (a plain worker: its decode step)
@@ -155,9 +153,8 @@ class Scheduler:
                 if self.alarm is not None and depth in (None, self.worker.max_depth):
                     self.alarm.record(passes, self.spec_emitted - emitted)
                 if self.adaptive is not None:
-                    self.adaptive.observe(
-                        depth, len(reqs), seconds, out.tokens, out.accept_paths, began - caught
-                    )
+                    observed = (out.tokens, out.accept_paths, began - caught)
+                    self.adaptive.observe(depth, len(reqs), seconds, *observed)
             self.last_gen_throughput = n / max(time.perf_counter() - start, 1e-9)
             self.new_token_ratio = max(
                 self.min_ratio,
