@@ -90,7 +90,7 @@ def test_cuda_routing_replay_log_probs_are_the_engines(make_model, record_proper
         metrics = actor.train(batch)
     finally:
         destroy_model_parallel()
-    flat = lambda xs: torch.tensor([v for x in xs for v in x], dtype=torch.float32)  # noqa: E731
+    flat = lambda xs: torch.tensor([v for x in xs for v in x], dtype=torch.float32, device="cpu")  # noqa: E731
     gap = (flat(got) - flat(engine_logps)).abs().max().item()
     record_property("max_logprob_gap", gap)
     assert gap < 1e-3
