@@ -33,7 +33,6 @@ from trainer_bridge.checkpoint import (
     check_common,
     check_megatron_model,
     check_same_model,
-    is_specrl_checkpoint,
     read_common,
 )
 from trainer_bridge.convert.checkpoint import META_FILE as MCORE_META_FILE
@@ -214,9 +213,10 @@ def resolve_ref_load(args: argparse.Namespace, hf_config: dict[str, Any]) -> str
         latest = read_latest(path)
         directory = iter_dir(path, latest) if latest is not None else path
     if os.path.isfile(os.path.join(directory, MEGATRON_FILES[0])):
-        if is_specrl_checkpoint(directory):
+        common = read_common(directory, megatron_lm=True)
+        if common is not None:
             check_complete(directory)
-            check_common(read_common(directory), hf_config, directory)
+            check_common(common, hf_config, directory)
         else:  # Megatron-LM's: the model's tensors under the same keys as ours
             check_complete(directory, MEGATRON_FILES)
             check_megatron_model(directory, hf_config)

@@ -185,11 +185,12 @@ def test_ref_load_reads_slimes_torch_dist_checkpoint(models, tmp_path):
     assert resolved(policy, release, out, "--use-kl-loss") == os.path.join(release, "release")
     # The launcher reads Megatron-LM's common.pt (its args, its enums) before megatron is imported.
     code = (
-        "import sys; from trainer_bridge.checkpoint import is_specrl_checkpoint as f; "
-        f"assert 'megatron.core' not in sys.modules; print(f({os.path.join(release, 'release')!r}))"
+        "import sys; from trainer_bridge.checkpoint import read_common as f; "
+        "assert 'megatron.core' not in sys.modules; "
+        f"print(f({os.path.join(release, 'release')!r}, megatron_lm=True))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.stdout.strip() == "False", proc.stderr[-2000:]
+    assert proc.stdout.strip() == "None", proc.stderr[-2000:]
     with pytest.raises(SystemExit, match=r"another model than --hf-checkpoint \(intermediate size"):
         resolved(policy, wrong, out, "--use-kl-loss")
     from_slime = actor(policy, os.path.join(release, "release"))

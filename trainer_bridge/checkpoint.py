@@ -300,13 +300,6 @@ def _load_common(directory: str) -> Any:
         raise ValueError(f"{path} cannot be read ({e}); the checkpoint is corrupt") from e
 
 
-def is_specrl_checkpoint(directory: str) -> bool:
-    """Whether `directory` (a megatron dist checkpoint) was written by specrl's --save, rather than
-    by Megatron-LM (slime's `--save`, or its tools/convert_hf_to_torch_dist.py)."""
-    common = _load_common(directory)
-    return isinstance(common, dict) and isinstance(common.get("specrl"), dict)
-
-
 def check_megatron_model(directory: str, hf_config: dict[str, Any]) -> None:
     """Refuse a Megatron-LM checkpoint of another model than --hf-checkpoint's: its hidden size,
     layers and (padded) vocabulary, read from its tensors' global shapes."""
@@ -351,9 +344,10 @@ def check_megatron_model(directory: str, hf_config: dict[str, Any]) -> None:
         )
 
 
-def read_common(directory: str) -> dict[str, Any]:
+def read_common(directory: str, megatron_lm: bool = False) -> dict[str, Any] | None:
     """The non-sharded entries of a checkpoint (iteration, specrl's metadata). Raises ValueError
-    naming the directory when it is not one of these checkpoints."""
+    naming the directory when it is not one of these checkpoints; with `megatron_lm`, one written
+    by Megatron-LM (slime's --save or torch_dist conversion: no specrl entry) gives None."""
     path = os.path.join(directory, COMMON_FILE)
     if not os.path.isfile(path):
         raise ValueError(
@@ -363,6 +357,8 @@ def read_common(directory: str) -> dict[str, Any]:
         )
     common = _load_common(directory)
     meta = common.get("specrl") if isinstance(common, dict) else None
+    if megatron_lm and meta is None:
+        return None
     if not isinstance(meta, dict) or meta.get("format") not in (FORMAT, V1_FORMAT):
         raise ValueError(
             f"{directory} was not written by specrl's --save (no {FORMAT!r} entry in "
