@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+# Batch 2, 16 prompt and 8 new tokens, two rounds: what the paired-round tests run.
+TWO_ROUNDS = ("--batch-sizes", "2", "--input-len", "16", "--output-len", "8", "--repeats", "2")
+
 
 def run_bench_rollout(*flags: str) -> subprocess.CompletedProcess:
     """`python -m scripts.bench_rollout` on a tiny random Llama (and its drafts) with `flags`."""
@@ -59,14 +62,7 @@ def test_bench_engine_script_runs(tmp_path):
 def test_bench_rollout_script_runs(tmp_path):
     out_json = tmp_path / "rollout.json"
     proc = run_bench_rollout(
-        "--batch-sizes",
-        "2",
-        "--input-len",
-        "16",
-        "--output-len",
-        "8",
-        "--repeats",
-        "2",
+        *TWO_ROUNDS,
         "--interleave",  # every engine open at once, rounds round-robin
         "--json",
         str(out_json),
@@ -193,14 +189,7 @@ def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path
     still pair up for the adaptive rows' paired median."""
     out_json = tmp_path / "isolated.json"
     proc = run_bench_rollout(
-        "--batch-sizes",
-        "2",
-        "--input-len",
-        "16",
-        "--output-len",
-        "8",
-        "--repeats",
-        "2",
+        *TWO_ROUNDS,
         "--algorithms",
         "baseline",
         "ngram-adaptive",
