@@ -57,3 +57,38 @@ def test_summary_reads_the_benchmarks_json(tmp_path):
     eagle = [r for r in json.loads(bench.read_text())["results"] if r["algorithm"] == "eagle3"]
     assert "| 1 | " in summary and f"| {eagle[0]['accept_length']} |" in summary
     assert "## Weight updates (8B, bf16)\n\nnot run" in summary
+
+
+def test_adaptive_probe_runs_on_the_cpu(tmp_path):
+    """scripts.gpu.probe_adaptive (the runbook's `probe` step) on tiny checkpoints built by
+    bench_rollout: per-step times per case, the forced case alternating plain and deepest steps,
+    and a host profile of the timed generation."""
+    tiny = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2"]
+    tiny += ["--vocab-size", "512", "--context-length", "128"]
+    subprocess.run(
+        [sys.executable, "-m", "scripts.bench_rollout", *tiny, "--algorithms", "eagle3"]
+        + ["--batch-sizes", "1", "--input-len", "8", "--output-len", "2", "--repeats", "1"]
+        + ["--work-dir", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    out = tmp_path / "probe.json"
+    probe = subprocess.run(
+        [sys.executable, "-m", "scripts.gpu.probe_adaptive", "--work-dir", str(tmp_path)]
+        + ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native"]
+        + ["--context-length", "128", "--input-len", "8", "--output-len", "12", "--vocab", "500"]
+        + ["--batch", "2", "--profile", "python", "--profile-steps", "2", "--json", str(out)]
+        + ["--cases", "fixed", "adaptive_forced_plain_then_deepest"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result) == {"batch", "device", "fixed", "adaptive_forced_plain_then_deepest"}
+    forced = result["adaptive_forced_plain_then_deepest"]
+    modes = [kind for kind, _, _ in forced["steps"] if kind != "catch_up"]
+    assert set(modes) == {"plain", "spec"} and all(a != b for a, b in zip(modes, modes[1:]))
+    assert forced["summary"]["spec_after"].keys() == {"plain"}
+    assert "ncalls" in result["fixed"]["profile"] and result["fixed"]["tokens_per_s"] > 0

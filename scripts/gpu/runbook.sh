@@ -8,6 +8,9 @@
 #                                       weight updates and the tiny RL loop, each time-limited
 #   bash scripts/gpu/runbook.sh moe-adaptive  a third lease: the MoE/MLA and adaptive GPU tests,
 #                                       then adaptive EAGLE-3 against plain and fixed at 8B
+#   bash scripts/gpu/runbook.sh adaptive  a fourth: adaptive EAGLE-3 at batch 1-128 (perfect
+#                                       draft) and the per-step probe (scripts.gpu.probe_adaptive)
+#   bash scripts/gpu/runbook.sh probe ARGS  the probe alone (ARGS: its flags, e.g. --profile python)
 # Results (logs, JSON, summary.md naming the device) go to $OUT (the device tool's), else to
 # docs/benchmarks/gpu_<device>/ to commit. Archives made by scripts/gpu/pack.sh in .gpu_pack/ are
 # unpacked first (a machine without internet); with internet, `pip install -e ".[gpu]"` instead.
@@ -163,6 +166,36 @@ step_moe_adaptive() {  # one call: what landed after the second lease; <= 8 file
   fi
 }
 
+step_adaptive() {  # one call: the cost model's fixes at every batch, and why steps differ
+  local out=${OUT:-}
+  RESULTS=/tmp/specrl-results
+  mkdir -p "$RESULTS"
+  step_env
+  timeout 330 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --algorithms baseline eagle3 eagle3-adaptive --batch-sizes 1 8 32 64 128 \
+    --steps 3 --topk 1 --forced-acceptance --input-len 128 --output-len 128 \
+    --context-length 512 --repeats 1 --work-dir "$WORK" --json "$RESULTS/adaptive_forced.json" \
+    2>&1 | tee "$RESULTS/adaptive.txt"
+  for batch in 32 1; do
+    timeout 110 python3 -m scripts.gpu.probe_adaptive --work-dir "$WORK" --batch $batch \
+      --json "$RESULTS/probe_b$batch.json" 2>&1 | tail -n 20 | tee -a "$RESULTS/probe.txt"
+  done
+  if [ -n "$out" ]; then
+    for f in env.txt adaptive.txt adaptive_forced.json probe.txt probe_b32.json probe_b1.json; do
+      [ -e "$RESULTS/$f" ] && tail -c 2000000 "$RESULTS/$f" > "$out/$f"
+    done
+  fi
+}
+
+step_probe() {  # the 8B checkpoints (built once), then scripts.gpu.probe_adaptive "$@"
+  RESULTS=${OUT:-$RESULTS}
+  python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda --dtype bfloat16 \
+    --algorithms eagle3 --batch-sizes 1 --input-len 8 --output-len 8 --context-length 512 \
+    --repeats 1 --work-dir "$WORK" > "$RESULTS/probe_build.txt" 2>&1
+  python3 -m scripts.gpu.probe_adaptive --work-dir "$WORK" --json "$RESULTS/probe.json" "$@" \
+    2>&1 | tee "$RESULTS/probe.txt" | tail -n 200
+}
+
 setup
 case "${1:-all}" in
   env) step_env ;;
@@ -176,6 +209,8 @@ case "${1:-all}" in
   lease) step_lease ;;
   recheck) step_recheck ;;
   moe-adaptive) step_moe_adaptive ;;
-  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease|recheck|moe-adaptive" >&2
+  adaptive) step_adaptive ;;
+  probe) shift; step_probe "$@" ;;
+  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease|recheck|moe-adaptive|adaptive|probe ARGS" >&2
      exit 2 ;;
 esac
