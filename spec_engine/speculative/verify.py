@@ -98,15 +98,17 @@ def verify_trees(
         )
     greedy = [r.input.sampling_params.is_greedy for r in reqs]
     argmax = masked.argmax(-1).tolist()
-    probs = target_probs(masked, reqs, row_req) if not all(greedy) else None
-    out = []
-    for i, tree in enumerate(trees):
-        if greedy[i]:
-            out.append(_walk_greedy(tree, argmax, offsets[i]))
-        else:
-            out.append(
-                _walk_sampled(tree, probs, offsets[i], reqs[i], threshold_single, threshold_acc)
-            )
+    out: list[Optional[Acceptance]] = [
+        _walk_greedy(tree, argmax, offsets[i]) if greedy[i] else None
+        for i, tree in enumerate(trees)
+    ]
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    if sampled:
+        probs = target_probs(masked, reqs, row_req)
+        walks = [_SampledWalk(trees[i], offsets[i], reqs[i]) for i in sampled]
+        _walk_sampled(walks, probs, threshold_single, threshold_acc)
+        for i, walk in zip(sampled, walks):
+            out[i] = Acceptance(walk.path, walk.tokens, walk.rows)
     return out
 
 
@@ -124,49 +126,97 @@ def _walk_greedy(tree: DraftTree, argmax: list[int], offset: int) -> Acceptance:
         node = match
 
 
+class _SampledWalk:
+    """One sampled request's walk down its tree: where it stands and what it emitted."""
+
+    def __init__(self, tree: DraftTree, offset: int, req: Req) -> None:
+        self.tree, self.offset, self.req = tree, offset, req
+        self.kids = tree.children()
+        self.node, self.path, self.tokens, self.rows = 0, [0], [], []
+        self.level = len(req.output_ids)
+        self.child_p: list[float] = []  # target probability of each node's token at its parent
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """(verify row of its parent, token) of every node but the root, in node order."""
+        tree = self.tree
+        return [(self.offset + tree.parents[k], tree.tokens[k]) for k in range(1, tree.size)]
+
+    def accept(self, node: int) -> None:
+        self.tokens.append(self.tree.tokens[node])
+        self.path.append(node)
+        self.node = node
+        self.level += 1
+
+    def descend(self, threshold_single: float, threshold_acc: float) -> None:
+        """Accept children level by level until none is: the walk then stands at the node whose
+        residual distribution draws the emitted token (its row recorded)."""
+        while True:
+            self.rows.append(self.offset + self.node)
+            u = request_uniform(self.req.input.seed, self.level, ACCEPT_STREAM)
+            acc = 0.0
+            for k in self.kids[self.node]:
+                p = self.child_p[k]
+                acc += p
+                if u <= acc / threshold_acc or p >= threshold_single:
+                    self.accept(k)
+                    break
+            else:
+                return
+
+
 def _walk_sampled(
-    tree: DraftTree,
-    probs: torch.Tensor,
-    offset: int,
-    req: Req,
-    threshold_single: float,
-    threshold_acc: float,
-) -> Acceptance:
-    kids = tree.children()
-    node, path, tokens, rows = 0, [0], [], []
-    level = len(req.output_ids)
-    while True:
-        row = offset + node
-        child_tokens = [tree.tokens[k] for k in kids[node]]
-        child_probs = probs[row, child_tokens].tolist() if child_tokens else []
-        u = request_uniform(req.input.seed, level, ACCEPT_STREAM)
-        acc, accepted = 0.0, None
-        for k, p in zip(kids[node], child_probs):
-            acc += p
-            if u <= acc / threshold_acc or p >= threshold_single:
-                accepted = k
-                break
-        rows.append(row)
-        residual = None
-        if accepted is None:
-            residual = probs[row].clone()
-            if child_tokens:
-                residual[child_tokens] = 0.0
-            if residual.sum() <= 0:
-                # The children hold all the mass and u only passed their float sum by rounding.
-                accepted = kids[node][-1]
-        if accepted is None:
-            uniform = torch.tensor(
-                [request_uniform(req.input.seed, level, RESIDUAL_STREAM)],
+    walks: list[_SampledWalk], probs: torch.Tensor, threshold_single: float, threshold_acc: float
+) -> None:
+    """Every sampled request's tree walk. The children's target probabilities come to the
+    host in one copy, and the rejected nodes' residual draws run as one batch: a copy per
+    request and level made a GPU verify step wait on the host once per request and level."""
+    device = probs.device
+    pairs = [w.pairs() for w in walks]
+    flat = [pair for ps in pairs for pair in ps]
+    values: list[float] = []
+    if flat:
+        rows, toks = zip(*flat)
+        values = probs[torch.tensor(rows, device=device), torch.tensor(toks, device=device)]
+        values = values.tolist()
+    start = 0
+    for w, ps in zip(walks, pairs):
+        w.child_p = [0.0] + values[start : start + len(ps)]  # node 0, the root, has no parent
+        start += len(ps)
+    pending = walks
+    while pending:
+        for w in pending:
+            w.descend(threshold_single, threshold_acc)
+        # The residual at each walk's last node: the target with the tried children removed.
+        residual = probs[torch.tensor([w.rows[-1] for w in pending], device=device)]  # a copy
+        zeroed = [(i, w.tree.tokens[k]) for i, w in enumerate(pending) for k in w.kids[w.node]]
+        if zeroed:
+            rows, toks = zip(*zeroed)
+            residual[torch.tensor(rows, device=device), torch.tensor(toks, device=device)] = 0.0
+        empty = (residual.sum(-1) <= 0).tolist()
+        # The children hold all the mass and u only passed their float sum by rounding: the
+        # last child is accepted and that walk goes on.
+        drawn = [i for i, e in enumerate(empty) if not e]
+        if drawn:
+            uniforms = torch.tensor(
+                [
+                    request_uniform(pending[i].req.input.seed, pending[i].level, RESIDUAL_STREAM)
+                    for i in drawn
+                ],
                 dtype=torch.float64,
-                device=probs.device,
+                device=device,
             )
-            tokens.append(int(inverse_cdf(residual[None], uniform)[0]))
-            return Acceptance(path, tokens, rows)
-        tokens.append(tree.tokens[accepted])
-        path.append(accepted)
-        node = accepted
-        level += 1
+            masses = (
+                residual
+                if len(drawn) == len(pending)
+                else residual[torch.tensor(drawn, device=device)]
+            )
+            for i, token in zip(drawn, inverse_cdf(masses, uniforms).tolist()):
+                pending[i].tokens.append(token)
+        for i, e in enumerate(empty):
+            if e:
+                w = pending[i]
+                w.accept(w.kids[w.node][-1])
+        pending = [pending[i] for i, e in enumerate(empty) if e]
 
 
 def emitted_logprobs(
