@@ -79,8 +79,8 @@ def _run(args: argparse.Namespace, resume: Resume | None, teardown: contextlib.E
     manager = RolloutManager(opts.rollout, engines.handles, tokenizer, launcher_args=args)
     progress = RolloutProgress()
     manager.on_group_kept = progress.update
-    # The engines start at version 0 (the --hf-checkpoint weights); a resumed run continues the
-    # checkpoint's count.
+    # The engines start at version 0 (the --hf-checkpoint weights, or --ref-load's once pushed); a
+    # resumed run continues the checkpoint's count.
     weight_version, start_rollout_id, wandb_run_id = 0, 0, run_checkpoint.new_wandb_run_id()
     if resume is not None:
         logger.info("resuming from %s", resume.directory)
@@ -90,10 +90,12 @@ def _run(args: argparse.Namespace, resume: Resume | None, teardown: contextlib.E
         weight_version = resume.state["weight_version"]
         wandb_run_id = resume.state["wandb_run_id"]
         start_rollout_id = resume.rollout_id + 1
-        if trainer is not None and engines.actors:  # the engines generate from the resumed policy
-            trainer.push_weights(
-                engines.actors, opts.sync, str(weight_version), args.output_dir, args.colocate
-            )
+    # The engines generate from the policy: a resumed one, or --ref-load's (slime's start)
+    starts_elsewhere = resume is not None or opts.trainer.ref_load is not None
+    if starts_elsewhere and trainer is not None and engines.actors:
+        trainer.push_weights(
+            engines.actors, opts.sync, str(weight_version), args.output_dir, args.colocate
+        )
     if args.start_rollout_id is not None:
         start_rollout_id = args.start_rollout_id
     restarter, checked = None, contextlib.nullcontext

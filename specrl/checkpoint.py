@@ -133,7 +133,8 @@ def read_latest(root: str) -> int | None:
     if not text.isdigit():
         raise ValueError(
             f"{path} holds {text!r}, not a rollout id; it was not written by --save (Megatron's "
-            "'release' checkpoints are not resumable): point --load at a --save directory"
+            "'release' checkpoints are not resumable): point --load at a --save directory, and "
+            "start from a release checkpoint (slime's torch_dist) with --ref-load"
         )
     return int(text)
 
@@ -195,15 +196,13 @@ def resolve(args: argparse.Namespace, hf_config: dict[str, Any]) -> Resume | Non
 
 
 def resolve_ref_load(args: argparse.Namespace, hf_config: dict[str, Any]) -> str:
-    """--ref-load as the directory the trainer reads: the latest complete checkpoint of a --save
+    """--ref-load (the weights a run with nothing to resume starts from, and the KL reference,
+    as in slime) as the directory the trainer reads: the latest complete checkpoint of a --save
     directory, one iter_NNNNNNN/ directory, a Megatron-LM checkpoint (slime's torch_dist: its
     tools/convert_hf_to_torch_dist.py output, whose latest file says 'release', or its --save's),
     the megatron checkpoint `trainer_bridge.convert hf-to-mcore` writes, or a Hugging Face
     checkpoint of the same model."""
     path = args.ref_load
-    loss = args.options.loss
-    if not (loss.use_kl_loss or loss.kl_coef):
-        logger.warning("--ref-load %s is not used: no --use-kl-loss or --kl-coef", path)
     if not os.path.isdir(path):
         raise ValueError(f"--ref-load {path} is not a directory")
     tracker = read_tracker(path)
@@ -278,12 +277,16 @@ def _find_resume(args: argparse.Namespace, hf_config: dict[str, Any]) -> Resume 
     latest = read_latest(args.load) if os.path.isdir(args.load) else None
     if latest is None:
         same = args.save is not None and os.path.realpath(args.save) == os.path.realpath(args.load)
-        if same:  # slime's `--load $SAVE --save $SAVE`: the first run has nothing to resume yet
-            logger.info("no checkpoint in %s yet: starting from --hf-checkpoint", args.load)
+        # slime's `--load $SAVE --save $SAVE`: the first run has nothing to resume yet; and with
+        # --ref-load, slime starts from it whatever --load holds
+        if same or args.ref_load is not None:
+            start = "--hf-checkpoint" if args.ref_load is None else f"--ref-load {args.ref_load}"
+            logger.info("no checkpoint in %s yet: starting from %s", args.load, start)
             return None
         raise ValueError(
             f"--load {args.load} holds no checkpoint (no {LATEST_FILE}); give the --save "
-            "directory of an earlier run, or leave --load out to start from --hf-checkpoint"
+            "directory of an earlier run, or leave --load out to start from --hf-checkpoint "
+            "(or from --ref-load's weights, as slime does)"
         )
     directory = iter_dir(args.load, latest)
     if not os.path.isdir(directory):

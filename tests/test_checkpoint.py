@@ -328,6 +328,10 @@ def test_bad_directories_and_checkpoints_are_refused_naming_the_path(task, kille
     )
     empty = tmp_path / "empty"
     assert f"--load {empty} holds no checkpoint" in refused(base + ["--load", str(empty)], config)
+    # slime: with --ref-load, a --load with nothing to resume starts from --ref-load's weights
+    with_ref = resolve_args(base + ["--load", str(empty), "--ref-load", model])
+    assert run_checkpoint.resolve(with_ref, config) is None
+    assert with_ref.options.trainer.ref_load == model
 
     # A copy of the reference run's checkpoints to break in several ways.
     ckpt = str(tmp_path / "ckpt")

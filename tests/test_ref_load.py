@@ -1,5 +1,6 @@
-"""--ref-load (slime's flag): the KL reference model from a --save directory (the policy of its
-latest checkpoint) or a Hugging Face checkpoint; resolved and checked before anything starts."""
+"""--ref-load (slime's flag): the weights a run starts from and its KL reference model, from a
+--save directory (the policy of its latest checkpoint), slime's torch_dist, a converted megatron
+checkpoint or a Hugging Face checkpoint; resolved and checked before anything starts."""
 
 from __future__ import annotations
 
@@ -72,7 +73,11 @@ def test_ref_load_reads_a_save_directory_or_a_hugging_face_checkpoint(models, tm
     assert resolved(policy, save, out, "--use-kl-loss") == run_checkpoint.iter_dir(save, 3)
     a = actor(policy, run_checkpoint.iter_dir(save, 3))
     assert a.compute_log_probs(batch(), reference=True) == saved_logps
-    assert a.compute_log_probs(batch()) != saved_logps  # the policy is --hf-checkpoint's
+    # slime's start: the policy begins where the reference is, not at --hf-checkpoint's weights
+    assert a.compute_log_probs(batch()) == saved_logps
+    a.train(batch())  # and trains away from it while the reference stays
+    assert a.compute_log_probs(batch()) != saved_logps
+    assert a.compute_log_probs(batch(), reference=True) == saved_logps
     destroy_model_parallel()
 
     assert resolved(policy, other, out, "--use-kl-loss") == other

@@ -183,6 +183,26 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, rl_loop_
     )  # no engine was started, nothing pushed
 
 
+def test_a_run_starts_from_ref_load_in_the_trainer_and_the_engines(task, make_model, tmp_path):
+    """slime's start: --ref-load (here another checkpoint of the model) is where the policy
+    begins, and it is pushed into the engines before the first rollout: that rollout's
+    log-probs from the engines equal the trainer's (train/tis 1), and the first step's KL to the
+    reference, which is --ref-load too, is 0."""
+    from specrl.tiny_models import add_mimo_mtp
+
+    model, data = task
+    other = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=43), seed=44)
+    out = str(tmp_path / "out")
+    argv = base_args(model, data, out) + ["--ref-load", other, "--check-weight-update-equal"]
+    argv += ["--use-kl-loss", "--kl-loss-coef", "0.01", "--lr", "1e-3"]
+    argv[argv.index("--num-rollout") + 1] = "1"
+    run(argv)
+    (row,) = metrics(out)
+    assert abs(row["train/tis"] - 1.0) < 1e-3, row["train/tis"]
+    assert abs(row["train/kl"]) < 1e-6, row["train/kl"]
+    assert row["rollout/weight_version"] == 0 and row["train/grad_norm"] > 0
+
+
 def test_debug_rollout_only_shuts_down_when_a_step_of_it_fails(rollout_only_run):
     """--debug-rollout-only never imports megatron and logs rollout metrics only; a failure
     closing the metrics log is reported (logged and raised) and the engines and Ray are still

@@ -99,6 +99,8 @@ class TrainActor:
         overrides.update(params_dtype=dtype, device=self.device, packed=args.qkv_format == "thd")
         model = build_gpt_model(args.hf_checkpoint, **overrides)
         load_hf_weights(model, args.hf_checkpoint)
+        if args.ref_load is not None:  # slime: a run with nothing to resume starts from it
+            load_reference(model, args.ref_load)
         if args.moe_aux_loss_coeff:
             moe.track_aux_losses(self.arch, self.device)
         set_trainable(model, self.arch.num_mtp_layers, args.enable_mtp_training)
@@ -126,13 +128,11 @@ class TrainActor:
         self.gpt = model
         self.ref = None
         if self.loss_cfg.use_kl_loss or self.loss_cfg.kl_coef:
-            # The KL term's frozen reference: --ref-load, else the checkpoint the run started from.
+            # The KL term's frozen reference: the weights the run starts from (--ref-load's, else
+            # --hf-checkpoint's), before a resumed run loads its policy.
             self.ref = build_gpt_model(args.hf_checkpoint, **overrides)
             self.ref.eval().requires_grad_(False)
-            if args.ref_load is None:
-                load_mcore_state_dict(self.ref, model.state_dict())
-            else:
-                load_reference(self.ref, args.ref_load)
+            load_mcore_state_dict(self.ref, model.state_dict())
         self.step = 0
         self._pusher: Optional[WeightPusher] = None
         self._pusher_key: Any = None

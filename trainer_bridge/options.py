@@ -174,11 +174,12 @@ class TrainerArgs:
     ref_load: Optional[str] = field(
         default=None,
         metadata={
-            "help": "The KL reference model (slime's flag): a --save directory (the policy of its "
-            "latest checkpoint), one iter_NNNNNNN/ directory of it, the output of `python -m "
-            "trainer_bridge.convert hf-to-mcore` (any TP / EP size), or a Hugging Face checkpoint "
-            "of the same model. Default: --hf-checkpoint's weights. Used with --use-kl-loss or "
-            "--kl-coef."
+            "help": "The weights a run starts from and the KL reference model (slime's flag; "
+            "a run resumed from --load keeps this reference): a --save directory (the policy of "
+            "its latest checkpoint), one iter_NNNNNNN/ directory of it, slime's torch_dist "
+            "(Megatron-LM) checkpoint, the output of `python -m trainer_bridge.convert "
+            "hf-to-mcore` (any TP / EP size), or a Hugging Face checkpoint of the same model. "
+            "Default: --hf-checkpoint's weights."
         },
     )
 
