@@ -23,6 +23,7 @@ from spec_engine.core.adaptive import (
     bucket,
 )
 from spec_engine.launch_server import build_parser
+from spec_engine.speculative import draft_lag
 from spec_engine.speculative.ngram import NgramCache
 from specrl.train_options import parse_args
 from tests.conftest import random_prompts
@@ -185,6 +186,47 @@ def test_a_trys_draft_catch_up_counts_in_its_loss_and_a_trees_depths_share_the_b
     steps = tries(tree, 3.6, 0.0, 4 * (WARM_STEPS + 1) + 2500)[3 * (WARM_STEPS + 1) :]
     assert sorted(set(steps)) == steps and len(steps) >= 3  # each depth's tries, in order
     assert min(steps) >= 3 * 2.6 / EXPLORE_BUDGET - 4 * (WARM_STEPS + 1)
+
+
+def test_a_try_waits_while_the_predicted_catch_up_is_long():
+    """The worker's estimate of the catch-up a try would pay now (choose's `catch_up`) stands
+    in for the measured switches: depth 3 at 1.5 plain steps per request, nothing accepted,
+    with nothing to catch up is tried EXPLORE_EVERY steps after its warm-up; with 5.0 seconds
+    per request predicted (a long plain stretch's lag) only after 5.5 / EXPLORE_BUDGET steps;
+    and once the lag is gone (a forced catch-up, new requests) at the first interval again."""
+
+    def first_try(predicted: float, steps: int) -> int | None:
+        model = SpecCostModel([3], nested=True)
+        for step in range(steps):
+            warm = model.decisions[3] < WARM_STEPS + 1 or model.decisions[PLAIN] < WARM_STEPS + 1
+            mode = model.choose(32, None if warm else 32 * predicted)
+            if mode and not warm:
+                return step
+            model.observe(mode, 32, 32 * (1.5 if mode else 1.0), [[0]] * 32 if mode else ())
+        return None
+
+    warm = 2 * (WARM_STEPS + 1)
+    assert abs(first_try(0.0, warm + 700) - (warm + EXPLORE_EVERY)) <= 2
+    assert abs(first_try(5.0, warm + 700) - (warm + 5.5 / EXPLORE_BUDGET)) <= 2
+    assert first_try(5.0, warm + 300) is None
+
+
+def test_extend_cost_fits_a_fixed_cost_and_a_cost_per_position():
+    """Catch-ups of a position or two (the warm-up's) and prefills of hundreds: their fit
+    predicts a long lag's catch-up, where the small ones' cost per position (their fixed cost
+    spread over few positions) would overcharge it 20-fold."""
+    cost = draft_lag.ExtendCost()
+    cost.add(32, 0.0050)
+    assert cost.predict(4096) is None and cost.predict(0) == 0.0  # one size: not yet known
+    for positions in (32, 64, 32):
+        cost.add(positions, 0.004 + 1e-5 * positions)
+    cost.add(4096, 0.004 + 1e-5 * 4096)  # a prefill
+    assert abs(cost.predict(8192) - (0.004 + 1e-5 * 8192)) < 2e-3
+    assert cost.predict(8192) < 0.2 * 8192 * 0.005 / 32
+    flat = draft_lag.ExtendCost()  # timings that fall with size: no negative cost per position
+    flat.add(10, 0.02)
+    flat.add(1000, 0.01)
+    assert flat.predict(10**6) == 0.015
 
 
 def test_a_chain_tries_only_its_deepest_depth():
@@ -525,7 +567,7 @@ def test_ngram_depth_switching_is_lossless_and_verifies_the_chosen_shape(
     rows than the configured shape."""
     pattern = (5, 0, 1, 2, 0, 4, 1)
 
-    def choose(self: SpecCostModel, batch: int) -> int:
+    def choose(self: SpecCostModel, batch: int, catch_up: float | None = None) -> int:
         return pattern[sum(self.decisions.values()) % len(pattern)]
 
     monkeypatch.setattr(SpecCostModel, "choose", choose)

@@ -35,7 +35,7 @@ def alternating(monkeypatch):
     """The cost model replaced by PATTERN; a pure function of the steps run, as the scheduler
     asks it several times per step."""
 
-    def choose(self: SpecCostModel, batch: int) -> int:
+    def choose(self: SpecCostModel, batch: int, catch_up: float | None = None) -> int:
         depth = PATTERN[sum(self.decisions.values()) % len(PATTERN)]
         return min(depth, self.depths[-1])
 
@@ -246,6 +246,39 @@ def test_switching_every_few_steps_is_lossless_and_keeps_the_draft_in_step(
     full = spied["full"]
     assert any(f for f, _ in full) and any(not f for f, _ in full)
     assert all((forwards > 0) == f for f, forwards in full)
+
+
+def test_the_scheduler_charges_a_try_the_catch_up_the_worker_predicts(
+    models, alternating, monkeypatch
+):
+    """choose() gets the worker's estimate of the catch-up a speculative step would pay now:
+    0 right after a speculative step, growing along a plain stretch with the positions the
+    requests lag (each step's estimate from one fit of the draft's prefill extends and
+    catch-ups, which every prefill and catch-up feeds)."""
+    asked: list = []
+    pattern_choose = SpecCostModel.choose
+
+    def recording(self, batch, catch_up=None):
+        asked.append((sum(self.decisions.values()), catch_up))
+        return pattern_choose(self, batch, catch_up)
+
+    monkeypatch.setattr(SpecCostModel, "choose", recording)
+    path, kwargs = engine_args(models, "mtp")
+    prompts = random_prompts(3, 4, 12, seed=64)
+    with Engine(model_path=path, random_seed=0, speculative_adaptive=True, **kwargs) as engine:
+        engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 40})
+        samples = list(engine.scheduler.worker.extend_cost.samples)
+    per_step = dict(asked)  # the last ask of each step: the one its mode came from
+    known = [(step, s) for step, s in per_step.items() if s is not None]
+    assert len(known) > 20
+    after_spec = [s for step, s in known if PATTERN[(step - 1) % len(PATTERN)] != 0]
+    assert after_spec and all(s == 0.0 for s in after_spec)
+    # PATTERN's closing stretch of six plain steps: the estimate grows step by step.
+    stretch = [dict(known).get(step) for step in range(10, 16)]
+    assert None not in stretch and 0 < stretch[1] < stretch[-1], stretch
+    assert all(a <= b for a, b in zip(stretch, stretch[1:])), stretch
+    sizes = {positions for positions, _ in samples}
+    assert max(sizes) >= 12 and min(sizes) <= 3 * len(prompts)  # prefills and catch-ups
 
 
 def test_a_draft_that_predicts_well_accepts_as_much_after_a_plain_stretch(

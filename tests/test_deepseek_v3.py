@@ -203,7 +203,7 @@ def test_adaptive_plain_steps_keep_multi_layer_mtp_state(
     monkeypatch.setattr(
         SpecCostModel,
         "choose",
-        lambda self, batch: pattern[sum(self.decisions.values()) % len(pattern)],
+        lambda self, batch, catch_up=None: pattern[sum(self.decisions.values()) % len(pattern)],
     )
     prompts = random_prompts(3, 3, 12, seed=45)
     params = {**GREEDY, "max_new_tokens": 31}

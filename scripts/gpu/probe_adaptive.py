@@ -136,7 +136,7 @@ def _run(path: str, kwargs: dict, batch: int, args: argparse.Namespace, force=No
                 return observe(*a, **k)
 
             model.observe = counted
-            model.choose = lambda n: force[done[0] % len(force)]
+            model.choose = lambda n, catch_up=None: force[done[0] % len(force)]
         params = {"temperature": 1.0, "max_new_tokens": args.output_len, "ignore_eos": True}
         g = torch.Generator().manual_seed(0)
         info = engine.get_server_info

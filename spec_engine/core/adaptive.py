@@ -51,8 +51,11 @@ cheap one; the modes tried share the budget, so a tree's three depths each get a
 which doubles each time a try leaves it behind (up to `MAX_EXPLORE_EVERY`) and starts over when
 it wins or new weights arrive (`weights_updated`) or a try's own step beats the chosen mode (a
 draft that got better is tried at that first interval until the averages agree). A try's loss
-includes the draft catch-up a lagging draft model pays before it (the median of that mode's
-recent switches): the longer the plain stretch, the more it costs. A mode that
+includes the draft catch-up a lagging draft model pays before it: the worker's estimate for the
+positions the requests lag now (speculative/draft_lag.ExtendCost, fitted to the draft's prefill
+extends and catch-ups), else the median of that mode's recent switches. The longer the plain
+stretch, the more a try costs, so tries come when the lag is short (new requests, or right
+after the catch-up a full lag forces). A mode that
 could not win even if every draft token were accepted ((depth + 1) / its cost below the chosen
 mode's rate; plain decoding: its measured rate) waits `MAX_EXPLORE_EVERY` steps once its cost
 rests on `RECENT` measurements: its cost, not the draft, keeps it behind (on fewer, the warm-up's
@@ -192,8 +195,10 @@ class SpecCostModel:
     def _bucket(self, batch: int) -> dict[int, ModeCost]:
         return self.costs.setdefault(bucket(batch), {m: ModeCost() for m in self.modes})
 
-    def choose(self, batch: int) -> int:
-        """The mode of the next decode step of `batch` requests: PLAIN or a depth."""
+    def choose(self, batch: int, catch_up: Optional[float] = None) -> int:
+        """The mode of the next decode step of `batch` requests: PLAIN or a depth; `catch_up`:
+        the seconds a lagging draft's catch-up would take before a speculative step now (None:
+        not known; the mode's recent switches stand in for it)."""
         modes = self._bucket(batch)
         if not self.frozen:
             order = [self.depths[-1], PLAIN, *reversed(self.depths[:-1])]
@@ -208,7 +213,8 @@ class SpecCostModel:
         due = [
             m
             for m in self.modes
-            if m != best and modes[m].since >= self._interval(m, modes, seconds, rates, best)
+            if m != best
+            and modes[m].since >= self._interval(m, modes, seconds, rates, best, catch_up, batch)
         ]
         return max(due, key=lambda m: modes[m].since) if due else best
 
@@ -219,10 +225,13 @@ class SpecCostModel:
         seconds: Mapping[int, float],
         rates: Mapping[int, float],
         best: int,
+        catch_up: Optional[float] = None,
+        batch: int = 1,
     ) -> int:
         """Steps of its bucket (`modes`) `mode` may go unrun before it is tried again, the
-        bucket's fitted `seconds` per request and expected `rates` being these and `best` the
-        chosen mode."""
+        bucket's fitted `seconds` per request and expected `rates` being these, `best` the
+        chosen mode and `catch_up` the seconds a try's catch-up of `batch` requests would take
+        (see choose)."""
         if self.nested and PLAIN < mode < self.depths[-1]:
             return MAX_EXPLORE_EVERY  # the deepest depth's steps measure its accept length
         own, top = seconds.get(mode), max(rates.values(), default=0.0)
@@ -233,7 +242,12 @@ class SpecCostModel:
         tried = [
             m for m in self.modes if m != best and not (self.nested and PLAIN < m < self.depths[-1])
         ]
-        switch = statistics.median(modes[mode].switch) if modes[mode].switch else 0.0
+        if mode == PLAIN:
+            switch = 0.0
+        elif catch_up is not None:
+            switch = catch_up / batch
+        else:
+            switch = statistics.median(modes[mode].switch) if modes[mode].switch else 0.0
         affordable = _affordable_interval(
             own, rates.get(mode), seconds.get(best), top, switch, EXPLORE_BUDGET / len(tried)
         )

@@ -86,7 +86,6 @@ class Scheduler:
             if args.speculative_algorithm is not None
             else None
         )
-        # --speculative-adaptive: per step, speculate or decode plainly (core.adaptive).
         self.adaptive = SpecCostModel.from_args(args) if args.speculative_adaptive else None
 
     # ------------------------------------------------------------ public
@@ -177,7 +176,8 @@ class Scheduler:
         if not self.alarm.speculating:
             return [(self.running, 0)]
         if self.adaptive is not None:  # no request is behind: any may switch at any step
-            return [(self.running, self.adaptive.choose(len(self.running)))]
+            catch_up = self.worker.catch_up_seconds(self.running)  # what a try would pay first
+            return [(self.running, self.adaptive.choose(len(self.running), catch_up))]
         plain = [r for r in self.running if r.draft_stale]
         spec = [r for r in self.running if not r.draft_stale]
         return [(g, depth) for g, depth in ((spec, None), (plain, 0)) if g]

@@ -84,6 +84,11 @@ class ModelWorker:
         (speculative/draft_lag.py; `decode` would otherwise do it first), synchronized. Before a
         plain step (`full_only`): only the drafts that lag by draft_lag.lag_limit positions."""
 
+    def catch_up_seconds(self, reqs: Sequence[Req]) -> Optional[float]:
+        """What `catch_up(reqs)` would take now (0 without a lagging draft; None: not known
+        yet)."""
+        return 0.0
+
     def release(self, req: Req) -> int:
         """Drop what the worker keeps for `req` between steps (its KV is being released).
         Returns how many leading positions hold KV the prefix cache may share: all it computed,

@@ -21,6 +21,7 @@ is missing; EagleWorker.release).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -37,6 +38,7 @@ from spec_engine.core.request import Req
 MIN_LAG = 128
 MAX_LAG = 1024
 LAG_BUDGET_BYTES = 256 << 20
+EXTEND_SAMPLES = 32  # the latest draft extends the catch-up estimate is fitted to
 
 
 def lag_limit(features: Optional[torch.Tensor], max_running: int) -> int:
@@ -83,3 +85,38 @@ def take(reqs: Sequence[Req]) -> tuple[list[DraftLag], Optional[torch.Tensor]]:
         r.draft_lag = None
     rows = [f for lag in lags for f in lag.features]
     return lags, torch.stack(rows) if rows else None
+
+
+class ExtendCost:
+    """Seconds of the draft's extends against the positions they cover (each prefill's and each
+    catch-up's), fitted as a fixed cost plus a cost per position: what catching up the lagging
+    requests will cost before it runs. The adaptive cost model charges it to a try of
+    speculation: after a long plain stretch the catch-up of every request's plain positions
+    costs more than the step itself (a 1-second extend before a 0.1-second step at batch 64 on
+    CPU), while the warm-up's catch-ups covered a position or two each."""
+
+    def __init__(self) -> None:
+        self.samples: deque = deque(maxlen=EXTEND_SAMPLES)  # (positions, seconds)
+
+    def add(self, positions: int, seconds: float) -> None:
+        self.samples.append((positions, seconds))
+
+    def predict(self, positions: int) -> Optional[float]:
+        """Seconds of an extend over `positions` (0: none runs); None until extends of two
+        different sizes were measured (a prefill's and a catch-up's)."""
+        if positions <= 0:
+            return 0.0
+        xs = [x for x, _ in self.samples]
+        if len(set(xs)) < 2:
+            return None
+        mean_x = sum(xs) / len(xs)
+        mean_y = sum(y for _, y in self.samples) / len(xs)
+        var = sum((x - mean_x) ** 2 for x in xs)
+        cov = sum((x - mean_x) * (y - mean_y) for x, y in self.samples)
+        per_position = max(cov / var, 0.0)
+        return max(mean_y - per_position * mean_x, 0.0) + per_position * positions
+
+
+def positions(reqs: Sequence[Req]) -> int:
+    """Positions the lagging requests among `reqs` would catch up now."""
+    return sum(len(r.draft_lag.tokens) for r in reqs if r.draft_lag is not None)

@@ -92,6 +92,7 @@ class EagleWorker(SpecWorker):
         self.adaptive = args.speculative_adaptive
         self.max_running = args.max_running_requests
         self.max_lag = draft_lag.MAX_LAG  # set from the feature rows' size by plain steps
+        self.extend_cost = draft_lag.ExtendCost()  # --speculative-adaptive's catch-up estimate
 
     # ---------------------------------------------------------------- memory
 
@@ -132,7 +133,8 @@ class EagleWorker(SpecWorker):
                 entries.append(DraftExtend(r, s, r.fill_ids[s:e], done))
         feats = self._features(out) if self.features else None
         self._extend_draft(entries, feats)
-        self.timings.add("draft_s", start)
+        end = self.timings.add("draft_s", start)
+        self.extend_cost.add(sum(len(e.tokens) for e in entries), end - start)
         return result
 
     # ---------------------------------------------------------------- decode
@@ -197,7 +199,11 @@ class EagleWorker(SpecWorker):
         lags, feats = draft_lag.take(lagging)
         entries = [DraftExtend(r, lag.start, lag.tokens, True) for r, lag in zip(lagging, lags)]
         self._extend_draft(entries, feats, mode=ForwardMode.DRAFT_EXTEND)
-        self.timings.add("draft_s", start)
+        end = self.timings.add("draft_s", start)
+        self.extend_cost.add(sum(len(lag.tokens) for lag in lags), end - start)
+
+    def catch_up_seconds(self, reqs: Sequence[Req]) -> Optional[float]:
+        return self.extend_cost.predict(draft_lag.positions(reqs))
 
     def release(self, req: Req) -> int:
         # No draft KV from the first lagging position on: a request sharing it would draft badly.
