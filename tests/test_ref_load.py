@@ -207,3 +207,46 @@ def test_ref_load_reads_slimes_torch_dist_checkpoint(models, tmp_path):
     # Megatron-LM's checkpoint is not one --load resumes
     with pytest.raises(SystemExit, match="holds 'release', not a rollout id"):
         resolved(policy, release, out, "--use-kl-loss", "--load", release)
+
+
+def test_a_torch_dist_checkpoint_without_mtp_layers_keeps_the_hf_checkpoints(
+    make_model, tmp_path, caplog
+):
+    """slime's converter run without --mtp-num-layers: a MiMo policy started from (and
+    referenced to) it takes the trunk from the checkpoint, bit for bit as the plain model reads
+    it, and keeps --hf-checkpoint's MTP layer, saying so."""
+    from specrl.tiny_models import add_mimo_mtp
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+
+    base = make_model("qwen2", num_layers=2, seed=71)
+    mimo = str(tmp_path / "mimo")
+    shutil.copytree(base, mimo)
+    add_mimo_mtp(mimo, seed=72)
+    release = str(tmp_path / "torch_dist")
+    megatron_lm_release(base, release)
+    directory = os.path.join(release, "release")
+    assert resolved(mimo, release, str(tmp_path / "out")) == directory
+
+    plain = actor(base, directory)
+    want = plain.compute_log_probs(batch())
+    destroy_model_parallel()
+    fresh = actor(mimo)
+    hf_mtp = {
+        k: v.clone()
+        for k, v in fresh.gpt.state_dict().items()
+        if k.startswith("mtp.") and isinstance(v, torch.Tensor)
+    }
+    destroy_model_parallel()
+    with caplog.at_level("WARNING", logger="trainer_bridge.checkpoint"):
+        started = actor(mimo, directory)
+    assert "holds no MTP layers" in caplog.text
+    assert started.compute_log_probs(batch()) == want
+    assert started.compute_log_probs(batch(), reference=True) == want
+    mtp = {
+        k: v
+        for k, v in started.gpt.state_dict().items()
+        if k.startswith("mtp.") and isinstance(v, torch.Tensor)
+    }
+    assert hf_mtp and mtp.keys() == hf_mtp.keys()
+    assert all(torch.equal(v, hf_mtp[k]) for k, v in mtp.items())
+    destroy_model_parallel()

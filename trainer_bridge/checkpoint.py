@@ -24,6 +24,7 @@ its Adam state (trainer_bridge.online_draft).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import random
@@ -36,6 +37,8 @@ import torch
 
 from spec_engine.models.hf_config import ModelConfig
 from trainer_bridge.options import TrainerArgs
+
+logger = logging.getLogger(__name__)
 
 
 class TrainActor(Protocol):
@@ -270,16 +273,34 @@ def load_checkpoint(actor: TrainActor, directory: str) -> int:
 def load_reference(gpt: Any, directory: str) -> None:
     """--ref-load, resolved by the launcher to a directory: the model part of one of these
     checkpoints or of a Megatron-LM one (slime's torch_dist; optimizer and RNG are not read), an
-    hf-to-mcore output or a Hugging Face checkpoint."""
+    hf-to-mcore output or a Hugging Face checkpoint. A megatron checkpoint without MTP layers
+    (slime's converter run without --mtp-num-layers) leaves `gpt`'s as they are (the
+    --hf-checkpoint's next-n layers)."""
     if not os.path.isfile(os.path.join(directory, COMMON_FILE)):
         from trainer_bridge.convert import load_hf_weights
 
         load_hf_weights(gpt, directory)
         return
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
 
-    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, directory)
-    gpt.load_state_dict(state["model"])
+    sharded = gpt.sharded_state_dict()
+    saved = FileSystemReader(directory).read_metadata().state_dict_metadata
+    kept = [name for name in sharded if name.startswith("mtp.")]
+    if kept and any(key.startswith("mtp.") for key in saved):
+        kept = []
+    if kept:
+        logger.warning(
+            "%s holds no MTP layers: the policy's %d MTP tensors stay --hf-checkpoint's (convert "
+            "with --mtp-num-layers to carry them)",
+            directory,
+            len(kept),
+        )
+        sharded = {name: t for name, t in sharded.items() if name not in kept}
+    state = dist_checkpointing.load({"model": sharded}, directory)
+    missing = gpt.load_state_dict(state["model"], strict=not kept).missing_keys
+    if any(not name.startswith("mtp.") for name in missing):
+        raise ValueError(f"{directory} lacks {missing}; point --ref-load at the policy's model")
 
 
 def _load_common(directory: str) -> Any:
