@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from spec_engine import Engine
+from scripts.bench_measure import open_engine
 
 
 class _StepProfiler:
@@ -104,21 +104,8 @@ def _timed(records: list, kind: str, fn: Callable, depth_of: Callable) -> Callab
 
 
 def _run(path: str, kwargs: dict, batch: int, args: argparse.Namespace, force=None) -> dict:
-    engine = Engine(
-        model_path=path,
-        device=args.device,
-        dtype=args.dtype,
-        skip_tokenizer_init=True,
-        random_seed=0,
-        disable_radix_cache=True,
-        attention_backend=args.attention_backend,
-        context_length=args.context_length,
-        max_running_requests=batch,
-        cuda_graph_bs=[batch],
-        disable_cuda_graph=args.device != "cuda",
-        speculative_accept_threshold_single=1e-9,
-        **kwargs,
-    )
+    # bench_rollout's engine for one batch size, every draft token accepted (--forced-acceptance)
+    engine = open_engine(path, {**kwargs, "speculative_accept_threshold_single": 1e-9}, batch, args)
     try:
         worker, sched = engine.scheduler.worker, engine.scheduler
         records: list = []
@@ -209,6 +196,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
+    args.disable_cuda_graph = args.device != "cuda"  # what open_engine reads besides these flags
+    args.enable_deterministic_inference = False
     target = os.path.dirname(glob.glob(os.path.join(args.work_dir, "*", "llama", "config.json"))[0])
     draft = os.path.dirname(glob.glob(os.path.join(args.work_dir, "*", "eagle3", "config.json"))[0])
     spec = dict(

@@ -176,8 +176,9 @@ def _walk_sampled(
     values: list[float] = []
     if flat:
         rows, toks = zip(*flat)
-        values = probs[torch.tensor(rows, device=device), torch.tensor(toks, device=device)]
-        values = values.tolist()
+        values = probs[
+            torch.tensor(rows, device=device), torch.tensor(toks, device=device)
+        ].tolist()
     start = 0
     for w, ps in zip(walks, pairs):
         w.child_p = [0.0] + values[start : start + len(ps)]  # node 0, the root, has no parent
