@@ -49,7 +49,8 @@ def test_each_sampled_walk_is_the_same_alone_as_in_its_batch():
         trees = [_tree(rng, vocab, rng.randrange(1, 7)) for _ in range(batch)]
         reqs = [_req(rng, rng.random() < 0.25) for _ in range(batch)]
         sizes = [t.size for t in trees]
-        logits = torch.randn(sum(sizes), vocab, generator=torch.Generator().manual_seed(len(sizes)))
+        g = torch.Generator(device="cpu").manual_seed(len(sizes))
+        logits = torch.randn(sum(sizes), vocab, generator=g, device="cpu")
         offset = 0
         for tree in trees:  # make drafts likely so that walks go deep
             for node in range(1, tree.size):
