@@ -114,3 +114,75 @@ def test_cpu_attention_gathers_reuse_kept_buffers_and_graphs_keep_theirs():
     meta = TorchNativeBackend(torch.device("meta"))
     out = meta._gather("k", pool.to("meta"), small.to("meta"))
     assert out.device.type == "meta" and out.shape == (3, 2, 4) and not meta._workspace
+
+
+def test_the_table_reads_and_writes_many_ranges_as_row_by_row():
+    table = ReqToTokenPool(5, 12, CPU)
+    table.req_to_token[:5] = torch.randperm(60, device=CPU).view(5, 12).to(torch.int32)
+    rows, starts, ends = [3, 0, 4, 0], [2, 0, 7, 5], [6, 1, 7, 12]  # an empty range among them
+    want = torch.cat([table.read(r, e, start=s) for r, s, e in zip(rows, starts, ends)])
+    got = table.read_ranges(rows, starts, ends)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    copy = ReqToTokenPool(5, 12, CPU)
+    slots = torch.arange(100, 100 + len(want), device=CPU)
+    copy.write_ranges([1, 2], [0, 9], [8, 12], slots[:11])
+    assert copy.req_to_token[1, :8].tolist() == list(range(100, 108))
+    assert copy.req_to_token[2, 9:].tolist() == [108, 109, 110]
+    assert copy.req_to_token[[0, 3, 4]].eq(0).all() and copy.req_to_token[2, :9].eq(0).all()
+    assert table.read_ranges([], [], []).shape == (0,)
+    meta = ReqToTokenPool(5, 12, torch.device("meta"))  # stands in for CUDA: no device mixing
+    assert meta.read_ranges(rows, starts, ends).device.type == "meta"
+    meta.write_ranges(rows, starts, ends, slots.to("meta"))
+
+
+def test_flashinfer_extend_plan_gathers_every_requests_slots(monkeypatch):
+    """FlashInfer's extend plan (CUDA-only) with a stand-in module: the paged KV indices are
+    each request's slots 0 .. kv_len - 1, gathered on the table's device."""
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    from spec_engine.forward_batch import ForwardBatch, ForwardMode
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    path = Path(__file__).parents[1] / "spec_engine" / "attention" / "flashinfer.py"
+    spec = importlib.util.spec_from_file_location("_flashinfer_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look themselves up
+    spec.loader.exec_module(module)
+
+    class Wrapper:
+        def plan(self, qo_indptr, kv_indptr, kv_indices, *args, **kwargs):
+            self.args = (qo_indptr, kv_indptr, kv_indices, kwargs)
+
+    for device in (CPU, torch.device("meta")):
+        backend = module.FlashInferBackend.__new__(module.FlashInferBackend)
+        backend.device, backend.dtype, backend.scaling = device, torch.float32, 1.0
+        backend.num_heads, backend.num_kv_heads, backend.head_dim = 2, 1, 4
+        table = ReqToTokenPool(4, 10, device)
+        values = torch.randperm(40, device=CPU).view(4, 10).to(torch.int32)
+        table.req_to_token[:4] = values.to(device)
+        rows, q_lens, kv_lens = [2, 0, 3], [2, 1, 3], [5, 1, 10]
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.zeros(6, dtype=torch.int64, device=device),
+            positions=torch.zeros(6, dtype=torch.int64, device=device),
+            out_cache_loc=torch.zeros(6, dtype=torch.int64, device=device),
+            req_pool_indices=torch.tensor(rows, device=device),
+            seq_lens=torch.tensor(kv_lens, device=device),
+            seq_lens_cpu=kv_lens,
+            extend_seq_lens_cpu=q_lens,
+            extend_prefix_lens_cpu=[n - q for q, n in zip(q_lens, kv_lens)],
+            req_to_token_pool=table,
+            kv_pool=types.SimpleNamespace(dtype=torch.float32),
+        )
+        wrapper = Wrapper()
+        backend._plan_extend(wrapper, batch, always_mask=True)
+        qo_indptr, kv_indptr, indices, kwargs = wrapper.args
+        assert indices.device == device and indices.dtype == torch.int32
+        assert kwargs["custom_mask"].device == device and kwargs["custom_mask"].dtype == torch.bool
+        if device == CPU:
+            want = torch.cat([values[r, :n] for r, n in zip(rows, kv_lens)])
+            assert torch.equal(indices, want)
+            assert kv_indptr.tolist() == [0, 5, 6, 16] and qo_indptr.tolist() == [0, 2, 3, 6]

@@ -11,6 +11,11 @@
 #   bash scripts/gpu/runbook.sh adaptive  a fourth: adaptive EAGLE-3 at batch 1-128 (perfect
 #                                       draft) and the per-step probe (scripts.gpu.probe_adaptive)
 #   bash scripts/gpu/runbook.sh probe ARGS  the probe alone (ARGS: its flags, e.g. --profile python)
+#   bash scripts/gpu/runbook.sh host      a fifth: adaptive EAGLE-3 at batch 32 and 128 with the
+#                                       engines side by side (--interleave), the host's profile of
+#                                       a batch-32 step, and the GPU tests of the paths it changed
+#   bash scripts/gpu/runbook.sh host-all  the same comparison at batch 1-128, then the probe's
+#                                       per-step times at batch 128 (fixed, forced, plain)
 # Results (logs, JSON, summary.md naming the device) go to $OUT (the device tool's), else to
 # docs/benchmarks/gpu_<device>/ to commit. Archives made by scripts/gpu/pack.sh in .gpu_pack/ are
 # unpacked first (a machine without internet); with internet, `pip install -e ".[gpu]"` instead.
@@ -187,6 +192,49 @@ step_adaptive() {  # one call: the cost model's fixes at every batch, and why st
   fi
 }
 
+step_host() {  # one call: the host-side batching at the batch sizes where steps are host-bound
+  local out=${OUT:-}
+  RESULTS=/tmp/specrl-results
+  mkdir -p "$RESULTS"
+  step_env
+  timeout 300 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --algorithms baseline eagle3 eagle3-adaptive --batch-sizes 32 128 \
+    --steps 3 --topk 1 --forced-acceptance --input-len 128 --output-len 128 \
+    --context-length 512 --repeats 2 --interleave --work-dir "$WORK" \
+    --json "$RESULTS/adaptive_interleaved.json" 2>&1 | tee "$RESULTS/adaptive.txt"
+  timeout 80 python3 -m scripts.gpu.probe_adaptive --work-dir "$WORK" --batch 32 \
+    --profile python --cases fixed --json "$RESULTS/probe_b32.json" 2>&1 | tail -n 60 \
+    | tee "$RESULTS/probe.txt"
+  timeout 120 python3 -m pytest tests/test_gpu.py tests/test_gpu_adaptive.py -m gpu \
+    -k "flashinfer or graphs or adaptive" -q -rs -p no:cacheprovider 2>&1 \
+    | tee "$RESULTS/pytest_gpu.txt"
+  if [ -n "$out" ]; then
+    for f in env.txt adaptive.txt adaptive_interleaved.json probe.txt probe_b32.json \
+      pytest_gpu.txt; do
+      [ -e "$RESULTS/$f" ] && tail -c 2000000 "$RESULTS/$f" > "$out/$f"
+    done
+  fi
+}
+
+step_host_all() {  # one call after `host`: every batch size, and why batch 128 runs plain
+  local out=${OUT:-}
+  RESULTS=/tmp/specrl-results
+  mkdir -p "$RESULTS"
+  timeout 340 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --algorithms baseline eagle3 eagle3-adaptive --batch-sizes 1 8 32 64 128 \
+    --steps 3 --topk 1 --forced-acceptance --input-len 128 --output-len 128 \
+    --context-length 512 --repeats 2 --interleave --work-dir "$WORK" \
+    --json "$RESULTS/adaptive_interleaved.json" 2>&1 | tee "$RESULTS/adaptive.txt"
+  timeout 120 python3 -m scripts.gpu.probe_adaptive --work-dir "$WORK" --batch 128 \
+    --cases fixed adaptive_forced_deepest adaptive_forced_plain_then_deepest plain \
+    --json "$RESULTS/probe_b128.json" 2>&1 | tail -n 40 | tee "$RESULTS/probe.txt"
+  if [ -n "$out" ]; then
+    for f in adaptive.txt adaptive_interleaved.json probe.txt probe_b128.json; do
+      [ -e "$RESULTS/$f" ] && tail -c 2000000 "$RESULTS/$f" > "$out/$f"
+    done
+  fi
+}
+
 step_probe() {  # the 8B checkpoints (built once), then scripts.gpu.probe_adaptive "$@"
   RESULTS=${OUT:-$RESULTS}
   python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda --dtype bfloat16 \
@@ -210,7 +258,9 @@ case "${1:-all}" in
   recheck) step_recheck ;;
   moe-adaptive) step_moe_adaptive ;;
   adaptive) step_adaptive ;;
+  host) step_host ;;
+  host-all) step_host_all ;;
   probe) shift; step_probe "$@" ;;
-  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease|recheck|moe-adaptive|adaptive|probe ARGS" >&2
+  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease|recheck|moe-adaptive|adaptive|host|host-all|probe ARGS" >&2
      exit 2 ;;
 esac

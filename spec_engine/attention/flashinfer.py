@@ -172,8 +172,16 @@ class FlashInferBackend(AttentionBackend):
     def _plan_extend(self, wrapper: Any, batch: ForwardBatch, always_mask: bool) -> None:
         table = batch.req_to_token_pool.req_to_token
         q_lens, kv_lens = batch.extend_seq_lens_cpu, batch.seq_lens_cpu
-        rows = batch.req_pool_indices.tolist()
-        indices = torch.cat([table[row, :n] for row, n in zip(rows, kv_lens)]).to(torch.int32)
+        # Every request's slots 0 .. kv_len - 1 in one gather, without reading the rows back
+        # to the host (a sync) or a kernel per request.
+        lens = torch.tensor(kv_lens, dtype=torch.int64, device="cpu")
+        cols = torch.arange(int(lens.sum()), device="cpu") - (
+            lens.cumsum(0) - lens
+        ).repeat_interleave(lens)
+        rows = batch.req_pool_indices.repeat_interleave(
+            lens.to(self.device), output_size=cols.numel()
+        )
+        indices = table[rows, cols.to(self.device)].to(torch.int32)
         masks = batch.custom_masks
         if masks is None and always_mask:
             masks = [causal_mask(n - q, n, self.device) for q, n in zip(q_lens, kv_lens)]

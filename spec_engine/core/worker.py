@@ -214,10 +214,7 @@ class ModelWorker:
                 for i, slot in zip(need_last, table.req_to_token[rows, cols].tolist()):
                     last_slots[i] = slot
         out_loc = self.alloc_kv(starts, ends, last_slots)
-        offset = 0
-        for r, s, e in zip(reqs, starts, ends):
-            table.write(r.req_pool_idx, s, out_loc[offset : offset + e - s])
-            offset += e - s
+        table.write_ranges([r.req_pool_idx for r in reqs], starts, ends, out_loc)
         return out_loc
 
     def _sample_into(

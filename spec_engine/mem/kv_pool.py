@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -135,3 +137,32 @@ class ReqToTokenPool:
 
     def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
         return self.req_to_token[row, start:end].to(torch.int64)
+
+    def read_ranges(
+        self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]
+    ) -> torch.Tensor:
+        """`read` of many rows in one gather: the slots of positions starts[i] .. ends[i] - 1 of
+        row rows[i], concatenated (per-row reads cost a kernel each: host time on a GPU)."""
+        index = self._cells(rows, starts, ends)
+        return self.req_to_token[index[0], index[1]].to(torch.int64)
+
+    def write_ranges(
+        self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int], slots: torch.Tensor
+    ) -> None:
+        """`write` of many rows in one scatter: `slots` holds each range's slots in turn."""
+        index = self._cells(rows, starts, ends)
+        self.req_to_token[index[0], index[1]] = slots.to(torch.int32)
+
+    def _cells(
+        self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]
+    ) -> torch.Tensor:
+        """[2, n] (row, position) of every cell of the ranges, built on the host, copied once."""
+
+        def host(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=torch.int64, device="cpu")
+
+        lens = host([e - s for s, e in zip(starts, ends)])
+        first = host(starts) - (lens.cumsum(0) - lens)
+        cols = torch.arange(int(lens.sum()), device="cpu") + first.repeat_interleave(lens)
+        cells = torch.stack((host(rows).repeat_interleave(lens), cols))
+        return cells.to(self.req_to_token.device)

@@ -357,8 +357,8 @@ class GraphRunner:
     ) -> Padded:
         b, w, rows = batch.batch_size, self.width, size * self.width
         q_lens, prefixes = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
-        token_rows = torch.cat(
-            [torch.arange(i * w, i * w + q, device=self.device) for i, q in enumerate(q_lens)]
+        token_rows = torch.tensor(
+            [i * w + j for i, q in enumerate(q_lens) for j in range(q)], device=self.device
         )
         ids, pos, loc = self.input_ids[:rows], self.positions[:rows], self.out_cache_loc[:rows]
         for buf, src in (

@@ -106,31 +106,26 @@ class SpecWorker(ModelWorker):
         """Run the target over every tree (slots already allocated), accept, keep accepted KV."""
         start = self.timings.now()
         self.verify_steps += 1
-        table = self.runner.req_to_token_pool
-        ids, positions, slots, masks = [], [], [], []
+        ids, positions = [], []
         for r, tree in zip(reqs, trees):
-            k = r.kv_len
             ids.extend(tree.tokens)
-            positions.extend(k + d for d in tree.depths)
-            slots.append(table.read(r.req_pool_idx, k + tree.size, start=k))
-            mask = tree.mask(self.device)
-            masks.append(
-                torch.cat(
-                    (torch.ones(tree.size, k, dtype=torch.bool, device=self.device), mask), dim=1
-                )
-            )
+            positions.extend(r.kv_len + d for d in tree.depths)
         sizes = [t.size for t in trees]
+        kv_lens = [r.kv_len for r in reqs]
+        slots = self.runner.req_to_token_pool.read_ranges(
+            [r.req_pool_idx for r in reqs], kv_lens, [k + n for k, n in zip(kv_lens, sizes)]
+        )
         batch = ForwardBatch(
             mode=ForwardMode.TARGET_VERIFY,
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
-            out_cache_loc=torch.cat(slots),
+            out_cache_loc=slots,
             req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
             seq_lens=self._tensor([r.kv_len + n for r, n in zip(reqs, sizes)]),
             seq_lens_cpu=[r.kv_len + n for r, n in zip(reqs, sizes)],
             extend_seq_lens_cpu=sizes,
             extend_prefix_lens_cpu=[r.kv_len for r in reqs],
-            custom_masks=masks,
+            custom_masks=_verify_masks(trees, kv_lens, self.device),
             capture_hidden=True,
         )
         out = self.runner.forward(batch)
@@ -157,7 +152,7 @@ class SpecWorker(ModelWorker):
         )
         top_p_ids = _top_p_replay(logits, reqs, accepts, logprobs)
         start = self.timings.add("verify_s", start)
-        self._keep_accepted(reqs, sizes, accepts)
+        self._keep_accepted(reqs, sizes, accepts, slots)
         self.timings.add("bookkeeping_s", start)
         result = StepResult(
             tokens=[a.tokens for a in accepts],
@@ -175,32 +170,51 @@ class SpecWorker(ModelWorker):
         return result, accepts, out
 
     def _keep_accepted(
-        self, reqs: Sequence[Req], sizes: Sequence[int], accepts: Sequence[Acceptance]
+        self,
+        reqs: Sequence[Req],
+        sizes: Sequence[int],
+        accepts: Sequence[Acceptance],
+        slots: torch.Tensor,
     ) -> None:
-        table = self.runner.req_to_token_pool
+        """`slots`: the verify's slots, request after request (positions kv_len .. + size - 1)."""
         src, dst, free = [], [], []
         page = self.page_size
+        offset = 0
         for r, n, acc in zip(reqs, sizes, accepts):
             k = r.kv_len
-            row = table.read(r.req_pool_idx, k + n, start=k)
             for j, node in enumerate(acc.path):
                 if node != j:
-                    src.append(row[node])
-                    dst.append(row[j])
+                    src.append(offset + node)
+                    dst.append(offset + j)
             kept = len(acc.path)
             first_free = -(-(k + kept) // page) * page  # pages holding a kept position stay
-            if first_free < k + n:
-                free.append(row[first_free - k :])
+            free.extend(range(offset + first_free - k, offset + n))
             r.kv_len = k + kept
+            offset += n
+        # One gather for the moves and the frees: per-request indexing costs a kernel each.
+        picked = slots[self._tensor(src + dst + free)]
         if src:
-            src_t, dst_t = torch.stack(src), torch.stack(dst)
+            src_t, dst_t = picked[: len(src)], picked[len(src) : 2 * len(src)]
             pool = self.runner.kv_pool
             for buf in pool.buffers():
                 buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
             if self.runner.routing is not None:  # accepted tokens' routing moves with their KV
                 self.runner.routing.move(src_t, dst_t)
         if free:
-            self.runner.allocator.free(torch.cat(free))
+            self.runner.allocator.free(picked[2 * len(src) :])
+
+
+def _verify_masks(
+    trees: Sequence[DraftTree], kv_lens: Sequence[int], device: torch.device
+) -> list[torch.Tensor]:
+    """Each tree's [size, kv_len + size] mask (the prefix, then the tree), built on the host
+    and copied in one transfer: the per-request masks are views of it."""
+    host = [
+        torch.cat((torch.ones(t.size, k, dtype=torch.bool, device="cpu"), t.mask("cpu")), dim=1)
+        for t, k in zip(trees, kv_lens)
+    ]
+    flat = torch.cat([m.reshape(-1) for m in host]).to(device)
+    return [v.view(m.shape) for v, m in zip(flat.split([m.numel() for m in host]), host)]
 
 
 def _process_tree_logits(

@@ -222,13 +222,11 @@ class EagleWorker(SpecWorker):
         """One draft forward over every entry; keeps the next round's first level where asked.
         `mode`: DRAFT_EXTEND for a decode round's accepted tokens and for catch-ups (graph-run
         while no entry is wider than the captured extend), EXTEND after a prefill."""
-        table = self.runner.req_to_token_pool
-        ids, positions, slots, ends, lens, last = [], [], [], [], [], []
+        ids, positions, ends, lens, last = [], [], [], [], []
         for e in entries:
             n = len(e.tokens)
             ids.extend(e.tokens)
             positions.extend(range(e.start, e.start + n))
-            slots.append(table.read(e.req.req_pool_idx, e.start + n, start=e.start))
             ends.append(e.start + n)
             lens.append(n)
             last.append(len(ids) - 1)
@@ -237,7 +235,9 @@ class EagleWorker(SpecWorker):
             mode=mode,
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
-            out_cache_loc=torch.cat(slots),
+            out_cache_loc=self.runner.req_to_token_pool.read_ranges(
+                [e.req.req_pool_idx for e in entries], [e.start for e in entries], ends
+            ),
             req_pool_indices=self._tensor([e.req.req_pool_idx for e in entries]),
             seq_lens=self._tensor(ends),
             seq_lens_cpu=ends,
@@ -391,14 +391,13 @@ class EagleWorker(SpecWorker):
         self, reqs: Sequence[Req], roots: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """STANDALONE: run the root tokens (slot of position kv_len, allocated for verify)."""
-        table = self.runner.req_to_token_pool
         kv_lens = [r.kv_len for r in reqs]
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=self._tensor(roots),
             positions=self._tensor(kv_lens),
-            out_cache_loc=torch.cat(
-                [table.read(r.req_pool_idx, r.kv_len + 1, start=r.kv_len) for r in reqs]
+            out_cache_loc=self.runner.req_to_token_pool.read_ranges(
+                [r.req_pool_idx for r in reqs], kv_lens, [n + 1 for n in kv_lens]
             ),
             req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
             seq_lens=self._tensor([n + 1 for n in kv_lens]),
