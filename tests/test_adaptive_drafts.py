@@ -254,7 +254,10 @@ def test_the_scheduler_charges_a_try_the_catch_up_the_worker_predicts(
     """choose() gets the worker's estimate of the catch-up a speculative step would pay now:
     0 right after a speculative step, growing along a plain stretch with the positions the
     requests lag (each step's estimate from one fit of the draft's prefill extends and
-    catch-ups, which every prefill and catch-up feeds)."""
+    catch-ups, which every prefill and catch-up feeds). The extends' measured seconds are
+    replaced by a cost that grows with their positions, as they do on an idle machine: a
+    loaded one can time a one-position catch-up slower than a prefill, which the fit reads as
+    no cost per position."""
     asked: list = []
     pattern_choose = SpecCostModel.choose
 
@@ -266,8 +269,12 @@ def test_the_scheduler_charges_a_try_the_catch_up_the_worker_predicts(
     path, kwargs = engine_args(models, "mtp")
     prompts = random_prompts(3, 4, 12, seed=64)
     with Engine(model_path=path, random_seed=0, speculative_adaptive=True, **kwargs) as engine:
+        cost = engine.scheduler.worker.extend_cost
+        measured = cost.add
+        monkeypatch.setattr(cost, "add", lambda n, seconds: measured(n, 1e-3 + 1e-4 * n))
+        cost.samples.clear()  # any measured at start-up
         engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 40})
-        samples = list(engine.scheduler.worker.extend_cost.samples)
+        samples = list(cost.samples)
     per_step = dict(asked)  # the last ask of each step: the one its mode came from
     known = [(step, s) for step, s in per_step.items() if s is not None]
     assert len(known) > 20

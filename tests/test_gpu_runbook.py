@@ -62,7 +62,7 @@ def test_summary_reads_the_benchmarks_json(tmp_path):
 def test_adaptive_probe_runs_on_the_cpu(tmp_path):
     """scripts.gpu.probe_adaptive (the runbook's `probe` step) on tiny checkpoints built by
     bench_rollout: per-step times per case, the forced case alternating plain and deepest steps,
-    and a host profile of the timed generation."""
+    a host profile of the timed generation, and the cases alternating over rounds."""
     tiny = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2"]
     tiny += ["--vocab-size", "512", "--context-length", "128"]
     subprocess.run(
@@ -79,14 +79,21 @@ def test_adaptive_probe_runs_on_the_cpu(tmp_path):
         + ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native"]
         + ["--context-length", "128", "--input-len", "8", "--output-len", "12", "--vocab", "500"]
         + ["--batch", "2", "--profile", "python", "--profile-steps", "2", "--json", str(out)]
-        + ["--cases", "fixed", "adaptive_forced_plain_then_deepest"],
+        + ["--cases", "fixed", "adaptive_forced_plain_then_deepest", "--rounds", "2"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert probe.returncode == 0, probe.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result) == {"batch", "device", "fixed", "adaptive_forced_plain_then_deepest"}
+    assert set(result) == {
+        "batch",
+        "device",
+        "fixed",
+        "adaptive_forced_plain_then_deepest",
+        "rounds",
+    }
+    assert {len(v) for v in result["rounds"].values()} == {2} and len(result["rounds"]) == 2
     forced = result["adaptive_forced_plain_then_deepest"]
     modes = [kind for kind, _, _ in forced["steps"] if kind != "catch_up"]
     assert set(modes) == {"plain", "spec"} and all(a != b for a, b in zip(modes, modes[1:]))

@@ -194,6 +194,13 @@ def main() -> None:
     )
     parser.add_argument("--cases", nargs="+", help="only these cases")
     parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the cases this many times, alternating (an A/B on a machine whose speed "
+        "drifts); the JSON keeps the first round's results and every round's tokens/s",
+    )
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
     args.disable_cuda_graph = args.device != "cuda"  # what open_engine reads besides these flags
@@ -211,24 +218,31 @@ def main() -> None:
         "fixed": (spec, None),
         "adaptive_forced_deepest": ({**spec, "speculative_adaptive": True}, (3,)),
         "adaptive_forced_plain_then_deepest": ({**spec, "speculative_adaptive": True}, (0, 3)),
+        "adaptive_forced_plain": ({**spec, "speculative_adaptive": True}, (0,)),
         "adaptive_free": ({**spec, "speculative_adaptive": True}, None),
         "plain": ({}, None),
     }
-    results = {}
-    for name, (kwargs, force) in cases.items():
-        if args.cases and name not in args.cases:
-            continue
-        results[name] = _run(target, kwargs, args.batch, args, force)
-        print(name, results[name]["tokens_per_s"], json.dumps(results[name]["summary"]), flush=True)
-        print(json.dumps(results[name]["split_ms_total"]), results[name]["allocator"], flush=True)
-        if results[name]["profile"]:
-            print(results[name]["profile"], flush=True)
+    results, rounds = {}, {}
+    for _ in range(args.rounds):
+        for name, (kwargs, force) in cases.items():
+            if args.cases and name not in args.cases:
+                continue
+            result = _run(target, kwargs, args.batch, args, force)
+            results.setdefault(name, result)
+            rounds.setdefault(name, []).append(result["tokens_per_s"])
+            print(name, result["tokens_per_s"], json.dumps(result["summary"]), flush=True)
+            print(json.dumps(result["split_ms_total"]), result["allocator"], flush=True)
+            if result["profile"]:
+                print(result["profile"], flush=True)
+    if args.rounds > 1:
+        print("tokens/s per round:", json.dumps(rounds), flush=True)
     with open(args.json, "w") as f:
         json.dump(
             {
                 "batch": args.batch,
                 "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 **results,
+                "rounds": rounds,
             },
             f,
         )
