@@ -199,7 +199,8 @@ def main() -> None:
         type=int,
         default=1,
         help="run the cases this many times, alternating (an A/B on a machine whose speed "
-        "drifts); the JSON keeps the first round's results and every round's tokens/s",
+        "drifts); the JSON keeps the first round's results and every round's tokens/s and "
+        "step medians",
     )
     parser.add_argument("--json", required=True)
     args = parser.parse_args()
@@ -229,13 +230,16 @@ def main() -> None:
                 continue
             result = _run(target, kwargs, args.batch, args, force)
             results.setdefault(name, result)
-            rounds.setdefault(name, []).append(result["tokens_per_s"])
+            rounds.setdefault(name, []).append(
+                {"tokens_per_s": result["tokens_per_s"], "summary": result["summary"]}
+            )
             print(name, result["tokens_per_s"], json.dumps(result["summary"]), flush=True)
             print(json.dumps(result["split_ms_total"]), result["allocator"], flush=True)
             if result["profile"]:
                 print(result["profile"], flush=True)
     if args.rounds > 1:
-        print("tokens/s per round:", json.dumps(rounds), flush=True)
+        per_round = {k: [r["tokens_per_s"] for r in v] for k, v in rounds.items()}
+        print("tokens/s per round:", json.dumps(per_round), flush=True)
     with open(args.json, "w") as f:
         json.dump(
             {
