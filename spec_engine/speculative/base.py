@@ -209,8 +209,9 @@ def _verify_masks(
 ) -> list[torch.Tensor]:
     """Each tree's [size, kv_len + size] mask (the prefix, then the tree), built on the host
     and copied in one transfer: the per-request masks are views of it."""
+    cpu = torch.device("cpu")
     host = [
-        torch.cat((torch.ones(t.size, k, dtype=torch.bool, device="cpu"), t.mask("cpu")), dim=1)
+        torch.cat((torch.ones(t.size, k, dtype=torch.bool, device=cpu), t.mask(cpu)), dim=1)
         for t, k in zip(trees, kv_lens)
     ]
     flat = torch.cat([m.reshape(-1) for m in host]).to(device)
