@@ -9,7 +9,9 @@ graph runner can copy any of them into static buffers.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Optional
 
 import torch
@@ -71,3 +73,48 @@ def causal_mask(prefix: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """[kv_len - prefix, kv_len] bool: query i (at position prefix + i) sees keys 0..prefix + i."""
     q_pos = torch.arange(prefix, kv_len, device=device)[:, None]
     return torch.arange(kv_len, device=device)[None, :] <= q_pos
+
+
+def padded_masks(
+    q_lens: Sequence[int],
+    prefixes: Sequence[int],
+    width: int,
+    size: int,
+    real: Optional[Sequence[torch.Tensor]],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """The masks of an extend padded to `size` requests of `width` queries each: request i's
+    [width, prefixes[i] + width] mask holds `real[i]` (else the causal mask) in its first
+    q_lens[i] rows and prefixes[i] + q_lens[i] columns, its padded queries see key 0 alone (their
+    output is dropped), a padded request sees every key. Views of one tensor built by a fixed
+    number of kernels, whatever the batch size: a kernel or more per request costs a GPU step
+    host time."""
+    b = len(q_lens)
+    cols = [p + width for p in prefixes] + [width] * (size - b)
+    starts = list(accumulate((width * c for c in cols), initial=0))
+    flat = torch.zeros(starts[-1], dtype=torch.bool, device=device)
+    # Every element of each real request's [q, p + q] block: its request, row and column.
+    blocks = [q * (p + q) for q, p in zip(q_lens, prefixes)]
+    total = sum(blocks)
+    host = [blocks, list(accumulate(blocks, initial=0))[:-1], starts[:b], cols[:b]]
+    host.append([p + q for q, p in zip(q_lens, prefixes)])
+    host.append(list(prefixes))
+    meta = torch.tensor(host, dtype=torch.int64, device=torch.device("cpu")).to(device)
+    req = torch.arange(b, device=device).repeat_interleave(meta[0], output_size=total)
+    first, start, stride, block_cols, prefix = (m[req] for m in meta[1:])
+    local = torch.arange(total, device=device) - first
+    row = local.div(block_cols, rounding_mode="floor")
+    col = local - row * block_cols
+    if real is None:
+        values = col <= prefix + row
+    else:
+        values = torch.cat([m.reshape(-1) for m in real])
+    flat[start + row * stride + col] = values
+    ones = [
+        k
+        for i, q in enumerate(q_lens)
+        for k in range(starts[i] + q * cols[i], starts[i + 1], cols[i])
+    ]
+    ones.extend(range(starts[b], starts[-1]))
+    flat[torch.tensor(ones, dtype=torch.int64, device=torch.device("cpu")).to(device)] = True
+    return [v.view(width, c) for v, c in zip(flat.split([width * c for c in cols]), cols)]

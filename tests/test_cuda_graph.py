@@ -15,6 +15,7 @@ import torch
 from spec_engine import Engine
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.core import memory
+from spec_engine.forward_batch import causal_mask, padded_masks
 from spec_engine.runner.graph_runner import GraphRunner, capture_sizes, default_capture_sizes
 from spec_engine.runner.self_check import SelfCheckBatches
 from tests.conftest import random_prompts
@@ -338,3 +339,38 @@ def test_replaced_tensors_are_caught_and_resume_recaptures(models, monkeypatch):
             "forward now reads",
         ):
             engine.generate(input_ids=prompts, sampling_params=params)
+
+
+def test_padded_masks_equal_each_requests_mask_laid_out_alone():
+    """The graph runner's padded extend masks, built by a fixed number of kernels, against each
+    request's mask padded on its own: the real (or causal) block, key 0 alone for padded queries,
+    every key for padded requests; on the meta device (standing in for CUDA) nothing is built on
+    another device."""
+    cpu = torch.device("cpu")
+    gen = torch.Generator(device=cpu).manual_seed(0)
+
+    def alone(q: int, p: int, width: int, real) -> torch.Tensor:
+        mask = torch.zeros(width, p + width, dtype=torch.bool, device=cpu)
+        mask[:q, : p + q] = real if real is not None else causal_mask(p, p + q, cpu)
+        mask[q:, 0] = True
+        return mask
+
+    for trial in range(200):
+        width, b = random.Random(trial).randint(1, 5), random.Random(-trial).randint(1, 4)
+        size = b + trial % 3
+        q_lens = torch.randint(1, width + 1, (b,), generator=gen, device=cpu).tolist()
+        prefixes = torch.randint(0, 7, (b,), generator=gen, device=cpu).tolist()
+        real = None
+        if trial % 2:
+            real = [
+                torch.rand(q, p + q, generator=gen, device=cpu) < 0.5
+                for q, p in zip(q_lens, prefixes)
+            ]
+        got = padded_masks(q_lens, prefixes, width, size, real, cpu)
+        want = [
+            alone(q, p, width, None if real is None else real[i])
+            for i, (q, p) in enumerate(zip(q_lens, prefixes))
+        ] + [torch.ones(width, width, dtype=torch.bool, device=cpu)] * (size - b)
+        assert len(got) == size and all(g.equal(w) for g, w in zip(got, want)), trial
+    meta = padded_masks([2, 3], [1, 4], 3, 3, None, torch.device("meta"))
+    assert [m.shape for m in meta] == [(3, 4), (3, 7), (3, 3)] and meta[0].device.type == "meta"

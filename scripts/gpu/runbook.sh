@@ -16,6 +16,8 @@
 #                                       a batch-32 step, and the GPU tests of the paths it changed
 #   bash scripts/gpu/runbook.sh host-all  the same comparison at batch 1-128, then the probe's
 #                                       per-step times at batch 128 (fixed, forced, plain)
+#   bash scripts/gpu/runbook.sh host-pad  the graph tests, then fixed EAGLE-3 against plain at
+#                                       batch 64 and 128 (under four minutes of device time)
 # Results (logs, JSON, summary.md naming the device) go to $OUT (the device tool's), else to
 # docs/benchmarks/gpu_<device>/ to commit. Archives made by scripts/gpu/pack.sh in .gpu_pack/ are
 # unpacked first (a machine without internet); with internet, `pip install -e ".[gpu]"` instead.
@@ -235,6 +237,24 @@ step_host_all() {  # one call after `host`: every batch size, and why batch 128 
   fi
 }
 
+step_host_pad() {  # a short call: the padded extend masks built batch-wide (graph_runner)
+  local out=${OUT:-}
+  RESULTS=/tmp/specrl-results
+  mkdir -p "$RESULTS"
+  timeout 80 python3 -m pytest tests/test_gpu.py -m gpu -k "graphs" -q -rs -p no:cacheprovider \
+    2>&1 | tee "$RESULTS/pytest_gpu.txt"
+  timeout 140 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --algorithms baseline eagle3 --batch-sizes 64 128 --steps 3 --topk 1 \
+    --forced-acceptance --input-len 128 --output-len 128 --context-length 512 --repeats 2 \
+    --interleave --work-dir "$WORK" --json "$RESULTS/eagle3_interleaved.json" 2>&1 \
+    | tee "$RESULTS/eagle3.txt"
+  if [ -n "$out" ]; then
+    for f in pytest_gpu.txt eagle3.txt eagle3_interleaved.json; do
+      [ -e "$RESULTS/$f" ] && tail -c 2000000 "$RESULTS/$f" > "$out/$f"
+    done
+  fi
+}
+
 step_probe() {  # the 8B checkpoints (built once), then scripts.gpu.probe_adaptive "$@"
   RESULTS=${OUT:-$RESULTS}
   python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda --dtype bfloat16 \
@@ -260,7 +280,8 @@ case "${1:-all}" in
   adaptive) step_adaptive ;;
   host) step_host ;;
   host-all) step_host_all ;;
+  host-pad) step_host_pad ;;
   probe) shift; step_probe "$@" ;;
-  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease|recheck|moe-adaptive|adaptive|host|host-all|probe ARGS" >&2
+  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease|recheck|moe-adaptive|adaptive|host|host-all|host-pad|probe ARGS" >&2
      exit 2 ;;
 esac

@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from spec_engine.forward_batch import ForwardBatch, ForwardMode, causal_mask
+from spec_engine.forward_batch import ForwardBatch, ForwardMode, padded_masks
 from spec_engine.runner.graph_capture import Outputs, capture
 
 logger = logging.getLogger(__name__)
@@ -372,20 +372,7 @@ class GraphRunner:
         rpi[:b], rpi[b:] = batch.req_pool_indices, self.dummy_row
         seq_lens_cpu = [p + w for p in prefixes] + [w] * (size - b)
         lens.copy_(torch.tensor(seq_lens_cpu, device=self.device))
-        masks = []
-        for i, (q, p) in enumerate(zip(q_lens, prefixes)):
-            mask = torch.zeros(w, p + w, dtype=torch.bool, device=self.device)
-            real = (
-                batch.custom_masks[i]
-                if batch.custom_masks is not None
-                else causal_mask(p, p + q, self.device)
-            )
-            mask[:q, : p + q] = real
-            mask[q:, 0] = True  # padded queries of a real request: one real key, output dropped
-            masks.append(mask)
-        masks.extend(
-            torch.ones(w, w, dtype=torch.bool, device=self.device) for _ in range(size - b)
-        )
+        masks = padded_masks(q_lens, prefixes, w, size, batch.custom_masks, self.device)
         padded = replace(
             batch,
             input_ids=ids,
