@@ -22,6 +22,7 @@ import torch
 
 from spec_engine.attention.base import AttentionBackend
 from spec_engine.forward_batch import ForwardBatch, causal_mask
+from spec_engine.mem.kv_pool import range_positions
 
 if TYPE_CHECKING:
     from spec_engine.layers.attention import Attention
@@ -174,12 +175,9 @@ class FlashInferBackend(AttentionBackend):
         q_lens, kv_lens = batch.extend_seq_lens_cpu, batch.seq_lens_cpu
         # Every request's slots 0 .. kv_len - 1 in one gather, without reading the rows back
         # to the host (a sync) or a kernel per request.
-        lens = torch.tensor(kv_lens, dtype=torch.int64, device="cpu")
-        cols = torch.arange(int(lens.sum()), device="cpu") - (
-            lens.cumsum(0) - lens
-        ).repeat_interleave(lens)
+        cols = range_positions([0] * len(kv_lens), kv_lens)
         rows = batch.req_pool_indices.repeat_interleave(
-            lens.to(self.device), output_size=cols.numel()
+            torch.tensor(kv_lens, device=self.device), output_size=cols.numel()
         )
         indices = table[rows, cols.to(self.device)].to(torch.int32)
         masks = batch.custom_masks

@@ -157,12 +157,18 @@ class ReqToTokenPool:
         self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]
     ) -> torch.Tensor:
         """[2, n] (row, position) of every cell of the ranges, built on the host, copied once."""
-
-        def host(values: Sequence[int]) -> torch.Tensor:
-            return torch.tensor(list(values), dtype=torch.int64, device="cpu")
-
-        lens = host([e - s for s, e in zip(starts, ends)])
-        first = host(starts) - (lens.cumsum(0) - lens)
-        cols = torch.arange(int(lens.sum()), device="cpu") + first.repeat_interleave(lens)
-        cells = torch.stack((host(rows).repeat_interleave(lens), cols))
+        lens = _host([e - s for s, e in zip(starts, ends)])
+        cells = torch.stack((_host(rows).repeat_interleave(lens), range_positions(starts, ends)))
         return cells.to(self.req_to_token.device)
+
+
+def range_positions(starts: Sequence[int], ends: Sequence[int]) -> torch.Tensor:
+    """starts[0] .. ends[0] - 1, starts[1] .. ends[1] - 1, ... as one int64 tensor on the host
+    (the positions of a batch's table cells, built without a kernel per request)."""
+    lens = _host([e - s for s, e in zip(starts, ends)])
+    first = _host(starts) - (lens.cumsum(0) - lens)
+    return torch.arange(int(lens.sum()), device="cpu") + first.repeat_interleave(lens)
+
+
+def _host(values: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64, device="cpu")
