@@ -15,6 +15,7 @@ from spec_engine.core.adaptive import (
     EXPLORE_EVERY,
     LATEST_STEPS,
     MAX_EXPLORE_EVERY,
+    NOISE,
     PLAIN,
     RECENT,
     STEP_SAMPLES,
@@ -348,6 +349,52 @@ def test_a_step_slowed_by_another_process_does_not_move_a_cost():
     for _ in range(RECENT // 2 + 1):
         model.observe(0, 1, 3.0)
     assert model.seconds(1)[0] == pytest.approx(3.0)
+
+
+def test_a_slow_spell_of_the_chosen_mode_scales_the_costs_measured_before_it():
+    """Run 5's STANDALONE-self at batch 8 (docs/benchmarks/rollout_depth_cpu.md): every draft
+    accepted, plain decoding 3.0 per request, depth d 3.75 (d + 1) (a third faster per token).
+    The machine slows by 35% after the warm-up: compared as measured, plain steps timed slow lose
+    to depths timed fast (1 / 4.05 < 2 / 7.5) and the model leaves plain decoding within three
+    steps. Compared as the reference (plain, chosen) ran around their steps, the depths are 35%
+    dearer now too, less the first NOISE of it, and plain decoding stays chosen."""
+    model = SpecCostModel([1, 2, 3], nested=True)
+    cost = {PLAIN: 3.0, 1: 7.5, 2: 11.25, 3: 15.0}
+
+    def run(steps: int, speed: float) -> list[int]:
+        seen = []
+        for _ in range(steps):
+            mode = model.choose(8)
+            seen.append(mode)
+            tokens = [[0] * (mode + 1)] * 8 if mode else ()
+            model.observe(mode, 8, 8 * speed * cost[mode], tokens)
+        return seen
+
+    run(4 * (WARM_STEPS + 1) + 30, 1.0)
+    assert run(EXPLORE_EVERY // 2, 1.35) == [PLAIN] * (EXPLORE_EVERY // 2)
+    now = model.seconds(8)
+    assert now[PLAIN] == pytest.approx(4.05)  # the reference: as measured
+    assert now[1] == pytest.approx(7.5 * 1.35 / NOISE) and now[3] == pytest.approx(
+        15 * 1.35 / NOISE
+    )
+    # Within NOISE the reference's moves are its steps' noise: nothing is scaled.
+    run(RECENT, 1.05 / 1.35)
+    assert model.seconds(8)[1] == pytest.approx(7.5)
+
+
+def test_a_cost_is_compared_with_the_reference_as_measured_nearest_its_steps():
+    """The reference is the mode whose RECENT latest measurements are the newest; a measurement
+    of another mode is scaled by the reference's median now over its median at the RECENT
+    measurements nearest that measurement's step."""
+    model = SpecCostModel([2], nested=True)
+    plain, deep = model._bucket(1)[PLAIN], model._bucket(1)[2]
+    for step, seconds in enumerate([1.0] * 6 + [2.0] * 6):  # plain: 1.0 then 2.0, steps 0-11
+        plain.add(seconds, step)
+    deep.add(9.0, 0)  # the uncounted first step
+    deep.add(3.0, 2)  # measured when plain took 1.0
+    assert plain.seconds_at(2) == 1.0 and plain.seconds_at(11) == 2.0
+    assert plain.seconds_at(6) == 2.0  # steps 4-8: 1.0, 1.0, 2.0, 2.0, 2.0
+    assert model.seconds(1) == pytest.approx({PLAIN: 2.0, 2: 3.0 * 2.0 / NOISE})
 
 
 def test_a_try_much_faster_than_its_cold_warm_up_replaces_those_measurements():

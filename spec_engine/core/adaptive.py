@@ -33,6 +33,15 @@ the per-request seconds of plain decoding and the depths, in that order, are rea
 isotonic fit (pool adjacent violators, weighted by measurements): two warm-up steps on a noisy
 machine can measure depth 2 slower than depth 4, which no step of the batch could be.
 
+A machine shared with other processes runs at different speeds from one minute to the next, and a
+mode not chosen is measured only in its tries: compared as measured, a plain step timed in a slow
+minute loses to a depth timed in a fast one. So each measurement keeps its step, and a mode is
+compared with the bucket's reference mode (the one whose RECENT latest measurements are the
+newest: the mode chosen, which runs every step) as measured around that step: its cost is the
+median of its measurements each scaled by how the reference's cost moved since (the reference's
+median now over its median at the RECENT measurements nearest that step, from its last HISTORY).
+The reference's own cost is its median as measured.
+
 Measuring is online: the first step of a mode in a bucket is not counted (it pays one-off costs
 such as a graph captured on first use), a step much faster than a mode's median replaces its
 measurements (`STALE_SHARE`: they were taken cold, and would otherwise keep a mode that loses on
@@ -75,6 +84,8 @@ Runs on the scheduler thread only.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import statistics
 from collections import deque
@@ -99,7 +110,12 @@ EXPLORE_BUDGET = 0.01
 # dropped. Another process on the machine only slows steps, so a fast one is not noise of that
 # kind, while a slow one moves the median only once it is the rule.
 STALE_SHARE = 0.75
+# How far the reference mode's cost may move (either way) before the costs compared with it are
+# scaled: within it, the moves are the steps' own noise, and the two medians' ratio would add
+# that noise to every other mode's cost.
+NOISE = 1.1
 PLAIN = 0  # the mode of a plain decode step; speculative modes are their depth
+HISTORY = 512  # measurements per mode and bucket kept to compare later measurements with
 LATEST_STEPS = 256  # steps the report lists (mode, batch, milliseconds): a generation or two
 
 
@@ -120,6 +136,11 @@ def _affordable_interval(
         return 0
     loss = seconds * max(0.0, 1.0 - rate / top) + switch
     return math.ceil(loss / (budget * best_seconds))
+
+
+def _beyond_noise(factor: float) -> float:
+    """How far `factor` moved past the steps' noise (NOISE either way)."""
+    return max(1.0, factor / NOISE) if factor >= 1.0 else min(1.0, factor * NOISE)
 
 
 def bucket(batch: int) -> int:
@@ -145,6 +166,9 @@ class ModeCost:
     # seconds per request of the draft catch-up before the mode's steps that followed another mode
     switch: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     interval: int = EXPLORE_EVERY  # steps unrun after which it is tried again
+    # (step, seconds per request) of the counted measurements, the latest of them `recent`'s
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    scaled: tuple = ()  # (key, cost) of SpecCostModel._now: the reference and both step counts
 
     @property
     def seconds(self) -> Optional[float]:
@@ -152,7 +176,8 @@ class ModeCost:
         another process on the machine moves it only once it is the rule)."""
         return statistics.median(self.recent) if self.recent else None
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, step: int) -> None:
+        """A measurement (seconds per request) taken at `step`."""
         self.since = 0
         if not self.seen:
             self.seen = True
@@ -160,7 +185,22 @@ class ModeCost:
         self.steps += 1
         if self.recent and seconds < STALE_SHARE * self.seconds:
             self.recent.clear()
+            self.history.clear()
         self.recent.append(seconds)
+        self.history.append((step, seconds))
+
+    def seconds_at(self, step: int) -> float:
+        """The median of the RECENT measurements nearest `step` (of the last HISTORY)."""
+        at = bisect.bisect(self.history, step, key=lambda h: h[0])
+        start = min(max(at - RECENT // 2, 0), max(len(self.history) - RECENT, 0))
+        last = min(start + RECENT, len(self.history))
+        return statistics.median(self.history[i][1] for i in range(start, last))
+
+    def newest_window(self) -> int:
+        """The step of the oldest of the RECENT latest measurements (-1 if fewer)."""
+        if len(self.recent) < RECENT or len(self.history) < RECENT:
+            return -1
+        return self.history[-RECENT][0]
 
 
 class SpecCostModel:
@@ -183,6 +223,7 @@ class SpecCostModel:
         self.frozen = False  # tests: measurements no longer move the model
         self.decisions = dict.fromkeys(self.modes, 0)  # steps run per mode
         self.last_mode: Optional[int] = None
+        self.clock = 0  # decode steps observed: the time of a measurement
         # (mode, batch, milliseconds) of the latest steps: why a mode was chosen, for the report
         self.latest: deque = deque(maxlen=LATEST_STEPS)
 
@@ -260,12 +301,15 @@ class SpecCostModel:
         return None if None in survival else 1.0 + sum(survival)
 
     def seconds(self, batch: int) -> dict[int, float]:
-        """Seconds per request of every measured mode at `batch`: the isotonic fit (non-decreasing
-        from plain decoding to the deepest depth) of the averages, weighted by measurements."""
-        measured = [(m, c) for m, c in self._bucket(batch).items() if c.seconds is not None]
+        """Seconds per request of every measured mode at `batch`, as the reference mode runs now:
+        the isotonic fit (non-decreasing from plain decoding to the deepest depth) of the
+        averages, weighted by measurements."""
+        modes = self._bucket(batch)
+        measured = [(m, c) for m, c in modes.items() if c.seconds is not None]
+        reference = max(modes.values(), key=ModeCost.newest_window)
         blocks: list[tuple[float, int, int]] = []  # (mean, weight, modes pooled)
         for _, cost in measured:
-            mean, weight, count = cost.seconds, len(cost.recent), 1
+            mean, weight, count = self._now(cost, reference), len(cost.recent), 1
             while blocks and blocks[-1][0] > mean:
                 prev_mean, prev_weight, prev_count = blocks.pop()
                 total = prev_weight + weight
@@ -274,6 +318,21 @@ class SpecCostModel:
             blocks.append((mean, weight, count))
         fitted = [mean for mean, _, count in blocks for _ in range(count)]
         return {mode: s for (mode, _), s in zip(measured, fitted)}
+
+    @staticmethod
+    def _now(cost: ModeCost, reference: ModeCost) -> float:
+        """`cost`'s seconds per request with each measurement scaled by how `reference`'s cost
+        moved since it (kept until either is measured again: choose asks several times a
+        step)."""
+        if cost is reference or reference.newest_window() < 0 or not cost.history:
+            return cost.seconds
+        key = (id(reference), reference.steps, cost.steps)
+        if not cost.scaled or cost.scaled[0] != key:
+            now = reference.seconds
+            recent = itertools.islice(reversed(cost.history), len(cost.recent))
+            scaled = [s * _beyond_noise(now / reference.seconds_at(t)) for t, s in recent]
+            cost.scaled = (key, statistics.median(scaled))
+        return cost.scaled[1]
 
     def rates(self, batch: int) -> dict[int, float]:
         """Expected tokens per second per request of every measured mode at `batch`."""
@@ -319,6 +378,7 @@ class SpecCostModel:
         accepted (root first; used for contained shapes) and the seconds the draft's catch-up
         took before it (not in `seconds`)."""
         self.decisions[mode] += 1
+        self.clock += 1
         self.latest.append((mode, batch, round(1000 * seconds, 3)))
         switched, self.last_mode = mode != self.last_mode, mode
         if self.frozen or batch <= 0:
@@ -327,7 +387,7 @@ class SpecCostModel:
         for cost in modes.values():
             cost.since += 1
         cost = modes[mode]
-        cost.add(seconds / batch)
+        cost.add(seconds / batch, self.clock)
         if mode != PLAIN and switched:  # a try: what a switch to it costs the draft
             cost.switch.append(catch_up / batch)
         if mode != PLAIN and tokens:
