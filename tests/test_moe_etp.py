@@ -8,8 +8,8 @@ same batch: log-probs before the step, one optimizer step's metrics (grad norm, 
 and every expert's weights after it. Each rank loads its whole experts from Hugging Face and the
 converter's --etp 1 file alike and exports them bit-exactly (rank 0 writes --save-hf with rank 1's
 experts); DeepSeek-V3's checkpoint at ETP 1 resumes at ETP 2 (each expert split over the TP ranks
-again) and takes the step the saving run took. Expert tensor parallel sizes other than 1 and TP
-are refused.
+again) and takes the step the saving run took. Expert tensor parallel sizes that do not divide TP
+are refused (those between 1 and TP: tests/test_moe_parallel4.py).
 
 Measured: log-probs before the step 9.5e-7 off, grad norm rel 1e-8 (DeepSeek-V3) and 3e-7
 (GLM-4.5), log-probs after 4.8e-6 / 1.9e-6, weights 0.029 / 0.013 LR; resumed at ETP 2: log-probs
@@ -189,10 +189,11 @@ def test_other_expert_tensor_parallel_sizes_are_refused(checkpoints, tmp_path, c
     from trainer_bridge.expert_parallel import check_expert_parallel
 
     arch = ModelConfig.load(checkpoints["glm4_moe"])
-    with pytest.raises(ValueError, match="--expert-tensor-parallel-size 2 with .*-size 4 is not"):
-        check_expert_parallel(arch, 1, 4, expert_tp=2)
-    with pytest.raises(ValueError, match="give 1 or 1"):
+    with pytest.raises(ValueError, match="--expert-tensor-parallel-size 3 with .*-size 4 is not"):
+        check_expert_parallel(arch, 1, 4, expert_tp=3)
+    with pytest.raises(ValueError, match="not over data-parallel ranks; give a divisor of 1"):
         check_expert_parallel(arch, 1, 1, expert_tp=2)
+    check_expert_parallel(arch, 1, 4, world_size=4, expert_tp=2)  # tests/test_moe_parallel4.py
     check_expert_parallel(arch, 2, 2, world_size=2, expert_tp=1)  # EP 2 spans the TP ranks
     base = (
         f"--hf-checkpoint {checkpoints['glm4_moe']} --prompt-data x.jsonl --rollout-batch-size 2 "
@@ -202,7 +203,7 @@ def test_other_expert_tensor_parallel_sizes_are_refused(checkpoints, tmp_path, c
     ).split()
     with pytest.raises(SystemExit, match="2 trainer ranks .* 1 x --expert-model-parallel-size 4"):
         check_checkpoints(parse_args([*base, "1", "--expert-model-parallel-size", "4"]))
-    with pytest.raises(SystemExit, match="--expert-tensor-parallel-size 3 with .* give 2 or 1"):
+    with pytest.raises(SystemExit, match="--expert-tensor-parallel-size 3 with .* divisor of 2"):
         check_checkpoints(parse_args([*base, "3"]))
     with pytest.raises(SystemExit):
         convert_cli(

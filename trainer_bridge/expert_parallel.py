@@ -9,11 +9,13 @@ r has data-parallel rank r // tp, expert-parallel rank (r // etp) % ep and exper
 rank r // (etp * ep). At etp = tp (the default) the ep ranks are carved out of data parallelism
 and each expert is split over the TP ranks; at etp = 1 every rank holds whole experts, and the
 expert group spans the TP ranks first (slime's TP 4, EP 8, ETP 1 runs one expert group over two
-TP groups). Rank k of an expert group holds global experts k * (E / ep) .. (k + 1) * (E / ep) - 1
-as its `local_experts.0 ..`. Megatron's DDP sums the experts' gradients over the
-expert-data-parallel group (its `allreduce=False` parameters; at etp = 1 that group holds the TP
-ranks, each of which ran the experts on its own part of the sequence), the router and shared
-experts over the whole data-parallel group, as before.
+TP groups); at a divisor etp of tp in between, each expert is split over etp ranks and TP rank t
+holds slice t % etp of it (TP 4, ETP 2: ranks 0 and 2 the first half). Rank k of an expert group
+holds global experts k * (E / ep) .. (k + 1) * (E / ep) - 1 as its `local_experts.0 ..`.
+Megatron's DDP sums the experts' gradients over the expert-data-parallel group (its
+`allreduce=False` parameters; at etp < tp that group holds TP ranks, each of which ran the experts
+on its own part of the sequence), the router and shared experts over the whole data-parallel
+group, as before.
 
 This module renumbers experts between the whole (global) state dict the converter speaks and a
 rank's local one (or every rank's, for a converted checkpoint), fetches another rank's experts
@@ -48,19 +50,21 @@ def check_expert_parallel(
     expert_tp: Optional[int] = None,
 ) -> None:
     """Raise unless `arch` splits over `ep` expert-parallel ranks of expert tensor parallel size
-    `expert_tp` (--expert-tensor-parallel-size: 1 or tp, its default) and, given `world_size`
-    trainer ranks, those ranks hold whole TP and expert groups, naming the values to change."""
+    `expert_tp` (--expert-tensor-parallel-size: a divisor of tp, its default) and, given
+    `world_size` trainer ranks, those ranks hold whole TP and expert groups, naming the values to
+    change."""
     etp = tp if expert_tp is None else expert_tp
     if ep < 1:
         raise ValueError(f"--expert-model-parallel-size must be >= 1, got {ep}")
-    if etp not in (1, tp):
-        # Megatron would also split experts over a part of the TP ranks (1 < etp < tp) or more
-        # ranks than TP; the converter and the tests cover whole experts and TP-split ones only.
+    if etp < 1 or tp % etp:
+        # Megatron would also split experts over more ranks than TP (data-parallel ones), which
+        # no TP rank's state dict describes: the converter lays experts out per TP rank.
         raise ValueError(
             f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp} is not "
-            f"implemented: specrl splits each routed expert over the tensor-parallel ranks ({tp}, "
-            "megatron's default) or gives every rank whole experts (1, as slime's MoE recipes); "
-            f"give {tp} or 1"
+            f"implemented: specrl splits each routed expert over a divisor of the tensor-parallel "
+            f"ranks ({tp}, megatron's default, splits it like a dense MLP; 1 gives every rank "
+            "whole experts, as slime's MoE recipes), not over data-parallel ranks; give a "
+            f"divisor of {tp}"
         )
     if ep > 1 and arch.moe is None:
         raise ValueError(

@@ -23,7 +23,11 @@ from trainer_bridge.expert_parallel import (
 )
 from trainer_bridge.mla import check_mla, mla_config_fields
 from trainer_bridge.moe import check_moe, count_real_tokens_only, moe_config_fields
-from trainer_bridge.sequence_parallel import sequence_parallel_spec, uses_sequence_parallel
+from trainer_bridge.sequence_parallel import (
+    replicated_kv_down_proj,
+    sequence_parallel_spec,
+    uses_sequence_parallel,
+)
 
 if TYPE_CHECKING:  # megatron is imported when a model is built, so conversion alone stays light
     from megatron.core.models.gpt import GPTModel
@@ -199,7 +203,8 @@ def build_gpt_model(
             config, use_transformer_engine=False, normalization="RMSNorm"
         )
         count_real_tokens_only()  # the routers' counts for --moe-router-bias-update-rate
-    if config.sequence_parallel:  # norms and MLA's kv down projection for it
+    layer_spec = replicated_kv_down_proj(layer_spec)
+    if config.sequence_parallel:  # its norms
         layer_spec = sequence_parallel_spec(layer_spec)
     if packed:
         from trainer_bridge.packed_attention import with_packed_attention
@@ -210,6 +215,7 @@ def build_gpt_model(
     mtp_spec = None
     if arch.num_mtp_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+        mtp_spec = replicated_kv_down_proj(mtp_spec)
         if config.sequence_parallel:
             mtp_spec = sequence_parallel_spec(mtp_spec)
     model = GPTModel(

@@ -24,7 +24,7 @@ from spec_engine.models.hf_config import ModelConfig
 def uses_sequence_parallel(arch: ModelConfig, tp: int) -> bool:
     """Whether `arch` at tensor-parallel size `tp` runs sequence parallel: MoE models at tp > 1
     (megatron requires it to train them), and MLA models (their replicated key/value down
-    projection needs it: see sequence_parallel_spec)."""
+    projection needs it: see replicated_kv_down_proj)."""
     return (arch.moe is not None or arch.mla is not None) and tp > 1
 
 
@@ -55,23 +55,30 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 def sequence_parallel_spec(spec: Any) -> Any:
     """A copy of a layer/block/MTP spec for sequence parallelism: its WrappedTorchNorm norms
     (megatron's local norm, wherever it appears: layer, q/k/kv, final and MTP norms) become
-    SequenceParallelRMSNorm, and MLA's key/value down projection becomes megatron's replicated
-    Linear, as Transformer Engine's MLA spec has it ("duplicated"). Column-parallel, that
-    projection would hand each rank the shared rope key gathered whole, yet each rank's heads give
-    only their part of its gradient, which megatron's gather does not sum (a wrong gradient);
-    replicated, the rope key is gathered from the sequence-parallel region, whose backward sums
-    it over the TP ranks, and the weight (marked `sequence_parallel`) is all-reduced as norms
-    are."""
-    from megatron.core.post_training.modelopt.layers import Linear
-    from megatron.core.tensor_parallel import ColumnParallelLinear
+    SequenceParallelRMSNorm."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+    return _swap(
+        spec, lambda _, value: SequenceParallelRMSNorm if value is WrappedTorchNorm else value
+    )
+
+
+def replicated_kv_down_proj(spec: Any) -> Any:
+    """A copy of a layer/block/MTP spec whose MLA key/value down projection is megatron's
+    replicated Linear, as Transformer Engine's MLA spec has it ("duplicated"), at every TP size.
+    Column-parallel under sequence parallelism, that projection would hand each rank the shared
+    rope key gathered whole, yet each rank's heads give only their part of its gradient, which
+    megatron's gather does not sum (a wrong gradient); replicated, the rope key is gathered from
+    the sequence-parallel region, whose backward sums it over the TP ranks, and the weight (marked
+    `sequence_parallel`) is all-reduced as norms are. At TP 1 it computes the same as the
+    column-parallel one, and one module at every TP size keeps one checkpoint layout: the
+    column-parallel one saves an `_extra_state` the replicated one has not, so a checkpoint
+    saved at TP > 1 would not load at TP 1."""
+    from megatron.core.post_training.modelopt.layers import Linear
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
     def rule(field: str, value: Any) -> Any:
-        if value is WrappedTorchNorm:
-            return SequenceParallelRMSNorm
-        if field == "linear_kv_down_proj" and value is ColumnParallelLinear:
-            return Linear
-        return value
+        return Linear if field == "linear_kv_down_proj" and value is ColumnParallelLinear else value
 
     return _swap(spec, rule)
 

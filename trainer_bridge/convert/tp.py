@@ -6,8 +6,9 @@ output layer, whose rows are first padded to `padded_vocab_size(vocab, tp, divis
 splits gate and up separately and concatenates each rank's parts; row-parallel (split along input
 columns): linear_proj, linear_fc2 (dense, routed-expert and shared-expert MLPs alike); everything
 else (norms, the MoE router and its expert bias, MLA's key/value down projection) is replicated.
-Routed experts split over the expert tensor parallel size `expert_tp` (default: tp); at 1
-(--expert-tensor-parallel-size 1) every rank holds them whole, as a replicated tensor.
+Routed experts split over the expert tensor parallel size `expert_tp` (default: tp, a divisor of
+it): TP rank r holds slice r % expert_tp, as megatron lays the expert tensor parallel ranks out; at
+1 (--expert-tensor-parallel-size 1) every rank holds them whole, as a replicated tensor.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def _kind(name: str, expert_tp: Optional[int]) -> str:
     return "replicated"
 
 
+def _parts(name: str, tp: int, expert_tp: Optional[int]) -> int:
+    """How many pieces the `tp` ranks hold of tensor `name`: `expert_tp` for a routed expert."""
+    return expert_tp if expert_tp is not None and _ROUTED in name else tp
+
+
 def is_sharded(name: str, expert_tp: Optional[int] = None) -> bool:
     """Whether tensor-parallel ranks hold different pieces of megatron tensor `name` at expert
     tensor parallel size `expert_tp` (default: the TP size)."""
@@ -76,26 +82,27 @@ def shard_tensor(
     name: str, tensor: Tensor, tp: int, padded_vocab: int, expert_tp: Optional[int] = None
 ) -> list[Tensor]:
     """The `tp` per-rank pieces of whole megatron tensor `name` (vocab tensors padded to
-    `padded_vocab` rows; routed experts whole at `expert_tp` 1)."""
-    kind = _kind(name, expert_tp)
+    `padded_vocab` rows; routed experts in `expert_tp` slices, rank r holding r % expert_tp)."""
+    kind, parts = _kind(name, expert_tp), _parts(name, tp, expert_tp)
     if kind == "vocab":
-        return list(pad_vocab(tensor, padded_vocab).chunk(tp, dim=0))
-    if kind == "column":
-        return list(tensor.chunk(tp, dim=0))
-    if kind == "gated":
+        pieces = pad_vocab(tensor, padded_vocab).chunk(parts, dim=0)
+    elif kind == "column":
+        pieces = tensor.chunk(parts, dim=0)
+    elif kind == "gated":
         gate, up = tensor.chunk(2, dim=0)
-        return [
-            torch.cat(parts, dim=0) for parts in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0))
-        ]
-    if kind == "row":
-        return list(tensor.chunk(tp, dim=1))
-    return [tensor] * tp
+        pieces = [torch.cat(p, dim=0) for p in zip(gate.chunk(parts), up.chunk(parts))]
+    elif kind == "row":
+        pieces = tensor.chunk(parts, dim=1)
+    else:
+        pieces = [tensor]
+    return [pieces[rank % len(pieces)] for rank in range(tp)]
 
 
 def gather_tensor(name: str, shards: Sequence[Tensor], expert_tp: Optional[int] = None) -> Tensor:
     """Whole megatron tensor `name` from its per-rank pieces (vocab padding kept; `to_hf` drops
-    it; a routed expert at `expert_tp` 1 is every rank's whole copy)."""
+    it; a routed expert is in the first `expert_tp` ranks' pieces: at 1 every rank's whole copy)."""
     kind = _kind(name, expert_tp)
+    shards = shards[: _parts(name, len(shards), expert_tp)]
     if kind in ("vocab", "column"):
         return torch.cat(list(shards), dim=0)
     if kind == "gated":
@@ -114,7 +121,7 @@ def shard_state_dict(
     expert_tp: Optional[int] = None,
 ) -> list[dict[str, Tensor]]:
     """Per-rank state dicts (rank order) of a whole megatron state dict (routed experts split at
-    expert tensor parallel size `expert_tp`, default `tp`: 1 or tp).
+    expert tensor parallel size `expert_tp`, default `tp`: a divisor of it).
 
     Every piece is a compact copy: a view would drag its whole parent storage into torch.save.
     """
