@@ -59,7 +59,9 @@ class TrainerArgs:
             "size (the default: each routed expert split over the TP ranks like a dense MLP) or "
             "1 (slime's MoE recipes: every rank holds whole experts and runs them on its own "
             "tokens; the expert-parallel group is then carved out of TP x DP, so "
-            "--expert-model-parallel-size may span the TP ranks). Other sizes are refused."
+            "--expert-model-parallel-size may span the TP ranks), or a divisor of TP in between "
+            "(each expert split over that many ranks, TP rank r holding slice r % it). Sizes "
+            "that do not divide TP are refused."
         },
     )
     seed: int = field(

@@ -1,6 +1,6 @@
 """Command line: convert between Hugging Face directories and specrl's megatron checkpoints.
 
-python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N] [--ep N] [--etp 1]
+python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N] [--ep N] [--etp N]
 python -m trainer_bridge.convert mcore-to-hf --load B --hf-checkpoint A --save C
 
 --tp, --ep and --etp also answer to Megatron's --tensor-model-parallel-size,
@@ -58,7 +58,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         type=int,
         default=None,
         help="expert tensor parallel size: --tp (the default) splits each routed expert over the "
-        "tensor-parallel ranks, 1 gives every rank whole experts (the training run's "
+        "tensor-parallel ranks, 1 gives every rank whole experts, a divisor of --tp in between "
+        "splits each over that many (TP rank r holding slice r %% it; the training run's "
         "--expert-tensor-parallel-size)",
     )
     to_mcore.add_argument(
