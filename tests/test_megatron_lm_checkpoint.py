@@ -113,5 +113,6 @@ def test_its_log_probs_are_transformers(other):
     with torch.no_grad():
         for tokens, got in zip(TOKENS, logps):
             logits = model(torch.tensor([tokens], device="cpu")).logits[0]
-            want = torch.log_softmax(logits, -1)[torch.arange(3, 7), torch.tensor(tokens[4:])]
+            rows, targets = torch.arange(3, 7, device="cpu"), torch.tensor(tokens[4:], device="cpu")
+            want = torch.log_softmax(logits, -1)[rows, targets]
             assert (torch.tensor(got, device="cpu") - want).abs().max().item() < 1e-4

@@ -60,7 +60,7 @@ class TrainerArgs:
             "1 (slime's MoE recipes: every rank holds whole experts and runs them on its own "
             "tokens; the expert-parallel group is then carved out of TP x DP, so "
             "--expert-model-parallel-size may span the TP ranks), or a divisor of TP in between "
-            "(each expert split over that many ranks, TP rank r holding slice r % it). Sizes "
+            "(each expert split over that many ranks, TP rank r holding slice r mod it). Sizes "
             "that do not divide TP are refused."
         },
     )

@@ -39,8 +39,9 @@ minute loses to a depth timed in a fast one. So each measurement keeps its step,
 compared with the bucket's reference mode (the one whose RECENT latest measurements are the
 newest: the mode chosen, which runs every step) as measured around that step: its cost is the
 median of its measurements each scaled by how the reference's cost moved since (the reference's
-median now over its median at the RECENT measurements nearest that step, from its last HISTORY).
-The reference's own cost is its median as measured.
+median now over its median at the RECENT measurements nearest that step, from its last HISTORY),
+less the first NOISE of the move, which is the steps' own noise. The reference's own cost is its
+median as measured.
 
 Measuring is online: the first step of a mode in a bucket is not counted (it pays one-off costs
 such as a graph captured on first use), a step much faster than a mode's median replaces its

@@ -41,8 +41,8 @@ _COLUMN = (
     "linear_q_up_proj.weight",
     "linear_kv_up_proj.weight",
 )
-# MLP suffixes cover the dense MLP, each routed expert (at expert tensor parallel size tp) and
-# the shared experts.
+# MLP suffixes cover the dense MLP, each routed expert (at expert tensor parallel size > 1, in
+# that many slices) and the shared experts.
 _GATED = "linear_fc1.weight"
 _ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")
 _ROUTED = ".mlp.experts.local_experts."
