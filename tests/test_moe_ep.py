@@ -131,6 +131,27 @@ def _run(rank: int, world_size: int, ports: list[int], jobs: dict, out_dir: str)
             destroy_model_parallel()
 
 
+def _check_loaded(actor, path: str, mcore: str) -> None:
+    """This rank's tensors equal the converter's file for its TP and expert-parallel rank, and
+    the export (a collective) equals the Hugging Face checkpoint."""
+    from megatron.core import parallel_state
+
+    from trainer_bridge.convert import load_mcore_rank, read_hf_weights
+
+    converted = load_mcore_rank(
+        mcore,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_expert_model_parallel_rank(),
+    )
+    state = actor.gpt.state_dict()
+    assert converted.keys() == {k for k in state if not k.endswith("_extra_state")}
+    assert [k for k in converted if not torch.equal(converted[k], state[k])] == []
+    loaded = {k: v.clone() for k, v in actor.hf_named_tensors()}
+    initial = read_hf_weights(path)
+    assert loaded.keys() == initial.keys()
+    assert [k for k in initial if not torch.equal(loaded[k], initial[k])] == []
+
+
 def _step_and_export(actor, name: str, batch, out_dir: str, tag: str) -> None:
     """One RL step on `actor`: log-probs before and after, metrics and exported weights, saved by
     rank 0 as `{name}-{tag}.pt`; GLM-4.5 on several ranks also checks `--save-hf` (rank 0 writes

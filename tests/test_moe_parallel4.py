@@ -28,7 +28,15 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_moe_ep import LR, RUNS, VOCAB, _batch, _next_step, _step_and_export
+from test_moe_ep import (
+    LR,
+    RUNS,
+    VOCAB,
+    _batch,
+    _check_loaded,
+    _next_step,
+    _step_and_export,
+)
 from test_moe_tp import _max_diff, _ports
 
 from trainer_bridge.convert.__main__ import main as convert_cli
@@ -62,27 +70,6 @@ def _actor(path: str, world_size: int, rank: int, port: int, **sizes):
 
     args = TrainerArgs(hf_checkpoint=path, lr=LR, micro_batch_size=2, **OPTIONS, **sizes)
     return TrainActor(args, rank=rank, world_size=world_size, master_port=port)
-
-
-def _check_loaded(actor, path: str, mcore: str) -> None:
-    """This rank's tensors equal the converter's file for its TP and expert-parallel rank, and
-    the export (a collective) equals the Hugging Face checkpoint."""
-    from megatron.core import parallel_state
-
-    from trainer_bridge.convert import load_mcore_rank, read_hf_weights
-
-    converted = load_mcore_rank(
-        mcore,
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_expert_model_parallel_rank(),
-    )
-    state = actor.gpt.state_dict()
-    assert converted.keys() == {k for k in state if not k.endswith("_extra_state")}
-    assert [k for k in converted if not torch.equal(converted[k], state[k])] == []
-    loaded = {k: v.clone() for k, v in actor.hf_named_tensors()}
-    initial = read_hf_weights(path)
-    assert loaded.keys() == initial.keys()
-    assert [k for k in initial if not torch.equal(loaded[k], initial[k])] == []
 
 
 def _run(rank: int, world_size: int, ports: list[int], path: str, out_dir: str) -> None:
