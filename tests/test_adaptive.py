@@ -449,7 +449,7 @@ def test_costs_are_read_through_their_isotonic_fit():
     model.set_costs(8, plain_s=1.0, spec_s={1: 1.2, 2: 2.4, 4: 1.8})  # depth 2 measured slower
     assert model.seconds(8) == pytest.approx({0: 1.0, 1: 1.2, 2: 2.1, 4: 2.1})
     assert model.best(8) == 4  # 4.0 / 2.1 against depth 2's 2.7 / 2.1 (raw: 2.7 / 2.4, 4.0 / 1.8)
-    model.costs[8][4].recent.extend([1.8] * 3)  # the deeper median rests on four measurements
+    model.costs[8][4].history.extend([(0, 1.8)] * 3)  # the deeper median rests on four
     assert model.seconds(8)[2] == pytest.approx((2.4 * 1 + 1.8 * 4) / 5)
     model.set_costs(16, plain_s=2.0, spec_s={1: 1.5, 2: 2.5, 4: 3.0})  # plain above depth 1
     assert model.seconds(16) == pytest.approx({0: 1.75, 1: 1.75, 2: 2.5, 4: 3.0})

@@ -86,7 +86,6 @@ Runs on the scheduler thread only.
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 import statistics
 from collections import deque
@@ -160,22 +159,27 @@ def _leading(path: Sequence[int], depth: int) -> int:
 class ModeCost:
     """One mode's measurements in one bucket."""
 
-    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))  # seconds per request
+    # (step, seconds per request) of the counted measurements
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     steps: int = 0  # counted measurements
     seen: bool = False  # the uncounted first step ran
     since: int = 0  # steps of the bucket since this mode last ran
     # seconds per request of the draft catch-up before the mode's steps that followed another mode
     switch: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     interval: int = EXPLORE_EVERY  # steps unrun after which it is tried again
-    # (step, seconds per request) of the counted measurements, the latest of them `recent`'s
-    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
     scaled: tuple = ()  # (key, cost) of SpecCostModel._now: the reference and both step counts
+
+    @property
+    def latest(self) -> list[tuple[int, float]]:
+        """The RECENT latest measurements (fewer at first)."""
+        n = len(self.history)
+        return [self.history[i] for i in range(max(n - RECENT, 0), n)]
 
     @property
     def seconds(self) -> Optional[float]:
         """Seconds per request per step: the median of the recent measurements (a step slowed by
         another process on the machine moves it only once it is the rule)."""
-        return statistics.median(self.recent) if self.recent else None
+        return statistics.median(s for _, s in self.latest) if self.history else None
 
     def add(self, seconds: float, step: int) -> None:
         """A measurement (seconds per request) taken at `step`."""
@@ -184,10 +188,8 @@ class ModeCost:
             self.seen = True
             return
         self.steps += 1
-        if self.recent and seconds < STALE_SHARE * self.seconds:
-            self.recent.clear()
+        if self.history and seconds < STALE_SHARE * self.seconds:
             self.history.clear()
-        self.recent.append(seconds)
         self.history.append((step, seconds))
 
     def seconds_at(self, step: int) -> float:
@@ -199,9 +201,7 @@ class ModeCost:
 
     def newest_window(self) -> int:
         """The step of the oldest of the RECENT latest measurements (-1 if fewer)."""
-        if len(self.recent) < RECENT or len(self.history) < RECENT:
-            return -1
-        return self.history[-RECENT][0]
+        return self.history[-RECENT][0] if len(self.history) >= RECENT else -1
 
 
 class SpecCostModel:
@@ -278,7 +278,7 @@ class SpecCostModel:
             return MAX_EXPLORE_EVERY  # the deepest depth's steps measure its accept length
         own, top = seconds.get(mode), max(rates.values(), default=0.0)
         ceiling = (mode + 1) / own if own else float("inf")
-        if ceiling < top and len(modes[mode].recent) >= RECENT:
+        if ceiling < top and len(modes[mode].history) >= RECENT:
             return MAX_EXPLORE_EVERY
         # One budget for all the modes tried: a tree's depths share it with plain decoding.
         tried = [
@@ -310,7 +310,7 @@ class SpecCostModel:
         reference = max(modes.values(), key=ModeCost.newest_window)
         blocks: list[tuple[float, int, int]] = []  # (mean, weight, modes pooled)
         for _, cost in measured:
-            mean, weight, count = self._now(cost, reference), len(cost.recent), 1
+            mean, weight, count = self._now(cost, reference), min(len(cost.history), RECENT), 1
             while blocks and blocks[-1][0] > mean:
                 prev_mean, prev_weight, prev_count = blocks.pop()
                 total = prev_weight + weight
@@ -325,13 +325,12 @@ class SpecCostModel:
         """`cost`'s seconds per request with each measurement scaled by how `reference`'s cost
         moved since it (kept until either is measured again: choose asks several times a
         step)."""
-        if cost is reference or reference.newest_window() < 0 or not cost.history:
+        if cost is reference or reference.newest_window() < 0:
             return cost.seconds
         key = (id(reference), reference.steps, cost.steps)
         if not cost.scaled or cost.scaled[0] != key:
             now = reference.seconds
-            recent = itertools.islice(reversed(cost.history), len(cost.recent))
-            scaled = [s * _beyond_noise(now / reference.seconds_at(t)) for t, s in recent]
+            scaled = [s * _beyond_noise(now / reference.seconds_at(t)) for t, s in cost.latest]
             cost.scaled = (key, statistics.median(scaled))
         return cost.scaled[1]
 
@@ -458,7 +457,7 @@ class SpecCostModel:
             raise ValueError(f"depths {sorted(unknown)} are not candidates ({self.depths})")
         modes = self._bucket(batch)
         for mode, seconds in ((PLAIN, plain_s), *per_depth.items()):
-            modes[mode] = ModeCost(deque([seconds], maxlen=RECENT), WARM_STEPS, True, 0)
+            modes[mode] = ModeCost(deque([(0, seconds)], maxlen=HISTORY), WARM_STEPS, True, 0)
         self.frozen = True
 
     def set_accept(self, survival: Sequence[float]) -> None:
