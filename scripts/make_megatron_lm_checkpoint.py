@@ -1,14 +1,16 @@
-"""Write tests/data/megatron_lm_qwen2: a tiny Qwen2 checkpoint saved by Megatron-LM's own code
+"""Write tests/data/megatron_lm_<arch>: a tiny checkpoint saved by Megatron-LM's own code
 (megatron/training/checkpointing.py `save_checkpoint`, --ckpt-format torch_dist), as slime's
 tools/convert_hf_to_torch_dist.py and its --save write them, next to the Hugging Face checkpoint
-it holds. Megatron-LM's training package is not on PyPI: pass a checkout of it at the tag of the
-installed megatron-core (core_v0.16.1), whose megatron/training joins the installed megatron.core.
+it holds: `--arch qwen2` a dense Qwen2, `--arch deepseek_v3` a DeepSeek-V3 (MLA, a dense first
+layer then MoE, one MTP layer: --mtp-num-layers 1). Megatron-LM's training package is not on
+PyPI: pass a checkout of it at the tag of the installed megatron-core (core_v0.16.1), whose
+megatron/training joins the installed megatron.core.
 
     git clone -b core_v0.16.1 https://github.com/NVIDIA/Megatron-LM /tmp/Megatron-LM
     python -m scripts.make_megatron_lm_checkpoint --megatron-lm /tmp/Megatron-LM \
-        --out tests/data/megatron_lm_qwen2
+        --arch deepseek_v3 --out tests/data/megatron_lm_deepseek_v3
 
-OUT/hf/        the tiny Qwen2 (config, safetensors, tokenizer), built by specrl.tiny_models
+OUT/hf/        the tiny model (config, safetensors, tokenizer), built by specrl.tiny_models
 OUT/megatron/  Megatron-LM's --save directory: latest_checkpointed_iteration.txt ("1") and
                iter_0000001/ (common.pt with Megatron-LM's args, .metadata, __0_*.distcp)
 OUT/build.json the build_checkpoint arguments (a test rebuilds a same-shape model from them)
@@ -16,7 +18,9 @@ OUT/build.json the build_checkpoint arguments (a test rebuilds a same-shape mode
 The flow is slime's converter's: Megatron-LM's parse_args and validate_args over the flags a
 slime run of this model passes, the model built by Megatron-LM's model_provider(gpt_builder)
 (--transformer-impl local: no Transformer Engine here), the Hugging Face weights loaded into it
-by specrl's converter, then `save_checkpoint(1, [model], None, None, 0)`, on CPU with gloo.
+by specrl's converter, then `save_checkpoint(1, [model], None, None, 0)`, on CPU with gloo. The
+local spec names some MLA and MoE norms otherwise than TE's spec, which slime's runs use: the
+trainer reads either (trainer_bridge.checkpoint_names).
 """
 
 from __future__ import annotations
@@ -64,30 +68,35 @@ def _stub_triton() -> None:
         del sys.modules["triton"], sys.modules["triton.language"]
 
 
-BUILD = dict(
-    arch="qwen2",
+COMMON = dict(
     vocab_size=300,
     hidden_size=64,
     intermediate_size=64,
     num_layers=2,
     num_heads=4,
-    num_kv_heads=2,
     max_position_embeddings=128,
     tie_word_embeddings=False,
-    seed=61,
     bos_token_id=1,
     eos_token_id=2,
 )
+# build_checkpoint's arguments per model: a dense Qwen2, and a DeepSeek-V3 (MLA, a dense first
+# layer then MoE with grouped routing and a shared expert, one next-n MTP layer).
+BUILDS = {
+    "qwen2": dict(COMMON, arch="qwen2", num_kv_heads=2, seed=61),
+    "deepseek_v3": dict(
+        COMMON, arch="deepseek_v3", seed=62, extra_config={"num_nextn_predict_layers": 1}
+    ),
+}
 
 
-def build_hf(hf_dir: str) -> None:
+def build_hf(hf_dir: str, build: dict) -> None:
     from specrl.tiny_models import build_checkpoint, build_tokenizer
 
-    tok = build_tokenizer(hf_dir, vocab_size=BUILD["vocab_size"])
+    tok = build_tokenizer(hf_dir, vocab_size=build["vocab_size"])
     bos, eos = tok.convert_tokens_to_ids(["<s>", "</s>"])
-    assert (bos, eos) == (BUILD["bos_token_id"], BUILD["eos_token_id"]), (bos, eos)
-    assert len(tok) <= BUILD["vocab_size"], len(tok)
-    build_checkpoint(hf_dir, **BUILD)
+    assert (bos, eos) == (build["bos_token_id"], build["eos_token_id"]), (bos, eos)
+    assert len(tok) <= build["vocab_size"], len(tok)
+    build_checkpoint(hf_dir, **build)
 
 
 def rope_theta(hf_config: dict) -> float:
@@ -97,44 +106,105 @@ def rope_theta(hf_config: dict) -> float:
     )
 
 
-def megatron_lm_args(save_dir: str, hf_config: dict):
-    """Megatron-LM's own parse_args + validate_args over the argv a slime run of this model
-    would pass (model shape as specrl's model_provider builds it, float32, torch_dist)."""
-    from megatron.training.arguments import parse_args, validate_args
-
+def model_argv(hf_config: dict) -> list[str]:
+    """The model flags of a slime run of this checkpoint (slime's scripts/models/qwen2.5-*.sh and
+    deepseek-v3.sh, sized down; allgather dispatch, no grouped GEMM: no CUDA or TE here)."""
+    c = hf_config
     argv = [
-        "make.py",
         "--num-layers",
-        str(hf_config["num_hidden_layers"]),
+        str(c["num_hidden_layers"]),
         "--hidden-size",
-        str(hf_config["hidden_size"]),
+        str(c["hidden_size"]),
         "--ffn-hidden-size",
-        str(hf_config["intermediate_size"]),
+        str(c["intermediate_size"]),
         "--num-attention-heads",
-        str(hf_config["num_attention_heads"]),
-        "--group-query-attention",
-        "--num-query-groups",
-        str(hf_config["num_key_value_heads"]),
-        "--kv-channels",
-        str(hf_config["hidden_size"] // hf_config["num_attention_heads"]),
+        str(c["num_attention_heads"]),
         "--max-position-embeddings",
-        str(hf_config["max_position_embeddings"]),
-        "--seq-length",
-        "64",
+        str(c["max_position_embeddings"]),
         "--normalization",
         "RMSNorm",
         "--norm-epsilon",
-        str(hf_config["rms_norm_eps"]),
+        str(c["rms_norm_eps"]),
         "--swiglu",
         "--disable-bias-linear",
-        "--add-qkv-bias",
         "--untie-embeddings-and-output-weights",
         "--position-embedding-type",
         "rope",
         "--rotary-base",
-        str(int(rope_theta(hf_config))),
+        str(int(rope_theta(c))),
         "--vocab-size",
-        str(hf_config["vocab_size"]),
+        str(c["vocab_size"]),
+    ]
+    if c["model_type"] == "qwen2":
+        return argv + [
+            "--group-query-attention",
+            "--num-query-groups",
+            str(c["num_key_value_heads"]),
+            "--kv-channels",
+            str(c["hidden_size"] // c["num_attention_heads"]),
+            "--add-qkv-bias",
+        ]
+    assert c["model_type"] == "deepseek_v3" and c.get("rope_scaling") is None, c["model_type"]
+    dense = c["first_k_dense_replace"]
+    return argv + [
+        "--kv-channels",
+        str(c["v_head_dim"]),
+        "--multi-latent-attention",
+        "--q-lora-rank",
+        str(c["q_lora_rank"]),
+        "--kv-lora-rank",
+        str(c["kv_lora_rank"]),
+        "--qk-head-dim",
+        str(c["qk_nope_head_dim"]),
+        "--qk-pos-emb-head-dim",
+        str(c["qk_rope_head_dim"]),
+        "--v-head-dim",
+        str(c["v_head_dim"]),
+        "--qk-layernorm",
+        "--rope-type",
+        "rope",
+        "--num-experts",
+        str(c["n_routed_experts"]),
+        "--moe-layer-freq",
+        f"([0]*{dense}+[1]*{c['num_hidden_layers'] - dense})",
+        "--moe-ffn-hidden-size",
+        str(c["moe_intermediate_size"]),
+        "--moe-router-topk",
+        str(c["num_experts_per_tok"]),
+        "--moe-shared-expert-intermediate-size",
+        str(c["n_shared_experts"] * c["moe_intermediate_size"]),
+        "--moe-router-score-function",
+        "sigmoid",
+        "--moe-router-enable-expert-bias",
+        "--moe-router-load-balancing-type",
+        "seq_aux_loss",
+        "--moe-token-dispatcher-type",
+        "allgather",
+        "--moe-aux-loss-coeff",
+        "0",
+        "--moe-router-bias-update-rate",
+        "0",
+        "--moe-router-num-groups",
+        str(c["n_group"]),
+        "--moe-router-group-topk",
+        str(c["topk_group"]),
+        "--moe-router-topk-scaling-factor",
+        str(c["routed_scaling_factor"]),
+        "--moe-router-dtype",
+        "fp32",
+        "--mtp-num-layers",
+        str(c["num_nextn_predict_layers"]),
+    ]
+
+
+def megatron_lm_args(save_dir: str, hf_config: dict):
+    """Megatron-LM's own parse_args + validate_args over the argv a slime run of this model
+    would pass (model_argv; float32, torch_dist)."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    argv = ["make.py", *model_argv(hf_config)] + [
+        "--seq-length",
+        "64",
         "--make-vocab-size-divisible-by",
         "128",
         "--attention-dropout",
@@ -202,14 +272,14 @@ def megatron_lm_model(args):
     return model
 
 
-def main(out: str) -> None:
+def main(out: str, build: dict) -> None:
     hf_dir, save_dir = os.path.join(out, "hf"), os.path.join(out, "megatron")
     for d in (hf_dir, save_dir):
         shutil.rmtree(d, ignore_errors=True)
     os.makedirs(hf_dir)
-    build_hf(hf_dir)
+    build_hf(hf_dir, build)
     with open(os.path.join(out, "build.json"), "w") as f:
-        json.dump(BUILD, f, indent=1)
+        json.dump(build, f, indent=1)
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_config = json.load(f)
 
@@ -247,10 +317,11 @@ def main(out: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout")
+    parser.add_argument("--arch", choices=sorted(BUILDS), default="qwen2")
     parser.add_argument("--out", required=True)
     cli = parser.parse_args()
     # The installed `megatron` (the megatron-core wheel) is a namespace package: the checkout's
     # megatron/training (and the modules it imports) join it from a later sys.path entry.
     sys.path.append(os.path.abspath(cli.megatron_lm))
     filter_known_warnings()
-    main(os.path.abspath(cli.out))
+    main(os.path.abspath(cli.out), BUILDS[cli.arch])

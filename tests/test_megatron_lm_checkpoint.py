@@ -1,10 +1,13 @@
-"""A checkpoint written by Megatron-LM's own code reads as --ref-load: tests/data/megatron_lm_qwen2
+"""Checkpoints written by Megatron-LM's own code read as --ref-load: tests/data/megatron_lm_<arch>
 (scripts/make_megatron_lm_checkpoint.py: Megatron-LM core_v0.16.1's save_checkpoint, torch_dist,
-the flow of slime's tools/convert_hf_to_torch_dist.py, on CPU) holds a tiny Qwen2 in Megatron-LM's
---save layout, its args in common.pt, next to the Hugging Face checkpoint of the same weights.
-A policy started from another checkpoint of that shape with --ref-load pointed at it holds the
-saved weights bit for bit, in the --save layout and in slime's 'release' one, and its log-probs
-are transformers' for those weights."""
+the flow of slime's tools/convert_hf_to_torch_dist.py, on CPU) hold a tiny Qwen2 and a tiny
+DeepSeek-V3 (MLA, a dense layer then MoE, one MTP layer) in Megatron-LM's --save layout, its args
+in common.pt, next to the Hugging Face checkpoint of the same weights. Megatron-LM built them
+with its local layer spec, whose MLA and MoE layers name their norms otherwise than the TE-named
+ones this trainer saves (trainer_bridge.checkpoint_names). A policy started from another
+checkpoint of that shape with --ref-load pointed at one holds the saved weights bit for bit (its
+MTP layer's too), in the --save layout and in slime's 'release' one, and its log-probs are
+transformers' for those weights."""
 
 from __future__ import annotations
 
@@ -19,23 +22,29 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:::megatron"),
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU megatron tests"),
 ]
-DATA = Path(__file__).parent / "data" / "megatron_lm_qwen2"
-SAVE = DATA / "megatron"
-ITER = SAVE / "iter_0000001"
+ARCHS = ("qwen2", "deepseek_v3")
 TOKENS = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20]]
 
 
-@pytest.fixture(scope="module")
-def other(tmp_path_factory) -> str:
-    """A Hugging Face checkpoint of the saved model's shape with other weights (the policy)."""
+def _data(arch: str) -> tuple[Path, Path, Path]:
+    """(the fixture's directory, Megatron-LM's --save directory, its iteration's directory)"""
+    data = Path(__file__).parent / "data" / f"megatron_lm_{arch}"
+    return data, data / "megatron", data / "megatron" / "iter_0000001"
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def saved(request, tmp_path_factory) -> tuple[str, str]:
+    """(the saved model's architecture, a Hugging Face checkpoint of its shape with other
+    weights: the policy)"""
     from specrl.tiny_models import build_checkpoint
 
+    data, _, _ = _data(request.param)
     path = tmp_path_factory.mktemp("other")
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DATA / "hf" / name, path)
-    build = json.loads((DATA / "build.json").read_text())
+        shutil.copy(data / "hf" / name, path)
+    build = json.loads((data / "build.json").read_text())
     build_checkpoint(str(path), **{**build, "seed": build["seed"] + 1})
-    return str(path)
+    return request.param, str(path)
 
 
 def _resolved(model: str, ref_load: str, out: str) -> str:
@@ -74,29 +83,46 @@ def _policy(model: str, ref_load: str | None = None):
         destroy_model_parallel()
 
 
-def test_the_checkpoint_is_megatron_lms_and_fits_the_model():
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_checkpoint_is_megatron_lms_and_fits_the_model(arch):
     import megatron.core  # noqa: F401  (registers the enums Megatron-LM's args hold)
 
     from trainer_bridge.checkpoint import check_megatron_model, read_common
 
-    common = torch.load(ITER / "common.pt", map_location="cpu", weights_only=True)
+    data, _, iteration = _data(arch)
+    common = torch.load(iteration / "common.pt", map_location="cpu", weights_only=True)
     assert common["args"].ckpt_format == "torch_dist" and common["iteration"] == 1
     assert len(vars(common["args"])) > 500  # Megatron-LM's whole Namespace, not an imitation
-    assert read_common(str(ITER), megatron_lm=True) is None  # no specrl entry: Megatron-LM's
-    hf_config = json.loads((DATA / "hf" / "config.json").read_text())
-    check_megatron_model(str(ITER), hf_config)
-    with pytest.raises(ValueError, match="hidden size 64 vs 128"):
-        check_megatron_model(str(ITER), {**hf_config, "hidden_size": 128})
+    assert read_common(str(iteration), megatron_lm=True) is None  # no specrl entry: Megatron-LM's
+    hf_config = json.loads((data / "hf" / "config.json").read_text())
+    check_megatron_model(str(iteration), hf_config)
+    others = [
+        ({"hidden_size": 128}, "hidden size 64 vs 128"),
+        ({"num_hidden_layers": 3}, "layers 2 vs 3"),
+    ]
+    if arch == "deepseek_v3":  # a MoE model's layers each under their own number
+        assert common["args"].mtp_num_layers == 1 and common["args"].multi_latent_attention
+        others += [
+            ({"n_routed_experts": 16}, "routed experts 8 vs 16"),
+            ({"intermediate_size": 32}, "intermediate size 64 vs 32"),
+        ]
+    for change, message in others:
+        with pytest.raises(ValueError, match=message):
+            check_megatron_model(str(iteration), {**hf_config, **change})
 
 
-def test_ref_load_of_megatron_lms_save_holds_its_weights(other, tmp_path):
-    want_state, want, _ = _policy(str(DATA / "hf"))
+def test_ref_load_of_megatron_lms_save_holds_its_weights(saved, tmp_path):
+    arch, other = saved
+    data, save, iteration = _data(arch)
+    want_state, want, _ = _policy(str(data / "hf"))
     _, other_logps, _ = _policy(other)
     assert other_logps != want
+    if arch == "deepseek_v3":
+        assert any(k.startswith("mtp.") for k in want_state)
     release = tmp_path / "release_root"
-    shutil.copytree(ITER, release / "release")
+    shutil.copytree(iteration, release / "release")
     (release / "latest_checkpointed_iteration.txt").write_text("release")
-    for root, expected in ((SAVE, ITER), (release, release / "release")):
+    for root, expected in ((save, iteration), (release, release / "release")):
         ref_load = _resolved(other, str(root), str(tmp_path / "out"))
         assert ref_load == str(expected)
         state, reference, policy = _policy(other, ref_load)
@@ -105,11 +131,13 @@ def test_ref_load_of_megatron_lms_save_holds_its_weights(other, tmp_path):
         assert reference == want and policy == want
 
 
-def test_its_log_probs_are_transformers(other):
+def test_its_log_probs_are_transformers(saved):
     from transformers import AutoModelForCausalLM
 
-    _, logps, _ = _policy(other, str(ITER))
-    model = AutoModelForCausalLM.from_pretrained(DATA / "hf", dtype=torch.float32).eval()
+    arch, other = saved
+    data, _, iteration = _data(arch)
+    _, logps, _ = _policy(other, str(iteration))
+    model = AutoModelForCausalLM.from_pretrained(data / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         for tokens, got in zip(TOKENS, logps):
             logits = model(torch.tensor([tokens], device="cpu")).logits[0]

@@ -29,13 +29,14 @@ import os
 import pickle
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from spec_engine.models.hf_config import ModelConfig
+from trainer_bridge.checkpoint_names import match_saved_names
 from trainer_bridge.options import TrainerArgs
 
 logger = logging.getLogger(__name__)
@@ -179,8 +180,15 @@ def _restore_optimizer(actor: TrainActor, loaded: dict[str, Any]) -> None:
         adam["step"] = saved["common_step"].clone()
 
 
-def _state_dict(actor: TrainActor, rollout_id: int, loading: bool) -> dict[str, Any]:
+def _state_dict(
+    actor: TrainActor, rollout_id: int, saved: Collection[str] | None = None
+) -> dict[str, Any]:
+    """What a checkpoint holds; `saved`: when loading, the checkpoint's keys (its norms may go by
+    the local spec's names: trainer_bridge.checkpoint_names)."""
+    loading = saved is not None
     model = actor.gpt.sharded_state_dict()
+    if loading:
+        match_saved_names(model, saved)
     rng = [None] * actor.dp_size if loading else _gather_dp(_rng_state(), actor)
     state = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -227,7 +235,7 @@ def save_checkpoint(actor: TrainActor, directory: str, rollout_id: int) -> None:
 
     if _warming is not None:
         _warming.join()  # one writer process, not a second one started beside it
-    dist_checkpointing.save(_state_dict(actor, rollout_id, loading=False), directory)
+    dist_checkpointing.save(_state_dict(actor, rollout_id), directory)
 
 
 def load_checkpoint(actor: TrainActor, directory: str) -> int:
@@ -247,7 +255,7 @@ def load_checkpoint(actor: TrainActor, directory: str) -> int:
         meta.get("expert_model_parallel_size", 1),  # 1 from before EP
         meta.get("expert_tensor_parallel_size", saved_tp),  # from before ETP: TP
     )
-    template = _state_dict(actor, common["iteration"], loading=True)
+    template = _state_dict(actor, common["iteration"], _saved_keys(directory))
     if saved_tp != args.tensor_model_parallel_size:
         # one RNG object per TP rank: at another TP size there is none of this rank's to read
         del template["rng_state"]
@@ -282,10 +290,10 @@ def load_reference(gpt: Any, directory: str) -> None:
         load_hf_weights(gpt, directory)
         return
     from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint import FileSystemReader
 
     sharded = gpt.sharded_state_dict()
-    saved = FileSystemReader(directory).read_metadata().state_dict_metadata
+    saved = _saved_keys(directory)
+    match_saved_names(sharded, saved)
     kept = [name for name in sharded if name.startswith("mtp.")]
     if kept and any(key.startswith("mtp.") for key in saved):
         kept = []
@@ -301,6 +309,12 @@ def load_reference(gpt: Any, directory: str) -> None:
     missing = gpt.load_state_dict(state["model"], strict=not kept).missing_keys
     if any(not name.startswith("mtp.") for name in missing):
         raise ValueError(f"{directory} lacks {missing}; point --ref-load at the policy's model")
+
+
+def _saved_keys(directory: str) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(directory).read_metadata().state_dict_metadata)
 
 
 def _load_common(directory: str) -> Any:
@@ -323,7 +337,12 @@ def _load_common(directory: str) -> Any:
 
 def check_megatron_model(directory: str, hf_config: dict[str, Any]) -> None:
     """Refuse a Megatron-LM checkpoint of another model than --hf-checkpoint's: its hidden size,
-    layers and (padded) vocabulary, read from its tensors' global shapes."""
+    layers, dense MLP width, routed experts and (padded) vocabulary, read from its tensors' global
+    shapes. Megatron stacks the layers of a model whose layers are alike under `decoder.layers.*`
+    (the layer first in every shape) and keeps each layer of a MoE model under its own number,
+    `decoder.layers.<i>.*`."""
+    import re
+
     from torch.distributed.checkpoint import FileSystemReader
 
     shapes = {
@@ -331,33 +350,49 @@ def check_megatron_model(directory: str, hf_config: dict[str, Any]) -> None:
         for key, meta in FileSystemReader(directory).read_metadata().state_dict_metadata.items()
         if hasattr(meta, "size")
     }
+    arch = ModelConfig.load(hf_config)
+
+    def per_layer(name: str) -> dict[int, tuple[int, ...]]:
+        """Layer number -> shape of one layer's tensor `name`, stacked or numbered."""
+        if (stacked := shapes.get(f"decoder.layers.{name}")) is not None:
+            return {i: stacked[1:] for i in range(stacked[0])}
+        pattern = re.compile(rf"decoder\.layers\.(\d+)\.{re.escape(name)}")
+        return {int(m[1]): shape for key, shape in shapes.items() if (m := pattern.fullmatch(key))}
+
     embedding = shapes.get("embedding.word_embeddings.weight")
-    layers = shapes.get("decoder.layers.self_attention.linear_proj.weight")
-    if embedding is None or layers is None:
+    layers = per_layer("self_attention.linear_proj.weight")
+    if embedding is None or not layers:
         raise ValueError(
-            f"{directory} holds no GPT model's embedding and stacked decoder layers (megatron "
-            "torch_dist keys embedding.word_embeddings.weight, decoder.layers.*); point --ref-load "
-            "at a checkpoint of the policy's model"
+            f"{directory} holds no GPT model's embedding and decoder layers (megatron torch_dist "
+            "keys embedding.word_embeddings.weight, decoder.layers.*); point --ref-load at a "
+            "checkpoint of the policy's model"
         )
-    # A dense model's MLP: gate and up projections stacked in linear_fc1 (MoE layers' experts are
-    # under other keys, and a dense first layer's fc1 only counts those layers).
-    fc1 = shapes.get("decoder.layers.mlp.linear_fc1.weight")
-    dense = fc1 is not None and fc1[0] == layers[0]
+    # gate and up projections stacked in a dense MLP's linear_fc1; a router's rows, its experts
+    dense = {shape[0] // 2 for shape in per_layer("mlp.linear_fc1.weight").values()}
+    experts = {shape[0] for shape in per_layer("mlp.router.weight").values()}
     found = {
         "hidden size": embedding[1],
-        "layers": layers[0],
-        "intermediate size": fc1[1] // 2 if dense else None,
+        "layers": len(layers),
+        "intermediate size": dense or None,
+        "routed experts": experts or None,
     }
     wanted = {
-        "hidden size": hf_config["hidden_size"],
-        "layers": hf_config["num_hidden_layers"],
-        "intermediate size": hf_config.get("intermediate_size") if dense else None,
+        "hidden size": arch.hidden_size,
+        "layers": arch.num_hidden_layers,
+        "intermediate size": {arch.intermediate_size} if dense else None,
+        "routed experts": {arch.moe.num_experts} if arch.moe else None,
     }
+
+    def shown(value: Any) -> Any:
+        return next(iter(value)) if isinstance(value, set) and len(value) == 1 else value
+
     diffs = [
-        f"{name} {found[name]} vs {wanted[name]}" for name in found if found[name] != wanted[name]
+        f"{name} {shown(found[name])} vs {shown(wanted[name])}"
+        for name in found
+        if found[name] != wanted[name]
     ]
-    if embedding[0] < hf_config["vocab_size"]:
-        diffs.append(f"vocabulary {embedding[0]} vs at least {hf_config['vocab_size']}")
+    if embedding[0] < arch.vocab_size:
+        diffs.append(f"vocabulary {embedding[0]} vs at least {arch.vocab_size}")
     if diffs:
         raise ValueError(
             f"{directory} holds another model than --hf-checkpoint ({', '.join(diffs)}); point "

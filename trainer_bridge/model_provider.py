@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from spec_engine.models.hf_config import ConfigSource, ModelConfig
+from trainer_bridge.checkpoint_names import te_checkpoint_names
 from trainer_bridge.expert_parallel import (
     check_expert_parallel,
     reduce_experts_over_expert_data_parallel,
@@ -203,7 +204,7 @@ def build_gpt_model(
             config, use_transformer_engine=False, normalization="RMSNorm"
         )
         count_real_tokens_only()  # the routers' counts for --moe-router-bias-update-rate
-    layer_spec = replicated_kv_down_proj(layer_spec)
+    layer_spec = te_checkpoint_names(replicated_kv_down_proj(layer_spec))
     if config.sequence_parallel:  # its norms
         layer_spec = sequence_parallel_spec(layer_spec)
     if packed:

@@ -14,7 +14,6 @@ scaled_dot_product_attention.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -24,6 +23,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
 
+from trainer_bridge.spec_rewrite import swap_in_spec
 from trainer_bridge.thd_ops import positions_in_sequence
 
 
@@ -142,19 +142,9 @@ def with_packed_attention(spec: Any, config: Any) -> Any:
     """A copy of a layer spec (a ModuleSpec, or TransformerBlockSubmodules with one spec per
     layer) whose local core attentions (DotProductAttention, in dense, MoE and MLA layers alike)
     are packed_core_attention(config); every other submodule is kept."""
-    return _swap(spec, packed_core_attention(config))
+    core = packed_core_attention(config)
 
+    def rule(field: str, value: Any) -> Any:
+        return core if field == "core_attention" and value is DotProductAttention else value
 
-def _swap(node: Any, core: type) -> Any:
-    if isinstance(node, list):
-        return [_swap(n, core) for n in node]
-    if not dataclasses.is_dataclass(node) or isinstance(node, type):
-        return node
-    changes = {}
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if f.name == "core_attention" and value is DotProductAttention:
-            changes[f.name] = core
-        elif (swapped := _swap(value, core)) is not value:
-            changes[f.name] = swapped
-    return dataclasses.replace(node, **changes) if changes else node
+    return swap_in_spec(spec, rule)

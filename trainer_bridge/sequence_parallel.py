@@ -13,12 +13,12 @@ results, and their existing layouts stay as they were).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from spec_engine.models.hf_config import ModelConfig
+from trainer_bridge.spec_rewrite import swap_in_spec
 
 
 def uses_sequence_parallel(arch: ModelConfig, tp: int) -> bool:
@@ -58,7 +58,7 @@ def sequence_parallel_spec(spec: Any) -> Any:
     SequenceParallelRMSNorm."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    return _swap(
+    return swap_in_spec(
         spec, lambda _, value: SequenceParallelRMSNorm if value is WrappedTorchNorm else value
     )
 
@@ -80,26 +80,7 @@ def replicated_kv_down_proj(spec: Any) -> Any:
     def rule(field: str, value: Any) -> Any:
         return Linear if field == "linear_kv_down_proj" and value is ColumnParallelLinear else value
 
-    return _swap(spec, rule)
-
-
-def _swap(node: Any, rule: Any, field: str = "") -> Any:
-    """`node` with `rule(field name, value)` applied to every field of the nested dataclasses
-    and lists (ModuleSpec, TransformerBlockSubmodules, ...), copied only where something
-    changed."""
-    if (replaced := rule(field, node)) is not node:
-        return replaced
-    if isinstance(node, list):
-        swapped = [_swap(n, rule, field) for n in node]
-        return swapped if any(a is not b for a, b in zip(swapped, node)) else node
-    if not dataclasses.is_dataclass(node) or isinstance(node, type):
-        return node
-    changes = {}
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        if (swapped := _swap(value, rule, f.name)) is not value:
-            changes[f.name] = swapped
-    return dataclasses.replace(node, **changes) if changes else node
+    return swap_in_spec(spec, rule)
 
 
 def allreduce_norm_grads(ddp_model: Any) -> None:
