@@ -20,6 +20,9 @@ ngram-adaptive, eagle3-adaptive and mtp-adaptive (and, on request, standalone-se
 one, by the measured cost model; the table gives the share of decode steps that speculated, the
 JSON the steps run at each depth), and each is compared with the better of its fixed
 speculation and plain decoding of the same target (mtp-plain: the MiMo target without MTP).
+baseline-twin (on request) is a second plain engine of the baseline's target: the same work, so
+its ratio to baseline round by round (`noise` in the JSON) is the bench's noise between two
+identical engines, the margin below which the adaptive rows' ratios say nothing.
 --forced-acceptance makes every draft token accepted (sampling at temperature 1 with
 --speculative-accept-threshold-single 1e-9: lossy, a speed measurement only), which is what a
 perfect draft would give: the engine's speculative speedup at full acceptance, against plain
@@ -45,7 +48,9 @@ from scripts.bench_isolate import EngineProcess
 from scripts.bench_measure import measure, open_engine, warm_up
 from scripts.bench_rollout_report import (
     adaptive_vs_best,
+    noise_floor,
     print_adaptive,
+    print_noise,
     print_table,
     roofline,
     speedup_svg,
@@ -64,8 +69,9 @@ ALGORITHMS = (
     "eagle3-adaptive",
     "mtp-adaptive",
 )
-# Not run by default: the self-draft (all drafts accepted) adaptive, where depth matters most.
-CHOICES = ALGORITHMS + ("standalone-self-adaptive",)
+# Not run by default: the self-draft (all drafts accepted) adaptive, where depth matters most, and
+# a second plain engine of the baseline's target (the control that measures the bench's noise).
+CHOICES = ALGORITHMS + ("standalone-self-adaptive", "baseline-twin")
 # Model shapes to benchmark at (random weights): Llama-3.1-8B's config.
 PRESETS = {
     "llama-3.1-8b": dict(
@@ -93,6 +99,7 @@ def configs(
     )
     table = {
         "baseline": (models["llama"], {}),
+        "baseline-twin": (models["llama"], {}),
         "eagle": (
             models["llama"],
             dict(
@@ -400,6 +407,8 @@ def main() -> None:
     print_table(results, base)
     ratios = adaptive_vs_best(results)
     print_adaptive(ratios)
+    noise = noise_floor(results)
+    print_noise(noise)
     roof = roofline(results, args.hbm_gbs or device_hbm_gbs(args.device))
     if args.plot:
         with open(args.plot, "w") as f:
@@ -412,6 +421,7 @@ def main() -> None:
                     "device": device,
                     "results": results,
                     "adaptive_vs_best": ratios,
+                    "noise": noise,
                     "roofline": roof,
                 },
                 f,

@@ -96,6 +96,42 @@ def print_adaptive(ratios: list[dict[str, Any]]) -> None:
     )
 
 
+def noise_floor(results: list[dict]) -> list[dict[str, Any]]:
+    """At each batch size where baseline-twin ran: its tokens/s over baseline's, round by round
+    (`paired_median`, `paired_min`, `paired_max`) and best of rounds (`tokens_per_s`). Both run
+    the same engine on the same target, so this is the noise of the measurement itself."""
+    rows = {(r["algorithm"], r["batch"]): r for r in results}
+    out = []
+    for r in results:
+        base = rows.get(("baseline", r["batch"]))
+        if r["algorithm"] != "baseline-twin" or base is None:
+            continue
+        paired = [a / b for a, b in zip(r["round_tokens_per_s"], base["round_tokens_per_s"])]
+        out.append(
+            dict(
+                batch=r["batch"],
+                tokens_per_s=round(r["tokens_per_s"] / base["tokens_per_s"], 3),
+                paired_median=round(statistics.median(paired), 3),
+                paired_min=round(min(paired), 3),
+                paired_max=round(max(paired), 3),
+            )
+        )
+    return out
+
+
+def print_noise(noise: list[dict[str, Any]]) -> None:
+    if not noise:
+        return
+    print("\nbaseline-twin / baseline (identical engines): median over rounds [min, max]")
+    print("| batch | median | rounds | best of rounds |")
+    print("|---:|---:|---|---:|")
+    for e in noise:
+        print(
+            f"| {e['batch']} | {e['paired_median']:.2f} | [{e['paired_min']:.2f}, "
+            f"{e['paired_max']:.2f}] | {e['tokens_per_s']:.2f} |"
+        )
+
+
 def _print_cells(ratios: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> None:
     """A table of `cell` of each adaptive configuration's entry (rows) at each batch size."""
     batches = sorted({e["batch"] for e in ratios})

@@ -186,12 +186,14 @@ def test_bench_rollout_forced_acceptance_accepts_every_draft(tmp_path):
 
 def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path):
     """--isolate: each configuration's engine in a process of its own, every round; the rounds
-    still pair up for the adaptive rows' paired median."""
+    still pair up for the adaptive rows' paired median, and baseline-twin's (a second plain
+    engine) with baseline's for the noise floor."""
     out_json = tmp_path / "isolated.json"
     proc = run_bench_rollout(
         *TWO_ROUNDS,
         "--algorithms",
         "baseline",
+        "baseline-twin",
         "ngram-adaptive",
         "--isolate",
         "--json",
@@ -200,13 +202,18 @@ def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out_json.read_text())
     rounds = {r["algorithm"]: r["round_tokens_per_s"] for r in report["results"]}
-    assert set(rounds) == {"baseline", "ngram-adaptive"}
+    assert set(rounds) == {"baseline", "baseline-twin", "ngram-adaptive"}
     assert all(len(v) == 2 and min(v) > 0 for v in rounds.values())
     assert all(r["weight_bytes"] > 0 for r in report["results"])
     (ratio,) = report["adaptive_vs_best"]  # no fixed ngram row: against plain decoding alone
     assert (ratio["plain"], ratio["fixed"]) == ("baseline", None)
     paired = sorted(a / p for a, p in zip(rounds["ngram-adaptive"], rounds["baseline"]))
     assert ratio["paired_median"] == pytest.approx(sum(paired) / 2, abs=1e-3)
+    (noise,) = report["noise"]
+    twins = sorted(a / p for a, p in zip(rounds["baseline-twin"], rounds["baseline"]))
+    assert noise["paired_median"] == pytest.approx(sum(twins) / 2, abs=1e-3)
+    assert (noise["paired_min"], noise["paired_max"]) == pytest.approx(twins, abs=1e-3)
+    assert "baseline-twin / baseline (identical engines)" in proc.stdout
 
 
 def test_engine_process_runs_calls_in_its_own_process_and_reports_failures(llama_path):
