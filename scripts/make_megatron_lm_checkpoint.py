@@ -2,7 +2,8 @@
 (megatron/training/checkpointing.py `save_checkpoint`, --ckpt-format torch_dist), as slime's
 tools/convert_hf_to_torch_dist.py and its --save write them, next to the Hugging Face checkpoint
 it holds: `--arch qwen2` a dense Qwen2, `--arch deepseek_v3` a DeepSeek-V3 (MLA, a dense first
-layer then MoE, one MTP layer: --mtp-num-layers 1). Megatron-LM's training package is not on
+layer then MoE, one MTP layer: --mtp-num-layers 1), `--arch glm4_moe` a GLM-4.5 (GQA, the same
+MoE and MTP layer). Megatron-LM's training package is not on
 PyPI: pass a checkout of it at the tag of the installed megatron-core (core_v0.16.1), whose
 megatron/training joins the installed megatron.core.
 
@@ -79,12 +80,20 @@ COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-# build_checkpoint's arguments per model: a dense Qwen2, and a DeepSeek-V3 (MLA, a dense first
-# layer then MoE with grouped routing and a shared expert, one next-n MTP layer).
+# build_checkpoint's arguments per model: a dense Qwen2, a DeepSeek-V3 (MLA, a dense first layer
+# then MoE with grouped routing and a shared expert, one next-n MTP layer) and a GLM-4.5 (GQA
+# with q/k norms and partial rotary, the same MoE and MTP layer).
 BUILDS = {
     "qwen2": dict(COMMON, arch="qwen2", num_kv_heads=2, seed=61),
     "deepseek_v3": dict(
         COMMON, arch="deepseek_v3", seed=62, extra_config={"num_nextn_predict_layers": 1}
+    ),
+    "glm4_moe": dict(
+        COMMON,
+        arch="glm4_moe",
+        num_kv_heads=2,
+        seed=63,
+        extra_config={"num_nextn_predict_layers": 1},
     ),
 }
 
@@ -99,80 +108,88 @@ def build_hf(hf_dir: str, build: dict) -> None:
     build_checkpoint(hf_dir, **build)
 
 
-def rope_theta(hf_config: dict) -> float:
-    # transformers 5 keeps it under rope_parameters
-    return hf_config.get("rope_theta") or (hf_config.get("rope_parameters") or {}).get(
-        "rope_theta", 10000.0
-    )
-
-
 def model_argv(hf_config: dict) -> list[str]:
-    """The model flags of a slime run of this checkpoint (slime's scripts/models/qwen2.5-*.sh and
-    deepseek-v3.sh, sized down; allgather dispatch, no grouped GEMM: no CUDA or TE here)."""
-    c = hf_config
+    """The model flags of a slime run of this checkpoint (slime's scripts/models/qwen2.5-*.sh,
+    deepseek-v3.sh and glm4.5-*.sh, sized down; allgather dispatch, no grouped GEMM: no CUDA or TE
+    here), from the config as specrl reads it (spec_engine.models.hf_config)."""
+    from spec_engine.models.hf_config import ModelConfig
+
+    m = ModelConfig.load(hf_config)
     argv = [
         "--num-layers",
-        str(c["num_hidden_layers"]),
+        str(m.num_hidden_layers),
         "--hidden-size",
-        str(c["hidden_size"]),
+        str(m.hidden_size),
         "--ffn-hidden-size",
-        str(c["intermediate_size"]),
+        str(m.intermediate_size),
         "--num-attention-heads",
-        str(c["num_attention_heads"]),
+        str(m.num_attention_heads),
         "--max-position-embeddings",
-        str(c["max_position_embeddings"]),
+        str(m.max_position_embeddings),
         "--normalization",
         "RMSNorm",
         "--norm-epsilon",
-        str(c["rms_norm_eps"]),
+        str(m.rms_norm_eps),
         "--swiglu",
         "--disable-bias-linear",
         "--untie-embeddings-and-output-weights",
         "--position-embedding-type",
         "rope",
         "--rotary-base",
-        str(int(rope_theta(c))),
+        str(int(m.rope_theta)),
         "--vocab-size",
-        str(c["vocab_size"]),
+        str(m.vocab_size),
+        *(moe_argv(m) if m.moe else []),
     ]
-    if c["model_type"] == "qwen2":
+    if m.mla is None:  # GQA: Qwen2, GLM-4.5 (slime's glm4.5-355B-A32B.sh; Air: no q/k norm)
         return argv + [
             "--group-query-attention",
             "--num-query-groups",
-            str(c["num_key_value_heads"]),
+            str(m.num_key_value_heads),
             "--kv-channels",
-            str(c["hidden_size"] // c["num_attention_heads"]),
-            "--add-qkv-bias",
+            str(m.head_dim),
+            *(["--add-qkv-bias"] if m.qkv_bias else []),
+            *(
+                ["--rotary-percent", str(m.partial_rotary_factor)]
+                if m.partial_rotary_factor != 1
+                else []
+            ),
+            *(["--qk-layernorm"] if m.qk_norm else []),
         ]
-    assert c["model_type"] == "deepseek_v3" and c.get("rope_scaling") is None, c["model_type"]
-    dense = c["first_k_dense_replace"]
+    assert m.rope_scaling is None, "YaRN: add slime's --rotary-scaling-factor / --mscale flags"
     return argv + [
         "--kv-channels",
-        str(c["v_head_dim"]),
+        str(m.mla.v_head_dim),
         "--multi-latent-attention",
-        "--q-lora-rank",
-        str(c["q_lora_rank"]),
+        *(["--q-lora-rank", str(m.mla.q_lora_rank)] if m.mla.q_lora_rank else []),
         "--kv-lora-rank",
-        str(c["kv_lora_rank"]),
+        str(m.mla.kv_lora_rank),
         "--qk-head-dim",
-        str(c["qk_nope_head_dim"]),
+        str(m.mla.qk_nope_head_dim),
         "--qk-pos-emb-head-dim",
-        str(c["qk_rope_head_dim"]),
+        str(m.mla.qk_rope_head_dim),
         "--v-head-dim",
-        str(c["v_head_dim"]),
+        str(m.mla.v_head_dim),
         "--qk-layernorm",
         "--rope-type",
         "rope",
+    ]
+
+
+def moe_argv(m) -> list[str]:
+    """The MoE and MTP flags of slime's DeepSeek-V3 and GLM-4.5 scripts for ModelConfig `m`."""
+    moe, dense = m.moe, m.moe.first_k_dense_replace
+    return [
         "--num-experts",
-        str(c["n_routed_experts"]),
+        str(moe.num_experts),
         "--moe-layer-freq",
-        f"([0]*{dense}+[1]*{c['num_hidden_layers'] - dense})",
+        f"([0]*{dense}+[1]*{m.num_hidden_layers - dense})",
         "--moe-ffn-hidden-size",
-        str(c["moe_intermediate_size"]),
+        str(moe.intermediate_size),
         "--moe-router-topk",
-        str(c["num_experts_per_tok"]),
+        str(moe.top_k),
         "--moe-shared-expert-intermediate-size",
-        str(c["n_shared_experts"] * c["moe_intermediate_size"]),
+        str(moe.num_shared_experts * moe.intermediate_size),
         "--moe-router-score-function",
         "sigmoid",
         "--moe-router-enable-expert-bias",
@@ -185,15 +202,15 @@ def model_argv(hf_config: dict) -> list[str]:
         "--moe-router-bias-update-rate",
         "0",
         "--moe-router-num-groups",
-        str(c["n_group"]),
+        str(moe.n_group),
         "--moe-router-group-topk",
-        str(c["topk_group"]),
+        str(moe.topk_group),
         "--moe-router-topk-scaling-factor",
-        str(c["routed_scaling_factor"]),
+        str(moe.routed_scaling_factor),
         "--moe-router-dtype",
         "fp32",
         "--mtp-num-layers",
-        str(c["num_nextn_predict_layers"]),
+        str(m.num_mtp_layers),
     ]
 
 

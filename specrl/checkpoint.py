@@ -294,6 +294,18 @@ def _find_resume(args: argparse.Namespace, hf_config: dict[str, Any]) -> Resume 
             f"{os.path.join(args.load, LATEST_FILE)} names rollout {latest}, but {directory} is "
             "missing; restore it, or write the id of a checkpoint that exists into that file"
         )
+    megatron_lm = os.path.isfile(os.path.join(directory, MEGATRON_FILES[0])) and (
+        read_common(directory, megatron_lm=True) is None
+    )
+    if megatron_lm:  # slime's --save (or a conversion): no rollout state, megatron's optimizer
+        raise ValueError(
+            f"--load {args.load} holds a Megatron-LM checkpoint ({directory}: slime's --save), "
+            "not a specrl one: specrl resumes its own checkpoints (the rollout position, Adam's "
+            "state per parameter), and does not read megatron's distributed-optimizer state. "
+            f"Start from its weights with --ref-load {args.load} (the policy and the KL "
+            "reference start there, the optimizer and the prompt order afresh) and --load/--save "
+            "a new directory"
+        )
     check_complete(directory)
     common = read_common(directory)
     check_common(common, hf_config, directory)

@@ -111,7 +111,22 @@ def test_layer_norms_are_saved_under_transformer_engines_names(variant, make_mod
     assert ours("mtp.layers.0.transformer_layer.") == theirs(mtp_layer.submodules.transformer_layer)
 
 
-def test_a_checkpoint_under_the_local_names_resumes(make_model, tmp_path, monkeypatch):
+# Norms a checkpoint of the local spec names otherwise than TE's, model and Adam's state: MLA's q
+# norm and a dense MLA layer's pre-MLP norm; a GQA MoE layer's pre-MLP norm.
+LOCAL_KEYS = {
+    "deepseek_v3": (
+        "decoder.layers.1.self_attention.q_layernorm.weight",
+        "optimizer.state.exp_avg.decoder.layers.0.pre_mlp_layernorm.weight",
+    ),
+    "glm4_moe": (
+        "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+        "optimizer.state.exp_avg.decoder.layers.2.mlp.linear_fc1.layer_norm_weight",
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(LOCAL_KEYS))
+def test_a_checkpoint_under_the_local_names_resumes(variant, make_model, tmp_path, monkeypatch):
     """A checkpoint whose norms go by the local spec's names (specrl's MoE and MLA checkpoints
     before TE's names, Megatron-LM's with --transformer-impl local) resumes: the next step, which
     reads the model and Adam's moments, equals the saving run's."""
@@ -124,7 +139,7 @@ def test_a_checkpoint_under_the_local_names_resumes(make_model, tmp_path, monkey
     from trainer_bridge.megatron_compat import destroy_model_parallel
     from trainer_bridge.options import TrainerArgs
 
-    path = make_model(**VARIANTS["deepseek_v3"], vocab_size=300)
+    path = make_model(**VARIANTS[variant], vocab_size=300)
     tokens = [list(range(5, 17)), list(range(20, 32))]
     batch = TrainBatch(tokens, [6, 6], [1.0, 0.0], n_samples_per_prompt=2)
 
@@ -146,8 +161,7 @@ def test_a_checkpoint_under_the_local_names_resumes(make_model, tmp_path, monkey
         finally:
             destroy_model_parallel()
     saved = FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
-    assert "decoder.layers.1.self_attention.q_layernorm.weight" in saved
-    assert "optimizer.state.exp_avg.decoder.layers.0.pre_mlp_layernorm.weight" in saved
+    assert all(key in saved for key in LOCAL_KEYS[variant])
     resumed = actor()
     try:
         assert resumed.load_checkpoint(str(tmp_path)) == 1

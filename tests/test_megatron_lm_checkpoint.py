@@ -1,7 +1,8 @@
 """Checkpoints written by Megatron-LM's own code read as --ref-load: tests/data/megatron_lm_<arch>
 (scripts/make_megatron_lm_checkpoint.py: Megatron-LM core_v0.16.1's save_checkpoint, torch_dist,
-the flow of slime's tools/convert_hf_to_torch_dist.py, on CPU) hold a tiny Qwen2 and a tiny
-DeepSeek-V3 (MLA, a dense layer then MoE, one MTP layer) in Megatron-LM's --save layout, its args
+the flow of slime's tools/convert_hf_to_torch_dist.py, on CPU) hold a tiny Qwen2, a tiny
+DeepSeek-V3 (MLA, a dense layer then MoE, one MTP layer) and a tiny GLM-4.5 (GQA with q/k norms,
+partial rotary, the same MoE and MTP) in Megatron-LM's --save layout, its args
 in common.pt, next to the Hugging Face checkpoint of the same weights. Megatron-LM built them
 with its local layer spec, whose MLA and MoE layers name their norms otherwise than the TE-named
 ones this trainer saves (trainer_bridge.checkpoint_names). A policy started from another
@@ -22,7 +23,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:::megatron"),
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU megatron tests"),
 ]
-ARCHS = ("qwen2", "deepseek_v3")
+ARCHS = ("qwen2", "deepseek_v3", "glm4_moe")
 TOKENS = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20]]
 
 
@@ -100,8 +101,9 @@ def test_the_checkpoint_is_megatron_lms_and_fits_the_model(arch):
         ({"hidden_size": 128}, "hidden size 64 vs 128"),
         ({"num_hidden_layers": 3}, "layers 2 vs 3"),
     ]
-    if arch == "deepseek_v3":  # a MoE model's layers each under their own number
-        assert common["args"].mtp_num_layers == 1 and common["args"].multi_latent_attention
+    if arch != "qwen2":  # a dense layer then MoE: each layer under its own number
+        assert common["args"].mtp_num_layers == 1
+        assert common["args"].multi_latent_attention == (arch == "deepseek_v3")
         others += [
             ({"n_routed_experts": 16}, "routed experts 8 vs 16"),
             ({"intermediate_size": 32}, "intermediate size 64 vs 32"),
@@ -117,7 +119,7 @@ def test_ref_load_of_megatron_lms_save_holds_its_weights(saved, tmp_path):
     want_state, want, _ = _policy(str(data / "hf"))
     _, other_logps, _ = _policy(other)
     assert other_logps != want
-    if arch == "deepseek_v3":
+    if arch != "qwen2":
         assert any(k.startswith("mtp.") for k in want_state)
     release = tmp_path / "release_root"
     shutil.copytree(iteration, release / "release")
@@ -144,3 +146,19 @@ def test_its_log_probs_are_transformers(saved):
             rows, targets = torch.arange(3, 7, device="cpu"), torch.tensor(tokens[4:], device="cpu")
             want = torch.log_softmax(logits, -1)[rows, targets]
             assert (torch.tensor(got, device="cpu") - want).abs().max().item() < 1e-4
+
+
+def test_load_of_megatron_lms_save_is_refused_naming_ref_load(tmp_path):
+    """--load resumes specrl's own checkpoints; slime's --save (Megatron-LM's) is refused before
+    anything starts, naming --ref-load, which starts from its weights."""
+    from specrl import checkpoint as run_checkpoint
+    from specrl.train_options import parse_args
+
+    data, save, _ = _data("deepseek_v3")
+    model = str(data / "hf")
+    args = parse_args(
+        ["--hf-checkpoint", model, "--prompt-data", "x.jsonl", "--rollout-batch-size", "2"]
+        + ["--num-rollout", "1", "--output-dir", str(tmp_path), "--load", str(save)]
+    )
+    with pytest.raises(SystemExit, match=f"holds a Megatron-LM checkpoint.*--ref-load {save}"):
+        run_checkpoint.resolve(args, json.loads(Path(model, "config.json").read_text()))

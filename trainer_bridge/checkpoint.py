@@ -188,7 +188,7 @@ def _state_dict(
     loading = saved is not None
     model = actor.gpt.sharded_state_dict()
     if loading:
-        match_saved_names(model, saved)
+        _read_local_names(model, saved)
     rng = [None] * actor.dp_size if loading else _gather_dp(_rng_state(), actor)
     state = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -293,7 +293,7 @@ def load_reference(gpt: Any, directory: str) -> None:
 
     sharded = gpt.sharded_state_dict()
     saved = _saved_keys(directory)
-    match_saved_names(sharded, saved)
+    _read_local_names(sharded, saved)
     kept = [name for name in sharded if name.startswith("mtp.")]
     if kept and any(key.startswith("mtp.") for key in saved):
         kept = []
@@ -309,6 +309,17 @@ def load_reference(gpt: Any, directory: str) -> None:
     missing = gpt.load_state_dict(state["model"], strict=not kept).missing_keys
     if any(not name.startswith("mtp.") for name in missing):
         raise ValueError(f"{directory} lacks {missing}; point --ref-load at the policy's model")
+
+
+def _read_local_names(sharded: dict[str, Any], saved: set[str]) -> None:
+    renamed = match_saved_names(sharded, saved)
+    if renamed:
+        logger.info(
+            "the checkpoint names %d norm weights as megatron's local layer spec does (%s, ...): "
+            "read under those names",
+            len(renamed),
+            renamed[0],
+        )
 
 
 def _saved_keys(directory: str) -> set[str]:
@@ -339,8 +350,9 @@ def check_megatron_model(directory: str, hf_config: dict[str, Any]) -> None:
     """Refuse a Megatron-LM checkpoint of another model than --hf-checkpoint's: its hidden size,
     layers, dense MLP width, routed experts and (padded) vocabulary, read from its tensors' global
     shapes. Megatron stacks the layers of a model whose layers are alike under `decoder.layers.*`
-    (the layer first in every shape) and keeps each layer of a MoE model under its own number,
-    `decoder.layers.<i>.*`."""
+    (the layer first in every shape) and keeps each layer under its own number,
+    `decoder.layers.<i>.*`, where dense and MoE layers mix (DeepSeek-V3's and GLM-4.5's first
+    dense layers)."""
     import re
 
     from torch.distributed.checkpoint import FileSystemReader

@@ -8,10 +8,10 @@ A MoE layer keeps its `pre_mlp_layernorm` under TE (the router reads the normed 
 local spec renames anyway; a multi-latent attention layer fuses its q and kv norms into the up
 projections and a dense one its pre-MLP norm into linear_fc1, which the local spec leaves
 unrenamed. So a DeepSeek-V3 or GLM-4.5 checkpoint of slime's (`convert_hf_to_torch_dist.py`,
---save) would miss keys here, and one saved here would miss keys there. `te_checkpoint_names`
-gives every layer spec TE's names (saved that way, read that way); `match_saved_names` reads a
-checkpoint holding the local spec's names instead (one of Megatron-LM's --transformer-impl local
-runs, or this trainer's from before), tensor by tensor.
+--save) would miss keys here. `te_checkpoint_names` gives every layer spec TE's names (saved that
+way, read that way); `match_saved_names` reads a checkpoint holding the local spec's names
+instead (one of Megatron-LM's --transformer-impl local runs, or this trainer's from before),
+tensor by tensor.
 """
 
 from __future__ import annotations
