@@ -34,6 +34,7 @@ import sys
 
 import torch
 
+from spec_engine.models.hf_config import ModelConfig
 from trainer_bridge.megatron_compat import apply_cpu_shims, filter_known_warnings
 
 
@@ -112,8 +113,6 @@ def model_argv(hf_config: dict) -> list[str]:
     """The model flags of a slime run of this checkpoint (slime's scripts/models/qwen2.5-*.sh,
     deepseek-v3.sh and glm4.5-*.sh, sized down; allgather dispatch, no grouped GEMM: no CUDA or TE
     here), from the config as specrl reads it (spec_engine.models.hf_config)."""
-    from spec_engine.models.hf_config import ModelConfig
-
     m = ModelConfig.load(hf_config)
     argv = [
         "--num-layers",
@@ -176,7 +175,7 @@ def model_argv(hf_config: dict) -> list[str]:
     ]
 
 
-def moe_argv(m) -> list[str]:
+def moe_argv(m: ModelConfig) -> list[str]:
     """The MoE and MTP flags of slime's DeepSeek-V3 and GLM-4.5 scripts for ModelConfig `m`."""
     moe, dense = m.moe, m.moe.first_k_dense_replace
     return [

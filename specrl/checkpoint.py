@@ -294,10 +294,14 @@ def _find_resume(args: argparse.Namespace, hf_config: dict[str, Any]) -> Resume 
             f"{os.path.join(args.load, LATEST_FILE)} names rollout {latest}, but {directory} is "
             "missing; restore it, or write the id of a checkpoint that exists into that file"
         )
-    megatron_lm = os.path.isfile(os.path.join(directory, MEGATRON_FILES[0])) and (
-        read_common(directory, megatron_lm=True) is None
+    # slime's --save (or a conversion) has no rollout state: tell it apart from a specrl
+    # checkpoint cut short before check_complete calls it incomplete
+    megatron_lm = (
+        not os.path.isfile(os.path.join(directory, ROLLOUT_STATE))
+        and os.path.isfile(os.path.join(directory, MEGATRON_FILES[0]))
+        and read_common(directory, megatron_lm=True) is None
     )
-    if megatron_lm:  # slime's --save (or a conversion): no rollout state, megatron's optimizer
+    if megatron_lm:
         raise ValueError(
             f"--load {args.load} holds a Megatron-LM checkpoint ({directory}: slime's --save), "
             "not a specrl one: specrl resumes its own checkpoints (the rollout position, Adam's "

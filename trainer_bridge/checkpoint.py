@@ -28,6 +28,7 @@ import logging
 import os
 import pickle
 import random
+import re
 import threading
 from collections.abc import Collection, Iterator
 from typing import Any, Protocol
@@ -353,8 +354,6 @@ def check_megatron_model(directory: str, hf_config: dict[str, Any]) -> None:
     (the layer first in every shape) and keeps each layer under its own number,
     `decoder.layers.<i>.*`, where dense and MoE layers mix (DeepSeek-V3's and GLM-4.5's first
     dense layers)."""
-    import re
-
     from torch.distributed.checkpoint import FileSystemReader
 
     shapes = {
