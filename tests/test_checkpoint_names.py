@@ -111,6 +111,25 @@ def test_layer_norms_are_saved_under_transformer_engines_names(variant, make_mod
     assert ours("mtp.layers.0.transformer_layer.") == theirs(mtp_layer.submodules.transformer_layer)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_dense_models_norms_keep_transformer_engines_names(family, make_model, te_specs):
+    """Dense GQA layers (Qwen3: q/k norms), stacked under `decoder.layers.`: megatron's local
+    spec already maps their norms onto TE's names, and the trainer's map keeps that."""
+    from spec_engine.models.hf_config import ModelConfig
+    from trainer_bridge.megatron_compat import model_parallel
+    from trainer_bridge.model_provider import build_gpt_model, transformer_config
+
+    specs, provider = te_specs
+    path = make_model(**FAMILIES[family], vocab_size=300)
+    config = transformer_config(ModelConfig.load(path))
+    layer = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    with model_parallel(1, 1):
+        keys = [t.key for t in build_gpt_model(path).sharded_state_dict().values()]
+    ours = {k.removeprefix("decoder.layers.") for k in keys if NORM.fullmatch(k)}
+    assert ours - {"decoder.final_layernorm.weight"} == te_norm_names(layer, provider)
+    assert ("self_attention.q_layernorm.weight" in ours) == (family == "qwen3")
+
+
 # Norms a checkpoint of the local spec names otherwise than TE's, model and Adam's state: MLA's q
 # norm and a dense MLA layer's pre-MLP norm; a GQA MoE layer's pre-MLP norm.
 LOCAL_KEYS = {
