@@ -130,6 +130,102 @@ def test_a_dense_models_norms_keep_transformer_engines_names(family, make_model,
     assert ("self_attention.q_layernorm.weight" in ours) == (family == "qwen3")
 
 
+# Transformer Engine's modules that save an `_extra_state` (fp8 metadata; TEDotProductAttention's
+# own sharded_state_dict leaves its out, but megatron's MTP block also walks its layers' plain
+# state_dict, which keeps it there: MultiTokenPredictionBlock.sharded_state_dict)
+TE_STATEFUL = (
+    "TENorm",
+    "TELinear",
+    "TEColumnParallelLinear",
+    "TERowParallelLinear",
+    "TELayerNormColumnParallelLinear",
+)
+
+
+def te_extra_states_of(node, path: str = "", attention: bool = False) -> set[str]:
+    """The `_extra_state` objects a TE-built model of this spec asks a checkpoint for, by their
+    state-dict names (`attention`: TEDotProductAttention's too), routed experts left out (their
+    SequentialMLP/TEGroupedMLP keys are megatron's own, interchangeable)."""
+    from megatron.core.extensions import transformer_engine as te
+
+    kinds = {getattr(te, name) for name in TE_STATEFUL}
+    if attention:
+        kinds.add(te.TEDotProductAttention)
+    names: set[str] = set()
+    if not dataclasses.is_dataclass(node) or isinstance(node, type):
+        return names
+    for field in dataclasses.fields(node):
+        if field.name in ("module", "params", "sharded_state_dict_keys_map", "experts"):
+            continue
+        value = getattr(node, field.name)
+        name = path if field.name == "submodules" else f"{path}{field.name}."
+        if any(getattr(value, "module", value) is kind for kind in kinds):
+            names.add(f"{name}_extra_state")
+        else:
+            names |= te_extra_states_of(value, name, attention)
+    return names
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + ["qwen2", "qwen3"])
+def test_modules_save_the_extra_state_transformer_engines_do(variant, make_model, te_specs):
+    """Every `_extra_state` a model built with megatron's TE spec asks a checkpoint for is there
+    (Megatron-LM with TE, slime, then loads these checkpoints at its default
+    --dist-ckpt-strictness): the norms TE builds as TENorm, MLA's key/value down projection
+    (TELinear), the MTP layer's attention."""
+    from megatron.core.extensions.transformer_engine import TENorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from spec_engine.models.hf_config import ModelConfig
+    from trainer_bridge.megatron_compat import model_parallel
+    from trainer_bridge.model_provider import build_gpt_model, transformer_config
+
+    specs, _ = te_specs
+    path = make_model(**VARIANTS.get(variant, FAMILIES.get(variant)), vocab_size=300)
+    config = transformer_config(ModelConfig.load(path))
+    with model_parallel(1, 1):
+        if config.num_moe_experts:
+            block = specs.get_gpt_decoder_block_spec(
+                config, use_transformer_engine=True, normalization="RMSNorm"
+            )
+        else:  # what TransformerBlock makes of a layer spec, its final norm TENorm under TE
+            layer = specs.get_gpt_layer_with_transformer_engine_spec(
+                qk_layernorm=config.qk_layernorm
+            )
+            block = TransformerBlockSubmodules([layer] * config.num_layers, TENorm)
+        mtp = config.mtp_num_layers and specs.get_gpt_mtp_block_spec(
+            config, block, use_transformer_engine=True
+        )
+        keys = [t.key for t in build_gpt_model(path).sharded_state_dict().values()]
+    ours = {k for k in keys if k.endswith("._extra_state") and ".experts." not in k}
+    # MLASelfAttention builds linear_q_proj or, with a query bottleneck, the down and up projections
+    q_lora = getattr(config, "q_lora_rank", None)  # an MLATransformerConfig's
+    unbuilt = ("linear_q_proj.",) if q_lora else ("linear_q_down_proj.", "linear_q_up_proj.")
+
+    def theirs(spec, prefix: str, attention: bool = False) -> set[str]:
+        names = te_extra_states_of(spec, attention=attention)
+        if config.multi_latent_attention:
+            names = {
+                n for n in names if not n.startswith(tuple(f"self_attention.{u}" for u in unbuilt))
+            }
+        return {prefix + name for name in names}
+
+    want = {"decoder.final_layernorm._extra_state"}
+    for i, layer in enumerate(block.layer_specs):  # MoE models' layers numbered, dense stacked
+        want |= theirs(
+            layer, f"decoder.layers.{i}." if config.num_moe_experts else "decoder.layers."
+        )
+    if mtp:
+        (mtp_layer,) = mtp.layer_specs
+        layer = mtp_layer.submodules.transformer_layer
+        own = dataclasses.replace(mtp_layer.submodules, transformer_layer=None)
+        # the MTP layer's `layer_norm` spec builds its `final_layernorm`
+        want |= {
+            n.replace(".layer_norm.", ".final_layernorm.") for n in theirs(own, "mtp.layers.0.")
+        }
+        want |= theirs(layer, "mtp.layers.0.transformer_layer.", attention=True)
+    assert ours == want
+
+
 # Norms a checkpoint of the local spec names otherwise than TE's, model and Adam's state: MLA's q
 # norm and a dense MLA layer's pre-MLP norm; a GQA MoE layer's pre-MLP norm.
 LOCAL_KEYS = {
@@ -146,9 +242,10 @@ LOCAL_KEYS = {
 
 @pytest.mark.parametrize("variant", sorted(LOCAL_KEYS))
 def test_a_checkpoint_under_the_local_names_resumes(variant, make_model, tmp_path, monkeypatch):
-    """A checkpoint whose norms go by the local spec's names (specrl's MoE and MLA checkpoints
-    before TE's names, Megatron-LM's with --transformer-impl local) resumes: the next step, which
-    reads the model and Adam's moments, equals the saving run's."""
+    """A checkpoint whose norms go by the local spec's names and that holds no `_extra_state` of
+    norms and attention (specrl's MoE and MLA checkpoints before TE's names, Megatron-LM's with
+    --transformer-impl local) resumes: the next step, which reads the model and Adam's moments,
+    equals the saving run's."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from trainer_bridge import model_provider
@@ -172,6 +269,7 @@ def test_a_checkpoint_under_the_local_names_resumes(variant, make_model, tmp_pat
 
     with monkeypatch.context() as patch:
         patch.setattr(model_provider, "te_checkpoint_names", lambda spec: spec)
+        patch.setattr(model_provider, "te_extra_states", lambda model: [])
         saving = actor()
         try:
             saving.train(batch)

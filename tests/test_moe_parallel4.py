@@ -17,9 +17,7 @@ run took.
 
 Broken on purpose, each fails here: TP rank r holding expert slice r // 2 instead of r % 2 (the
 export, the converter's round trip), the expert gradients left to the data-parallel group instead
-of the expert-data-parallel one (grad norm 6.1576 against 6.1592, the resumed step), MLA's
-key/value down projection column-parallel at TP 1 as it was (the TP 4 checkpoint does not load:
-megatron's missing `linear_kv_down_proj._extra_state`)."""
+of the expert-data-parallel one (grad norm 6.1576 against 6.1592, the resumed step)."""
 
 from __future__ import annotations
 

@@ -313,13 +313,20 @@ def load_reference(gpt: Any, directory: str) -> None:
 
 
 def _read_local_names(sharded: dict[str, Any], saved: set[str]) -> None:
-    renamed = match_saved_names(sharded, saved)
+    renamed, dropped = match_saved_names(sharded, saved)
     if renamed:
         logger.info(
             "the checkpoint names %d norm weights as megatron's local layer spec does (%s, ...): "
             "read under those names",
             len(renamed),
             renamed[0],
+        )
+    if dropped:
+        logger.info(
+            "the checkpoint holds no `_extra_state` of %d modules that Transformer Engine's "
+            "have (%s, ...; written without TE): they load without it",
+            len(dropped),
+            dropped[0],
         )
 
 

@@ -12,6 +12,13 @@ unrenamed. So a DeepSeek-V3 or GLM-4.5 checkpoint of slime's (`convert_hf_to_tor
 way, read that way); `match_saved_names` reads a checkpoint holding the local spec's names
 instead (one of Megatron-LM's --transformer-impl local runs, or this trainer's from before),
 tensor by tensor.
+
+Transformer Engine's modules also save an `_extra_state` (their fp8 metadata, empty without fp8),
+which a TE-built model asks a checkpoint for: megatron-core's local linears save one (None) for
+that reason, its local norms and attention do not. `te_extra_states` gives the modules TE would
+build as TENorm, TELinear or TEDotProductAttention one too, so Megatron-LM with TE (slime) reads
+these checkpoints with its default `--dist-ckpt-strictness`; `match_saved_names` reads one
+without them (this trainer's from before, Megatron-LM's with --transformer-impl local).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection
 from typing import Any
+
+import torch
 
 from trainer_bridge.spec_rewrite import swap_in_spec
 
@@ -65,14 +74,102 @@ def te_checkpoint_names(spec: Any) -> Any:
     return swap_in_spec(spec, rule)
 
 
-def match_saved_names(sharded: dict[str, Any], saved: Collection[str]) -> list[str]:
-    """Point each of the model's sharded tensors (TE names) that `saved` (a checkpoint's keys)
-    lacks at the local spec's name for it where the checkpoint has that one; returns the keys so
-    renamed. Done before the optimizer's entries are derived from the model's, they follow."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+class _TEExtraState:
+    """The `_extra_state` of the Transformer Engine module built in this one's place: None (no
+    fp8 metadata, which every TE version reads back); what a TE checkpoint holds there is ignored,
+    as megatron's local linears ignore theirs (this trainer runs no fp8)."""
 
-    renamed = []
+    def get_extra_state(self) -> None:
+        return None
+
+    def set_extra_state(self, state: Any) -> None:
+        """Ignored: fp8 metadata, of no use without fp8."""
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        # a checkpoint without it (this trainer's before, Megatron-LM's local ones) still loads
+        state_dict.setdefault(f"{prefix}_extra_state")
+        super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
+
+
+_WITH_EXTRA_STATE: dict[type, type] = {}
+
+# Where a TE-built layer has a module with an `_extra_state` that the local one's lacks (its other
+# linears are megatron's local ones, which save theirs): attention kind -> submodule paths.
+_TE_STATEFUL = {
+    "mla": (
+        "self_attention.core_attention",
+        "self_attention.linear_kv_down_proj",
+        "input_layernorm",
+    ),
+    "gqa": (
+        "self_attention.core_attention",
+        "self_attention.q_layernorm",
+        "self_attention.k_layernorm",
+    ),
+}
+
+
+def te_extra_states(model: torch.nn.Module) -> list[str]:
+    """Give every module of `model` that Transformer Engine's spec builds as a TE module with an
+    `_extra_state` (TENorm: MLA's input norm, a MoE layer's pre-MLP norm, q/k norms, the final
+    norms, the MTP layers' enorm and hnorm; TELinear: MLA's key/value down projection;
+    TEDotProductAttention) one of its own where it has none; returns their names."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    given = []
+    for name, module in model.named_modules():
+        if isinstance(module, TransformerLayer):
+            paths = _TE_STATEFUL[
+                "mla" if isinstance(module.self_attention, MLASelfAttention) else "gqa"
+            ]
+            if isinstance(module.mlp, MoELayer):
+                paths += ("pre_mlp_layernorm",)
+        elif isinstance(module, MultiTokenPredictionLayer):
+            paths = ("enorm", "hnorm", "final_layernorm")
+        elif isinstance(module, TransformerBlock):
+            paths = ("final_layernorm",)
+        else:
+            continue
+        for path in paths:
+            sub = module
+            for part in path.split("."):
+                sub = getattr(sub, part, None)
+            if sub is None or isinstance(sub, IdentityOp):
+                continue
+            cls = type(sub)
+            if cls.get_extra_state is torch.nn.Module.get_extra_state:
+                if cls not in _WITH_EXTRA_STATE:
+                    _WITH_EXTRA_STATE[cls] = type(cls.__name__, (_TEExtraState, cls), {})
+                sub.__class__ = _WITH_EXTRA_STATE[cls]
+                given.append(f"{name}.{path}" if name else path)
+    return given
+
+
+def match_saved_names(
+    sharded: dict[str, Any], saved: Collection[str]
+) -> tuple[list[str], list[str]]:
+    """Point each of the model's sharded tensors (TE names) that `saved` (a checkpoint's keys)
+    lacks at the local spec's name for it where the checkpoint has that one, and drop the
+    `_extra_state` objects it lacks (te_extra_states: their modules load without them); returns
+    the keys so renamed and those dropped. Done before the optimizer's entries are derived from the
+    model's, they follow."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    renamed, dropped = [], []
+    for name, obj in list(sharded.items()):
+        if (
+            isinstance(obj, ShardedObject)
+            and obj.key.endswith("._extra_state")
+            and obj.unique_key not in saved
+        ):
+            dropped.append(obj.key)
+            del sharded[name]
     for tensor in nested_values(sharded):
         if not isinstance(tensor, ShardedTensor) or tensor.key in saved:
             continue
@@ -82,4 +179,4 @@ def match_saved_names(sharded: dict[str, Any], saved: Collection[str]) -> list[s
                 renamed.append(tensor.key)
                 tensor.key = alias
                 break
-    return renamed
+    return renamed, dropped

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from spec_engine.models.hf_config import ConfigSource, ModelConfig
-from trainer_bridge.checkpoint_names import te_checkpoint_names
+from trainer_bridge.checkpoint_names import te_checkpoint_names, te_extra_states
 from trainer_bridge.expert_parallel import (
     check_expert_parallel,
     reduce_experts_over_expert_data_parallel,
@@ -236,6 +236,7 @@ def build_gpt_model(
     if arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "llama3":
         _apply_llama3_scaling(model, arch.rope_scaling)
     reduce_experts_over_expert_data_parallel(model)
+    te_extra_states(model)  # checkpoints that Megatron-LM with Transformer Engine reads as they are
     # Megatron puts its parallel layers on the current CUDA device but builds norms and other
     # plain modules on the default device: move the whole model, as Megatron-LM's get_model does.
     return model.to(device or trainer_device())

@@ -71,9 +71,8 @@ def replicated_kv_down_proj(spec: Any) -> Any:
     megatron's gather does not sum (a wrong gradient); replicated, the rope key is gathered from
     the sequence-parallel region, whose backward sums it over the TP ranks, and the weight (marked
     `sequence_parallel`) is all-reduced as norms are. At TP 1 it computes the same as the
-    column-parallel one, and one module at every TP size keeps one checkpoint layout: the
-    column-parallel one saves an `_extra_state` the replicated one has not, so a checkpoint
-    saved at TP > 1 would not load at TP 1."""
+    column-parallel one, and one module at every TP size keeps one layout (it gets TE's
+    `_extra_state`: checkpoint_names.te_extra_states)."""
     from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
