@@ -213,9 +213,9 @@ def moe_argv(m: ModelConfig) -> list[str]:
     ]
 
 
-def megatron_lm_args(save_dir: str, hf_config: dict):
+def megatron_lm_args(save_dir: str, hf_config: dict, extra_argv: tuple[str, ...] = ()):
     """Megatron-LM's own parse_args + validate_args over the argv a slime run of this model
-    would pass (model_argv; float32, torch_dist)."""
+    would pass (model_argv; float32, torch_dist), then `extra_argv`."""
     from megatron.training.arguments import parse_args, validate_args
 
     argv = ["make.py", *model_argv(hf_config)] + [
@@ -253,6 +253,7 @@ def megatron_lm_args(save_dir: str, hf_config: dict):
         "torch_dist",
         "--tokenizer-type",
         "NullTokenizer",
+        *extra_argv,
     ]
     saved_argv = sys.argv
     sys.argv = argv

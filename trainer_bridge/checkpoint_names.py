@@ -85,10 +85,20 @@ class _TEExtraState:
     def set_extra_state(self, state: Any) -> None:
         """Ignored: fp8 metadata, of no use without fp8."""
 
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any):
         # a checkpoint without it (this trainer's before, Megatron-LM's local ones) still loads
         state_dict.setdefault(f"{prefix}_extra_state")
-        super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # type: ignore[misc]
+
+
+def _with_extra_state(cls: type) -> type:
+    """`cls` with _TEExtraState, made once per class and kept as this module's attribute (where
+    pickle looks a class up by its qualified name); its __name__ stays `cls`'s."""
+    if cls not in _WITH_EXTRA_STATE:
+        qualname = f"{cls.__module__}.{cls.__qualname__}".replace(".", "_") + "_with_extra_state"
+        made = type(cls.__name__, (_TEExtraState, cls), {"__qualname__": qualname})
+        globals()[qualname] = _WITH_EXTRA_STATE[cls] = made
+    return _WITH_EXTRA_STATE[cls]
 
 
 _WITH_EXTRA_STATE: dict[type, type] = {}
@@ -143,9 +153,7 @@ def te_extra_states(model: torch.nn.Module) -> list[str]:
                 continue
             cls = type(sub)
             if cls.get_extra_state is torch.nn.Module.get_extra_state:
-                if cls not in _WITH_EXTRA_STATE:
-                    _WITH_EXTRA_STATE[cls] = type(cls.__name__, (_TEExtraState, cls), {})
-                sub.__class__ = _WITH_EXTRA_STATE[cls]
+                sub.__class__ = _with_extra_state(cls)
                 given.append(f"{name}.{path}" if name else path)
     return given
 

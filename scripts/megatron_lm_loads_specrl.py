@@ -1,0 +1,144 @@
+"""Megatron-LM's own `load_checkpoint` (megatron/training/checkpointing.py, core_v0.16.1) reading a
+checkpoint specrl's trainer saved, as slime's `--load` would: does slime resume from specrl?
+
+A tiny dense Qwen2 (scripts/make_megatron_lm_checkpoint.py's build) takes one training step in
+specrl's TrainActor, which saves its checkpoint under OUT/specrl/iter_0000001 with
+latest_checkpointed_iteration.txt, the layout specrl's --save writes. Megatron-LM then parses the
+flags a slime run of this model passes plus `--load OUT/specrl` and each FLAGS set given, builds
+its own model (model_provider(gpt_builder), --transformer-impl local: no Transformer Engine here)
+and calls load_checkpoint([model], None, None) (the model only: no optimizer is built, so
+whether Megatron-LM's distributed optimizer reads specrl's Adam state is not asked); every weight
+must equal the saving actor's, bit for bit. Dense only: without TE, Megatron-LM's local spec
+names MLA and MoE norms otherwise than TE's, which specrl writes as slime's runs (with TE) do
+(trainer_bridge.checkpoint_names).
+
+    python -m scripts.megatron_lm_loads_specrl --megatron-lm /tmp/Megatron-LM --out /tmp/lm-load \
+        --flags "" --flags "--no-load-rng" --flags "--no-load-optim --no-load-rng"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import traceback
+
+import torch
+
+from scripts.make_megatron_lm_checkpoint import (
+    BUILDS,
+    _stub_triton,
+    build_hf,
+    megatron_lm_args,
+    megatron_lm_model,
+)
+from trainer_bridge.megatron_compat import apply_cpu_shims, filter_known_warnings
+
+
+def save_specrl(hf_dir: str, root: str) -> dict[str, torch.Tensor]:
+    """One training step of specrl's actor, saved as its --save does; returns its weights."""
+    from specrl.checkpoint import LATEST_FILE, iter_dir
+    from trainer_bridge.actor import TrainActor
+    from trainer_bridge.batch import TrainBatch
+    from trainer_bridge.loss import LossConfig
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+    from trainer_bridge.options import TrainerArgs
+
+    actor = TrainActor(TrainerArgs(hf_checkpoint=hf_dir, lr=1e-2), LossConfig())
+    try:
+        tokens = [list(range(5, 17)), list(range(20, 32))]
+        actor.train(TrainBatch(tokens, [6, 6], [1.0, 0.0], n_samples_per_prompt=2))
+        os.makedirs(iter_dir(root, 1))
+        actor.save_checkpoint(iter_dir(root, 1), 1)
+        with open(os.path.join(root, LATEST_FILE), "w") as f:
+            f.write("1")
+        state = actor.gpt.state_dict()
+        return {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    finally:
+        destroy_model_parallel()
+
+
+def megatron_lm_load(root: str, hf_config: dict, flags: list[str], scratch: str) -> dict:
+    """Megatron-LM's model after its load_checkpoint of `root` under `flags`."""
+    from megatron.training import checkpointing
+    from megatron.training.global_vars import set_args
+
+    from trainer_bridge.megatron_compat import destroy_model_parallel, init_model_parallel
+
+    args = megatron_lm_args(scratch, hf_config, ("--load", root, *flags))
+    set_args(args)
+    init_model_parallel(1, 1, seed=args.seed)
+    # CPU shim, as make_megatron_lm_checkpoint's: the CPU generator's state for the CUDA one
+    cuda_get_rng_state, read_metadata = torch.cuda.get_rng_state, checkpointing.read_metadata
+    if not torch.cuda.is_available():
+        torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+        # read_metadata all-reduces the tracker's iteration over the ranks in a device="cuda"
+        # tensor; one rank here: its own reading is the maximum
+        checkpointing.read_metadata = _read_tracker
+    try:
+        model = megatron_lm_model(args)
+        iteration, _ = checkpointing.load_checkpoint([model], None, None)
+        print(f"  load_checkpoint returned iteration {iteration}")
+        return model.state_dict()
+    finally:
+        torch.cuda.get_rng_state, checkpointing.read_metadata = cuda_get_rng_state, read_metadata
+        destroy_model_parallel()
+
+
+def _read_tracker(tracker_filename: str) -> tuple[int, bool]:
+    """Megatron-LM's read_metadata on one rank: (iteration, release) from the tracker file."""
+    with open(tracker_filename) as f:
+        text = f.read().strip()
+    return (0, True) if text == "release" else (int(text), False)
+
+
+def main(out: str, flag_sets: list[str]) -> int:
+    """Each flag set's outcome printed; returns how many loaded every weight exactly."""
+    hf_dir, root = os.path.join(out, "hf"), os.path.join(out, "specrl")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(hf_dir)
+    build_hf(hf_dir, BUILDS["qwen2"])
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    apply_cpu_shims()
+    want = save_specrl(hf_dir, root)
+    _stub_triton()  # then import megatron.training
+    exact = 0
+    for i, flags in enumerate(flag_sets):
+        print(f"Megatron-LM --load {root} {flags}".rstrip())
+        try:
+            got = megatron_lm_load(root, hf_config, shlex.split(flags), f"{out}/save{i}")
+        # the answer for this flag set, reported before the next one runs (Megatron-LM calls
+        # sys.exit on some load errors)
+        except (Exception, SystemExit) as error:
+            print(f"  FAILED: {type(error).__name__}: {str(error)[:600]}")
+            traceback.print_exc()
+            continue
+        got = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        differ = [k for k in set(want) & set(got) if not torch.equal(got[k], want[k])]
+        print(
+            f"  {len(want)} weights: {len(differ)} differ {differ[:3]}, missing {missing[:3]}, "
+            f"Megatron-LM's own {extra[:3]}"
+        )
+        exact += not (differ or missing or extra)
+    return exact
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout")
+    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--flags", action="append", default=None, help="one set of extra Megatron-LM flags"
+    )
+    cli = parser.parse_args()
+    sys.path.append(os.path.abspath(cli.megatron_lm))
+    filter_known_warnings()
+    sets = cli.flags if cli.flags is not None else [""]
+    loaded = main(os.path.abspath(cli.out), sets)
+    print(f"{loaded} of {len(sets)} flag sets loaded every weight exactly")
+    sys.exit(0 if loaded else 1)
