@@ -91,6 +91,9 @@ class _TEExtraState:
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)  # type: ignore[misc]
 
 
+_WITH_EXTRA_STATE: dict[type, type] = {}
+
+
 def _with_extra_state(cls: type) -> type:
     """`cls` with _TEExtraState, made once per class and kept as this module's attribute (where
     pickle looks a class up by its qualified name); its __name__ stays `cls`'s."""
@@ -100,8 +103,6 @@ def _with_extra_state(cls: type) -> type:
         globals()[qualname] = _WITH_EXTRA_STATE[cls] = made
     return _WITH_EXTRA_STATE[cls]
 
-
-_WITH_EXTRA_STATE: dict[type, type] = {}
 
 # Where a TE-built layer has a module with an `_extra_state` that the local one's lacks (its other
 # linears are megatron's local ones, which save theirs): attention kind -> submodule paths.
@@ -119,11 +120,11 @@ _TE_STATEFUL = {
 }
 
 
-def te_extra_states(model: torch.nn.Module) -> list[str]:
+def te_extra_states(model: torch.nn.Module) -> None:
     """Give every module of `model` that Transformer Engine's spec builds as a TE module with an
     `_extra_state` (TENorm: MLA's input norm, a MoE layer's pre-MLP norm, q/k norms, the final
     norms, the MTP layers' enorm and hnorm; TELinear: MLA's key/value down projection;
-    TEDotProductAttention) one of its own where it has none; returns their names."""
+    TEDotProductAttention) one of its own where it has none."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -131,8 +132,7 @@ def te_extra_states(model: torch.nn.Module) -> list[str]:
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    given = []
-    for name, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, TransformerLayer):
             paths = _TE_STATEFUL[
                 "mla" if isinstance(module.self_attention, MLASelfAttention) else "gqa"
@@ -154,8 +154,6 @@ def te_extra_states(model: torch.nn.Module) -> list[str]:
             cls = type(sub)
             if cls.get_extra_state is torch.nn.Module.get_extra_state:
                 sub.__class__ = _with_extra_state(cls)
-                given.append(f"{name}.{path}" if name else path)
-    return given
 
 
 def match_saved_names(
