@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -152,6 +153,33 @@ def test_bench_weight_sync_script_runs(tmp_path, monkeypatch):
         "cpu_repack_only",
         "colocated_process",
     }
+
+
+def test_bench_step_split_times_each_engines_steps_and_calls():
+    """scripts/bench_step_split: per engine, its scheduler steps and the worker calls inside
+    them (a plain engine's decodes, an adaptive one's plain decodes and tries) each timed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_step_split", "--hidden-size", "64"]
+        + ["--num-layers", "2", "--vocab-size", "512", *TWO_ROUNDS]
+        + ["--algorithms", "baseline", "eagle3-adaptive"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = proc.stdout.split("all rounds and the warm-up\n")[1].splitlines()
+    calls = {
+        engine: {name: int(n) for name, n in re.findall(r"(\w+) [0-9.]+ \[(\d+)\]", row)}
+        for row in rows
+        for engine in ("ModelWorker", "EagleWorker+adaptive")
+        if row.startswith(engine + " #")
+    }
+    plain, adaptive = calls["ModelWorker"], calls["EagleWorker+adaptive"]
+    # the warm-up's and two rounds' generations of 8 tokens: 7 decode steps each, and 5 prefills
+    # (those three and two prefill-only runs): 26 scheduler steps
+    assert plain["decode"] == 21 and "decode_plain" not in plain
+    assert adaptive["decode"] + adaptive["decode_plain"] == 21
+    assert plain["step"] == adaptive["step"] == 26 and plain["prefill"] == 5
 
 
 def test_bench_rollout_forced_acceptance_accepts_every_draft(tmp_path):
