@@ -40,7 +40,7 @@ from trainer_bridge.megatron_compat import apply_cpu_shims, filter_known_warning
 
 def save_specrl(hf_dir: str, root: str) -> dict[str, torch.Tensor]:
     """One training step of specrl's actor, saved as its --save does; returns its weights."""
-    from specrl.checkpoint import LATEST_FILE, iter_dir
+    from specrl.checkpoint import new_run_state, new_wandb_run_id, save
     from trainer_bridge.actor import TrainActor
     from trainer_bridge.batch import TrainBatch
     from trainer_bridge.loss import LossConfig
@@ -51,10 +51,9 @@ def save_specrl(hf_dir: str, root: str) -> dict[str, torch.Tensor]:
     try:
         tokens = [list(range(5, 17)), list(range(20, 32))]
         actor.train(TrainBatch(tokens, [6, 6], [1.0, 0.0], n_samples_per_prompt=2))
-        os.makedirs(iter_dir(root, 1))
-        actor.save_checkpoint(iter_dir(root, 1), 1)
-        with open(os.path.join(root, LATEST_FILE), "w") as f:
-            f.write("1")
+        # specrl's own --save: iter_0000001/ with rollout_state.json, then the tracker file
+        state = new_run_state(1, {}, new_wandb_run_id())
+        save(root, 1, lambda directory: actor.save_checkpoint(directory, 1), state)
         state = actor.gpt.state_dict()
         return {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
     finally:
