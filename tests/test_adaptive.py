@@ -224,6 +224,8 @@ def test_extend_cost_fits_a_fixed_cost_and_a_cost_per_position():
     cost.add(4096, 0.004 + 1e-5 * 4096)  # a prefill
     assert abs(cost.predict(8192) - (0.004 + 1e-5 * 8192)) < 2e-3
     assert cost.predict(8192) < 0.2 * 8192 * 0.005 / 32
+    cost.add(8192, 0.004 + 2e-5 * 8192)  # a new sample refits (the fit is kept between them)
+    assert cost.predict(8192) > 0.004 + 1.2e-5 * 8192
     flat = draft_lag.ExtendCost()  # timings that fall with size: no negative cost per position
     flat.add(10, 0.02)
     flat.add(1000, 0.01)

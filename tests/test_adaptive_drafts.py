@@ -33,7 +33,7 @@ PATTERN = (3, 0, 1, 0, 0, 2, 3, 1, 2) + (0,) * 6
 @pytest.fixture
 def alternating(monkeypatch):
     """The cost model replaced by PATTERN; a pure function of the steps run, as the scheduler
-    asks it several times per step."""
+    asks it again within a step after a retraction."""
 
     def choose(self: SpecCostModel, batch: int, catch_up: float | None = None) -> int:
         depth = PATTERN[sum(self.decisions.values()) % len(PATTERN)]
@@ -257,7 +257,7 @@ def test_the_scheduler_charges_a_try_the_catch_up_the_worker_predicts(
     catch-ups, which every prefill and catch-up feeds). The extends' measured seconds are
     replaced by a cost that grows with their positions, as they do on an idle machine: a
     loaded one can time a one-position catch-up slower than a prefill, which the fit reads as
-    no cost per position."""
+    no cost per position. The scheduler asks once per step (each ask fits the cost model)."""
     asked: list = []
     pattern_choose = SpecCostModel.choose
 
@@ -275,7 +275,9 @@ def test_the_scheduler_charges_a_try_the_catch_up_the_worker_predicts(
         cost.samples.clear()  # any measured at start-up
         engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 40})
         samples = list(cost.samples)
-    per_step = dict(asked)  # the last ask of each step: the one its mode came from
+    steps = [step for step, _ in asked]
+    assert len(steps) == len(set(steps)), "one choice per decode step (no retraction here)"
+    per_step = dict(asked)
     known = [(step, s) for step, s in per_step.items() if s is not None]
     assert len(known) > 20
     after_spec = [s for step, s in known if PATTERN[(step - 1) % len(PATTERN)] != 0]

@@ -70,8 +70,8 @@ could not win even if every draft token were accepted ((depth + 1) / its cost be
 mode's rate; plain decoding: its measured rate) waits `MAX_EXPLORE_EVERY` steps once its cost
 rests on `RECENT` measurements: its cost, not the draft, keeps it behind (on fewer, the warm-up's
 alone, it may have been measured cold, and is tried as any losing mode).
-`choose(batch)` is a pure function of the state, so the scheduler may ask it several times per
-step (KV demand, retraction, the step itself); `observe` moves it.
+`choose(batch)` is a pure function of the state, so the scheduler may ask it again within a step
+(after a retraction changed the batch); `observe` moves it.
 
 Every speculative worker may switch mode per step: NGRAM has no draft state, a draft model
 drafts any depth from the same state, and under this flag the draft-model workers record what
@@ -235,7 +235,10 @@ class SpecCostModel:
         return cls(depths, nested_shapes(args), contained_shapes(args))
 
     def _bucket(self, batch: int) -> dict[int, ModeCost]:
-        return self.costs.setdefault(bucket(batch), {m: ModeCost() for m in self.modes})
+        key = bucket(batch)
+        if key not in self.costs:  # not setdefault: it would build the unused default every step
+            self.costs[key] = {m: ModeCost() for m in self.modes}
+        return self.costs[key]
 
     def choose(self, batch: int, catch_up: Optional[float] = None) -> int:
         """The mode of the next decode step of `batch` requests: PLAIN or a depth; `catch_up`:

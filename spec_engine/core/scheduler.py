@@ -130,10 +130,10 @@ class Scheduler:
             self._after_prefill(batch, result)
             self.prefilling = []
         elif self.running:
-            self._ensure_decode_room()
+            groups = self._ensure_decode_room()
             start = time.perf_counter()
             n = 0
-            for reqs, depth in self._decode_groups():
+            for reqs, depth in groups:
                 caught = time.perf_counter()  # a lagging draft's catch-up: timed apart
                 self.worker.catch_up(reqs, full_only=depth == 0)
                 began = time.perf_counter()
@@ -359,18 +359,22 @@ class Scheduler:
 
     # ------------------------------------------------------------ decode memory
 
-    def _decode_kv_demand(self) -> int:
-        """KV the next decode step allocates: a plain group needs only its one token each."""
+    def _decode_kv_demand(self, groups: list[tuple[list[Req], Optional[int]]]) -> int:
+        """KV the decode step of `groups` allocates: a plain group needs only its one token each."""
         return sum(
             self.worker.decode_kv_demand(reqs, depth)
             if depth != 0
             else self.worker.decode_plain_kv_demand(reqs)
-            for reqs, depth in self._decode_groups()
+            for reqs, depth in groups
         )
 
-    def _ensure_decode_room(self) -> None:
+    def _ensure_decode_room(self) -> list[tuple[list[Req], Optional[int]]]:
+        """Retract requests until the next decode step fits in the KV cache; returns that step's
+        groups (_decode_groups, asked again only after a retraction: a choice costs a cost-model
+        fit)."""
         retracted: list[Req] = []
-        while self._decode_kv_demand() > self.available_tokens():
+        groups = self._decode_groups()
+        while self._decode_kv_demand(groups) > self.available_tokens():
             if self.chunked is not None:
                 # A prompt half-way through chunked prefill has made the least progress.
                 victim, self.chunked = self.chunked, None
@@ -388,6 +392,7 @@ class Scheduler:
             self._release_kv(victim)
             victim.retractions += 1
             retracted.append(victim)
+            groups = self._decode_groups()
         if retracted:
             # Back to the head of the queue, in the order they were chosen.
             self.waiting.extendleft(reversed(retracted))
@@ -398,6 +403,7 @@ class Scheduler:
                 "(raise --max-total-tokens or lower --max-running-requests to avoid this)",
                 len(retracted),
             )
+        return groups
 
     # ------------------------------------------------------------ outputs
 

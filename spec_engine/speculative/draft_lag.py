@@ -97,24 +97,29 @@ class ExtendCost:
 
     def __init__(self) -> None:
         self.samples: deque = deque(maxlen=EXTEND_SAMPLES)  # (positions, seconds)
+        self._fit: Optional[tuple[float, float]] = None  # (fixed, per position) of the samples
 
     def add(self, positions: int, seconds: float) -> None:
         self.samples.append((positions, seconds))
+        self._fit = None
 
     def predict(self, positions: int) -> Optional[float]:
         """Seconds of an extend over `positions` (0: none runs); None until extends of two
         different sizes were measured (a prefill's and a catch-up's)."""
         if positions <= 0:
             return 0.0
-        xs = [x for x, _ in self.samples]
-        if len(set(xs)) < 2:
-            return None
-        mean_x = sum(xs) / len(xs)
-        mean_y = sum(y for _, y in self.samples) / len(xs)
-        var = sum((x - mean_x) ** 2 for x in xs)
-        cov = sum((x - mean_x) * (y - mean_y) for x, y in self.samples)
-        per_position = max(cov / var, 0.0)
-        return max(mean_y - per_position * mean_x, 0.0) + per_position * positions
+        if self._fit is None:  # fitted once per sample: the scheduler asks every decode step
+            xs = [x for x, _ in self.samples]
+            if len(set(xs)) < 2:
+                return None
+            mean_x = sum(xs) / len(xs)
+            mean_y = sum(y for _, y in self.samples) / len(xs)
+            var = sum((x - mean_x) ** 2 for x in xs)
+            cov = sum((x - mean_x) * (y - mean_y) for x, y in self.samples)
+            per_position = max(cov / var, 0.0)
+            self._fit = (max(mean_y - per_position * mean_x, 0.0), per_position)
+        fixed, per_position = self._fit
+        return fixed + per_position * positions
 
 
 def positions(reqs: Sequence[Req]) -> int:
