@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.optim.adam import adam
 
 from specrl import checkpoint as run_checkpoint
 from specrl.plots import read_metrics
@@ -296,6 +297,67 @@ def test_a_policy_checkpoint_resumes_bitwise_and_at_another_tp_size(make_model, 
         assert weights.keys() == expected.keys() and any("embed_tokens" in k for k in weights)
         distance = sum((weights[k] - expected[k]).abs().sum().item() for k in weights)
         assert distance / sum(w.numel() for w in weights.values()) < 0.03 * LR
+
+
+class GroupStepAdam(torch.optim.Optimizer):
+    """Adam that counts its steps per param group (`group["step"]`), as Transformer Engine's and
+    Apex's FusedAdam (megatron's Adam wherever either is installed: GPU runs) do, not per
+    parameter as torch's; the update itself is torch's (torch.optim.adam.adam)."""
+
+    def __init__(self, params, lr, weight_decay, betas, eps, adam_w_mode=True):
+        defaults = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        super().__init__(params, {**defaults, "adam_w_mode": adam_w_mode})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(exp_avg=torch.zeros_like(p))
+                    self.state[p].update(exp_avg_sq=torch.zeros_like(p))
+            adam(
+                params,
+                [p.grad for p in params],
+                [self.state[p]["exp_avg"] for p in params],
+                [self.state[p]["exp_avg_sq"] for p in params],
+                [],
+                [torch.tensor(float(group["step"] - 1)) for _ in params],  # adam() adds the 1
+                foreach=False,
+                amsgrad=False,
+                beta1=group["betas"][0],
+                beta2=group["betas"][1],
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+                decoupled_weight_decay=group["adam_w_mode"],
+            )
+
+
+def test_a_fused_adams_step_count_resumes(make_model, tmp_path, monkeypatch):
+    """With megatron's Adam counting steps per param group (GroupStepAdam in place of TE's
+    FusedAdam), the checkpoint holds that count (1 after one step) and a fresh policy loading it
+    continues it (Adam's bias correction): it trains on bit for bit as the policy that never
+    stopped. Read from the parameters' state instead, the count was saved as 0 and the resumed
+    steps differed."""
+    import megatron.core.optimizer as megatron_optimizer
+
+    from specrl.tiny_models import add_mimo_mtp
+    from tests.test_moe_tp import _ports
+
+    monkeypatch.setattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False)
+    monkeypatch.setattr(megatron_optimizer, "Adam", GroupStepAdam)
+    model = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=41, vocab_size=300), seed=42)
+    _tp_run(0, 1, _ports(2), model, str(tmp_path), [None, "ckpt-tp1"], "fused")
+    common = torch.load(tmp_path / "ckpt-tp1" / "common.pt", weights_only=True)
+    assert common["optimizer"]["state"]["common_step"].item() == 1.0
+    (metrics, local, _), (resumed_metrics, resumed_local, _) = torch.load(
+        tmp_path / "fused-rank0.pt", weights_only=False
+    )
+    assert resumed_metrics == metrics
+    assert [k for k in local if not torch.equal(local[k], resumed_local[k])] == []
 
 
 def resolve_args(argv: list[str]) -> argparse.Namespace:

@@ -156,7 +156,7 @@ def _optimizer_state(actor: TrainActor, model: dict[str, Any]) -> dict[str, Any]
     state: dict[str, Any] = {}
     for name, param, main, optimizer in _trained(actor):
         adam = optimizer.state[main]
-        step = adam.setdefault("step", torch.zeros((), dtype=torch.float32, device="cpu"))
+        step = _step(optimizer, adam)
         tensors = {k: v for k, v in adam.items() if k != "step"}
         if main is not param:
             tensors["fp32_param"] = main
@@ -174,11 +174,35 @@ def _restore_optimizer(actor: TrainActor, loaded: dict[str, Any]) -> None:
     """Copy `_optimizer_state`'s loaded tensors and step into the optimizer. Its param groups
     stay this run's (learning rate, betas, weight decay: flags, with no schedule to resume)."""
     saved = loaded["state"]
+    step = saved["common_step"]
     for name, _, main, optimizer in _trained(actor):
         adam = optimizer.state[main]
         for key, tensor in saved[name].items():
             (main.data if key == "fp32_param" else adam[key]).copy_(tensor)
-        adam["step"] = saved["common_step"].clone()
+        if _steps_in_groups(optimizer):
+            for group in optimizer.param_groups:
+                group["step"] = int(step.item())
+        else:
+            adam["step"] = step.clone()
+
+
+def _steps_in_groups(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` counts its steps per param group (`group["step"]`): Transformer
+    Engine's and Apex's FusedAdam do, which megatron uses wherever either is installed (GPU
+    runs); torch's Adam and AdamW (megatron's without them) count per parameter."""
+    return not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+
+
+def _step(optimizer: torch.optim.Optimizer, adam: dict[str, Any]) -> torch.Tensor:
+    """The steps `optimizer` took, as torch's Adam keeps them (a float32 scalar on the CPU).
+    Torch's: a parameter's state gets its step 0 where none ran yet (megatron's init_state_fn
+    made its moments, and torch's Adam would not add a step to a state that is not empty)."""
+    if _steps_in_groups(optimizer):
+        steps = {int(g.get("step", 0)) for g in optimizer.param_groups if g["params"]} or {0}
+        if len(steps) > 1:  # every group steps together (megatron asserts it too)
+            raise RuntimeError(f"the optimizer's param groups took different steps: {steps}")
+        return torch.tensor(float(steps.pop()), dtype=torch.float32)
+    return adam.setdefault("step", torch.zeros((), dtype=torch.float32, device="cpu"))
 
 
 def _state_dict(
