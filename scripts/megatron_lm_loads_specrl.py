@@ -1,30 +1,39 @@
 """Megatron-LM's own `load_checkpoint` (megatron/training/checkpointing.py, core_v0.16.1) reading a
 checkpoint specrl's trainer saved, as slime's `--load` would: does slime resume from specrl?
 
-A tiny dense Qwen2 (scripts/make_megatron_lm_checkpoint.py's build) takes one training step in
-specrl's TrainActor, which saves its checkpoint under OUT/specrl/iter_0000001 with
-latest_checkpointed_iteration.txt, the layout specrl's --save writes. Megatron-LM then parses the
-flags a slime run of this model passes plus `--load OUT/specrl` and each FLAGS set given, builds
-its own model (model_provider(gpt_builder), --transformer-impl local: no Transformer Engine here)
-and calls load_checkpoint([model], None, None) (the model only: no optimizer is built, so
-whether Megatron-LM's distributed optimizer reads specrl's Adam state is not asked); every weight
-must equal the saving actor's, bit for bit. Dense only: without TE, Megatron-LM's local spec
-names MLA and MoE norms otherwise than TE's, which specrl writes as slime's runs (with TE) do
-(trainer_bridge.checkpoint_names).
+A tiny model (--arch: a dense Qwen2, a DeepSeek-V3 with MLA, MoE and one MTP layer, or a GLM-4.5
+with GQA, MoE and one MTP layer: scripts/make_megatron_lm_checkpoint.py's builds) takes one
+training step in specrl's TrainActor, which saves its checkpoint under OUT/specrl/iter_0000001
+with latest_checkpointed_iteration.txt, the layout specrl's --save writes. Megatron-LM then parses
+the flags a slime run of this model passes plus `--load OUT/specrl` and each FLAGS set given,
+builds its own model (model_provider(gpt_builder)) and calls load_checkpoint([model], None, None)
+(the model only: no optimizer is built; whether its optimizers could read specrl's Adam state is
+answered in the README: no); every weight must equal the saving actor's, bit for bit.
+
+The model is the one slime's runs build with Transformer Engine, as far as a checkpoint sees it.
+There is no TE here, so Megatron-LM builds its local spec (--transformer-impl local), whose
+checkpoint names differ from TE's for MLA and MoE norms (megatron-core maps them onto TE's for
+dense GQA layers only) and which lacks the `_extra_state` entries TE's modules ask for. The
+script gives Megatron-LM's layer and MTP specs TE's names and its modules TE's extra states with
+trainer_bridge.checkpoint_names, the same rules specrl's model uses, which
+tests/test_checkpoint_names.py checks against megatron-core's own TE specs.
 
     python -m scripts.megatron_lm_loads_specrl --megatron-lm /tmp/Megatron-LM --out /tmp/lm-load \
-        --flags "" --flags "--no-load-rng" --flags "--no-load-optim --no-load-rng"
+        --arch deepseek_v3 --flags "" --flags "--no-load-rng" --flags "--finetune"
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import shutil
 import sys
 import traceback
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -78,13 +87,45 @@ def megatron_lm_load(root: str, hf_config: dict, flags: list[str], scratch: str)
         # tensor; one rank here: its own reading is the maximum
         checkpointing.read_metadata = _read_tracker
     try:
-        model = megatron_lm_model(args)
+        with te_named_models():
+            model = megatron_lm_model(args)
         iteration, _ = checkpointing.load_checkpoint([model], None, None)
         print(f"  load_checkpoint returned iteration {iteration}")
         return model.state_dict()
     finally:
         torch.cuda.get_rng_state, checkpointing.read_metadata = cuda_get_rng_state, read_metadata
         destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def te_named_models() -> Iterator[None]:
+    """Within: Megatron-LM's gpt_builder builds GPTModels whose layers save and load under
+    Transformer Engine's checkpoint names, with TE's extra states and its replicated MLA key/value
+    down projection (trainer_bridge.checkpoint_names, sequence_parallel.replicated_kv_down_proj)."""
+    import gpt_builders
+
+    from trainer_bridge.checkpoint_names import te_checkpoint_names, te_extra_states
+    from trainer_bridge.sequence_parallel import replicated_kv_down_proj
+
+    gpt_model = gpt_builders.GPTModel
+
+    def te_spec(spec: Any) -> Any:
+        return None if spec is None else te_checkpoint_names(replicated_kv_down_proj(spec))
+
+    def build(*, transformer_layer_spec: Any, mtp_block_spec: Any = None, **kwargs: Any) -> Any:
+        model = gpt_model(
+            transformer_layer_spec=te_spec(transformer_layer_spec),
+            mtp_block_spec=te_spec(mtp_block_spec),
+            **kwargs,
+        )
+        te_extra_states(model)
+        return model
+
+    gpt_builders.GPTModel = build
+    try:
+        yield
+    finally:
+        gpt_builders.GPTModel = gpt_model
 
 
 def _read_tracker(tracker_filename: str) -> tuple[int, bool]:
@@ -94,12 +135,12 @@ def _read_tracker(tracker_filename: str) -> tuple[int, bool]:
     return (0, True) if text == "release" else (int(text), False)
 
 
-def main(out: str, flag_sets: list[str]) -> int:
+def main(out: str, flag_sets: list[str], arch: str = "qwen2") -> int:
     """Each flag set's outcome printed; returns how many loaded every weight exactly."""
     hf_dir, root = os.path.join(out, "hf"), os.path.join(out, "specrl")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(hf_dir)
-    build_hf(hf_dir, BUILDS["qwen2"])
+    build_hf(hf_dir, BUILDS[arch])
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_config = json.load(f)
     apply_cpu_shims()
@@ -130,6 +171,7 @@ def main(out: str, flag_sets: list[str]) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout")
+    parser.add_argument("--arch", choices=sorted(BUILDS), default="qwen2")
     parser.add_argument("--out", required=True)
     parser.add_argument(
         "--flags", action="append", default=None, help="one set of extra Megatron-LM flags"
@@ -138,6 +180,6 @@ if __name__ == "__main__":
     sys.path.append(os.path.abspath(cli.megatron_lm))
     filter_known_warnings()
     sets = cli.flags if cli.flags is not None else [""]
-    loaded = main(os.path.abspath(cli.out), sets)
+    loaded = main(os.path.abspath(cli.out), sets, cli.arch)
     print(f"{loaded} of {len(sets)} flag sets loaded every weight exactly")
     sys.exit(0 if loaded else 1)
