@@ -44,8 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 class TrainActor(Protocol):
-    """What a checkpoint reads and restores of trainer_bridge.actor.TrainActor (which calls this
-    module, so it is described here rather than imported)."""
+    """What a checkpoint reads and restores of trainer_bridge.actor.TrainActor (its importer)."""
 
     args: TrainerArgs
     arch: ModelConfig
@@ -174,29 +173,26 @@ def _restore_optimizer(actor: TrainActor, loaded: dict[str, Any]) -> None:
     """Copy `_optimizer_state`'s loaded tensors and step into the optimizer. Its param groups
     stay this run's (learning rate, betas, weight decay: flags, with no schedule to resume)."""
     saved = loaded["state"]
-    step = saved["common_step"]
     for name, _, main, optimizer in _trained(actor):
         adam = optimizer.state[main]
         for key, tensor in saved[name].items():
             (main.data if key == "fp32_param" else adam[key]).copy_(tensor)
         if _steps_in_groups(optimizer):
             for group in optimizer.param_groups:
-                group["step"] = int(step.item())
+                group["step"] = int(saved["common_step"].item())
         else:
-            adam["step"] = step.clone()
+            adam["step"] = saved["common_step"].clone()
 
 
 def _steps_in_groups(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer` counts its steps per param group (`group["step"]`): Transformer
-    Engine's and Apex's FusedAdam do, which megatron uses wherever either is installed (GPU
-    runs); torch's Adam and AdamW (megatron's without them) count per parameter."""
+    """Whether `optimizer` counts steps per param group: TE's and Apex's FusedAdam (megatron's
+    Adam where either is installed: GPUs) do, torch's Adam and AdamW count per parameter."""
     return not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
 
 
 def _step(optimizer: torch.optim.Optimizer, adam: dict[str, Any]) -> torch.Tensor:
-    """The steps `optimizer` took, as torch's Adam keeps them (a float32 scalar on the CPU).
-    Torch's: a parameter's state gets its step 0 where none ran yet (megatron's init_state_fn
-    made its moments, and torch's Adam would not add a step to a state that is not empty)."""
+    """The steps `optimizer` took, a float32 scalar on the CPU. Torch's Adam gets a step 0 where
+    none ran (init_state_fn made the moments; torch adds no step to a non-empty state)."""
     if _steps_in_groups(optimizer):
         steps = {int(g.get("step", 0)) for g in optimizer.param_groups if g["params"]} or {0}
         if len(steps) > 1:  # every group steps together (megatron asserts it too)
@@ -366,14 +362,12 @@ def _load_common(directory: str) -> Any:
     of specrl's is read without importing megatron."""
     path = os.path.join(directory, COMMON_FILE)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        import megatron.core  # noqa: F401
-
         try:
             return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise ValueError(f"{path} cannot be read ({e}); the checkpoint is corrupt") from e
+        except pickle.UnpicklingError:
+            import megatron.core  # noqa: F401
+
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated file: the message names it
         raise ValueError(f"{path} cannot be read ({e}); the checkpoint is corrupt") from e
 

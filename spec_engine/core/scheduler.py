@@ -266,11 +266,8 @@ class Scheduler:
             if req.extend_len < remaining:
                 return batch
             self.chunked = None  # its last chunk; its KV was reserved (see _reserved_tokens)
-        prompts_in_batch = (
-            {tuple(r.input.origin_input_ids) for r in batch}
-            if not self.tree_cache.disable
-            else set()
-        )
+        cache_on = not self.tree_cache.disable
+        prompts_in_batch = {tuple(r.input.origin_input_ids) for r in batch} if cache_on else set()
         admitted: list[Req] = []
         for req in self.waiting:
             if budget <= 0 or len(self.running) + len(batch) >= self.max_running:
@@ -369,12 +366,10 @@ class Scheduler:
         )
 
     def _ensure_decode_room(self) -> list[tuple[list[Req], Optional[int]]]:
-        """Retract requests until the next decode step fits in the KV cache; returns that step's
-        groups (_decode_groups, asked again only after a retraction: a choice costs a cost-model
-        fit)."""
+        """Retract requests until the next decode step fits; returns its groups (asked once per
+        step, and again after each retraction: a choice fits the cost model)."""
         retracted: list[Req] = []
-        groups = self._decode_groups()
-        while self._decode_kv_demand(groups) > self.available_tokens():
+        while self._decode_kv_demand(groups := self._decode_groups()) > self.available_tokens():
             if self.chunked is not None:
                 # A prompt half-way through chunked prefill has made the least progress.
                 victim, self.chunked = self.chunked, None
@@ -392,7 +387,6 @@ class Scheduler:
             self._release_kv(victim)
             victim.retractions += 1
             retracted.append(victim)
-            groups = self._decode_groups()
         if retracted:
             # Back to the head of the queue, in the order they were chosen.
             self.waiting.extendleft(reversed(retracted))
@@ -468,9 +462,7 @@ class Scheduler:
         """A speculative step can compute KV past the token a request stopped at: free it."""
         if req.kv_len <= req.seq_len:
             return
-        first_free = (
-            -(-req.seq_len // self.page_size) * self.page_size
-        )  # pages still holding kept tokens stay
+        first_free = -(-req.seq_len // self.page_size) * self.page_size  # pages of kept tokens stay
         if first_free < req.kv_len:
             self.allocator.free(
                 self.req_to_token.read(req.req_pool_idx, req.kv_len, start=first_free)
