@@ -323,7 +323,8 @@ class GroupStepAdam(torch.optim.Optimizer):
                 [self.state[p]["exp_avg"] for p in params],
                 [self.state[p]["exp_avg_sq"] for p in params],
                 [],
-                [torch.tensor(float(group["step"] - 1)) for _ in params],  # adam() adds the 1
+                # the count before this step: adam() adds the 1
+                [torch.tensor(group["step"] - 1.0, device=p.device) for p in params],
                 foreach=False,
                 amsgrad=False,
                 beta1=group["betas"][0],

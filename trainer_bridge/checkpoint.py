@@ -197,7 +197,7 @@ def _step(optimizer: torch.optim.Optimizer, adam: dict[str, Any]) -> torch.Tenso
         steps = {int(g.get("step", 0)) for g in optimizer.param_groups if g["params"]} or {0}
         if len(steps) > 1:  # every group steps together (megatron asserts it too)
             raise RuntimeError(f"the optimizer's param groups took different steps: {steps}")
-        return torch.tensor(float(steps.pop()), dtype=torch.float32)
+        return torch.tensor(float(steps.pop()), dtype=torch.float32, device="cpu")
     return adam.setdefault("step", torch.zeros((), dtype=torch.float32, device="cpu"))
 
 
