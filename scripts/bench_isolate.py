@@ -8,32 +8,104 @@ that no number of rounds of the same engines averages away, and larger than the 
 adaptive mode's 0.95x target is about. An engine in a fresh process each round draws a new
 layout each round, so the median of per-round ratios tends to the configurations' own
 difference.
+
+Lockstep (bench_rollout --lockstep): a shared VM's speed also drifts within a round. The same
+matrix multiplications, timed in blocks of 1.2 s one after another, took 1.03 s to 1.52 s, rising
+and falling over seconds, so two engines timed a generation apart (7 s each at batch 32) differ
+by ~10% round by round. Run with a StepGate, every engine of a round waits for its turn before
+each scheduler step and times only its steps (`StepGate.clock`), and `drive` gives the engines
+one step each in turn: a slow spell falls on all of them within ~50 ms, not on whichever ran then.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
+import time
 import traceback
-from multiprocessing.connection import Connection
-from typing import Any
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any, Optional
 
 from scripts.bench_measure import measure, open_engine, warm_up
 
-# What the parent may ask of the engine, each called as fn(engine, batch, args, *call_args).
-CALLS = {"warm_up": warm_up, "measure": measure}
+if TYPE_CHECKING:
+    from spec_engine import Engine
 
 
-def _serve(conn: Connection, path: str, kwargs: dict, batch: int, args: argparse.Namespace) -> None:
+class StepGate:
+    """The child's side of lockstep: installed on an engine's scheduler, each step (while `on`)
+    first asks the parent for its turn over `conn` and reports when done; `busy` counts the
+    seconds of those steps alone."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.on = False
+        self.busy = 0.0
+
+    def install(self, engine: Engine) -> None:
+        step = engine.scheduler.step
+
+        def gated() -> None:
+            if not self.on:
+                return step()
+            self.conn.send("ready")
+            self.conn.recv()
+            start = time.perf_counter()
+            try:
+                step()
+            finally:
+                self.busy += time.perf_counter() - start
+                self.conn.send("done")
+
+        engine.scheduler.step = gated
+
+    def clock(self, engine: Engine) -> float:
+        """Seconds of gated steps so far, read once the engine's loop has finished its step in
+        progress (a generation's results reach the caller before its last step returns)."""
+        engine.get_server_info()
+        return self.busy
+
+
+def measure_gated(
+    gate: StepGate, engine: Engine, batch: int, args: argparse.Namespace, *call_args: Any
+) -> dict:
+    """measure, every scheduler step taking its turn and timed alone."""
+    gate.on = True
+    try:
+        return measure(engine, batch, args, *call_args, clock=functools.partial(gate.clock, engine))
+    finally:
+        gate.on = False
+
+
+# What the parent may ask of the engine, each called as fn(engine, batch, args, *call_args);
+# an engine opened with a gate also answers "measure_gated".
+CALLS: Mapping[str, Callable] = {"warm_up": warm_up, "measure": measure}
+
+
+def _serve(
+    conn: Connection,
+    path: str,
+    kwargs: dict,
+    batch: int,
+    args: argparse.Namespace,
+    gate_conn: Optional[Connection] = None,
+) -> None:
     """The child: open the engine, report its weight bytes, then answer calls until told to stop
     (None); an exception goes back to the parent as its traceback."""
     try:
         with open_engine(path, kwargs, batch, args) as engine:
+            calls = dict(CALLS)
+            if gate_conn is not None:
+                gate = StepGate(gate_conn)
+                gate.install(engine)
+                calls["measure_gated"] = functools.partial(measure_gated, gate)
             conn.send(("ok", engine.runner.weight_bytes()))
             while (request := conn.recv()) is not None:
                 name, call_args = request
                 try:
-                    conn.send(("ok", CALLS[name](engine, batch, args, *call_args)))
+                    conn.send(("ok", calls[name](engine, batch, args, *call_args)))
                 except Exception:
                     conn.send(("error", traceback.format_exc()))
     except Exception:
@@ -42,30 +114,50 @@ def _serve(conn: Connection, path: str, kwargs: dict, batch: int, args: argparse
 
 class EngineProcess:
     """open_engine(path, kwargs, batch, args) in a spawned process; `call` runs one of CALLS
-    there and returns its result."""
+    there and returns its result. `gated`: its scheduler steps wait for their turns in `drive`
+    during "measure_gated"."""
 
-    def __init__(self, path: str, kwargs: dict, batch: int, args: argparse.Namespace) -> None:
+    def __init__(
+        self, path: str, kwargs: dict, batch: int, args: argparse.Namespace, gated: bool = False
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        self.gate, child_gate = ctx.Pipe() if gated else (None, None)
         self._proc = ctx.Process(
-            target=_serve, args=(child, path, kwargs, batch, args), daemon=True
+            target=_serve, args=(child, path, kwargs, batch, args, child_gate), daemon=True
         )
         self._proc.start()
         self.pid = self._proc.pid
         child.close()
+        if child_gate is not None:
+            child_gate.close()
         try:
-            self.weight_bytes: int = self._answer()
+            self.weight_bytes: int = self.answer()
         except RuntimeError:
             self.close()
             raise
 
     def call(self, name: str, *call_args: Any) -> Any:
-        if name not in CALLS:
-            raise ValueError(f"no benchmark call {name!r}; one of {sorted(CALLS)}")
-        self._conn.send((name, call_args))
-        return self._answer()
+        self.send(name, *call_args)
+        return self.answer()
 
-    def _answer(self) -> Any:
+    def send(self, name: str, *call_args: Any) -> None:
+        """Start a call; `answer` waits for its result."""
+        known = [*CALLS, "measure_gated"] if self.gate is not None else list(CALLS)
+        if name not in known:
+            raise ValueError(f"no benchmark call {name!r}; one of {sorted(known)}")
+        self._conn.send((name, call_args))
+
+    @property
+    def readers(self) -> list[Connection]:
+        """What `drive` waits on: the gate (a step asks for its turn) and the answers."""
+        return [self.gate, self._conn]
+
+    def answered(self) -> bool:
+        """Whether the call in progress has a result (or the process died)."""
+        return self._conn.poll()
+
+    def answer(self) -> Any:
         try:
             status, value = self._conn.recv()
         except EOFError:
@@ -92,3 +184,24 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def drive(engines: Mapping[str, EngineProcess]) -> dict[str, Any]:
+    """With a "measure_gated" call sent to each gated engine: one scheduler step each in turn,
+    in order, until every engine answered; their answers by name."""
+    answers: dict[str, Any] = {}
+    while len(answers) < len(engines):
+        for name, engine in engines.items():
+            if name in answers:
+                continue
+            wait(engine.readers)  # it asks for a step, or has answered
+            if engine.answered():
+                answers[name] = engine.answer()
+                continue
+            try:
+                engine.gate.recv()
+                engine.gate.send("go")
+                engine.gate.recv()
+            except EOFError:
+                answers[name] = engine.answer()  # raises with the reason it died
+    return answers

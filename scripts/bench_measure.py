@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -65,11 +66,20 @@ def warm_up(engine: Engine, batch: int, args: argparse.Namespace, repetitive: bo
     )
 
 
-def measure(engine: Engine, batch: int, args: argparse.Namespace, repetitive: bool, r: int) -> dict:
-    """Round `r`: a prefill-only run and a whole generation of `batch` prompts, timed, with the
-    generation's accept length, time split and steps per mode."""
+def measure(
+    engine: Engine,
+    batch: int,
+    args: argparse.Namespace,
+    repetitive: bool,
+    r: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict:
+    """Round `r`: a prefill-only run and a whole generation of `batch` prompts, timed by `clock`
+    (bench_isolate.StepGate's: the engine's own steps alone), with the generation's accept
+    length, time split and steps per mode."""
     params = sampling(args)
     prefill_s = timed(
+        clock,
         engine.generate,
         input_ids=prompts(batch, args.input_len, args.vocab_size, repetitive, 1000 + r),
         sampling_params={**params, "max_new_tokens": 1},
@@ -80,12 +90,12 @@ def measure(engine: Engine, batch: int, args: argparse.Namespace, repetitive: bo
     steps_before = getattr(worker, "verify_steps", 0)
     verify_before = engine.scheduler.spec_verify_ct
     emitted_before = engine.scheduler.spec_emitted
-    start = time.perf_counter()
+    start = clock()
     outs = engine.generate(
         input_ids=prompts(batch, args.input_len, args.vocab_size, repetitive, r + 1),
         sampling_params=params,
     )
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     verifies = engine.scheduler.spec_verify_ct - verify_before
     emitted = engine.scheduler.spec_emitted - emitted_before
     steps = getattr(worker, "verify_steps", 0) - steps_before
@@ -109,11 +119,11 @@ def measure(engine: Engine, batch: int, args: argparse.Namespace, repetitive: bo
     return {"prefill_s": prefill_s, "elapsed": elapsed, "tokens": tokens, "state": state}
 
 
-def timed(fn, *args, **kwargs) -> float:
-    """Seconds `fn(*args, **kwargs)` takes."""
-    start = time.perf_counter()
+def timed(clock: Callable[[], float], fn, *args, **kwargs) -> float:
+    """Seconds `fn(*args, **kwargs)` takes by `clock`."""
+    start = clock()
     fn(*args, **kwargs)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def spec_time_breakdown(engine: Engine) -> dict[str, float]:

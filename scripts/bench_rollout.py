@@ -14,7 +14,9 @@ NGRAM runs on prompts that repeat a pattern, as code or templated text does (--i
 configurations' engines at once, rounds round-robin, the order turning by one each round; the
 JSON keeps every round's tokens/s and the adaptive rows' median of per-round ratios; --isolate:
 the same rounds, each engine in a fresh process every round, for comparisons finer than the ~10%
-an engine's memory layout moves it on CPU);
+an engine's memory layout moves it on CPU; --lockstep: those fresh processes all open at once,
+taking one scheduler step each in turn and timing their own steps, for a machine whose speed
+drifts within a round);
 ngram-adaptive, eagle3-adaptive and mtp-adaptive (and, on request, standalone-self-adaptive) add
 --speculative-adaptive (per step, decode plainly or speculate at a depth up to the configured
 one, by the measured cost model; the table gives the share of decode steps that speculated, the
@@ -44,7 +46,7 @@ from collections.abc import Callable
 
 import torch
 
-from scripts.bench_isolate import EngineProcess
+from scripts.bench_isolate import EngineProcess, drive
 from scripts.bench_measure import measure, open_engine, warm_up
 from scripts.bench_rollout_report import (
     adaptive_vs_best,
@@ -166,6 +168,8 @@ def run(
     them (starting one further each round), so a slow spell of the machine hits every
     configuration alike; --isolate: the same rounds, each engine in a fresh process every round;
     else one engine at a time."""
+    if args.lockstep:
+        return run_lockstep(table, names, batch, args)
     if args.isolate:
         return run_isolated(table, names, batch, args)
     groups = [names] if args.interleave else [[name] for name in names]
@@ -202,6 +206,30 @@ def run_isolated(
                 engine.call("warm_up", n.startswith("ngram"))
                 rounds[n].append(engine.call("measure", n.startswith("ngram"), r))
                 weight_bytes[n] = engine.weight_bytes
+    return {n: summarize(batch, rounds[n], weight_bytes[n]) for n in names}
+
+
+def run_lockstep(
+    table: dict[str, tuple[str, dict]], names: list[str], batch: int, args: argparse.Namespace
+) -> dict[str, dict]:
+    """--lockstep: round by round, every configuration's engine opened in a fresh process and
+    warmed up, then all measured at once, one scheduler step each in turn, each timing its own
+    steps (scripts/bench_isolate.py says why)."""
+    rounds: dict[str, list[dict]] = {n: [] for n in names}
+    weight_bytes = {}
+    for r in range(args.repeats):
+        with contextlib.ExitStack() as stack:
+            engines = {
+                n: stack.enter_context(EngineProcess(*table[n], batch, args, gated=True))
+                for n in turned(names, r)
+            }
+            for n, engine in engines.items():
+                engine.call("warm_up", n.startswith("ngram"))
+                weight_bytes[n] = engine.weight_bytes
+            for n, engine in engines.items():
+                engine.send("measure_gated", n.startswith("ngram"), r)
+            for n, result in drive(engines).items():
+                rounds[n].append(result)
     return {n: summarize(batch, rounds[n], weight_bytes[n]) for n in names}
 
 
@@ -287,6 +315,13 @@ def main() -> None:
         help="rounds round-robin as --interleave, but each configuration's engine in a fresh "
         "process every round (on CPU an engine's speed depends on where its memory landed: up "
         "to ~10%% per instance; see scripts/bench_isolate.py)",
+    )
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="as --isolate, but each round's engines open at once and take one scheduler step "
+        "each in turn, each timing only its own steps (a machine whose speed drifts over "
+        "seconds slows them all alike; see scripts/bench_isolate.py)",
     )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -212,10 +212,12 @@ def test_bench_rollout_forced_acceptance_accepts_every_draft(tmp_path):
     assert "forced acceptance" in proc.stdout
 
 
-def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path):
+@pytest.mark.parametrize("mode", ["--isolate", "--lockstep"])
+def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path, mode):
     """--isolate: each configuration's engine in a process of its own, every round; the rounds
     still pair up for the adaptive rows' paired median, and baseline-twin's (a second plain
-    engine) with baseline's for the noise floor."""
+    engine) with baseline's for the noise floor. --lockstep: the same processes, measured at
+    once through their step gates."""
     out_json = tmp_path / "isolated.json"
     proc = run_bench_rollout(
         *TWO_ROUNDS,
@@ -223,12 +225,13 @@ def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path
         "baseline",
         "baseline-twin",
         "ngram-adaptive",
-        "--isolate",
+        mode,
         "--json",
         str(out_json),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out_json.read_text())
+    assert report["args"]["lockstep"] is (mode == "--lockstep")
     rounds = {r["algorithm"]: r["round_tokens_per_s"] for r in report["results"]}
     assert set(rounds) == {"baseline", "baseline-twin", "ngram-adaptive"}
     assert all(len(v) == 2 and min(v) > 0 for v in rounds.values())
@@ -242,6 +245,61 @@ def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path
     assert noise["paired_median"] == pytest.approx(sum(twins) / 2, abs=1e-3)
     assert (noise["paired_min"], noise["paired_max"]) == pytest.approx(twins, abs=1e-3)
     assert "baseline-twin / baseline (identical engines)" in proc.stdout
+
+
+class _GatedThread:
+    """drive's view of a gated engine process, with a thread in place of the process: a
+    scheduler whose step logs its name and sleeps, run `steps` times under a StepGate."""
+
+    def __init__(self, name: str, steps: int, seconds: float, log: list[str]) -> None:
+        import multiprocessing
+        import threading
+        import time
+        from types import SimpleNamespace
+
+        from scripts.bench_isolate import StepGate
+
+        self.gate, child_gate = multiprocessing.Pipe()
+        self._answers, child_answers = multiprocessing.Pipe()
+        step = lambda: (log.append(name), time.sleep(seconds))  # noqa: E731
+        engine = SimpleNamespace(scheduler=SimpleNamespace(step=step), get_server_info=dict)
+        gate = StepGate(child_gate)
+        gate.install(engine)
+
+        def child() -> None:
+            gate.on = True
+            start, wall = gate.clock(engine), time.perf_counter()
+            for _ in range(steps):
+                engine.scheduler.step()
+            child_answers.send(("ok", (gate.clock(engine) - start, time.perf_counter() - wall)))
+
+        threading.Thread(target=child, daemon=True).start()
+
+    @property
+    def readers(self) -> list:
+        return [self.gate, self._answers]
+
+    def answered(self) -> bool:
+        return self._answers.poll()
+
+    def answer(self) -> tuple[float, float]:
+        return self._answers.recv()[1]
+
+
+def test_drive_gives_gated_engines_one_step_each_in_turn_and_each_times_its_own_steps():
+    from scripts.bench_isolate import drive
+
+    log: list[str] = []
+    engines = {
+        "slow": _GatedThread("slow", 3, 0.05, log),
+        "fast": _GatedThread("fast", 5, 0.0, log),
+    }
+    answers = drive(engines)
+    assert log == ["slow", "fast"] * 3 + ["fast"] * 2
+    (slow_busy, _), (fast_busy, fast_wall) = answers["slow"], answers["fast"]
+    assert 0.15 <= slow_busy < 0.3
+    # The fast engine waited out the slow one's steps, but its clock counts its own alone.
+    assert fast_wall >= 0.1 and fast_busy < 0.02
 
 
 def test_engine_process_runs_calls_in_its_own_process_and_reports_failures(llama_path):
