@@ -14,7 +14,8 @@ matrix multiplications, timed in blocks of 1.2 s one after another, took 1.03 s 
 and falling over seconds, so two engines timed a generation apart (7 s each at batch 32) differ
 by ~10% round by round. Run with a StepGate, every engine of a round waits for its turn before
 each scheduler step and times only its steps (`StepGate.clock`), and `drive` gives the engines
-one step each in turn: a slow spell falls on all of them within ~50 ms, not on whichever ran then.
+one step each in turn: a slow spell falls on all of them within one turn of the engines (seven:
+0.1 s at batch 1, about a second at batch 64), not on whichever ran then.
 """
 
 from __future__ import annotations
