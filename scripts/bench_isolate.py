@@ -179,6 +179,8 @@ class EngineProcess:
             self._proc.kill()
             self._proc.join()
         self._conn.close()
+        if self.gate is not None:
+            self.gate.close()
 
     def __enter__(self) -> EngineProcess:
         return self
