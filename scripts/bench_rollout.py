@@ -166,11 +166,9 @@ def run(
     """Each configuration in `names` at `batch`: after one warm-up generation, the best of
     --repeats rounds. --interleave: all engines open at once and the rounds go round-robin over
     them (starting one further each round), so a slow spell of the machine hits every
-    configuration alike; --isolate: the same rounds, each engine in a fresh process every round;
-    else one engine at a time."""
-    if args.lockstep:
-        return run_lockstep(table, names, batch, args)
-    if args.isolate:
+    configuration alike; --isolate: the same rounds, each engine in a fresh process every round
+    (--lockstep: measured at once, a step each in turn); else one engine at a time."""
+    if args.isolate or args.lockstep:
         return run_isolated(table, names, batch, args)
     groups = [names] if args.interleave else [[name] for name in names]
     out = {}
@@ -197,39 +195,32 @@ def run_isolated(
     table: dict[str, tuple[str, dict]], names: list[str], batch: int, args: argparse.Namespace
 ) -> dict[str, dict]:
     """--isolate: round by round, each configuration's engine opened in a fresh process, warmed
-    up, measured once and closed (scripts/bench_isolate.py says why)."""
+    up, measured once and closed; --lockstep: every configuration's fresh engine of the round
+    opened and warmed up, then all measured at once, one scheduler step each in turn, each timing
+    its own steps (scripts/bench_isolate.py says why)."""
     rounds: dict[str, list[dict]] = {n: [] for n in names}
     weight_bytes = {}
+    call = "measure_gated" if args.lockstep else "measure"
     for r in range(args.repeats):
-        for n in turned(names, r):
-            with EngineProcess(*table[n], batch, args) as engine:
-                engine.call("warm_up", n.startswith("ngram"))
-                rounds[n].append(engine.call("measure", n.startswith("ngram"), r))
-                weight_bytes[n] = engine.weight_bytes
-    return {n: summarize(batch, rounds[n], weight_bytes[n]) for n in names}
-
-
-def run_lockstep(
-    table: dict[str, tuple[str, dict]], names: list[str], batch: int, args: argparse.Namespace
-) -> dict[str, dict]:
-    """--lockstep: round by round, every configuration's engine opened in a fresh process and
-    warmed up, then all measured at once, one scheduler step each in turn, each timing its own
-    steps (scripts/bench_isolate.py says why)."""
-    rounds: dict[str, list[dict]] = {n: [] for n in names}
-    weight_bytes = {}
-    for r in range(args.repeats):
-        with contextlib.ExitStack() as stack:
-            engines = {
-                n: stack.enter_context(EngineProcess(*table[n], batch, args, gated=True))
-                for n in turned(names, r)
-            }
-            for n, engine in engines.items():
-                engine.call("warm_up", n.startswith("ngram"))
-                weight_bytes[n] = engine.weight_bytes
-            for n, engine in engines.items():
-                engine.send("measure_gated", n.startswith("ngram"), r)
-            for n, result in drive(engines).items():
-                rounds[n].append(result)
+        order = turned(names, r)
+        for group in [order] if args.lockstep else [[n] for n in order]:
+            with contextlib.ExitStack() as stack:
+                engines = {
+                    n: stack.enter_context(
+                        EngineProcess(*table[n], batch, args, gated=args.lockstep)
+                    )
+                    for n in group
+                }
+                for n, engine in engines.items():
+                    engine.call("warm_up", n.startswith("ngram"))
+                    weight_bytes[n] = engine.weight_bytes
+                for n, engine in engines.items():
+                    engine.send(call, n.startswith("ngram"), r)
+                answers = (
+                    drive(engines) if args.lockstep else {n: e.answer() for n, e in engines.items()}
+                )
+                for n, result in answers.items():
+                    rounds[n].append(result)
     return {n: summarize(batch, rounds[n], weight_bytes[n]) for n in names}
 
 
