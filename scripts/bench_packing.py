@@ -3,11 +3,19 @@
     python -m scripts.bench_packing --repeats 15 --json docs/benchmarks/packing_cpu.json
 
 The tiny CPU run's trainer (specrl.tiny_run: a random Qwen2 trunk, hidden 64, 2 layers, one
-MiMo MTP layer) takes TrainActor.train on 32 sequences in one micro batch (--micro-batch-size 32,
-GRPO, --enable-mtp-training): the old log-probs forward, forward + backward with the MTP loss,
-one Adam step. Two batches: the tiny run's shapes (its task's prompts, 1-4 response tokens) and
-ragged ones (prompts of 16-128 tokens, responses of 1-128). The two layouts alternate on one
-actor and each time is the best of --repeats: the machine is shared and noisy.
+MiMo MTP layer) takes TrainActor.train on 32 sequences (GRPO, --enable-mtp-training): the old
+log-probs forward, forward + backward with the MTP loss, one Adam step. Two batches: the tiny
+run's shapes (its task's prompts, 1-4 response tokens) and ragged ones (prompts of 16-128
+tokens, responses of 1-128). Two ways to size micro batches:
+
+* the tiny run's: all 32 sequences in one micro batch (--micro-batch-size 32), padded or packed;
+* a token budget per micro batch (--budget B positions, as a GPU's memory sets one): padded with
+  the largest fixed --micro-batch-size whose micro batches never exceed it (B // the longest
+  sequence), padded with --use-dynamic-batch-size --max-tokens-per-gpu B (rows x longest row
+  within B), and packed with the same flags (tokens within B).
+
+The configurations alternate on one actor; each time is the best of --repeats (the machine is
+shared and noisy), and each ratio the median over rounds of the paired ratios.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import tempfile
 import time
 
@@ -52,11 +61,54 @@ def ragged_batch(vocab: int, rng: random.Random) -> TrainBatch:
     )
 
 
+def configurations(batch: TrainBatch, budget: int) -> dict[str, tuple[dict, str]]:
+    """name -> (the trainer options it sets, the padded configuration it is compared with)."""
+    whole = "bshd, --micro-batch-size 32"
+    fixed = f"bshd, --micro-batch-size {max(1, budget // max(len(t) for t in batch.tokens))}"
+    dynamic = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=budget)
+    return {
+        whole: (dict(qkv_format="bshd", micro_batch_size=SAMPLES), whole),
+        "thd, --micro-batch-size 32": (dict(qkv_format="thd", micro_batch_size=SAMPLES), whole),
+        fixed: (dict(qkv_format="bshd", micro_batch_size=int(fixed.split()[-1])), fixed),
+        f"bshd, --max-tokens-per-gpu {budget}": (dict(qkv_format="bshd", **dynamic), fixed),
+        f"thd, --max-tokens-per-gpu {budget}": (dict(qkv_format="thd", **dynamic), fixed),
+    }
+
+
+def time_step(actor, batch: TrainBatch, options: dict) -> tuple[float, int]:
+    """(seconds, micro batches) of one train step under `options`."""
+    defaults = dict(
+        micro_batch_size=SAMPLES,
+        use_dynamic_batch_size=False,
+        max_tokens_per_gpu=None,
+        log_probs_max_tokens_per_gpu=None,
+    )
+    settings = {**defaults, **options}
+    settings["log_probs_max_tokens_per_gpu"] = settings["max_tokens_per_gpu"]
+    for key, value in settings.items():
+        setattr(actor.args, key, value)
+    count = len(actor._micro_batches(range(len(batch)), [len(t) for t in batch.tokens]))
+    start = time.perf_counter()
+    actor.train(batch)
+    return time.perf_counter() - start, count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repeats", type=int, default=7, help="Train steps per layout and batch.")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        nargs=2,
+        default=[64, 1024],
+        metavar=("TINY", "RAGGED"),
+        help="Positions per micro batch for the token-budget configurations, per batch.",
+    )
+    parser.add_argument(
+        "--batches", nargs="+", default=["tiny run", "ragged"], choices=["tiny run", "ragged"]
+    )
     parser.add_argument("--json", default=None, help="Also write the results here.")
     parser.add_argument(
         "--threads",
@@ -97,31 +149,45 @@ def main() -> None:
         "tiny run": tiny_batch(tokenizer, rng),
         "ragged": ragged_batch(len(tokenizer), rng),
     }
+    budgets = dict(zip(("tiny run", "ragged"), args.budget))
     results = []
-    for name, batch in batches.items():
+    for name in args.batches:
+        batch = batches[name]
         real = sum(len(t) for t in batch.tokens)
         padded = len(batch) * max(len(t) for t in batch.tokens)
-        times: dict[str, list[float]] = {"bshd": [], "thd": []}
-        for _ in range(args.repeats + 1):  # the first round warms up both layouts
-            for layout in times:
-                actor.args.qkv_format = layout
-                start = time.perf_counter()
-                actor.train(batch)
-                times[layout].append(time.perf_counter() - start)
-        best = {layout: min(t[1:]) for layout, t in times.items()}
-        results.append(
-            dict(
-                batch=name,
-                tokens=real,
-                padded_tokens=padded,
-                **{f"{k}_s": v for k, v in best.items()},
+        configs = configurations(batch, budgets[name])
+        times: dict[str, list[float]] = {c: [] for c in configs}
+        counts: dict[str, int] = {}
+        for _ in range(args.repeats + 1):  # the first round warms up every configuration
+            for config, (options, _) in configs.items():
+                seconds, counts[config] = time_step(actor, batch, options)
+                times[config].append(seconds)
+        print(f"{name}: {real} tokens ({padded} padded)", flush=True)
+        for config, t in times.items():
+            against = configs[config][1]
+            ratios = [a / b for a, b in zip(times[against][1:], t[1:])]
+            ratio = statistics.median(ratios)
+            results.append(
+                dict(
+                    batch=name,
+                    tokens=real,
+                    padded_tokens=padded,
+                    config=config,
+                    micro_batches=counts[config],
+                    best_s=min(t[1:]),
+                    median_s=statistics.median(t[1:]),
+                    speedup_vs=against,
+                    speedup=ratio,
+                    rounds_faster=sum(r > 1 for r in ratios),
+                    rounds=len(ratios),
+                )
             )
-        )
-        print(
-            f"{name}: {real} tokens ({padded} padded): bshd {best['bshd']:.3f} s, "
-            f"thd {best['thd']:.3f} s, speed-up {best['bshd'] / best['thd']:.2f}x",
-            flush=True,
-        )
+            print(
+                f"  {config}: {counts[config]} micro batches, best {min(t[1:]):.4f} s, "
+                f"{ratio:.2f}x against {against} (faster in {sum(r > 1 for r in ratios)} of "
+                f"{len(ratios)} rounds)",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -192,3 +192,24 @@ def test_token_mean_losses_do_not_depend_on_micro_batch_size(actor):
         actor.model.zero_grad_buffer()
     assert grads[0].abs().sum() > 0
     assert torch.allclose(grads[0], grads[1], atol=1e-6), (grads[0] - grads[1]).abs().max()
+
+
+def test_pad_batch_puts_per_token_values_at_the_positions_that_score_the_response():
+    """Position t scores token t + 1: a response of n tokens ending a sequence of length L is
+    scored at positions L - n - 1 .. L - 2; a per-token list of the wrong length is refused."""
+    from trainer_bridge.batch import TrainBatch, pad_batch
+
+    batch = TrainBatch(
+        tokens=[[7, 8, 9, 10], [11, 12]],
+        response_lengths=[2, 1],
+        rewards=[1.0, 0.0],
+        loss_masks=[[1, 0], [1]],
+        rollout_log_probs=[[-0.5, -1.5], [-2.0]],
+    )
+    tokens, mask, rollout = pad_batch(batch, torch.device("cpu"))
+    assert tokens.tolist() == [[7, 8, 9, 10], [11, 12, 0, 0]]
+    assert mask.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    assert rollout.tolist() == [[0.0, -0.5, -1.5], [-2.0, 0.0, 0.0]]
+    batch.loss_masks = [[1, 0, 1], [1]]
+    with pytest.raises(ValueError, match="sequence 0 has 2 response tokens but 3"):
+        pad_batch(batch, torch.device("cpu"))

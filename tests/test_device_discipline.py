@@ -147,8 +147,8 @@ def test_train_step_and_push_name_every_device(actor, mimo):  # noqa: F811
     engine, under the guard; the model is built on the device asked for (megatron puts only its
     parallel layers on the CUDA device by itself), and metric reductions run on the rank's
     device."""
-    from trainer_bridge.actor import TrainActor
     from trainer_bridge.batch import TrainBatch
+    from trainer_bridge.data_parallel import DataParallel
     from trainer_bridge.model_provider import build_gpt_model
     from trainer_bridge.weight_sync import WeightSyncConfig
 
@@ -168,17 +168,11 @@ def test_train_step_and_push_name_every_device(actor, mimo):  # noqa: F811
         with Engine(model_path=mimo, random_seed=0, **spec) as engine:
             actor.push_weights([engine], WeightSyncConfig(check_weight_update_equal=True), "1")
         reduced = []
-        two_ranks = type(
-            "TwoRanks",
-            (),
-            {
-                "dp_size": 2,
-                "device": actor.device,
-                "_dp_all_reduce": lambda self, t: reduced.append(t),
-            },
-        )()
-        assert TrainActor._dp_mean(two_ranks, {"a": 1.0, "b": 3.0}) == {"a": 0.5, "b": 1.5}
-    assert reduced[0].device == actor.device
+        two_ranks = DataParallel(2, 0, actor.device)
+        two_ranks.all_reduce = lambda t, op="sum": reduced.append(t)
+        assert two_ranks.mean({"a": 1.0, "b": 3.0}) == {"a": 0.5, "b": 1.5}
+        assert two_ranks.max(3) == 3
+    assert [t.device for t in reduced] == [actor.device] * 2
     assert not guard.violations, "\n".join(guard.violations)
 
 

@@ -6,6 +6,10 @@ equals megatron's own attention run on each sequence alone; what packing cannot 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -301,3 +305,64 @@ def test_vectorized_thd_rope_and_roll_equal_megatrons_per_sequence_definitions(a
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     rolled, total = multi_token_prediction.roll_tensor(ids, packed_seq_params=params)
     assert rolled.tolist() == [[2, 3, 4, 0, 0, 7, 8, 9, 10, 11, 12, 0]] and total == rolled.sum()
+
+
+@pytest.mark.parametrize("layout", ["thd", "bshd"])
+@pytest.mark.parametrize("actor", ["mimo"], indirect=True)
+def test_dynamic_batch_size_trains_as_fixed_micro_batches(actor, layout):
+    """--use-dynamic-batch-size --max-tokens-per-gpu 30: micro batches of 1-3 sequences of
+    different sizes (each within the budget) give the log-probs, losses and gradients of the fixed
+    --micro-batch-size; the MTP loss, a token mean per micro batch as megatron's, is left out."""
+    batch = ragged_batch(actor)
+    saved = actor.args.micro_batch_size
+    reference = [
+        in_layout(actor, layout, actor.compute_log_probs, batch),
+        *in_layout(actor, layout, train_without_stepping, actor, actor.train, batch),
+    ]
+    sizes = []
+    forward = actor._forward
+
+    def counted(mb, *args, **kwargs):
+        sizes.append(len(mb.unpack(mb.tokens, 0)))
+        return forward(mb, *args, **kwargs)
+
+    actor._forward = counted
+    actor.args.use_dynamic_batch_size = True
+    actor.args.max_tokens_per_gpu = actor.args.log_probs_max_tokens_per_gpu = 30
+    actor.args.micro_batch_size = 1  # ignored
+    try:
+        dynamic = [
+            in_layout(actor, layout, actor.compute_log_probs, batch),
+            *in_layout(actor, layout, train_without_stepping, actor, actor.train, batch),
+        ]
+    finally:
+        del actor._forward
+        actor.args.use_dynamic_batch_size, actor.args.micro_batch_size = False, saved
+        actor.args.max_tokens_per_gpu = actor.args.log_probs_max_tokens_per_gpu = None
+    assert len(set(sizes)) > 1 and max(sizes) > 1, sizes
+    (want_logp, want, want_grads), (got_logp, got, got_grads) = reference, dynamic
+    diff = max(abs(a - b) for x, y in zip(want_logp, got_logp) for a, b in zip(x, y))
+    assert [len(x) for x in got_logp] == batch.response_lengths and diff < 1e-5, diff
+    keys = [k for k in want if k.startswith("train/") and k not in ("train/mtp_loss",)]
+    for key in keys:
+        if key != "train/grad_norm":
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    for w, g in zip(want_grads, got_grads):
+        scale = max(x.abs().max().item() for x in w.values())
+        for name in w:
+            if not name.startswith("mtp."):
+                assert (g[name] - w[name]).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_bench_packing_times_each_way_to_size_micro_batches(tmp_path):
+    out = tmp_path / "packing.json"
+    cmd = [sys.executable, "-m", "scripts.bench_packing", "--repeats", "1"]
+    cmd += ["--batches", "tiny run", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())}
+    # 32 sequences of at most 11 tokens (281 in all) in micro batches of 64 positions: 7 fixed
+    # micro batches of 5 padded rows, fewer filled to the budget, fewest packed (>= 281 / 64)
+    counts = [rows[c]["micro_batches"] for c in rows]
+    assert counts[:3] == [1, 1, 7] and 5 <= counts[4] <= counts[3] <= 7, rows
+    assert all(r["best_s"] > 0 and r["speedup"] > 0 for r in rows.values())

@@ -46,6 +46,10 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
     assert "--recompute-granularity 'full' has no effect" in notes
     # a trainer option (whole experts per rank for MoE models: tests/test_moe_etp.py)
     assert args.options.trainer.expert_tensor_parallel_size == 1
+    # slime's dynamic batch size (tests/test_packing.py, tests/test_moe_ep.py)
+    trainer = args.options.trainer
+    assert trainer.use_dynamic_batch_size and trainer.max_tokens_per_gpu == 9216
+    assert trainer.log_probs_max_tokens_per_gpu == 9216
     # Values that are the only ones specrl runs are accepted silently.
     assert "--pipeline-model-parallel-size" not in notes and "--optimizer" not in notes
 
@@ -55,6 +59,8 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
     [
         ("--pipeline-model-parallel-size 2", "pipeline parallelism is not implemented"),
         ("--expert-model-parallel-size 0", "--expert-model-parallel-size must be positive"),
+        ("--use-dynamic-batch-size", "needs --max-tokens-per-gpu"),
+        ("--max-tokens-per-gpu 0", "--max-tokens-per-gpu must be positive"),
         ("--lr-decay-style cosine", "the learning rate is constant"),
         ("--attention-dropout 0.1", "specrl trains without dropout"),
         ("--finetune", "export them with --save-hf and pass that as --hf-checkpoint"),

@@ -21,8 +21,10 @@ from torch import Tensor
 from trainer_bridge import expert_parallel, moe
 from trainer_bridge import loss as losses
 from trainer_bridge.batch import TrainBatch, pad_batch
+from trainer_bridge.data_parallel import DataParallel
 from trainer_bridge.draft_training import DraftLearningRate, set_trainable
 from trainer_bridge.loss import LossConfig
+from trainer_bridge.micro_batches import plan_micro_batches
 from trainer_bridge.mtp_loss import mtp_loss
 from trainer_bridge.online_draft import OnlineDraft
 from trainer_bridge.options import TrainerArgs, check_mtp_flags
@@ -95,6 +97,7 @@ class TrainActor:
             )
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.device = trainer_device()
+        self.dp = DataParallel(self.dp_size, self.dp_rank, self.device)
         # The policy's and the reference model's build (both replay routes, as slime's reference)
         overrides.update(params_dtype=dtype, device=self.device, packed=args.qkv_format == "thd")
         model = build_gpt_model(args.hf_checkpoint, **overrides)
@@ -190,19 +193,36 @@ class TrainActor:
         """Per response token: log_softmax(logits / temperature) of the sampled token (of the
         frozen reference model with `reference`)."""
         self.model.eval()
-        out = []
-        for start in range(0, len(batch), self.args.micro_batch_size):
-            part = batch.select(range(start, min(start + self.args.micro_batch_size, len(batch))))
+        out: list[list[float]] = [[] for _ in batch.tokens]
+        lengths = [len(seq) for seq in batch.tokens]
+        for rows in self._micro_batches(range(len(batch)), lengths, log_probs=True):
+            part = batch.select(rows)
             tokens, _, _ = pad_batch(part, self.device)
             routes = routes_for(self.args, part, tokens.shape[1], self.arch, self.device)
-            mb = self._micro_batch(tokens, [len(seq) for seq in part.tokens])
+            mb = self._micro_batch(tokens, [lengths[i] for i in rows])
             logits, _ = self._forward(mb, reference, routes)
             logp = mb.unpack(
                 losses.token_log_probs(logits[:, :-1], mb.tokens[:, 1:], self.temperature), 1
-            )
-            for i, (seq, n) in enumerate(zip(part.tokens, part.response_lengths)):
-                out.append(logp[i, len(seq) - n - 1 : len(seq) - 1].tolist())
+            ).tolist()
+            for row, values, n in zip(rows, logp, part.response_lengths):
+                out[row] = values[lengths[row] - n - 1 : lengths[row] - 1]
         return out
+
+    def _micro_batches(
+        self, rows: Sequence[int], lengths: list[int], log_probs: bool = False
+    ) -> list[list[int]]:
+        """`rows` of a batch (row i holding lengths[i] tokens) in micro batches, as many on every
+        data-parallel rank (trainer_bridge.micro_batches)."""
+        args = self.args
+        budget = args.log_probs_max_tokens_per_gpu if log_probs else args.max_tokens_per_gpu
+        return plan_micro_batches(
+            rows,
+            [lengths[i] for i in rows],
+            args.micro_batch_size,
+            budget if args.use_dynamic_batch_size else None,
+            packed=args.qkv_format == "thd",
+            align=self.dp.max,
+        )
 
     # ---------------------------------------------------------------- train
 
@@ -211,7 +231,7 @@ class TrainActor:
         global batches of micro batches. Returns slime's train/ metrics (means over steps)."""
         start = time.perf_counter()
         tokens, mask, rollout = pad_batch(batch, self.device)
-        share, rows = self._dp_share(batch)
+        share, rows = self.dp.share(batch)
         # The KL-shaped advantages of --kl-coef need every sequence's log-probs, not this rank's
         # share.
         scored = batch if self.loss_cfg.kl_coef else share
@@ -239,7 +259,7 @@ class TrainActor:
         has_rollout = batch.rollout_log_probs is not None
 
         def rl_loss(
-            sl: slice, mb: MicroBatch, logits: Tensor, normalizer: Optional[Tensor]
+            sl: Tensor, mb: MicroBatch, logits: Tensor, normalizer: Optional[Tensor]
         ) -> tuple[Tensor, dict[str, Tensor]]:
             logp, entropy = (
                 mb.unpack(x, 1)
@@ -275,11 +295,11 @@ class TrainActor:
         """Supervised steps: mean cross-entropy of the response tokens (plus the MTP loss when
         MTP training is on) — the warm-up before RL."""
         start = time.perf_counter()
-        batch, _ = self._dp_share(batch)
+        batch, _ = self.dp.share(batch)
         tokens, mask, _ = pad_batch(batch, self.device)
 
         def sft_loss(
-            sl: slice, mb: MicroBatch, logits: Tensor, normalizer: Optional[Tensor]
+            sl: Tensor, mb: MicroBatch, logits: Tensor, normalizer: Optional[Tensor]
         ) -> tuple[Tensor, dict[str, Tensor]]:
             logp = mb.unpack(losses.token_log_probs(logits[:, :-1], mb.tokens[:, 1:]), 1)
             loss = -(logp * mask[sl]).sum() / normalizer
@@ -300,20 +320,6 @@ class TrainActor:
             )
         return out.to(self.device)
 
-    def _dp_share(self, batch: TrainBatch) -> tuple[TrainBatch, list[int]]:
-        """This data-parallel rank's sequences (every rank of a TP group gets the same ones)."""
-        if self.dp_size == 1:
-            return batch, list(range(len(batch)))
-        if len(batch) % self.dp_size:
-            raise ValueError(
-                f"a batch of {len(batch)} sequences does not split over {self.dp_size} "
-                "data-parallel "
-                "trainer ranks; make rollout-batch-size x n-samples-per-prompt a multiple of it"
-            )
-        per = len(batch) // self.dp_size
-        rows = list(range(self.dp_rank * per, (self.dp_rank + 1) * per))
-        return batch.select(rows), rows
-
     def _train_steps(
         self,
         tokens: Tensor,
@@ -326,11 +332,11 @@ class TrainActor:
     ) -> dict[str, float]:
         """Optimizer steps over global batches; returns slime's train/ metrics (means over steps).
 
-        `loss_fn(rows, micro batch, logits, normalizer)`: with `per_token` the loss is a sum over
-        tokens divided by `normalizer` (the step's token count over all data-parallel ranks / dp
-        size, so DDP's averaging gives the global token mean); otherwise a mean over the micro
-        batch's sequences (normalizer None), weighted here by the micro batch's share of the
-        step."""
+        `loss_fn(rows, micro batch, logits, normalizer)`, rows an index tensor on the device:
+        with `per_token` the loss is a sum over tokens divided by `normalizer` (the step's token
+        count over all data-parallel ranks / dp size, so DDP's averaging gives the global token
+        mean); otherwise a mean over the micro batch's sequences (normalizer None), weighted here
+        by the micro batch's share of the step."""
         step_size = (
             self.args.global_batch_size // self.dp_size
             if self.args.global_batch_size
@@ -339,8 +345,16 @@ class TrainActor:
         totals: dict[str, list[float]] = {}
         self.model.train()
         for first in range(0, tokens.shape[0], step_size):
-            rows = slice(first, min(first + step_size, tokens.shape[0]))
-            step = self._optimizer_step(tokens, lengths, mask, rows, loss_fn, per_token, routes)
+            rows = range(first, min(first + step_size, tokens.shape[0]))
+            step = self._optimizer_step(
+                tokens,
+                lengths,
+                mask,
+                self._micro_batches(rows, lengths),
+                loss_fn,
+                per_token,
+                routes,
+            )
             for k, v in step.items():
                 totals.setdefault(k, []).append(v)
         result = {f"train/{k}": sum(v) / len(v) for k, v in totals.items()}
@@ -355,28 +369,28 @@ class TrainActor:
         tokens: Tensor,
         lengths: list[int],
         mask: Tensor,
-        rows: slice,
+        micro_batches: list[list[int]],
         loss_fn,
         per_token: bool,
         routes: Optional[Tensor],
     ) -> dict[str, float]:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        n, mbs = rows.stop - rows.start, self.args.micro_batch_size
+        n = sum(map(len, micro_batches))
         if self.args.moe_aux_loss_coeff:
-            moe.scale_balance_loss(-(-n // mbs), self.device)
+            moe.scale_balance_loss(len(micro_batches), self.device)
         normalizer = None
         if per_token:
-            count = mask[rows].sum()
-            self._dp_all_reduce(count)
+            count = sum(mask[rows].sum() for rows in micro_batches)
+            self.dp.all_reduce(count)
             normalizer = (count / self.dp_size).clamp(min=1.0 / self.dp_size)
         sums: dict[str, float] = {}
-        for first in range(rows.start, rows.stop, mbs):
-            sl = slice(first, min(first + mbs, rows.stop))
-            mb = self._micro_batch(tokens[sl], lengths[sl])
+        for rows in micro_batches:
+            sl = torch.tensor(rows, dtype=torch.long, device=self.device)
+            mb = self._micro_batch(tokens[sl], [lengths[i] for i in rows])
             logits, hidden = self._forward(mb, routes=None if routes is None else routes[sl])
             loss, metrics = loss_fn(sl, mb, logits, normalizer)
-            share = (sl.stop - sl.start) / n  # micro batches add up to the step's mean
+            share = len(rows) / n  # micro batches add up to the step's mean
             self.online_draft.backward(tokens[sl], logits, mask[sl], share)
             weight = 1.0 if per_token else share  # per-token losses are partial sums already
             loss = loss * weight
@@ -391,8 +405,8 @@ class TrainActor:
         allreduce_norm_grads(self.model)  # replicated weights with per-TP-rank gradients
         if self.args.moe_aux_loss_coeff:  # megatron's tracker, summed over the micro batches
             moe_layers = moe.num_moe_layers(self.arch, self.args.enable_mtp_training)
-            sums.update(moe.moe_aux_losses(moe_layers, num_micro_batches=-(-n // mbs)))
-        sums = self._dp_mean(sums)
+            sums.update(moe.moe_aux_losses(moe_layers, num_micro_batches=len(micro_batches)))
+        sums = self.dp.mean(sums)
         with self.draft_lr.step():
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
@@ -405,23 +419,6 @@ class TrainActor:
         sums.update(self.online_draft.step())
         sums["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return sums
-
-    def _dp_all_reduce(self, tensor: Tensor) -> None:
-        if self.dp_size > 1:
-            from megatron.core import parallel_state
-
-            torch.distributed.all_reduce(tensor, group=parallel_state.get_data_parallel_group())
-
-    def _dp_mean(self, values: dict[str, float]) -> dict[str, float]:
-        """Metrics averaged over data-parallel ranks (each rank saw its share of the sequences)."""
-        if self.dp_size == 1 or not values:
-            return values
-        keys = sorted(values)
-        # On this rank's device: NCCL reduces only CUDA tensors. float64 keeps sums of many
-        # metrics exact.
-        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
-        self._dp_all_reduce(t)
-        return {k: v / self.dp_size for k, v in zip(keys, t.tolist())}
 
     # ---------------------------------------------------------------- export
 

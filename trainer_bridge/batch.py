@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -43,22 +44,36 @@ def pad_batch(batch: TrainBatch, device: torch.device) -> tuple[Tensor, Tensor, 
     """tokens [b, S] (right-padded with 0), mask [b, S-1] of response positions to score
     (position t scores token t + 1), and rollout log-probs at the same positions; laid out on
     the host, then moved to `device` in one copy each."""
-    width = max(len(t) for t in batch.tokens)
     host = {"device": "cpu"}
+    # One host tensor per field, scattered into place (a tensor per row costs more than a tiny
+    # model's whole layer).
+    lengths = torch.tensor([len(t) for t in batch.tokens], dtype=torch.long, **host)
+    responses = torch.tensor(batch.response_lengths, dtype=torch.long, **host)
+    width = int(lengths.max())
+    columns = torch.arange(width, **host)
     tokens = torch.zeros(len(batch), width, dtype=torch.long, **host)
-    mask = torch.zeros(len(batch), width - 1, dtype=torch.float32, **host)
+    tokens[columns < lengths[:, None]] = torch.tensor(
+        list(itertools.chain.from_iterable(batch.tokens)), dtype=torch.long, **host
+    )
+    start = (lengths - responses - 1)[:, None]
+    scored = (columns[:-1] >= start) & (columns[:-1] < start + responses[:, None])
+    mask = scored.to(torch.float32)
+    if batch.loss_masks:
+        mask[scored] = _flat(batch.loss_masks, batch.response_lengths)
     rollout = torch.zeros(len(batch), width - 1, dtype=torch.float32, **host)
-    for i, (seq, n) in enumerate(zip(batch.tokens, batch.response_lengths)):
-        tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long, **host)
-        start = len(seq) - n - 1
-        if batch.loss_masks:
-            mask[i, start : start + n] = torch.tensor(
-                batch.loss_masks[i], dtype=torch.float32, **host
-            )
-        else:
-            mask[i, start : start + n] = 1.0
-        if batch.rollout_log_probs is not None:
-            rollout[i, start : start + n] = torch.tensor(
-                batch.rollout_log_probs[i], dtype=torch.float32, **host
-            )
+    if batch.rollout_log_probs is not None:
+        rollout[scored] = _flat(batch.rollout_log_probs, batch.response_lengths)
     return tokens.to(device), mask.to(device), rollout.to(device)
+
+
+def _flat(per_response: list[list[float]], response_lengths: list[int]) -> Tensor:
+    """Per-response-token values, one list per sequence, as one float32 host tensor."""
+    for i, (values, n) in enumerate(zip(per_response, response_lengths)):
+        if len(values) != n:
+            raise ValueError(
+                f"sequence {i} has {n} response tokens but {len(values)} per-token values: give "
+                f"one value per response token"
+            )
+    return torch.tensor(
+        list(itertools.chain.from_iterable(per_response)), dtype=torch.float32, device="cpu"
+    )

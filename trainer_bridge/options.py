@@ -24,10 +24,33 @@ class TrainerArgs:
     clip_grad: float = field(
         default=1.0, metadata={"help": "Gradient clipping by global norm (0 disables)."}
     )
-    micro_batch_size: int = field(default=4, metadata={"help": "Sequences per forward/backward."})
+    micro_batch_size: int = field(
+        default=4,
+        metadata={"help": "Sequences per forward/backward (not with --use-dynamic-batch-size)."},
+    )
     global_batch_size: Optional[int] = field(
         default=None,
         metadata={"help": "Sequences per optimizer step (default: a whole rollout in one step)."},
+    )
+    use_dynamic_batch_size: bool = field(
+        default=False,
+        metadata={
+            "help": "slime's dynamic batch size: a micro batch holds as many sequences as fit "
+            "--max-tokens-per-gpu (first fit in order; a longer sequence runs alone), not "
+            "--micro-batch-size. Tokens are a sequence's prompt and response; padded (--qkv-format "
+            "bshd) a micro batch counts its rows times its longest row."
+        },
+    )
+    max_tokens_per_gpu: Optional[int] = field(
+        default=None,
+        metadata={"help": "Token budget of a train micro batch (--use-dynamic-batch-size)."},
+    )
+    log_probs_max_tokens_per_gpu: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "Token budget of a log-prob (no-grad) micro batch with "
+            "--use-dynamic-batch-size (default: --max-tokens-per-gpu); larger is faster."
+        },
     )
     qkv_format: str = field(
         default="bshd",
@@ -209,6 +232,7 @@ class TrainerArgs:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
                 )
+        self._check_dynamic_batch_size()
         if self.global_batch_size is not None and self.global_batch_size <= 0:
             raise ValueError(f"--global-batch-size must be positive, got {self.global_batch_size}")
         if self.moe_aux_loss_coeff < 0:
@@ -241,6 +265,19 @@ class TrainerArgs:
         """--expert-tensor-parallel-size, its default resolved (--tensor-model-parallel-size)."""
         etp = self.expert_tensor_parallel_size
         return self.tensor_model_parallel_size if etp is None else etp
+
+    def _check_dynamic_batch_size(self) -> None:
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ValueError(
+                "--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of a micro "
+                "batch), as in slime"
+            )
+        for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if self.log_probs_max_tokens_per_gpu is None:
+            self.log_probs_max_tokens_per_gpu = self.max_tokens_per_gpu
 
     def _check_draft_training(self) -> None:
         if self.enable_mtp_training:

@@ -24,7 +24,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
 
 from trainer_bridge.spec_rewrite import swap_in_spec
-from trainer_bridge.thd_ops import positions_in_sequence
+from trainer_bridge.thd_ops import sequence_layout
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -71,7 +71,7 @@ class PackedDotProductAttention(DotProductAttention):
                 "packed attention takes one segment per sequence (no cu_seqlens_q_padded) and no "
                 "attention bias"
             )
-        segment, offset = _segments(packed_seq_params.cu_seqlens_q)
+        segment, offset = sequence_layout(packed_seq_params.cu_seqlens_q)
         batch = (packed_seq_params.cu_seqlens_q.numel() - 1, packed_seq_params.max_seqlen_q)
         # Each sequence right-padded into its own row: causal attention then reaches only that
         # sequence's earlier tokens (a pad key sits after every real query), so one batched call
@@ -98,25 +98,6 @@ class PackedDotProductAttention(DotProductAttention):
             )
         # [sequences, heads, width, d] -> [t, heads * d], the tokens back in pack order.
         return out.transpose(1, 2)[segment, offset].reshape(query.shape[0], -1)
-
-
-# The latest pack's (cu_seqlens, segments): every layer of one forward gets the same cu_seqlens
-# tensor, so its layout is computed once per forward, not once per layer.
-_latest: Optional[tuple[Tensor, tuple[Tensor, Tensor]]] = None
-
-
-def _segments(cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
-    """(sequence, position in it) of every packed token, on cu_seqlens' device."""
-    global _latest
-    if _latest is not None and _latest[0] is cu_seqlens:
-        return _latest[1]
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    ids = torch.arange(lengths.numel(), device=cu_seqlens.device)
-    _latest = (
-        cu_seqlens,
-        (torch.repeat_interleave(ids, lengths), positions_in_sequence(cu_seqlens)),
-    )
-    return _latest[1]
 
 
 def _rows(x: Tensor, segment: Tensor, offset: Tensor, batch: tuple[int, int]) -> Tensor:

@@ -45,15 +45,9 @@ def use_vectorized_thd_ops() -> None:
             return rope(
                 t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group
             )
-        # megatron: freqs holding every packed position are read at the token's own index,
-        # else each sequence reads rows 0..len-1.
-        if freqs.size(0) == int(cu_seqlens[-1]):
-            rows = torch.arange(t.shape[0], device=t.device)
-        else:
-            rows = positions_in_sequence(cu_seqlens)
         return rope_utils._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1),
-            freqs[rows],
+            _token_freqs(freqs, cu_seqlens),
             rotary_interleaved=rotary_interleaved,
             multi_latent_attention=multi_latent_attention,
             mscale=mscale,
@@ -81,3 +75,37 @@ def positions_in_sequence(cu_seqlens: Tensor) -> Tensor:
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
     return torch.arange(starts.numel(), device=cu_seqlens.device) - starts
+
+
+# Every attention layer of one forward gets the same cu_seqlens and rotary tensors (megatron
+# computes them once per forward), so what they derive is computed once per forward, not once per
+# layer, query and key: the latest pack's layout, and the latest rotary table read per token.
+_layout: Optional[tuple[Tensor, tuple[Tensor, Tensor]]] = None
+_freqs: Optional[tuple[Tensor, Tensor, Tensor]] = None
+
+
+def sequence_layout(cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
+    """(sequence, position in it) of every packed token, on cu_seqlens' device."""
+    global _layout
+    if _layout is None or _layout[0] is not cu_seqlens:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        ids = torch.arange(lengths.numel(), device=cu_seqlens.device)
+        _layout = (
+            cu_seqlens,
+            (torch.repeat_interleave(ids, lengths), positions_in_sequence(cu_seqlens)),
+        )
+    return _layout[1]
+
+
+def _token_freqs(freqs: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """The rotary table's row for each packed token, [t, 1, 1, d]: as megatron reads it, at the
+    token's own index when the table holds every packed position, else at its position in its
+    sequence."""
+    global _freqs
+    if _freqs is None or _freqs[0] is not freqs or _freqs[1] is not cu_seqlens:
+        if freqs.size(0) == int(cu_seqlens[-1]):
+            rows = torch.arange(freqs.size(0), device=freqs.device)
+        else:
+            rows = sequence_layout(cu_seqlens)[1]
+        _freqs = (freqs, cu_seqlens, freqs[rows])
+    return _freqs[2]
