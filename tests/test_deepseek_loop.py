@@ -25,11 +25,14 @@ def task(tmp_path_factory) -> str:
     return str(data)
 
 
-# The run script's tiny models (random; the session's tokenizer); GLM-4.5 moves its expert bias.
+# The run script's tiny models (random; the session's tokenizer); GLM-4.5 moves its expert bias
+# and trains packed, in micro batches of at most 30 tokens (slime's dynamic batch size).
+GLM45_FLAGS = ["--moe-router-bias-update-rate", "1e-2", "--qkv-format", "thd"]
+GLM45_FLAGS += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "30"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "arch,extra", [("deepseek_v3", []), ("glm4_moe", ["--moe-router-bias-update-rate", "1e-2"])]
-)
+@pytest.mark.parametrize("arch,extra", [("deepseek_v3", []), ("glm4_moe", GLM45_FLAGS)])
 def test_moe_loop_trains_its_mtp_layer_online(arch, extra, task, make_model, tmp_path):
     from specrl.tiny_run import MOE_RUN
 
