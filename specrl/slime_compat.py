@@ -147,7 +147,6 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "lr_decay_style": _only("constant", "the learning rate is constant", "constant"),
     "lr_warmup_iters": _only(0, "the learning rate is constant (no warm-up)", 0, type=int),
     "min_lr": _noop(None, "the learning rate is constant (--lr)", float),
-    "balance_data": _noop(False, "samples are split over data-parallel ranks in order"),
     "log_probs_chunk_size": _noop(None, "log-probs are computed per micro-batch", int),
     "loss_type": _only(
         "policy_loss", "specrl trains the policy loss only (no SFT loss)", "policy_loss"

@@ -61,3 +61,33 @@ def test_every_sequence_lands_once_within_the_budget(lengths, budget, packed, ex
         assert b == sorted(b)
         if len(b) > 1:  # only a sequence alone may exceed the budget
             assert _cost([r - 100 for r in b], lengths, packed) <= budget
+
+
+def test_balance_data_gives_every_rank_as_many_sequences_and_close_token_counts():
+    """GRPO groups of long and of short prompts: contiguous shares would give one rank 400 tokens
+    and the other 40; --balance-data gives each two of each."""
+    from trainer_bridge.data_parallel import balanced_partitions
+
+    assert balanced_partitions([100] * 4 + [10] * 4, 2) == [[0, 3, 5, 6], [1, 2, 4, 7]]
+    assert balanced_partitions([1, 2, 3, 4, 5, 6, 7, 8], 2) == [[0, 3, 5, 6], [1, 2, 4, 7]]
+    with pytest.raises(ValueError, match="7 sequences do not split into 2 equal groups"):
+        balanced_partitions([1] * 7, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    parts=st.integers(1, 4),
+    per=st.integers(1, 6),
+    data=st.data(),
+)
+def test_balanced_partitions_split_every_sequence_once_into_equal_groups(parts, per, data):
+    from trainer_bridge.data_parallel import balanced_partitions
+
+    lengths = data.draw(st.lists(st.integers(1, 500), min_size=parts * per, max_size=parts * per))
+    got = balanced_partitions(lengths, parts)
+    assert len(got) == parts and all(len(g) == per and g == sorted(g) for g in got)
+    assert sorted(sum(got, [])) == list(range(len(lengths)))
+    sums = [sum(lengths[i] for i in g) for g in got]
+    # within one longest sequence of each other (largest differencing keeps each merge's spread
+    # under the larger of the two it merges)
+    assert max(sums) - min(sums) <= max(lengths)

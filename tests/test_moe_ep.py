@@ -54,14 +54,16 @@ RUNS = {
         # equal packs: the balance loss, computed per pack, sees no padding on either rank
         (12, 8, 10, 10),
     ),
-    # slime's dynamic batch size: padded micro batches of at most 20 positions. Rank 0's rows (11,
-    # 9) need two, rank 1's (7, 10) fit in one, which it splits to run two as well (the expert
-    # all-gathers pair up); one process runs [11], [9, 7], [10].
+    # slime's --balance-data and dynamic batch size: rank 0 trains rows 0 and 2 (11 + 7 tokens),
+    # rank 1 rows 1 and 3 (9 + 10), in padded micro batches of at most 20 positions. Rank 0's need
+    # two, rank 1's fit in one, which it splits to run two as well (the expert all-gathers pair
+    # up); one process runs [11], [9, 7], [10].
     "glm4_moe_dynamic": (
         FAMILIES["glm4_moe"],
         dict(
             qkv_format="bshd",
             use_rollout_routing_replay=True,
+            balance_data=True,
             use_dynamic_batch_size=True,
             max_tokens_per_gpu=20,
         ),

@@ -50,6 +50,7 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
     trainer = args.options.trainer
     assert trainer.use_dynamic_batch_size and trainer.max_tokens_per_gpu == 9216
     assert trainer.log_probs_max_tokens_per_gpu == 9216
+    assert trainer.balance_data
     # Values that are the only ones specrl runs are accepted silently.
     assert "--pipeline-model-parallel-size" not in notes and "--optimizer" not in notes
 

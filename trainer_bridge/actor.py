@@ -97,7 +97,7 @@ class TrainActor:
             )
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.device = trainer_device()
-        self.dp = DataParallel(self.dp_size, self.dp_rank, self.device)
+        self.dp = DataParallel(self.dp_size, self.dp_rank, self.device, args.balance_data)
         # The policy's and the reference model's build (both replay routes, as slime's reference)
         overrides.update(params_dtype=dtype, device=self.device, packed=args.qkv_format == "thd")
         model = build_gpt_model(args.hf_checkpoint, **overrides)

@@ -1,7 +1,16 @@
 """One trainer rank's data-parallel side: its share of a batch's sequences and the reductions
-over its data-parallel group (on the rank's device: NCCL reduces only CUDA tensors)."""
+over its data-parallel group (on the rank's device: NCCL reduces only CUDA tensors).
+
+The share is a contiguous run of the batch, or with --balance-data (slime's) as many sequences as
+every other rank's, chosen so that the ranks' token counts are close: Karmarkar-Karp's largest
+differencing method with equal counts, as slime's get_seqlen_balanced_partitions (from verl).
+"""
 
 from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -13,11 +22,14 @@ class DataParallel:
     """Rank `rank` of `size` data-parallel ranks (every rank of a tensor-parallel group has the
     same one)."""
 
-    def __init__(self, size: int, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, size: int, rank: int, device: torch.device, balance_data: bool = False
+    ) -> None:
         self.size, self.rank, self.device = size, rank, device
+        self.balance_data = balance_data
 
     def share(self, batch: TrainBatch) -> tuple[TrainBatch, list[int]]:
-        """This rank's sequences of `batch`, and their rows in it."""
+        """This rank's sequences of `batch`, and their rows in it (ascending)."""
         if self.size == 1:
             return batch, list(range(len(batch)))
         if len(batch) % self.size:
@@ -25,8 +37,11 @@ class DataParallel:
                 f"a batch of {len(batch)} sequences does not split over {self.size} data-parallel "
                 "trainer ranks; make rollout-batch-size x n-samples-per-prompt a multiple of it"
             )
-        per = len(batch) // self.size
-        rows = list(range(self.rank * per, (self.rank + 1) * per))
+        if self.balance_data:
+            rows = balanced_partitions([len(t) for t in batch.tokens], self.size)[self.rank]
+        else:
+            per = len(batch) // self.size
+            rows = list(range(self.rank * per, (self.rank + 1) * per))
         return batch.select(rows), rows
 
     def all_reduce(self, tensor: Tensor, op: str = "sum") -> None:
@@ -59,3 +74,31 @@ class DataParallel:
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
         self.all_reduce(t)
         return {k: v / self.size for k, v in zip(keys, t.tolist())}
+
+
+def balanced_partitions(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """The indices of `lengths` in `parts` groups of equal size (len(lengths) a multiple of
+    `parts`) whose sums are close, each ascending: Karmarkar-Karp's largest differencing method.
+    The sequences, shortest first, are dealt `parts` at a time into partial partitions; the two
+    partial partitions whose sums spread most are merged, largest group with smallest, until
+    one is left."""
+    if len(lengths) % parts:
+        raise ValueError(f"{len(lengths)} sequences do not split into {parts} equal groups")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    tie = itertools.count()  # equal spreads merge in the order they were made
+
+    def entry(groups: list[tuple[int, list[int]]]) -> tuple[int, int, list]:
+        groups.sort(key=lambda g: (-g[0], g[1]))
+        return (-(groups[0][0] - groups[-1][0]), next(tie), groups)
+
+    heap = [
+        entry([(lengths[i], [i]) for i in order[start : start + parts]])
+        for start in range(0, len(order), parts)
+    ]
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))]
+        heapq.heappush(heap, entry(merged))
+    return sorted(sorted(items) for _, items in heap[0][2])

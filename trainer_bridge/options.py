@@ -52,6 +52,13 @@ class TrainerArgs:
             "--use-dynamic-batch-size (default: --max-tokens-per-gpu); larger is faster."
         },
     )
+    balance_data: bool = field(
+        default=False,
+        metadata={
+            "help": "slime's: each data-parallel rank trains as many sequences, chosen so the "
+            "ranks' token counts are close (Karmarkar-Karp), not a contiguous run of the rollout."
+        },
+    )
     qkv_format: str = field(
         default="bshd",
         metadata={
