@@ -16,7 +16,7 @@ rank (the round trip), expert gradients averaged over the whole data-parallel gr
 experts loaded and exported under a consistently wrong global number (log-probs), micro batches
 not padded to the expert group's length (gloo aborts the all-gather), the balance loss's
 gradient not scaled to its micro batches' mean (log-probs after the step), dynamic micro batches
-not made as many on both ranks (a rank fails in the expert all-gather); at the other EP size,
+not made as many on both ranks (the ranks hang in mismatched collectives); at the other EP size,
 Adam's state restored onto the neighbouring expert (log-probs after the resumed step 0.044 off,
 weights 1.7 LR), Adam's step count lost (0.67, 0.35 LR), its moments lost (0.47, 1.4 LR)."""
 
@@ -55,17 +55,17 @@ RUNS = {
         (12, 8, 10, 10),
     ),
     # slime's --balance-data and dynamic batch size: rank 0 trains rows 0 and 2 (11 + 7 tokens),
-    # rank 1 rows 1 and 3 (9 + 10), in padded micro batches of at most 20 positions. Rank 0's need
-    # two, rank 1's fit in one, which it splits to run two as well (the expert all-gathers pair
-    # up); one process runs [11], [9, 7], [10].
+    # rank 1 rows 1 and 3 (9 + 10), in packs of at most 18 tokens. Rank 0's fit in one, which it
+    # splits to run two as rank 1 does (the expert all-gathers pair up); one process runs
+    # [11, 7], [9], [10].
     "glm4_moe_dynamic": (
         FAMILIES["glm4_moe"],
         dict(
-            qkv_format="bshd",
+            qkv_format="thd",
             use_rollout_routing_replay=True,
             balance_data=True,
             use_dynamic_batch_size=True,
-            max_tokens_per_gpu=20,
+            max_tokens_per_gpu=18,
         ),
         (11, 9, 7, 10),
     ),

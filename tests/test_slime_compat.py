@@ -62,6 +62,10 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
         ("--expert-model-parallel-size 0", "--expert-model-parallel-size must be positive"),
         ("--use-dynamic-batch-size", "needs --max-tokens-per-gpu"),
         ("--max-tokens-per-gpu 0", "--max-tokens-per-gpu must be positive"),
+        (
+            "--use-dynamic-batch-size --max-tokens-per-gpu 64 --expert-model-parallel-size 2",
+            "different numbers of rows, which megatron's allgather dispatcher cannot exchange",
+        ),
         ("--lr-decay-style cosine", "the learning rate is constant"),
         ("--attention-dropout 0.1", "specrl trains without dropout"),
         ("--finetune", "export them with --save-hf and pass that as --hf-checkpoint"),

@@ -259,7 +259,7 @@ class TrainActor:
         has_rollout = batch.rollout_log_probs is not None
 
         def rl_loss(
-            sl: Tensor, mb: MicroBatch, logits: Tensor, normalizer: Optional[Tensor]
+            sl: tuple[Tensor, slice], mb: MicroBatch, logits: Tensor, normalizer: Optional[Tensor]
         ) -> tuple[Tensor, dict[str, Tensor]]:
             logp, entropy = (
                 mb.unpack(x, 1)
@@ -299,7 +299,7 @@ class TrainActor:
         tokens, mask, _ = pad_batch(batch, self.device)
 
         def sft_loss(
-            sl: Tensor, mb: MicroBatch, logits: Tensor, normalizer: Optional[Tensor]
+            sl: tuple[Tensor, slice], mb: MicroBatch, logits: Tensor, normalizer: Optional[Tensor]
         ) -> tuple[Tensor, dict[str, Tensor]]:
             logp = mb.unpack(losses.token_log_probs(logits[:, :-1], mb.tokens[:, 1:]), 1)
             loss = -(logp * mask[sl]).sum() / normalizer
@@ -332,11 +332,11 @@ class TrainActor:
     ) -> dict[str, float]:
         """Optimizer steps over global batches; returns slime's train/ metrics (means over steps).
 
-        `loss_fn(rows, micro batch, logits, normalizer)`, rows an index tensor on the device:
-        with `per_token` the loss is a sum over tokens divided by `normalizer` (the step's token
-        count over all data-parallel ranks / dp size, so DDP's averaging gives the global token
-        mean); otherwise a mean over the micro batch's sequences (normalizer None), weighted here
-        by the micro batch's share of the step."""
+        `loss_fn(positions, micro batch, logits, normalizer)`, positions: the micro batch's rows
+        (index tensor) and columns in the [b, S - 1] tensors. With `per_token` the loss is a sum
+        over tokens / `normalizer` (the step's token count over all data-parallel ranks / dp
+        size: DDP's averaging gives the global token mean); else a mean over the micro batch's
+        sequences (normalizer None), weighted here by its share of the step."""
         step_size = (
             self.args.global_batch_size // self.dp_size
             if self.args.global_batch_size
@@ -386,12 +386,16 @@ class TrainActor:
             normalizer = (count / self.dp_size).clamp(min=1.0 / self.dp_size)
         sums: dict[str, float] = {}
         for rows in micro_batches:
-            sl = torch.tensor(rows, dtype=torch.long, device=self.device)
-            mb = self._micro_batch(tokens[sl], [lengths[i] for i in rows])
-            logits, hidden = self._forward(mb, routes=None if routes is None else routes[sl])
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            width = max(lengths[i] for i in rows)  # its own longest, as the budget counts
+            sl = (index, slice(0, width - 1))  # its positions in the step's [b, S - 1] tensors
+            mb = self._micro_batch(tokens[index, :width], [lengths[i] for i in rows])
+            logits, hidden = self._forward(
+                mb, routes=None if routes is None else routes[index, :width]
+            )
             loss, metrics = loss_fn(sl, mb, logits, normalizer)
             share = len(rows) / n  # micro batches add up to the step's mean
-            self.online_draft.backward(tokens[sl], logits, mask[sl], share)
+            self.online_draft.backward(tokens[index, :width], logits, mask[sl], share)
             weight = 1.0 if per_token else share  # per-token losses are partial sums already
             loss = loss * weight
             if self.args.enable_mtp_training:

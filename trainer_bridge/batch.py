@@ -44,6 +44,8 @@ def pad_batch(batch: TrainBatch, device: torch.device) -> tuple[Tensor, Tensor, 
     """tokens [b, S] (right-padded with 0), mask [b, S-1] of response positions to score
     (position t scores token t + 1), and rollout log-probs at the same positions; laid out on
     the host, then moved to `device` in one copy each."""
+    if not batch.tokens:
+        raise ValueError("an empty batch: a train step needs at least one sequence")
     host = {"device": "cpu"}
     # One host tensor per field, scattered into place (a tensor per row costs more than a tiny
     # model's whole layer).

@@ -1,9 +1,11 @@
 """One trainer rank's data-parallel side: its share of a batch's sequences and the reductions
 over its data-parallel group (on the rank's device: NCCL reduces only CUDA tensors).
 
-The share is a contiguous run of the batch, or with --balance-data (slime's) as many sequences as
-every other rank's, chosen so that the ranks' token counts are close: Karmarkar-Karp's largest
-differencing method with equal counts, as slime's get_seqlen_balanced_partitions (from verl).
+The share is a contiguous run of the batch, or with --balance-data as many sequences as every
+other rank's, chosen so that the ranks' token counts are close: Karmarkar-Karp's largest
+differencing method with equal counts, the algorithm of slime's get_seqlen_balanced_partitions
+(from verl) with its own tie-breaking, applied to the sequences as slime did before its May 2026
+rewrite (which balances micro batches' estimated FLOPs instead).
 """
 
 from __future__ import annotations

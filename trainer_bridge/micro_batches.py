@@ -1,13 +1,15 @@
 """Which sequences each micro batch holds: --micro-batch-size of them in order, or (slime's
 --use-dynamic-batch-size) as many as fit a token budget (--max-tokens-per-gpu).
 
-The dynamic plan follows slime (utils/seqlen_balancing.py first_fit_pack, utils/dp_schedule.py):
-first fit in the sequences' order, a sequence counting its prompt and response tokens; one longer
+The dynamic plan is slime's per-rank scheme (before its May 2026 rewrite, which plans a whole
+step before dealing micro batches to ranks): first fit in the sequences' order within this rank's
+share (slime's first_fit_pack), a sequence counting its prompt and response tokens; one longer
 than the budget gets a micro batch of its own. Every data-parallel rank must run as many micro
 batches (MoE layers exchange tokens over the expert group in each forward), so the count is raised
-to the largest rank's by splitting the heaviest micro batch in two, longest sequence first into
-the lighter half, until it is reached. Packed (thd), a micro batch costs its tokens; padded
-(bshd), its rows times its longest row, the positions the model computes.
+to the largest rank's (slime: an all-reduce MAX) by splitting the heaviest micro batch in two,
+longest sequence first into the lighter half (slime's expand_bins_by_splitting), until it is
+reached. Packed (thd), a micro batch costs its tokens; padded (bshd), its rows times its longest
+row, the positions the model computes (the trainer pads each micro batch to its own longest).
 """
 
 from __future__ import annotations
@@ -45,13 +47,20 @@ def _cost(members: Sequence[int], lengths: Sequence[int], packed: bool) -> int:
 
 def _first_fit(lengths: Sequence[int], max_tokens: int, packed: bool) -> list[list[int]]:
     bins: list[list[int]] = []
-    for i in range(len(lengths)):
-        for b in bins:
-            if _cost([*b, i], lengths, packed) <= max_tokens:
+    sums: list[int] = []  # each bin's tokens, and its longest sequence: its cost in O(1)
+    longest: list[int] = []
+    for i, n in enumerate(lengths):
+        for j, b in enumerate(bins):
+            cost = sums[j] + n if packed else (len(b) + 1) * max(longest[j], n)
+            if cost <= max_tokens:
                 b.append(i)
+                sums[j] += n
+                longest[j] = max(longest[j], n)
                 break
         else:
             bins.append([i])
+            sums.append(n)
+            longest.append(n)
     return bins
 
 

@@ -279,6 +279,17 @@ class TrainerArgs:
                 "--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget of a micro "
                 "batch), as in slime"
             )
+        if (
+            self.use_dynamic_batch_size
+            and self.qkv_format == "bshd"
+            and self.expert_model_parallel_size > 1
+        ):
+            raise ValueError(
+                "--use-dynamic-batch-size with --qkv-format bshd at --expert-model-parallel-size > "
+                "1 is not supported: the expert ranks' padded micro batches would hold different "
+                "numbers of rows, which megatron's allgather dispatcher cannot exchange; use "
+                "--qkv-format thd (slime always packs)"
+            )
         for name in ("max_tokens_per_gpu", "log_probs_max_tokens_per_gpu"):
             value = getattr(self, name)
             if value is not None and value <= 0:

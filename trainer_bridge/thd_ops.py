@@ -77,9 +77,10 @@ def positions_in_sequence(cu_seqlens: Tensor) -> Tensor:
     return torch.arange(starts.numel(), device=cu_seqlens.device) - starts
 
 
-# Every attention layer of one forward gets the same cu_seqlens and rotary tensors (megatron
-# computes them once per forward), so what they derive is computed once per forward, not once per
-# layer, query and key: the latest pack's layout, and the latest rotary table read per token.
+# The attention layers of one forward share the pack's cu_seqlens and (except MLA, whose layers
+# each build their own) the rotary table, so what they derive is computed once per table and
+# pack, not once per layer, query and key: the latest pack's layout, and the latest rotary table
+# read per token.
 _layout: Optional[tuple[Tensor, tuple[Tensor, Tensor]]] = None
 _freqs: Optional[tuple[Tensor, Tensor, Tensor]] = None
 
