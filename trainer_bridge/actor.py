@@ -381,21 +381,21 @@ class TrainActor:
             moe.scale_balance_loss(len(micro_batches), self.device)
         normalizer = None
         if per_token:
-            count = sum(mask[rows].sum() for rows in micro_batches)
+            count = mask[sum(micro_batches, [])].sum()  # the step's rows
             self.dp.all_reduce(count)
             normalizer = (count / self.dp_size).clamp(min=1.0 / self.dp_size)
         sums: dict[str, float] = {}
         for rows in micro_batches:
             index = torch.tensor(rows, dtype=torch.long, device=self.device)
             width = max(lengths[i] for i in rows)  # its own longest, as the budget counts
-            sl = (index, slice(0, width - 1))  # its positions in the step's [b, S - 1] tensors
-            mb = self._micro_batch(tokens[index, :width], [lengths[i] for i in rows])
+            mb_tokens, sl = tokens[index, :width], (index, slice(0, width - 1))  # sl: [b, S - 1]
+            mb = self._micro_batch(mb_tokens, [lengths[i] for i in rows])
             logits, hidden = self._forward(
                 mb, routes=None if routes is None else routes[index, :width]
             )
             loss, metrics = loss_fn(sl, mb, logits, normalizer)
             share = len(rows) / n  # micro batches add up to the step's mean
-            self.online_draft.backward(tokens[index, :width], logits, mask[sl], share)
+            self.online_draft.backward(mb_tokens, logits, mask[sl], share)
             weight = 1.0 if per_token else share  # per-token losses are partial sums already
             loss = loss * weight
             if self.args.enable_mtp_training:
