@@ -1,6 +1,6 @@
 """One trainer train step with and without sequence packing (--qkv-format thd vs bshd), CPU.
 
-    python -m scripts.bench_packing --repeats 15 --json docs/benchmarks/packing_cpu.json
+    python -m scripts.bench_packing --repeats 15 --json docs/benchmarks/data/packing_cpu.json
 
 The tiny CPU run's trainer (specrl.tiny_run: a random Qwen2 trunk, hidden 64, 2 layers, one
 MiMo MTP layer) takes TrainActor.train on 32 sequences (GRPO, --enable-mtp-training): the old

@@ -41,8 +41,9 @@ def test_env_step_runs_without_a_gpu(tmp_path):
 
 
 def test_summary_reads_the_benchmarks_json(tmp_path):
-    """The H200's own decode and EAGLE-3 JSON (docs/benchmarks/gpu_NVIDIA_H200) summarized anew."""
-    gpu = os.path.join("docs", "benchmarks", "gpu_NVIDIA_H200")
+    """The H200's own decode and EAGLE-3 JSON (docs/benchmarks/data/gpu_NVIDIA_H200), summarized
+    anew."""
+    gpu = os.path.join("docs", "benchmarks", "data", "gpu_NVIDIA_H200")
     for name in ("decode.json", "eagle3.json"):
         shutil.copy(os.path.join(gpu, name), tmp_path / name)
     bench = tmp_path / "eagle3.json"

@@ -9,7 +9,7 @@ steps (--profile torch: kernels and ATen ops; python: cProfile of the scheduler'
 Runs on the random 8B checkpoints a `scripts.bench_rollout --preset llama-3.1-8b --algorithms
 eagle3 --work-dir W` run built in W, with a perfect draft (--forced-acceptance's threshold and
 temperature 1); each engine runs one untimed generation first, as bench_rollout does. What it
-found on an H200 (docs/benchmarks/gpu_NVIDIA_H200/summary.md, fourth lease): a batch-32 step is
+found on an H200 (docs/benchmarks/gpu_NVIDIA_H200.md, fourth lease): a batch-32 step is
 bound by the host, not the GPU, and the host's speed drifts by 40% within a minute.
 """
 

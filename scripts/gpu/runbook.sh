@@ -19,14 +19,14 @@
 #   bash scripts/gpu/runbook.sh host-pad  the graph tests, then fixed EAGLE-3 against plain at
 #                                       batch 64 and 128 (under four minutes of device time)
 # Results (logs, JSON, summary.md naming the device) go to $OUT (the device tool's), else to
-# docs/benchmarks/gpu_<device>/ to commit. Archives made by scripts/gpu/pack.sh in .gpu_pack/ are
+# docs/benchmarks/data/gpu_<device>/ to commit. Archives made by scripts/gpu/pack.sh in .gpu_pack/ are
 # unpacked first (a machine without internet); with internet, `pip install -e ".[gpu]"` instead.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 device_slug() {
   python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_') if torch.cuda.is_available() else 'no_gpu')" 2>/dev/null || echo no_gpu
 }
-RESULTS=${OUT:-docs/benchmarks/gpu_$(device_slug)}
+RESULTS=${OUT:-docs/benchmarks/data/gpu_$(device_slug)}
 WORK=${WORK:-/tmp/specrl-bench}  # random 8B checkpoints, built once and reused by later steps
 SITE=/tmp/specrl-site
 mkdir -p "$RESULTS" "$WORK"
