@@ -8,7 +8,7 @@ with latest_checkpointed_iteration.txt, the layout specrl's --save writes. Megat
 the flags a slime run of this model passes plus `--load OUT/specrl` and each FLAGS set given,
 builds its own model (model_provider(gpt_builder)) and calls load_checkpoint([model], None, None)
 (the model only: no optimizer is built; whether its optimizers could read specrl's Adam state is
-answered in the README: no); every weight must equal the saving actor's, bit for bit.
+answered in docs/checkpoints.md: no); every weight must equal the saving actor's, bit for bit.
 
 The model is the one slime's runs build with Transformer Engine, as far as a checkpoint sees it.
 There is no TE here, so Megatron-LM builds its local spec (--transformer-impl local), whose
