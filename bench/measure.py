@@ -1,7 +1,7 @@
 """One engine of the rollout benchmark: opening it, its prompts, and one timed round.
 
-Shared by scripts/bench_rollout.py, which runs the engines in its own process, and
-scripts/bench_isolate.py, which runs each in a process of its own.
+Shared by bench/rollout.py, which runs the engines in its own process, and
+bench/isolate.py, which runs each in a process of its own.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from scripts.bench_engine import random_batches
+from bench.engine import random_batches
 from spec_engine.core.adaptive import bucket
 
 if TYPE_CHECKING:

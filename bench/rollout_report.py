@@ -1,4 +1,4 @@
-"""What scripts/bench_rollout.py prints: the per-configuration table, the adaptive modes against
+"""What bench/rollout.py prints: the per-configuration table, the adaptive modes against
 the better of plain decoding and fixed speculation, and the batch-1 roofline."""
 
 from __future__ import annotations
