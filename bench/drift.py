@@ -37,6 +37,8 @@ import re
 import shutil
 import statistics
 import subprocess
+from dataclasses import dataclass
+from typing import Optional
 
 from specrl.plots import read_metrics, svg
 from specrl.tiny_run import TASK_PROMPTS
@@ -126,7 +128,62 @@ def fresh_run(root: str, name: str, assets: str) -> str:
     return out
 
 
-def main() -> None:
+@dataclass(frozen=True)
+class Plan:
+    """One measurement: the arms (mode -> (MTP_TRAINING, extra flags)), the seeds, the runs'
+    length and shift, and where the runs go."""
+
+    root: str
+    seeds: list[int]
+    num_rollout: int
+    drift_rollout: int
+    spec: str
+    draft_lr: Optional[float]
+    reuse: bool
+    modes: dict[str, tuple[str, tuple[str, ...]]]
+
+    @property
+    def drift_at(self) -> int:
+        """The first prompt after the shift."""
+        return self.drift_rollout * PROMPTS_PER_ROLLOUT
+
+    @property
+    def env(self) -> dict[str, str]:
+        """run-tiny-cpu.sh's environment for every run."""
+        return {"DRIFT_AT": str(self.drift_at), "SPEC": self.spec}
+
+    @property
+    def assets(self) -> str:
+        """The run that prepared the task's assets, which every run copies."""
+        return os.path.join(self.root, "assets-run")
+
+    def extend(self, run: str) -> int:
+        """extend_task on `run`'s task file, for num_rollout rollouts."""
+        path = os.path.join(run, "assets", "task.jsonl")
+        return extend_task(path, self.num_rollout * PROMPTS_PER_ROLLOUT, self.drift_at)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    plan, out, name = parse_args(argv)
+    if not (plan.reuse and finished(plan.assets, 1)):
+        tiny_run(plan.assets, plan.env, "--num-rollout", "1")
+    added = plan.extend(plan.assets)
+    if added:
+        print(f"task.jsonl: {added} post-shift prompts repeated, for {plan.num_rollout} rollouts")
+    rows: dict[str, list[list[dict]]] = {mode: [] for mode in plan.modes}
+    for seed in plan.seeds:
+        shared = before_shift(plan, seed) if plan.spec == "eagle3" else None
+        for mode in plan.modes:
+            rows[mode].append(run_arm(plan, mode, seed, shared))
+    windows = plan_windows(plan)
+    table, summary = summary_table(rows, plan.seeds, windows)
+    print("\n".join(table))
+    ratios = last_third_ratios(rows, plan, summary, windows)
+    write(out, name, plan, rows, {"summary": summary, "last_third_ratio": ratios}, windows)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[Plan, str, str]:
+    """The plan, the output directory and the file name stem."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -156,7 +213,7 @@ def main() -> None:
     parser.add_argument(
         "--reuse", action="store_true", help="keep runs under --root that already finished"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     modes = {mode: (training, ()) for mode, training in MODES.items()}
     if args.draft_lr is not None:
         modes["online-fast"] = ("1", ("--draft-lr", str(args.draft_lr)))
@@ -165,68 +222,76 @@ def main() -> None:
         if missing:
             parser.error(f"--arms {' '.join(missing)} needs --draft-lr")
         modes = {arm: modes[arm] for arm in args.arms}
-    name = args.name or f"drift_{args.spec}_cpu"
     d, n = args.drift_rollout, args.num_rollout
     if not 0 < d < n:
         parser.error(f"--drift-rollout {d} must be in [1, --num-rollout {n})")
-    drift_at = d * PROMPTS_PER_ROLLOUT
-    base_env = {"DRIFT_AT": str(drift_at), "SPEC": args.spec}
-    assets = os.path.join(args.root, "assets-run")
-    if not (args.reuse and finished(assets, 1)):
-        tiny_run(assets, base_env, "--num-rollout", "1")
-    added = extend_task(
-        os.path.join(assets, "assets", "task.jsonl"), n * PROMPTS_PER_ROLLOUT, drift_at
-    )
-    if added:
-        print(f"task.jsonl: {added} post-shift prompts repeated, for {n} rollouts")
-    rows: dict[str, list[list[dict]]] = {mode: [] for mode in modes}
-    for seed in args.seeds:
-        seeded = ("--rollout-seed", str(seed))
-        shared = None
-        if args.spec == "eagle3":  # the draft learns until the shift, once for both arms
-            shared = os.path.join(args.root, f"before-shift-{seed}")
-            if not (args.reuse and finished(shared, d)):
-                shared = fresh_run(args.root, f"before-shift-{seed}", assets)
-                ckpt = ("--save", os.path.join(shared, "ckpt"))
-                fast = () if args.draft_lr is None else ("--draft-lr", str(args.draft_lr))
-                tiny_run(shared, base_env, "--num-rollout", str(d), *seeded, *ckpt, *fast)
-        for mode, (training, extra) in modes.items():
-            run_name = f"{mode}-{seed}"
-            out = os.path.join(args.root, run_name)
-            if args.reuse and finished(out, n):
-                rows[mode].append(read_metrics(os.path.join(out, "metrics.jsonl"))[:n])
-                continue
-            if shared is None:
-                out = fresh_run(args.root, run_name, assets)
-                env = {**base_env, "MTP_TRAINING": training}
-            else:
-                resume = os.path.join(out, "ckpt")
-                if not (args.reuse and goes_on_from(out, shared, d)):
-                    shutil.rmtree(out, ignore_errors=True)
-                    shutil.copytree(shared, out)
-                # A longer run than the one kept goes on from its last checkpoint; the copies of
-                # the task file that runs read are extended like the prepared one.
-                extend_task(
-                    os.path.join(out, "assets", "task.jsonl"), n * PROMPTS_PER_ROLLOUT, drift_at
-                )
-                extra = ("--load", resume, "--save", resume, *extra)
-                extra += ("--draft-lr", "0") if training == "0" else ()
-                env = base_env
-            tiny_run(out, env, "--num-rollout", str(n), *seeded, *extra)
-            rows[mode].append(read_metrics(os.path.join(out, "metrics.jsonl")))
+    plan = Plan(args.root, args.seeds, n, d, args.spec, args.draft_lr, args.reuse, modes)
+    return plan, args.out, args.name or f"drift_{args.spec}_cpu"
 
+
+def before_shift(plan: Plan, seed: int) -> str:
+    """EAGLE-3: the run in which the draft learns until the shift, once for every arm (kept
+    with --reuse when it finished)."""
+    shared = os.path.join(plan.root, f"before-shift-{seed}")
+    if not (plan.reuse and finished(shared, plan.drift_rollout)):
+        shared = fresh_run(plan.root, f"before-shift-{seed}", plan.assets)
+        ckpt = ("--save", os.path.join(shared, "ckpt"))
+        fast = () if plan.draft_lr is None else ("--draft-lr", str(plan.draft_lr))
+        seeded = ("--rollout-seed", str(seed))
+        tiny_run(shared, plan.env, "--num-rollout", str(plan.drift_rollout), *seeded, *ckpt, *fast)
+    return shared
+
+
+def run_arm(plan: Plan, mode: str, seed: int, shared: Optional[str]) -> list[dict]:
+    """The per-rollout metrics of arm `mode` at `seed`: a whole run (MTP), or one that goes on
+    from `shared`'s checkpoint at the shift (EAGLE-3); a finished one kept with --reuse."""
+    training, extra = plan.modes[mode]
+    n = plan.num_rollout
+    run_name = f"{mode}-{seed}"
+    out = os.path.join(plan.root, run_name)
+    if plan.reuse and finished(out, n):
+        return read_metrics(os.path.join(out, "metrics.jsonl"))[:n]
+    if shared is None:
+        out = fresh_run(plan.root, run_name, plan.assets)
+        env = {**plan.env, "MTP_TRAINING": training}
+    else:
+        resume = os.path.join(out, "ckpt")
+        if not (plan.reuse and goes_on_from(out, shared, plan.drift_rollout)):
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(shared, out)
+        # A longer run than the one kept goes on from its last checkpoint; the copies of the task
+        # file that runs read are extended like the prepared one.
+        plan.extend(out)
+        extra = ("--load", resume, "--save", resume, *extra)
+        extra += ("--draft-lr", "0") if training == "0" else ()
+        env = plan.env
+    tiny_run(out, env, "--num-rollout", str(n), "--rollout-seed", str(seed), *extra)
+    return read_metrics(os.path.join(out, "metrics.jsonl"))
+
+
+def plan_windows(plan: Plan) -> dict[str, tuple[int, int]]:
+    """The reported windows of rollouts, as slices: before the shift, the ten just after it, the
+    last third."""
+    d, n = plan.drift_rollout, plan.num_rollout
     last = n - n // 3  # the last third: rollouts last+1..n (41-60 of 60, 61-90 of 90)
-    windows = {
+    return {
         f"1-{d} (before)": (0, d),
         f"{d + 1}-{min(d + 10, n)} (just after)": (d, min(d + 10, n)),
         f"{last + 1}-{n} (last third)": (last, n),
     }
+
+
+def summary_table(
+    rows: dict[str, list[list[dict]]], seeds: list[int], windows: dict[str, tuple[int, int]]
+) -> tuple[list[str], dict[str, dict[str, float]]]:
+    """The Markdown table (each metric's mean per window, per arm and seed, and the arm's mean
+    over seeds) and the means by arm."""
     head = [f"{m} {w}" for m in METRICS for w in windows]
     table = ["| draft | seed | " + " | ".join(head) + " |", "|---|---:|" + "---:|" * len(head)]
     summary = {}
     for mode, runs in rows.items():
-        cells = {(m, w): [] for m in METRICS for w in windows}
-        for seed, run in zip(args.seeds, runs):
+        cells: dict[tuple[str, str], list[float]] = {(m, w): [] for m in METRICS for w in windows}
+        for seed, run in zip(seeds, runs):
             for (m, w), values in cells.items():
                 a, b = windows[w]
                 values.append(statistics.mean(r[METRICS[m]] for r in run[a:b]))
@@ -238,53 +303,78 @@ def main() -> None:
             f"| **{mode}** | mean | " + " | ".join(f"**{v:.2f}**" for v in means.values()) + " |"
         )
         summary[mode] = {f"{m} {w}": v for (m, w), v in means.items()}
-    print("\n".join(table))
+    return table, summary
+
+
+def last_third_ratios(
+    rows: dict[str, list[list[dict]]],
+    plan: Plan,
+    summary: dict[str, dict[str, float]],
+    windows: dict[str, tuple[int, int]],
+) -> dict[str, dict]:
+    """Each trained arm's accept length in the last third over the frozen arm's (the mean of
+    the seeds' means, and per seed), printed."""
     late = f"accept {list(windows)[-1]}"
+    first, end = windows[list(windows)[-1]]
     ratios = {}
     for mode in rows:
         if mode != "frozen" and "frozen" in rows:
             per_seed = [
-                statistics.mean(r[METRICS["accept"]] for r in on[last:n])
-                / statistics.mean(r[METRICS["accept"]] for r in off[last:n])
+                statistics.mean(r[METRICS["accept"]] for r in on[first:end])
+                / statistics.mean(r[METRICS["accept"]] for r in off[first:end])
                 for on, off in zip(rows[mode], rows["frozen"])
             ]
             ratios[mode] = {
                 "mean": summary[mode][late] / summary["frozen"][late],
-                "per_seed": dict(zip(args.seeds, per_seed)),
+                "per_seed": dict(zip(plan.seeds, per_seed)),
             }
             print(
                 f"{mode} / frozen, {late}: {ratios[mode]['mean']:.3f}x (per seed "
                 + ", ".join(f"{v:.3f}x" for v in per_seed)
                 + ")"
             )
+    return ratios
 
-    os.makedirs(args.out, exist_ok=True)
+
+def write(
+    out: str,
+    name: str,
+    plan: Plan,
+    rows: dict[str, list[list[dict]]],
+    result: dict,
+    windows: dict[str, tuple[int, int]],
+) -> None:
+    """`name`.json (the configuration, `result`, the per-rollout values) and one SVG per metric
+    of the seed-mean curves, in `out`."""
+    os.makedirs(out, exist_ok=True)
     per_rollout = {
         f"{mode}-{seed}": [
             {k: r.get(k) for k in ("rollout_id", *PER_ROLLOUT) if k in r} for r in run
         ]
         for mode, runs in rows.items()
-        for seed, run in zip(args.seeds, runs)
+        for seed, run in zip(plan.seeds, runs)
     }
     config = {
-        "spec": args.spec,
-        "seeds": args.seeds,
-        "num_rollout": n,
-        "drift_rollout": d,
-        "draft_lr": args.draft_lr,
-        "arms": list(modes),
+        "spec": plan.spec,
+        "seeds": plan.seeds,
+        "num_rollout": plan.num_rollout,
+        "drift_rollout": plan.drift_rollout,
+        "draft_lr": plan.draft_lr,
+        "arms": list(plan.modes),
         "windows": {w: [a + 1, b] for w, (a, b) in windows.items()},
     }
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        result = {"config": config, "summary": summary, "last_third_ratio": ratios}
-        json.dump({**result, "per_rollout": per_rollout}, f, indent=1)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump({"config": config, **result, "per_rollout": per_rollout}, f, indent=1)
     for m, metric in METRICS.items():
         series = {
-            mode: [(i + 1, statistics.mean(run[i][metric] for run in runs)) for i in range(n)]
+            mode: [
+                (i + 1, statistics.mean(run[i][metric] for run in runs))
+                for i in range(plan.num_rollout)
+            ]
             for mode, runs in rows.items()
         }
-        with open(os.path.join(args.out, f"{name}_{m}.svg"), "w") as f:
-            f.write(svg(series, f"{metric} (mean of {len(args.seeds)} seeds)"))
+        with open(os.path.join(out, f"{name}_{m}.svg"), "w") as f:
+            f.write(svg(series, f"{metric} (mean of {len(plan.seeds)} seeds)"))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,11 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 
-
-def random_batches(batch: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(5, vocab, (batch, input_len), generator=g, device="cpu").tolist()
+from bench.prompts import random_batches
 
 
 def engine_runner(engine) -> Callable[[list[list[int]], int], None]:
@@ -79,45 +77,13 @@ def decode_tok_s(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model-path", help="checkpoint to use; default: build a random Llama (see --hidden-size)"
-    )
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--json", help="also write the results to this JSON file")
-    args = parser.parse_args()
-
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
     from transformers import AutoModelForCausalLM
 
     from spec_engine import Engine
-    from specrl.tiny_models import build_checkpoint
 
-    path = args.model_path
-    if path is None:
-        path = tempfile.mkdtemp(prefix="bench-llama-")
-        build_checkpoint(
-            path,
-            arch="llama",
-            vocab_size=args.vocab_size,
-            hidden_size=args.hidden_size,
-            intermediate_size=int(args.hidden_size * 2.75),
-            num_layers=args.num_layers,
-            num_heads=8,
-            num_kv_heads=4,
-            max_position_embeddings=2048,
-            initializer_range=0.02,
-        )
+    path = args.model_path or random_llama(args)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
@@ -150,6 +116,51 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
     finally:
         engine.shutdown()
+    report(results, params, args)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model-path", help="checkpoint to use; default: build a random Llama (see --hidden-size)"
+    )
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    return parser.parse_args(argv)
+
+
+def random_llama(args: argparse.Namespace) -> str:
+    """A random Llama of the flags' shape, in a fresh temporary directory."""
+    from specrl.tiny_models import build_checkpoint
+
+    path = tempfile.mkdtemp(prefix="bench-llama-")
+    build_checkpoint(
+        path,
+        arch="llama",
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=int(args.hidden_size * 2.75),
+        num_layers=args.num_layers,
+        num_heads=8,
+        num_kv_heads=4,
+        max_position_embeddings=2048,
+        initializer_range=0.02,
+    )
+    return path
+
+
+def report(results: list[dict], params: int, args: argparse.Namespace) -> None:
+    """Print the table of both engines' decode rates per batch size; write --json."""
     print(
         f"\nmodel: {params / 1e6:.1f}M parameters, {args.dtype}, device {args.device} "
         f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "

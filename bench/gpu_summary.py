@@ -35,49 +35,12 @@ def summarize(results: str) -> str:
     tests = load(results, "pytest_gpu.txt")
     last = (tests or "").strip().splitlines()[-1:] or ["not run"]
     lines += ["## pytest -m gpu", "", f"`{last[0]}`", ""]
-    decode = load(results, "decode.json")
     lines += ["## Plain decode (8B-shaped, bf16, random weights)", ""]
-    if decode:
-        lines += ["| batch | tokens/s | decode tokens/s |", "|---:|---:|---:|"]
-        lines += [
-            f"| {r['batch']} | {r['tokens_per_s']} | {r['decode_tokens_per_s']} |"
-            for r in decode["results"]
-        ]
-        roof = decode.get("roofline")
-        if roof:
-            verdict = "meets" if roof["fraction"] >= DECODE_TARGET else "misses"
-            lines += [
-                "",
-                f"Batch 1: {100 * roof['fraction']:.1f}% of the HBM roofline "
-                f"({roof['roofline_steps_per_s']} steps/s); {verdict} the {DECODE_TARGET:.0%} "
-                "target.",
-            ]
-    else:
-        lines.append("not run")
-    eagle = load(results, "eagle3.json")
+    lines += _decode(load(results, "decode.json"))
     lines += ["", "## EAGLE-3 at full acceptance vs plain (same run)", ""]
-    if eagle:
-        base = {
-            r["batch"]: r["tokens_per_s"] for r in eagle["results"] if r["algorithm"] == "baseline"
-        }
-        lines += ["| batch | speedup | accept length |", "|---:|---:|---:|"]
-        for r in eagle["results"]:
-            if r["algorithm"] == "eagle3" and r["batch"] in base:
-                speed = r["tokens_per_s"] / base[r["batch"]]
-                lines.append(f"| {r['batch']} | {speed:.2f}x | {r['accept_length']} |")
-        lines += ["", f"Target: {EAGLE3_TARGET}x at batch 1 with a trained draft."]
-    else:
-        lines.append("not run")
-    weights = load(results, "weight_sync.json")
+    lines += _eagle3(load(results, "eagle3.json"))
     lines += ["", "## Weight updates (8B, bf16)", ""]
-    if weights:
-        lines += ["| path | seconds | GB/s |", "|---|---:|---:|"]
-        lines += [f"| {r['path']} | {r['seconds']} | {r['GB_per_s']} |" for r in weights["results"]]
-        colocated = next(r for r in weights["results"] if r["path"] == "colocated_process")
-        verdict = "meets" if colocated["seconds"] < COLOCATED_TARGET_S else "misses"
-        lines += ["", f"Colocated push {verdict} the < {COLOCATED_TARGET_S:g} s target."]
-    else:
-        lines.append("not run")
+    lines += _weights(load(results, "weight_sync.json"))
     loop = load(results, "loop.txt")
     lines += ["", "## Tiny RL run on the GPU (--colocate)", ""]
     if loop and "run summary" in loop:
@@ -85,6 +48,48 @@ def summarize(results: str) -> str:
     else:
         lines.append("not run" if loop is None else "did not finish (see loop.txt)")
     return "\n".join(lines) + "\n"
+
+
+def _decode(decode: Optional[dict]) -> list[str]:
+    if not decode:
+        return ["not run"]
+    lines = ["| batch | tokens/s | decode tokens/s |", "|---:|---:|---:|"]
+    lines += [
+        f"| {r['batch']} | {r['tokens_per_s']} | {r['decode_tokens_per_s']} |"
+        for r in decode["results"]
+    ]
+    roof = decode.get("roofline")
+    if roof:
+        verdict = "meets" if roof["fraction"] >= DECODE_TARGET else "misses"
+        lines += [
+            "",
+            f"Batch 1: {100 * roof['fraction']:.1f}% of the HBM roofline "
+            f"({roof['roofline_steps_per_s']} steps/s); {verdict} the {DECODE_TARGET:.0%} "
+            "target.",
+        ]
+    return lines
+
+
+def _eagle3(eagle: Optional[dict]) -> list[str]:
+    if not eagle:
+        return ["not run"]
+    base = {r["batch"]: r["tokens_per_s"] for r in eagle["results"] if r["algorithm"] == "baseline"}
+    lines = ["| batch | speedup | accept length |", "|---:|---:|---:|"]
+    for r in eagle["results"]:
+        if r["algorithm"] == "eagle3" and r["batch"] in base:
+            speed = r["tokens_per_s"] / base[r["batch"]]
+            lines.append(f"| {r['batch']} | {speed:.2f}x | {r['accept_length']} |")
+    return lines + ["", f"Target: {EAGLE3_TARGET}x at batch 1 with a trained draft."]
+
+
+def _weights(weights: Optional[dict]) -> list[str]:
+    if not weights:
+        return ["not run"]
+    lines = ["| path | seconds | GB/s |", "|---|---:|---:|"]
+    lines += [f"| {r['path']} | {r['seconds']} | {r['GB_per_s']} |" for r in weights["results"]]
+    colocated = next(r for r in weights["results"] if r["path"] == "colocated_process")
+    verdict = "meets" if colocated["seconds"] < COLOCATED_TARGET_S else "misses"
+    return lines + ["", f"Colocated push {verdict} the < {COLOCATED_TARGET_S:g} s target."]
 
 
 def main(argv: Optional[list[str]] = None) -> None:

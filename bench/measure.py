@@ -1,6 +1,6 @@
-"""One engine of the rollout benchmark: opening it, its prompts, and one timed round.
+"""One engine of the rollout benchmark: opening it, warming it up, and one timed round.
 
-Shared by bench/rollout.py, which runs the engines in its own process, and
+Shared by bench/rounds.py, which runs the engines in its own process, and
 bench/isolate.py, which runs each in a process of its own.
 """
 
@@ -11,24 +11,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch
-
-from bench.engine import random_batches
+from bench.prompts import prompts
 from spec_engine.core.adaptive import bucket
 
 if TYPE_CHECKING:
     from spec_engine import Engine
-
-
-def prompts(batch: int, length: int, vocab: int, repetitive: bool, seed: int) -> list[list[int]]:
-    if not repetitive:
-        return random_batches(batch, length, vocab, seed)
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(batch):
-        pattern = torch.randint(5, vocab, (16,), generator=g, device="cpu").tolist()
-        out.append((pattern * (length // 16 + 1))[:length])
-    return out
 
 
 def open_engine(path: str, kwargs: dict, batch: int, args: argparse.Namespace) -> Engine:

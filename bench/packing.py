@@ -27,10 +27,14 @@ import random
 import statistics
 import tempfile
 import time
+from typing import TYPE_CHECKING, Any, Optional
 
 from rollout.tiny_task import PROMPT_FORMAT
 from specrl.tiny_models import add_mimo_mtp, build_tiny_model
 from trainer_bridge.batch import TrainBatch
+
+if TYPE_CHECKING:
+    from trainer_bridge.actor import TrainActor
 
 SAMPLES = 32
 
@@ -93,7 +97,30 @@ def time_step(actor, batch: TrainBatch, options: dict) -> tuple[float, int]:
     return time.perf_counter() - start, count
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    actor, tokenizer = build_actor()
+    rng = random.Random(0)
+    batches = {
+        "tiny run": tiny_batch(tokenizer, rng),
+        "ragged": ragged_batch(len(tokenizer), rng),
+    }
+    budgets = dict(zip(("tiny run", "ragged"), args.budget))
+    results = []
+    for name in args.batches:
+        batch = batches[name]
+        configs = configurations(batch, budgets[name])
+        times, counts = time_configurations(actor, batch, configs, args.repeats)
+        results += compare(name, batch, configs, times, counts)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -117,12 +144,11 @@ def main() -> None:
         help="torch CPU threads. One by default: on a shared 2-vCPU machine two threads "
         "contend with other processes and one step's time varies tenfold.",
     )
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
-    import torch
 
-    torch.set_num_threads(args.threads)
-
+def build_actor() -> tuple[TrainActor, Any]:
+    """The tiny run's trainer on a fresh random model, and the model's tokenizer."""
     from transformers import AutoTokenizer
 
     from trainer_bridge.actor import TrainActor
@@ -143,54 +169,62 @@ def main() -> None:
         enable_mtp_training=True,
         qkv_format="thd",
     )
-    actor = TrainActor(trainer)
-    rng = random.Random(0)
-    batches = {
-        "tiny run": tiny_batch(tokenizer, rng),
-        "ragged": ragged_batch(len(tokenizer), rng),
-    }
-    budgets = dict(zip(("tiny run", "ragged"), args.budget))
-    results = []
-    for name in args.batches:
-        batch = batches[name]
-        real = sum(len(t) for t in batch.tokens)
-        padded = len(batch) * max(len(t) for t in batch.tokens)
-        configs = configurations(batch, budgets[name])
-        times: dict[str, list[float]] = {c: [] for c in configs}
-        counts: dict[str, int] = {}
-        for _ in range(args.repeats + 1):  # the first round warms up every configuration
-            for config, (options, _) in configs.items():
-                seconds, counts[config] = time_step(actor, batch, options)
-                times[config].append(seconds)
-        print(f"{name}: {real} tokens ({padded} padded)", flush=True)
-        for config, t in times.items():
-            against = configs[config][1]
-            ratios = [a / b for a, b in zip(times[against][1:], t[1:])]
-            ratio = statistics.median(ratios)
-            results.append(
-                dict(
-                    batch=name,
-                    tokens=real,
-                    padded_tokens=padded,
-                    config=config,
-                    micro_batches=counts[config],
-                    best_s=min(t[1:]),
-                    median_s=statistics.median(t[1:]),
-                    speedup_vs=against,
-                    speedup=ratio,
-                    rounds_faster=sum(r > 1 for r in ratios),
-                    rounds=len(ratios),
-                )
+    return TrainActor(trainer), tokenizer
+
+
+def time_configurations(
+    actor: TrainActor, batch: TrainBatch, configs: dict[str, tuple[dict, str]], repeats: int
+) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Each configuration's seconds per round (the first a warm-up), the configurations taking
+    turns within a round, and its number of micro batches."""
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    counts: dict[str, int] = {}
+    for _ in range(repeats + 1):  # the first round warms up every configuration
+        for config, (options, _) in configs.items():
+            seconds, counts[config] = time_step(actor, batch, options)
+            times[config].append(seconds)
+    return times, counts
+
+
+def compare(
+    name: str,
+    batch: TrainBatch,
+    configs: dict[str, tuple[dict, str]],
+    times: dict[str, list[float]],
+    counts: dict[str, int],
+) -> list[dict]:
+    """One row per configuration: its best and median time after the warm-up, and the median of
+    its paired ratios to the configuration it is compared with (printed as well)."""
+    real = sum(len(t) for t in batch.tokens)
+    padded = len(batch) * max(len(t) for t in batch.tokens)
+    print(f"{name}: {real} tokens ({padded} padded)", flush=True)
+    rows = []
+    for config, t in times.items():
+        against = configs[config][1]
+        ratios = [a / b for a, b in zip(times[against][1:], t[1:])]
+        ratio = statistics.median(ratios)
+        rows.append(
+            dict(
+                batch=name,
+                tokens=real,
+                padded_tokens=padded,
+                config=config,
+                micro_batches=counts[config],
+                best_s=min(t[1:]),
+                median_s=statistics.median(t[1:]),
+                speedup_vs=against,
+                speedup=ratio,
+                rounds_faster=sum(r > 1 for r in ratios),
+                rounds=len(ratios),
             )
-            print(
-                f"  {config}: {counts[config]} micro batches, best {min(t[1:]):.4f} s, "
-                f"{ratio:.2f}x against {against} (faster in {sum(r > 1 for r in ratios)} of "
-                f"{len(ratios)} rounds)",
-                flush=True,
-            )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        )
+        print(
+            f"  {config}: {counts[config]} micro batches, best {min(t[1:]):.4f} s, "
+            f"{ratio:.2f}x against {against} (faster in {sum(r > 1 for r in ratios)} of "
+            f"{len(ratios)} rounds)",
+            flush=True,
+        )
+    return rows
 
 
 if __name__ == "__main__":

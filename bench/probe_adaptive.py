@@ -104,48 +104,92 @@ def _timed(records: list, kind: str, fn: Callable, depth_of: Callable) -> Callab
 
 
 def _run(path: str, kwargs: dict, batch: int, args: argparse.Namespace, force=None) -> dict:
-    # bench_rollout's engine for one batch size, every draft token accepted (--forced-acceptance)
+    """One case: bench_rollout's engine for one batch size, every draft token accepted
+    (--forced-acceptance), its worker's steps timed (and `force`'s modes taken in turn by an
+    adaptive one), over a warm-up generation and a timed one."""
     engine = open_engine(path, {**kwargs, "speculative_accept_threshold_single": 1e-9}, batch, args)
     try:
-        worker, sched = engine.scheduler.worker, engine.scheduler
-        records: list = []
-        prof = _StepProfiler(worker.decode, args.profile_steps, args.profile or "python")
-        worker.decode = _timed(records, "spec", prof, lambda a, k: a[0] if a else None)
-        worker.decode_plain = _timed(records, "plain", worker.decode_plain, lambda a, k: 0)
-        worker.catch_up = _timed(records, "catch_up", worker.catch_up, lambda a, k: None)
-        if force is not None and sched.adaptive is not None:
-            # choose() runs more than once a step (the KV demand asks too): key the forced mode
-            # on the steps observed so far.
-            model, observe, done = sched.adaptive, sched.adaptive.observe, [0]
-
-            def counted(*a, **k):
-                done[0] += 1
-                return observe(*a, **k)
-
-            model.observe = counted
-            model.choose = lambda n, catch_up=None: force[done[0] % len(force)]
-        params = {"temperature": 1.0, "max_new_tokens": args.output_len, "ignore_eos": True}
-        g = torch.Generator().manual_seed(0)
-        info = engine.get_server_info
-        for r in range(2):  # the first: warm-up
-            records.clear()
-            ids = torch.randint(
-                5, args.vocab, (batch, args.input_len), generator=g, device="cpu"
-            ).tolist()
-            before = dict(info()["internal_states"][0].get("spec_time_breakdown", {}))
-            mem = _memory()
-            if r == 1 and args.profile:
-                prof.arm()
-            start = time.perf_counter()
-            engine.generate(input_ids=ids, sampling_params=params)
-            elapsed = time.perf_counter() - start
-        mem = {k: v - mem.get(k, 0) for k, v in _memory().items()}
-        after_s = info()["internal_states"][0].get("spec_time_breakdown", {})
-        split = {k: round(1000 * (v - before.get(k, 0.0)), 1) for k, v in after_s.items()}
+        records, prof = _instrument(engine.scheduler, args)
+        if force is not None and engine.scheduler.adaptive is not None:
+            _force(engine.scheduler.adaptive, force)
+        generation = _generate(engine, batch, args, records, prof)
         table = prof.table()
         report = engine.get_server_info()["internal_states"][0].get("spec_adaptive")
     finally:
         engine.shutdown()
+    return {
+        "split_ms_total": generation["split_ms_total"],
+        "profile": table,
+        "allocator": generation["allocator"],
+        "tokens_per_s": generation["tokens_per_s"],
+        "summary": _summary(records),
+        "steps": [(k, d, round(m, 3)) for k, d, _, m in records],
+        "cost_model": report
+        and {
+            "buckets": report["buckets"],
+            "latest_steps": report["latest_steps"],
+        },
+    }
+
+
+def _instrument(sched, args: argparse.Namespace) -> tuple[list, _StepProfiler]:
+    """The worker's speculative, plain and catch-up steps timed into the records returned, its
+    speculative steps through the profiler returned."""
+    worker = sched.worker
+    records: list = []
+    prof = _StepProfiler(worker.decode, args.profile_steps, args.profile or "python")
+    worker.decode = _timed(records, "spec", prof, lambda a, k: a[0] if a else None)
+    worker.decode_plain = _timed(records, "plain", worker.decode_plain, lambda a, k: 0)
+    worker.catch_up = _timed(records, "catch_up", worker.catch_up, lambda a, k: None)
+    return records, prof
+
+
+def _force(model, force: tuple[int, ...]) -> None:
+    """The adaptive cost model made to take the modes of `force` in turn, step by step."""
+    # choose() runs more than once a step (the KV demand asks too): key the forced mode on the
+    # steps observed so far.
+    observe, done = model.observe, [0]
+
+    def counted(*a, **k):
+        done[0] += 1
+        return observe(*a, **k)
+
+    model.observe = counted
+    model.choose = lambda n, catch_up=None: force[done[0] % len(force)]
+
+
+def _generate(
+    engine, batch: int, args: argparse.Namespace, records: list, prof: _StepProfiler
+) -> dict:
+    """A warm-up generation, then the timed one (profiled with --profile): its records alone
+    kept, its tokens/s, its time split and allocator counters."""
+    params = {"temperature": 1.0, "max_new_tokens": args.output_len, "ignore_eos": True}
+    g = torch.Generator().manual_seed(0)
+    info = engine.get_server_info
+    for r in range(2):  # the first: warm-up
+        records.clear()
+        ids = torch.randint(
+            5, args.vocab, (batch, args.input_len), generator=g, device="cpu"
+        ).tolist()
+        before = dict(info()["internal_states"][0].get("spec_time_breakdown", {}))
+        mem = _memory()
+        if r == 1 and args.profile:
+            prof.arm()
+        start = time.perf_counter()
+        engine.generate(input_ids=ids, sampling_params=params)
+        elapsed = time.perf_counter() - start
+    mem = {k: v - mem.get(k, 0) for k, v in _memory().items()}
+    after_s = info()["internal_states"][0].get("spec_time_breakdown", {})
+    split = {k: round(1000 * (v - before.get(k, 0.0)), 1) for k, v in after_s.items()}
+    return {
+        "split_ms_total": split,
+        "allocator": mem,
+        "tokens_per_s": round(batch * args.output_len / elapsed, 1),
+    }
+
+
+def _summary(records: list) -> dict:
+    """Median milliseconds per kind of step, and of speculative steps by the kind before."""
     summary = {}
     for kind in ("spec", "plain", "catch_up"):
         # (a catch-up with nothing to catch up returns at once: the one inside each decode)
@@ -161,22 +205,64 @@ def _run(path: str, kwargs: dict, batch: int, args: argparse.Namespace, force=No
         if k != "catch_up":
             prev = k
     summary["spec_after"] = {p: round(statistics.median(v), 3) for p, v in after.items() if v}
+    return summary
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    target, draft = (
+        os.path.dirname(glob.glob(os.path.join(args.work_dir, "*", role, "config.json"))[0])
+        for role in ("llama", "eagle3")
+    )
+    chosen = {n: c for n, c in cases(draft).items() if not args.cases or n in args.cases}
+    results, rounds = {}, {}
+    for _ in range(args.rounds):
+        for name, (kwargs, force) in chosen.items():
+            result = _run(target, kwargs, args.batch, args, force)
+            results.setdefault(name, result)
+            rounds.setdefault(name, []).append(
+                {"tokens_per_s": result["tokens_per_s"], "summary": result["summary"]}
+            )
+            print(name, result["tokens_per_s"], json.dumps(result["summary"]), flush=True)
+            print(json.dumps(result["split_ms_total"]), result["allocator"], flush=True)
+            if result["profile"]:
+                print(result["profile"], flush=True)
+    if args.rounds > 1:
+        per_round = {k: [r["tokens_per_s"] for r in v] for k, v in rounds.items()}
+        print("tokens/s per round:", json.dumps(per_round), flush=True)
+    with open(args.json, "w") as f:
+        json.dump(
+            {
+                "batch": args.batch,
+                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                **results,
+                "rounds": rounds,
+            },
+            f,
+        )
+
+
+def cases(draft: str) -> dict[str, tuple[dict, Optional[tuple[int, ...]]]]:
+    """Each case's engine kwargs (`draft`: the EAGLE-3 draft's path) and the modes its adaptive
+    engine is made to take in turn (None: its own choice)."""
+    spec = dict(
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=draft,
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+    )
     return {
-        "split_ms_total": split,
-        "profile": table,
-        "allocator": mem,
-        "tokens_per_s": round(batch * args.output_len / elapsed, 1),
-        "summary": summary,
-        "steps": [(k, d, round(m, 3)) for k, d, _, m in records],
-        "cost_model": report
-        and {
-            "buckets": report["buckets"],
-            "latest_steps": report["latest_steps"],
-        },
+        "fixed": (spec, None),
+        "adaptive_forced_deepest": ({**spec, "speculative_adaptive": True}, (3,)),
+        "adaptive_forced_plain_then_deepest": ({**spec, "speculative_adaptive": True}, (0, 3)),
+        "adaptive_forced_plain": ({**spec, "speculative_adaptive": True}, (0,)),
+        "adaptive_free": ({**spec, "speculative_adaptive": True}, None),
+        "plain": ({}, None),
     }
 
 
-def main() -> None:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default="/tmp/specrl-bench")
     parser.add_argument("--batch", type=int, default=32)
@@ -203,53 +289,10 @@ def main() -> None:
         "step medians",
     )
     parser.add_argument("--json", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.disable_cuda_graph = args.device != "cuda"  # what open_engine reads besides these flags
     args.enable_deterministic_inference = False
-    target = os.path.dirname(glob.glob(os.path.join(args.work_dir, "*", "llama", "config.json"))[0])
-    draft = os.path.dirname(glob.glob(os.path.join(args.work_dir, "*", "eagle3", "config.json"))[0])
-    spec = dict(
-        speculative_algorithm="EAGLE3",
-        speculative_draft_model_path=draft,
-        speculative_num_steps=3,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4,
-    )
-    cases = {
-        "fixed": (spec, None),
-        "adaptive_forced_deepest": ({**spec, "speculative_adaptive": True}, (3,)),
-        "adaptive_forced_plain_then_deepest": ({**spec, "speculative_adaptive": True}, (0, 3)),
-        "adaptive_forced_plain": ({**spec, "speculative_adaptive": True}, (0,)),
-        "adaptive_free": ({**spec, "speculative_adaptive": True}, None),
-        "plain": ({}, None),
-    }
-    results, rounds = {}, {}
-    for _ in range(args.rounds):
-        for name, (kwargs, force) in cases.items():
-            if args.cases and name not in args.cases:
-                continue
-            result = _run(target, kwargs, args.batch, args, force)
-            results.setdefault(name, result)
-            rounds.setdefault(name, []).append(
-                {"tokens_per_s": result["tokens_per_s"], "summary": result["summary"]}
-            )
-            print(name, result["tokens_per_s"], json.dumps(result["summary"]), flush=True)
-            print(json.dumps(result["split_ms_total"]), result["allocator"], flush=True)
-            if result["profile"]:
-                print(result["profile"], flush=True)
-    if args.rounds > 1:
-        per_round = {k: [r["tokens_per_s"] for r in v] for k, v in rounds.items()}
-        print("tokens/s per round:", json.dumps(per_round), flush=True)
-    with open(args.json, "w") as f:
-        json.dump(
-            {
-                "batch": args.batch,
-                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                **results,
-                "rounds": rounds,
-            },
-            f,
-        )
+    return args
 
 
 if __name__ == "__main__":

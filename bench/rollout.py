@@ -37,26 +37,13 @@ decode steps per second.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
 import os
-import tempfile
-from collections.abc import Callable
+from typing import Optional
 
-import torch
-
-from bench.isolate import EngineProcess, drive
-from bench.measure import measure, open_engine, warm_up
-from bench.rollout_report import (
-    adaptive_vs_best,
-    noise_floor,
-    print_adaptive,
-    print_noise,
-    print_table,
-    roofline,
-    speedup_svg,
-)
+from bench.checkpoints import PRESETS, apply_preset, cached, work_dir
+from bench.rollout_report import report
+from bench.rounds import run
 from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
 ALGORITHMS = (
@@ -74,19 +61,23 @@ ALGORITHMS = (
 # Not run by default: the self-draft (all drafts accepted) adaptive, where depth matters most, and
 # a second plain engine of the baseline's target (the control that measures the bench's noise).
 CHOICES = ALGORITHMS + ("standalone-self-adaptive", "baseline-twin")
-# Model shapes to benchmark at (random weights): Llama-3.1-8B's config.
-PRESETS = {
-    "llama-3.1-8b": dict(
-        hidden_size=4096,
-        num_layers=32,
-        intermediate_size=14336,
-        num_heads=32,
-        num_kv_heads=8,
-        vocab_size=128256,
-    )
-}
-# Peak HBM bandwidth in GB/s by device name (SXM parts; the PCIe H100 has 2000).
-HBM_GBS = {"H100": 3350.0, "H200": 4800.0}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    table = configs(build_models(args), args.steps, args.topk, args.draft_tokens)
+    if args.forced_acceptance:
+        for name, (_, kwargs) in table.items():
+            if name not in ("baseline", "mtp-plain"):
+                kwargs["speculative_accept_threshold_single"] = 1e-9
+    results = []
+    for batch in args.batch_sizes:
+        for name, row in run(table, args.algorithms, batch, args).items():
+            results.append({"algorithm": name, **row})
+            print(json.dumps(results[-1]), flush=True)
+    order = {name: i for i, name in enumerate(args.algorithms)}
+    results.sort(key=lambda r: (order[r["algorithm"]], r["batch"]))
+    report(results, args)
 
 
 def configs(
@@ -144,218 +135,10 @@ def configs(
     return table
 
 
-def summarize(batch: int, rounds: list[dict], weight_bytes: int) -> dict:
-    """Tokens/s of the best round, with and without prefill (the fastest prefill-only run)."""
-    best = min(rounds, key=lambda m: m["elapsed"])
-    decode_s = max(best["elapsed"] - min(m["prefill_s"] for m in rounds), 1e-9)
-    return {
-        "batch": batch,
-        "tokens_per_s": round(best["tokens"] / best["elapsed"], 1),
-        # The first token of each request comes with the prefill.
-        "decode_tokens_per_s": round((best["tokens"] - batch) / decode_s, 1),
-        "weight_bytes": weight_bytes,
-        # every round's, in order: round r of each configuration ran side by side under --interleave
-        "round_tokens_per_s": [round(m["tokens"] / m["elapsed"], 1) for m in rounds],
-        **best["state"],
-    }
-
-
-def run(
-    table: dict[str, tuple[str, dict]], names: list[str], batch: int, args: argparse.Namespace
-) -> dict[str, dict]:
-    """Each configuration in `names` at `batch`: after one warm-up generation, the best of
-    --repeats rounds. --interleave: all engines open at once and the rounds go round-robin over
-    them (starting one further each round), so a slow spell of the machine hits every
-    configuration alike; --isolate: the same rounds, each engine in a fresh process every round
-    (--lockstep: measured at once, a step each in turn); else one engine at a time."""
-    if args.isolate or args.lockstep:
-        return run_isolated(table, names, batch, args)
-    groups = [names] if args.interleave else [[name] for name in names]
-    out = {}
-    for group in groups:
-        with contextlib.ExitStack() as stack:
-            engines = {n: stack.enter_context(open_engine(*table[n], batch, args)) for n in group}
-            for n, engine in engines.items():
-                warm_up(engine, batch, args, n.startswith("ngram"))
-            rounds: dict[str, list[dict]] = {n: [] for n in group}
-            for r in range(args.repeats):
-                for n in turned(group, r):
-                    rounds[n].append(measure(engines[n], batch, args, n.startswith("ngram"), r))
-            for n, engine in engines.items():
-                out[n] = summarize(batch, rounds[n], engine.runner.weight_bytes())
-        del engines
-        # The next engine's KV cache is sized from free device memory: release this one's first.
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-    return out
-
-
-def run_isolated(
-    table: dict[str, tuple[str, dict]], names: list[str], batch: int, args: argparse.Namespace
-) -> dict[str, dict]:
-    """--isolate: round by round, each configuration's engine opened in a fresh process, warmed
-    up, measured once and closed; --lockstep: every configuration's fresh engine of the round
-    opened and warmed up, then all measured at once, one scheduler step each in turn, each timing
-    its own steps (bench/isolate.py says why)."""
-    rounds: dict[str, list[dict]] = {n: [] for n in names}
-    weight_bytes = {}
-    call = "measure_gated" if args.lockstep else "measure"
-    for r in range(args.repeats):
-        order = turned(names, r)
-        for group in [order] if args.lockstep else [[n] for n in order]:
-            with contextlib.ExitStack() as stack:
-                engines = {
-                    n: stack.enter_context(
-                        EngineProcess(*table[n], batch, args, gated=args.lockstep)
-                    )
-                    for n in group
-                }
-                for n, engine in engines.items():
-                    engine.call("warm_up", n.startswith("ngram"))
-                    weight_bytes[n] = engine.weight_bytes
-                for n, engine in engines.items():
-                    engine.send(call, n.startswith("ngram"), r)
-                answers = (
-                    drive(engines) if args.lockstep else {n: e.answer() for n, e in engines.items()}
-                )
-                for n, result in answers.items():
-                    rounds[n].append(result)
-    return {n: summarize(batch, rounds[n], weight_bytes[n]) for n in names}
-
-
-def turned(names: list[str], r: int) -> list[str]:
-    """Round `r`'s order: turned by one each round, so no configuration always runs right after
-    the same one (an adaptive engine after its slow fixed speculation)."""
-    return names[r % len(names) :] + names[: r % len(names)]
-
-
-def work_dir(base: str | None, prefix: str, args: argparse.Namespace) -> str:
-    """A directory for this shape's random checkpoints: under `base` (kept, found again by the
-    same shape and dtype), else a fresh temporary one."""
-    if base is None:
-        return tempfile.mkdtemp(prefix=prefix)
-    shape = (
-        args.hidden_size,
-        args.num_layers,
-        args.intermediate_size,
-        args.num_heads,
-        args.num_kv_heads,
-        args.vocab_size,
-        getattr(args, "context_length", 0),
-        args.dtype,
-    )
-    path = os.path.join(base, prefix + "-".join(map(str, shape)))
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def cached(path: str, build: Callable[[str], str]) -> str:
-    """`build(path)` unless a checkpoint is there already (from an earlier run)."""
-    return path if os.path.exists(os.path.join(path, "config.json")) else build(path)
-
-
-def device_hbm_gbs(device: str) -> float | None:
-    if device != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    return next((gbs for key, gbs in HBM_GBS.items() if key in name), None)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--preset", choices=sorted(PRESETS), help="a real model's shape (overrides the shape flags)"
-    )
-    parser.add_argument("--hidden-size", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--intermediate-size", type=int, help="default: 2.75 x hidden size")
-    parser.add_argument("--num-heads", type=int, default=8)
-    parser.add_argument("--num-kv-heads", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--context-length", type=int, default=4096)
-    parser.add_argument(
-        "--attention-backend",
-        choices=["torch_native", "flashinfer"],
-        help="default: the engine's (flashinfer on CUDA when installed)",
-    )
-    parser.add_argument(
-        "--hbm-gbs",
-        type=float,
-        help="HBM bandwidth for the roofline (default: known for H100/H200)",
-    )
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=CHOICES)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--draft-tokens", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument(
-        "--interleave",
-        action="store_true",
-        help="per batch size, open every configuration's engine at once and run the rounds "
-        "round-robin (side by side on a machine whose speed drifts; needs the memory of all)",
-    )
-    parser.add_argument(
-        "--isolate",
-        action="store_true",
-        help="rounds round-robin as --interleave, but each configuration's engine in a fresh "
-        "process every round (on CPU an engine's speed depends on where its memory landed: up "
-        "to ~10%% per instance; see bench/isolate.py)",
-    )
-    parser.add_argument(
-        "--lockstep",
-        action="store_true",
-        help="as --isolate, but each round's engines open at once and take one scheduler step "
-        "each in turn, each timing only its own steps (a machine whose speed drifts over "
-        "seconds slows them all alike; see bench/isolate.py)",
-    )
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument(
-        "--enable-deterministic-inference",
-        action="store_true",
-        help="batch-invariant engines (what it costs: docs/benchmarks/deterministic_cpu.md)",
-    )
-    parser.add_argument(
-        "--disable-cuda-graph",
-        action="store_true",
-        help="no graph batch sizes / padding (to measure what padding costs where graphs are not "
-        "replayed)",
-    )
-    parser.add_argument(
-        "--forced-acceptance",
-        action="store_true",
-        help="accept every draft token (sampling, lossy): the speedup a perfect draft would give",
-    )
-    parser.add_argument(
-        "--model-path", help="a real target checkpoint instead of a random one (its own shape)"
-    )
-    parser.add_argument("--eagle3-draft-path", help="with --model-path: its EAGLE-3 draft")
-    parser.add_argument(
-        "--work-dir",
-        help="where the random checkpoints are built, and found again by a later run of the same "
-        "shape (an 8B model takes minutes to build); default: a fresh temporary directory",
-    )
-    parser.add_argument("--json", help="also write the results to this JSON file")
-    parser.add_argument(
-        "--plot", help="also write an SVG of each configuration's speedup over plain decoding"
-    )
-    args = parser.parse_args()
-    for key, value in PRESETS.get(args.preset, {}).items():
-        setattr(args, key, value)
-    if args.model_path is not None:
-        real = {"baseline", "standalone-self", "ngram"} | (
-            {"eagle3"} if args.eagle3_draft_path else set()
-        )
-        args.algorithms = [a for a in args.algorithms if a.removesuffix("-adaptive") in real]
-        with open(os.path.join(args.model_path, "config.json")) as f:
-            args.vocab_size = json.load(f)["vocab_size"]
-
+def build_models(args: argparse.Namespace) -> dict[str, str]:
+    """The checkpoints the chosen algorithms run, by role (llama, eagle, eagle3, mimo):
+    --model-path's and --eagle3-draft-path's, else random ones of the flags' shape, built under
+    --work-dir (or found there from an earlier run)."""
     root = work_dir(args.work_dir, "bench-rollout-", args)
     shape = dict(
         vocab_size=args.vocab_size,
@@ -408,51 +191,123 @@ def main() -> None:
                 std=0.02,
             ),
         )
-    table = configs(models, args.steps, args.topk, args.draft_tokens)
-    if args.forced_acceptance:
-        for name, (_, kwargs) in table.items():
-            if name not in ("baseline", "mtp-plain"):
-                kwargs["speculative_accept_threshold_single"] = 1e-9
-    results = []
-    for batch in args.batch_sizes:
-        for name, row in run(table, args.algorithms, batch, args).items():
-            results.append({"algorithm": name, **row})
-            print(json.dumps(results[-1]), flush=True)
-    order = {name: i for i, name in enumerate(args.algorithms)}
-    results.sort(key=lambda r: (order[r["algorithm"]], r["batch"]))
-    base = {r["batch"]: r["tokens_per_s"] for r in results if r["algorithm"] == "baseline"}
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(
-        f"\n{device} {args.dtype}, hidden {args.hidden_size} x {args.num_layers} layers, vocab "
-        f"{args.vocab_size}, "
-        f"input {args.input_len}, output {args.output_len}; steps {args.steps}, topk {args.topk}, "
-        f"draft tokens {args.draft_tokens}; best of {args.repeats}"
+    return models
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The flags, with --preset's shape applied; with --model-path, its vocabulary and only the
+    configurations a real checkpoint can run (no random drafts)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    if args.forced_acceptance:
-        print("forced acceptance: every draft token accepted (lossy; speed of a perfect draft)")
-    print_table(results, base)
-    ratios = adaptive_vs_best(results)
-    print_adaptive(ratios)
-    noise = noise_floor(results)
-    print_noise(noise)
-    roof = roofline(results, args.hbm_gbs or device_hbm_gbs(args.device))
-    if args.plot:
-        with open(args.plot, "w") as f:
-            f.write(speedup_svg(results, base))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "args": vars(args),
-                    "device": device,
-                    "results": results,
-                    "adaptive_vs_best": ratios,
-                    "noise": noise,
-                    "roofline": roof,
-                },
-                f,
-                indent=2,
-            )
+    _shape_flags(parser)
+    _round_flags(parser)
+    _engine_flags(parser)
+    _input_output_flags(parser)
+    args = parser.parse_args(argv)
+    apply_preset(args)
+    if args.model_path is not None:
+        real = {"baseline", "standalone-self", "ngram"} | (
+            {"eagle3"} if args.eagle3_draft_path else set()
+        )
+        args.algorithms = [a for a in args.algorithms if a.removesuffix("-adaptive") in real]
+        with open(os.path.join(args.model_path, "config.json")) as f:
+            args.vocab_size = json.load(f)["vocab_size"]
+    return args
+
+
+def _shape_flags(parser: argparse.ArgumentParser) -> None:
+    """The model's shape (random weights), the attention backend, the roofline's bandwidth."""
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), help="a real model's shape (overrides the shape flags)"
+    )
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--intermediate-size", type=int, help="default: 2.75 x hidden size")
+    parser.add_argument("--num-heads", type=int, default=8)
+    parser.add_argument("--num-kv-heads", type=int, default=4)
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--context-length", type=int, default=4096)
+    parser.add_argument(
+        "--attention-backend",
+        choices=["torch_native", "flashinfer"],
+        help="default: the engine's (flashinfer on CUDA when installed)",
+    )
+    parser.add_argument(
+        "--hbm-gbs",
+        type=float,
+        help="HBM bandwidth for the roofline (default: known for H100/H200)",
+    )
+
+
+def _round_flags(parser: argparse.ArgumentParser) -> None:
+    """What is measured, and how the rounds run."""
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=CHOICES)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--draft-tokens", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="per batch size, open every configuration's engine at once and run the rounds "
+        "round-robin (side by side on a machine whose speed drifts; needs the memory of all)",
+    )
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="rounds round-robin as --interleave, but each configuration's engine in a fresh "
+        "process every round (on CPU an engine's speed depends on where its memory landed: up "
+        "to ~10%% per instance; see bench/isolate.py)",
+    )
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="as --isolate, but each round's engines open at once and take one scheduler step "
+        "each in turn, each timing only its own steps (a machine whose speed drifts over "
+        "seconds slows them all alike; see bench/isolate.py)",
+    )
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant engines (what it costs: docs/benchmarks/deterministic_cpu.md)",
+    )
+    parser.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="no graph batch sizes / padding (to measure what padding costs where graphs are not "
+        "replayed)",
+    )
+    parser.add_argument(
+        "--forced-acceptance",
+        action="store_true",
+        help="accept every draft token (sampling, lossy): the speedup a perfect draft would give",
+    )
+
+
+def _input_output_flags(parser: argparse.ArgumentParser) -> None:
+    """Real checkpoints instead of random ones, where random ones are built, what is written."""
+    parser.add_argument(
+        "--model-path", help="a real target checkpoint instead of a random one (its own shape)"
+    )
+    parser.add_argument("--eagle3-draft-path", help="with --model-path: its EAGLE-3 draft")
+    parser.add_argument(
+        "--work-dir",
+        help="where the random checkpoints are built, and found again by a later run of the same "
+        "shape (an 8B model takes minutes to build); default: a fresh temporary directory",
+    )
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument(
+        "--plot", help="also write an SVG of each configuration's speedup over plain decoding"
+    )
 
 
 if __name__ == "__main__":

@@ -25,13 +25,13 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from bench.rollout import PRESETS, cached, work_dir
+from bench.checkpoints import PRESETS, apply_preset, cached, work_dir
 from specrl.tiny_models import build_checkpoint
 from trainer_bridge.megatron_compat import free_port
 
@@ -155,7 +155,33 @@ def colocated_push(
         stop_engine(proc, conn)
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    path = build_model(args)
+    # The trainer's copy of the weights, on its device.
+    tensors = {
+        n: t.to(device) for n, t in load_file(os.path.join(path, "model.safetensors")).items()
+    }
+    results = {"memcpy": copy_seconds(list(tensors.values()), device, args.repeats)}
+    engine_kwargs = dict(
+        skip_tokenizer_init=True,
+        random_seed=0,
+        max_total_tokens=4096,
+        device=args.device,
+        dtype=args.dtype,
+        skip_server_warmup=True,
+    )
+    results.update(in_process(path, engine_kwargs, tensors, args.repeats))
+    results["colocated_process"] = colocated_push(
+        path, engine_kwargs, list(tensors.items()), args.bucket_mib * 2**20, args.repeats
+    )
+    if device.type == "cuda" and torch.cuda.device_count() >= 2:
+        results["distributed_nccl"] = nccl_push(path, engine_kwargs, tensors, args.repeats)
+    report(results, tensors, args)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -174,20 +200,15 @@ def main() -> None:
         "--work-dir", help="keep the random checkpoint here, for later runs of the same shape"
     )
     parser.add_argument("--json", help="also write the results to this JSON file")
-    args = parser.parse_args()
-    for key, value in PRESETS.get(args.preset, {}).items():
-        setattr(args, key, value)
+    args = parser.parse_args(argv)
+    apply_preset(args)
+    return args
 
-    from torch.multiprocessing.reductions import reduce_tensor
 
-    from spec_engine import Engine
-    from spec_engine.weights.loader import refresh_derived
-    from spec_engine.weights.transport import FlattenedBucket
-
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
+def build_model(args: argparse.Namespace) -> str:
+    """The random Llama of the flags' shape (found again under --work-dir)."""
     root = work_dir(args.work_dir, "bench-weights-", args)
-    path = cached(
+    return cached(
         os.path.join(root, "model"),
         lambda d: build_checkpoint(
             d,
@@ -203,57 +224,55 @@ def main() -> None:
             initializer_range=0.02,
         ),
     )
-    # The trainer's copy of the weights, on its device.
-    tensors = {
-        n: t.to(device) for n, t in load_file(os.path.join(path, "model.safetensors")).items()
-    }
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    params = sum(t.numel() for t in tensors.values())
-    memcpy = copy_seconds(list(tensors.values()), device, args.repeats)
-    results = {"memcpy": memcpy}
-    engine_kwargs = dict(
-        skip_tokenizer_init=True,
-        random_seed=0,
-        max_total_tokens=4096,
-        device=args.device,
-        dtype=args.dtype,
-        skip_server_warmup=True,
-    )
+
+
+def in_process(
+    path: str, engine_kwargs: dict, tensors: dict[str, torch.Tensor], repeats: int
+) -> dict[str, float]:
+    """Best seconds of each path into an engine in this process, by path name."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    from spec_engine import Engine
+    from spec_engine.weights.loader import refresh_derived
+    from spec_engine.weights.transport import FlattenedBucket
+
+    cuda = engine_kwargs["device"] == "cuda"
     named = list(tensors.items())
+    results = {}
     engine = Engine(model_path=path, **engine_kwargs)
     try:
         engine.update_weights_from_tensor(named)  # warm-up: first-touch allocations
-        results["tensor"] = best(lambda: engine.update_weights_from_tensor(named), args.repeats)
+        results["tensor"] = best(lambda: engine.update_weights_from_tensor(named), repeats)
         buckets = [b.to_dict() for b in FlattenedBucket.pack(named)]
         results["flattened_bucket"] = best(
             lambda: engine.update_weights_from_tensor(buckets, load_format="flattened_bucket"),
-            args.repeats,
+            repeats,
         )
         if not cuda:
             # In-process shared memory. CUDA IPC handles open only in another process (on an
             # H200 this process's own failed with "invalid device context"): colocated_process
-            # below measures them.
+            # measures them.
             handles = [(n, reduce_tensor(t.share_memory_())) for n, t in named]
             results["ipc_handles"] = best(
-                lambda: engine.update_weights_from_tensor(handles), args.repeats
+                lambda: engine.update_weights_from_tensor(handles), repeats
             )
-            results["distributed_gloo"] = gloo_update(engine, tensors, args.repeats)
-        results["disk"] = best(lambda: engine.update_weights_from_disk(path), args.repeats)
+            results["distributed_gloo"] = gloo_update(engine, tensors, repeats)
+        results["disk"] = best(lambda: engine.update_weights_from_disk(path), repeats)
         if not cuda:
             # Derived CPU copies alone (oneDNN-packed weights), included in every path above.
-            results["cpu_repack_only"] = best(
-                lambda: refresh_derived(engine.runner.model), args.repeats
-            )
+            results["cpu_repack_only"] = best(lambda: refresh_derived(engine.runner.model), repeats)
     finally:
         engine.shutdown()
-    results["colocated_process"] = colocated_push(
-        path, engine_kwargs, named, args.bucket_mib * 2**20, args.repeats
-    )
-    nccl_note = "NCCL needs the engine on a second GPU: not measured on this machine"
-    if cuda and torch.cuda.device_count() >= 2:
-        results["distributed_nccl"] = nccl_push(path, engine_kwargs, tensors, args.repeats)
-        nccl_note = f"NCCL to a second GPU: {results['distributed_nccl']:.2f} s"
+    return results
 
+
+def report(
+    results: dict[str, float], tensors: dict[str, torch.Tensor], args: argparse.Namespace
+) -> None:
+    """Print each path's seconds, GB/s and fraction of memcpy; write --json."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    params = sum(t.numel() for t in tensors.values())
+    memcpy = results["memcpy"]
     gb = nbytes / 1e9
     rows = [
         {
@@ -264,6 +283,7 @@ def main() -> None:
         }
         for k, v in results.items()
     ]
+    cuda = args.device == "cuda"
     where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(
         f"\n{params / 1e6:.1f}M parameters, {gb:.2f} GB {args.dtype}, {where}, best of "
@@ -274,9 +294,14 @@ def main() -> None:
     for r in rows:
         print(f"| {r['path']} | {r['seconds']} | {r['GB_per_s']} | {r['vs_memcpy']:.0%} |")
     if args.preset:
-        colocated = results["colocated_process"]
+        nccl = results.get("distributed_nccl")
+        nccl_note = (
+            "NCCL needs the engine on a second GPU: not measured on this machine"
+            if nccl is None
+            else f"NCCL to a second GPU: {nccl:.2f} s"
+        )
         print(
-            f"\ncolocated push of {args.preset}: {colocated:.2f} s "
+            f"\ncolocated push of {args.preset}: {results['colocated_process']:.2f} s "
             f"(target < {COLOCATED_TARGET_S:g} s); {nccl_note}"
         )
     if args.json:
