@@ -400,13 +400,13 @@ def test_a_cost_is_compared_with_the_reference_as_measured_nearest_its_steps():
 
 
 def test_on_simulated_machines_the_model_stays_near_the_best_fixed_mode():
-    """scripts/sim_adaptive.py: per cost set (plain decoding 25% ahead of the best depth to depth
+    """bench/sim_adaptive.py: per cost set (plain decoding 25% ahead of the best depth to depth
     3 48% ahead) and machine (steady, slow spells, a wave), the model's tokens/s over 768 steps
     stay within 5% of the best fixed mode's on the same machine (item 4's margin), tries and
     warm-up included."""
     from argparse import Namespace
 
-    from scripts.sim_adaptive import COSTS, MACHINES, efficiency
+    from bench.sim_adaptive import COSTS, MACHINES, efficiency
 
     args = Namespace(steps=768, step_noise=0.15)
     shares = {

@@ -11,7 +11,7 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("spec_engine", "trainer_bridge", "rollout", "specrl")
+PACKAGES = ("spec_engine", "trainer_bridge", "rollout", "specrl", "bench")
 MAX_LINES = 500
 
 

@@ -1,4 +1,4 @@
-"""scripts/bench_drift.py's bookkeeping: the task file extended for long runs, and which kept run
+"""bench/drift.py's bookkeeping: the task file extended for long runs, and which kept run
 a longer run goes on from."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from scripts.bench_drift import LATEST, extend_task, goes_on_from
+from bench.drift import LATEST, extend_task, goes_on_from
 from specrl.tiny_run import TASK_PROMPTS
 
 

@@ -136,12 +136,12 @@ def test_bench_weight_sync_script_runs(tmp_path, monkeypatch):
     """Its main() in this process (what `python -m scripts.bench_weight_sync` runs, without a
     second interpreter importing torch and the engine again); its engine processes are
     spawned as from the command line."""
-    from scripts import bench_weight_sync
+    from bench import weight_sync
 
     out_json = tmp_path / "ws.json"
     argv = ["--hidden-size", "64", "--num-layers", "2", "--vocab-size", "512", "--repeats", "1"]
     monkeypatch.setattr(sys, "argv", ["bench_weight_sync", *argv, "--json", str(out_json)])
-    bench_weight_sync.main()
+    weight_sync.main()
     paths = {r["path"] for r in json.loads(out_json.read_text())["results"]}
     assert paths == {
         "memcpy",
@@ -257,7 +257,7 @@ class _GatedThread:
         import time
         from types import SimpleNamespace
 
-        from scripts.bench_isolate import StepGate
+        from bench.isolate import StepGate
 
         self.gate, child_gate = multiprocessing.Pipe()
         self._answers, child_answers = multiprocessing.Pipe()
@@ -287,7 +287,7 @@ class _GatedThread:
 
 
 def test_drive_gives_gated_engines_one_step_each_in_turn_and_each_times_its_own_steps():
-    from scripts.bench_isolate import drive
+    from bench.isolate import drive
 
     log: list[str] = []
     engines = {
@@ -306,7 +306,7 @@ def test_engine_process_runs_calls_in_its_own_process_and_reports_failures(llama
     import argparse
     import os
 
-    from scripts.bench_isolate import EngineProcess
+    from bench.isolate import EngineProcess
 
     with open(os.path.join(llama_path, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]

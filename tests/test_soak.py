@@ -1,11 +1,11 @@
-"""A short run of scripts/soak.py (docs/reliability.md has the minute-long one): 64 concurrent
+"""A short run of bench/soak.py (docs/reliability.md has the minute-long one): 64 concurrent
 mixed clients and three weight updates on a speculative engine lose nothing."""
 
 from __future__ import annotations
 
 import asyncio
 
-from scripts.soak import soak
+from bench.soak import soak
 
 
 def test_soak_loses_nothing():

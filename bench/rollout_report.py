@@ -1,18 +1,62 @@
-"""What scripts/bench_rollout.py prints: the per-configuration table, the adaptive modes against
-the better of plain decoding and fixed speculation, and the batch-1 roofline."""
+"""What bench/rollout.py reports: the per-configuration table, the adaptive modes against
+the better of plain decoding and fixed speculation, the noise floor, the batch-1 roofline, and
+the JSON and SVG files."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
 from collections.abc import Callable
 from typing import Any, Optional
+
+import torch
 
 from specrl.plots import svg
 
 # The plain decoding an algorithm's speculation is compared with: its own target decoding
 # without speculation (MTP's target is MiMo, a different model from the others' Llama).
 PLAIN_OF = {"mtp": "mtp-plain"}
+# Peak HBM bandwidth in GB/s by device name (SXM parts; the PCIe H100 has 2000).
+HBM_GBS = {"H100": 3350.0, "H200": 4800.0}
+
+
+def report(results: list[dict], args: argparse.Namespace) -> None:
+    """Print the run's tables and write --plot and --json."""
+    base = {r["batch"]: r["tokens_per_s"] for r in results if r["algorithm"] == "baseline"}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(
+        f"\n{device} {args.dtype}, hidden {args.hidden_size} x {args.num_layers} layers, vocab "
+        f"{args.vocab_size}, "
+        f"input {args.input_len}, output {args.output_len}; steps {args.steps}, topk {args.topk}, "
+        f"draft tokens {args.draft_tokens}; best of {args.repeats}"
+    )
+    if args.forced_acceptance:
+        print("forced acceptance: every draft token accepted (lossy; speed of a perfect draft)")
+    print_table(results, base)
+    ratios = adaptive_vs_best(results)
+    print_adaptive(ratios)
+    noise = noise_floor(results)
+    print_noise(noise)
+    roof = roofline(results, args.hbm_gbs or device_hbm_gbs(args.device))
+    if args.plot:
+        with open(args.plot, "w") as f:
+            f.write(speedup_svg(results, base))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "args": vars(args),
+                    "device": device,
+                    "results": results,
+                    "adaptive_vs_best": ratios,
+                    "noise": noise,
+                    "roofline": roof,
+                },
+                f,
+                indent=2,
+            )
 
 
 def speedup_svg(results: list[dict], base: dict[int, float]) -> str:
@@ -164,3 +208,10 @@ def roofline(results: list[dict], hbm_gbs: Optional[float]) -> Optional[dict[str
         "target 90%, SGLang reaches about 75%)"
     )
     return out
+
+
+def device_hbm_gbs(device: str) -> float | None:
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((gbs for key, gbs in HBM_GBS.items() if key in name), None)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any, Optional
 
-from scripts.bench_measure import measure, open_engine, warm_up
+from bench.measure import measure, open_engine, warm_up
 
 if TYPE_CHECKING:
     from spec_engine import Engine

@@ -1,7 +1,7 @@
-"""One engine of the rollout benchmark: opening it, its prompts, and one timed round.
+"""One engine of the rollout benchmark: opening it, warming it up, and one timed round.
 
-Shared by scripts/bench_rollout.py, which runs the engines in its own process, and
-scripts/bench_isolate.py, which runs each in a process of its own.
+Shared by bench/rounds.py, which runs the engines in its own process, and
+bench/isolate.py, which runs each in a process of its own.
 """
 
 from __future__ import annotations
@@ -11,24 +11,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import torch
-
-from scripts.bench_engine import random_batches
+from bench.prompts import prompts
 from spec_engine.core.adaptive import bucket
 
 if TYPE_CHECKING:
     from spec_engine import Engine
-
-
-def prompts(batch: int, length: int, vocab: int, repetitive: bool, seed: int) -> list[list[int]]:
-    if not repetitive:
-        return random_batches(batch, length, vocab, seed)
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(batch):
-        pattern = torch.randint(5, vocab, (16,), generator=g, device="cpu").tolist()
-        out.append((pattern * (length // 16 + 1))[:length])
-    return out
 
 
 def open_engine(path: str, kwargs: dict, batch: int, args: argparse.Namespace) -> Engine:

@@ -1,0 +1,78 @@
+"""Where a decode step's time goes: bench_rollout run in one process (its flags, `--interleave`
+added), with each engine's scheduler step and its worker and scheduler calls timed, summed per
+engine over every round and the warm-up. What an adaptive engine's per-step bookkeeping and its
+tries cost against a plain engine's step, which the engines' own timings (the worker's step
+only) leave out:
+
+    python -m scripts.bench_step_split --context-length 256 --algorithms mtp-plain mtp-adaptive \
+        --batch-sizes 1 --input-len 64 --output-len 128 --repeats 3 --work-dir /tmp/bench5-models
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from spec_engine.core.scheduler import Scheduler
+
+WORKER_CALLS = ("prefill", "decode", "decode_plain", "catch_up")
+SCHEDULER_CALLS = ("_decode_groups", "_ensure_decode_room", "_process_outputs")
+
+# engine -> call -> [seconds, calls]
+totals: dict[str, dict[str, list[float]]] = collections.defaultdict(
+    lambda: collections.defaultdict(lambda: [0.0, 0])
+)
+
+
+def timed(fn: Callable, into: list[float]) -> Callable:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into[0] += time.perf_counter() - start
+            into[1] += 1
+
+    return call
+
+
+def engine_name(scheduler: Scheduler) -> str:
+    adaptive = "+adaptive" if scheduler.adaptive is not None else ""
+    return f"{type(scheduler.worker).__name__}{adaptive} #{id(scheduler) % 10000}"
+
+
+def instrument(scheduler: Scheduler) -> None:
+    """Time this scheduler's calls (its instance attributes shadow the methods)."""
+    calls = totals[engine_name(scheduler)]
+    for name in WORKER_CALLS:
+        setattr(scheduler.worker, name, timed(getattr(scheduler.worker, name), calls[name]))
+    for name in SCHEDULER_CALLS:
+        setattr(scheduler, name, timed(getattr(scheduler, name), calls[name]))
+    scheduler.step_split = calls["step"]
+
+
+def step(self: Scheduler, _step: Callable = Scheduler.step) -> None:
+    if not hasattr(self, "step_split"):
+        instrument(self)
+    timed(_step, self.step_split)(self)
+
+
+def main() -> None:
+    from bench import rollout
+
+    Scheduler.step = step
+    sys.argv = [sys.argv[0], "--interleave", *sys.argv[1:]]
+    rollout.main()
+    print("\nseconds [calls] per engine, all rounds and the warm-up")
+    for engine, calls in totals.items():
+        shown = ", ".join(f"{n} {s:.3f} [{c}]" for n, (s, c) in sorted(calls.items()) if c)
+        print(f"{engine}: {shown}")
+
+
+if __name__ == "__main__":
+    main()
