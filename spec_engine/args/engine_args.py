@@ -70,7 +70,7 @@ class EngineArgs:
         "Hugging Face checkpoint directory of the target model (config.json + *.safetensors).",
         aliases=("model",),
     )
-    tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory; defaults to --model-path.")
+    tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory.", unset="--model-path")
     skip_tokenizer_init: bool = _opt(
         False, "Do not load a tokenizer: requests must give input_ids and outputs carry no text."
     )
@@ -85,20 +85,22 @@ class EngineArgs:
     )
     context_length: Optional[int] = _opt(
         None,
-        "Maximum tokens per request (prompt + output); defaults to the model's "
-        "max_position_embeddings. Larger values are refused.",
+        "Maximum tokens per request (prompt + output); larger values than the model's are refused.",
+        unset="the model's max_position_embeddings",
     )
     served_model_name: Optional[str] = _opt(
-        None, "Model name reported by the OpenAI-compatible API; defaults to --model-path."
+        None, "Model name reported by the OpenAI-compatible API.", unset="--model-path"
     )
     chat_template: Optional[str] = _opt(
-        None, "Path to a Jinja chat template; defaults to the tokenizer's own template."
+        None, "Path to a Jinja chat template.", unset="the tokenizer's own template"
     )
     # Server
     host: str = _opt("127.0.0.1", "HTTP server host.")
     port: int = _opt(30000, "HTTP server port.")
     api_key: Optional[str] = _opt(
-        None, "If set, the HTTP server requires 'Authorization: Bearer <key>'."
+        None,
+        "If set, the HTTP server requires 'Authorization: Bearer <key>'.",
+        unset="none: no authentication",
     )
     skip_server_warmup: bool = _opt(
         False, "Do not run a one-token warmup request when the server starts."
@@ -122,7 +124,9 @@ class EngineArgs:
         f"{MEM_FRACTION_CPU} of RAM on CPU). Ignored when --max-total-tokens is set.",
     )
     max_total_tokens: Optional[int] = _opt(
-        None, "Size of the KV cache pool in tokens; overrides --mem-fraction-static."
+        None,
+        "Size of the KV cache pool in tokens; overrides --mem-fraction-static.",
+        unset="sized by --mem-fraction-static",
     )
     max_running_requests: Optional[int] = _opt(
         None, f"Maximum requests decoded together (auto: {MAX_RUNNING_REQUESTS_DEFAULT})."
@@ -165,9 +169,12 @@ class EngineArgs:
         "EAGLE (EAGLE-2, or MTP when the target has MTP layers and no draft is given), EAGLE3, "
         "STANDALONE (a small LM as draft) or NGRAM (no draft model).",
         choices=SPECULATIVE_ALGORITHMS + ("NEXTN",),
+        unset="none: no speculative decoding",
     )
     speculative_draft_model_path: Optional[str] = _opt(
-        None, "Draft checkpoint: an EAGLE/EAGLE-3 draft, or a small LM for STANDALONE."
+        None,
+        "Draft checkpoint: an EAGLE/EAGLE-3 draft, or a small LM for STANDALONE.",
+        unset="none: EAGLE drafts with the target's MTP layers; NGRAM needs none",
     )
     speculative_num_steps: Optional[int] = _opt(
         None, "Draft depth (auto: 5 for Llama targets, 3 otherwise and for STANDALONE)."
@@ -196,6 +203,7 @@ class EngineArgs:
         None,
         "FR-Spec: a .pt tensor of hot token ids restricting the EAGLE draft head (verification "
         "stays full-vocabulary).",
+        unset="none: the draft head's full vocabulary",
     )
     speculative_ngram_min_match_window_size: int = _opt(
         1, "NGRAM: shortest context suffix matched against the n-gram cache."
@@ -252,8 +260,9 @@ class EngineArgs:
         None,
         "Batch sizes to capture, any list (deduplicated and sorted; sizes above "
         "--max-running-requests are dropped). A batch runs as the smallest size >= its own, "
-        "padded. Default: 1..8, then steps of 2 to 32, 4 to 64, 8 to 256, 16 beyond, up to "
-        "--cuda-graph-max-bs.",
+        "padded.",
+        unset="1..8, then steps of 2 to 32, 4 to 64, 8 to 256, 16 beyond, up to "
+        "--cuda-graph-max-bs",
     )
     cuda_graph_max_bs: Optional[int] = _opt(
         None,
