@@ -37,7 +37,11 @@ class RolloutArgs:
     )
     n_samples_per_prompt: int = _opt(1, "Responses sampled per prompt (the group size for GRPO).")
     # Data
-    prompt_data: Optional[str] = _opt(None, "JSONL file of prompts, one JSON object per line.")
+    prompt_data: Optional[str] = _opt(
+        None,
+        "JSONL file of prompts, one JSON object per line.",
+        unset="none; generating a rollout needs it",
+    )
     input_key: str = _opt(
         "input",
         "Key of the prompt in each JSONL object: a string, or a list of chat messages with "
@@ -45,7 +49,8 @@ class RolloutArgs:
     )
     label_key: Optional[str] = _opt(
         None,
-        "Key of the label (reference answer) in each JSONL object; unset: samples carry no label.",
+        "Key of the label (reference answer) in each JSONL object.",
+        unset="none: samples carry no label",
     )
     metadata_key: str = _opt(
         "metadata",
@@ -74,10 +79,12 @@ class RolloutArgs:
     rollout_top_p: float = _opt(1.0, "Top-p (nucleus) sampling; 1.0 is off.")
     rollout_top_k: int = _opt(-1, "Top-k sampling; -1 is off.")
     rollout_stop: Optional[list[str]] = _opt(
-        None, "Stop strings: a response ends (COMPLETED) at the first one."
+        None,
+        "Stop strings: a response ends (COMPLETED) at the first one.",
+        unset="none: EOS and --rollout-max-response-len end a response",
     )
     rollout_stop_token_ids: Optional[list[int]] = _opt(
-        None, "Stop token ids, in addition to the model's EOS."
+        None, "Stop token ids, in addition to the model's EOS.", unset="none: EOS only"
     )
     rollout_skip_special_tokens: bool = _opt(
         False, "Drop special tokens from response text (the token ids keep them)."
@@ -93,6 +100,7 @@ class RolloutArgs:
         None,
         "Import path of a group filter `def f(args, samples: list[Sample]) -> bool` (False drops "
         "the group), e.g. rollout.filters.check_reward_nonzero_std.",
+        unset="none: every group is kept",
     )
     dynamic_sampling_max_groups: Optional[int] = _opt(
         None,
@@ -105,7 +113,8 @@ class RolloutArgs:
         None,
         "Import path of a function replacing the whole rollout: `[async] def f(args, rollout_id, "
         "manager) -> list[list[Sample]]` (manager: the RolloutManager, with data_source, router, "
-        "tokenizer, reward_fn). Default: the built-in over-sampling rollout.",
+        "tokenizer, reward_fn).",
+        unset="the built-in over-sampling rollout",
     )
     custom_generate_function_path: Optional[str] = _opt(
         None,
@@ -114,11 +123,13 @@ class RolloutArgs:
         "engine.async_generate(input_ids=..., sampling_params=..., return_logprob=True)` (routed "
         "and abortable) and the function fills tokens, response, response_length, loss_mask, "
         "rollout_log_probs and status.",
+        unset="the built-in rollout.generate.generate",
     )
     custom_rm_path: Optional[str] = _opt(
         None,
         "Import path of a reward function `[async] def rm(args, sample) -> float`, used instead of "
         "--rm-type.",
+        unset="none: --rm-type's reward",
     )
     rm_type: Optional[str] = _opt(
         None,
@@ -126,17 +137,20 @@ class RolloutArgs:
         "\\boxed{...} vs label, numbers compared by value), tiny (the tiny CPU task; see "
         "rollout.tiny_task).",
         choices=REWARD_TYPES,
+        unset="none: --custom-rm-path's; generating a rollout needs one of the two",
     )
     # Debug data
     save_debug_rollout_data: Optional[str] = _opt(
         None,
         "Save every rollout to this path (must contain {rollout_id}) as torch.save({'rollout_id', "
         "'samples': [Sample.to_dict()]}).",
+        unset="none: not saved",
     )
     load_debug_rollout_data: Optional[str] = _opt(
         None,
         "Load rollouts saved by --save-debug-rollout-data instead of generating ({rollout_id} is "
         "filled in when present).",
+        unset="none: rollouts are generated",
     )
     # Evaluation
     eval_prompt_data: Optional[list[str]] = _opt(
@@ -144,9 +158,12 @@ class RolloutArgs:
         "Evaluation sets as name/path pairs: --eval-prompt-data aime /data/aime.jsonl gsm8k "
         "/data/gsm8k.jsonl.",
         metavar="NAME/PATH",
+        unset="none: no evaluation",
     )
     eval_interval: Optional[int] = _opt(
-        None, "Evaluate every N rollouts (the launcher runs RolloutManager.eval)."
+        None,
+        "Evaluate every N rollouts (the launcher runs RolloutManager.eval).",
+        unset="none: no evaluation",
     )
     n_samples_per_eval_prompt: int = _opt(1, "Responses sampled per evaluation prompt.")
     eval_max_response_len: Optional[int] = _opt(

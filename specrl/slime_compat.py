@@ -202,7 +202,8 @@ SlimeCompatArgs = dataclasses.make_dataclass(
                 metadata={
                     "help": ("[no-op] " if flag.allowed is None else "[refused otherwise] ")
                     + flag.reason
-                    + "."
+                    + ".",
+                    "unset": "none",  # slime's / Megatron-LM's None
                 },
             ),
         )

@@ -90,10 +90,12 @@ class LauncherArgs:
         "dist_checkpointing: model, MTP layers, optimizer, every rank's RNG; plus the rollout "
         "id, weight version and prompt position) and DIR/latest_checkpointed_iteration.txt.",
         metavar="DIR",
+        unset="none: no checkpoints",
     )
     save_interval: int | None = _opt(
         None,
         "Rollouts between checkpoints (--save and --save-hf; the last rollout is always saved).",
+        unset="none: the last rollout only",
     )
     load: str | None = _opt(
         None,
@@ -101,15 +103,17 @@ class LauncherArgs:
         "--save $SAVE`: rerunning the same command resumes; with nothing saved there yet the run "
         "starts from --hf-checkpoint).",
         metavar="DIR",
+        unset="none: start from --hf-checkpoint",
     )
     start_rollout_id: int | None = _opt(
-        None, "First rollout id to run (default: 0, or the one after the --load checkpoint)."
+        None, "First rollout id to run.", unset="0, or the one after the --load checkpoint"
     )
     save_hf: str | None = _opt(
         None,
         "Also write a Hugging Face checkpoint (loadable by transformers and the engine) at every "
         "save; {rollout_id} is filled in.",
         metavar="PATH",
+        unset="none: not written",
     )
     rollout_num_gpus: int = _opt(1, "Devices (CPU bundles without GPUs) for all engines together.")
     rollout_num_gpus_per_engine: int = _opt(
@@ -132,7 +136,7 @@ class LauncherArgs:
     )
     debug_train_only: bool = _opt(False, "Training only, on --load-debug-rollout-data: no engines.")
     use_wandb: bool = _opt(False, "Log to wandb (offline unless WANDB_MODE is set).")
-    wandb_project: str | None = _opt(None, "wandb project.")
+    wandb_project: str | None = _opt(None, "wandb project.", unset="specrl")
     use_tensorboard: bool = _opt(False, "Log to tensorboard under --output-dir.")
     use_fault_tolerance: bool = _opt(
         False,
@@ -163,11 +167,12 @@ class LauncherArgs:
         "model's first requests to compile).",
     )
     dry_run: bool = _opt(False, "Check the flags, print the resolved options and exit.")
-    ray_num_cpus: int | None = _opt(None, "CPUs of the local Ray (default: all).")
+    ray_num_cpus: int | None = _opt(None, "CPUs of the local Ray.", unset="all")
     num_steps_per_rollout: int | None = _opt(
         None,
         "Optimizer steps per rollout (slime's flag): sets --global-batch-size to "
         "--rollout-batch-size x --n-samples-per-prompt / N.",
+        unset="none: --global-batch-size decides",
     )
 
 

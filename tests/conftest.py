@@ -216,7 +216,7 @@ def rl_loop_run(rl_task, tmp_path_factory) -> Iterator[RLLoopRun]:
     run.stop()
 
 
-# What the shared --debug-rollout-only run executes: scripts/train.py's main with closing the
+# What the shared --debug-rollout-only run executes: the loop's main (specrl.loop) with closing the
 # metrics log failing, then a check that megatron was never imported.
 ROLLOUT_ONLY_MAIN = """
 import ray
@@ -224,7 +224,7 @@ import rollout.metrics
 def broken_close(self):
     raise RuntimeError("disk gone")
 rollout.metrics.MetricsLogger.close = broken_close
-from scripts.train import main
+from specrl.loop import main
 try:
     main(sys.argv[1:])
 except RuntimeError as e:

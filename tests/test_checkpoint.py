@@ -418,18 +418,18 @@ def test_bad_directories_and_checkpoints_are_refused_naming_the_path(task, kille
 
 
 def test_a_bad_load_fails_before_ray_starts(task, tmp_path, monkeypatch):
-    """scripts/train.py's main, called in-process: it raises the SystemExit whose message the
+    """specrl.loop's main, called in-process: it raises the SystemExit whose message the
     command prints, and never reaches Ray."""
-    import scripts.train
+    import specrl.loop
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray started before --load was checked")
 
-    monkeypatch.setattr(scripts.train, "init_ray", no_ray)
+    monkeypatch.setattr(specrl.loop, "init_ray", no_ray)
     for name in ("setup_logging", "quiet_known_noise"):  # keep pytest's logging as it is
-        monkeypatch.setattr(scripts.train, name, lambda: None)
+        monkeypatch.setattr(specrl.loop, name, lambda: None)
     model, data = task
     argv = base_args(model, data, str(tmp_path / "out")) + ["--load", str(tmp_path / "nothing")]
     with pytest.raises(SystemExit) as refused:
-        scripts.train.main(argv)
+        specrl.loop.main(argv)
     assert "holds no checkpoint" in str(refused.value)

@@ -336,18 +336,18 @@ def test_a_fatal_actor_death_exits_non_zero_naming_the_checkpoint(
 ):
     """What main() makes of an actor death that train() reports (the Ray side of it is the
     killed-engine run above and the dead-rank test)."""
-    import scripts.train
+    import specrl.loop
 
     def dies(args, resume):
         raise error
 
-    monkeypatch.setattr(scripts.train, "train", dies)
+    monkeypatch.setattr(specrl.loop, "train", dies)
     for name in ("setup_logging", "quiet_known_noise"):  # keep pytest's logging as it is
-        monkeypatch.setattr(scripts.train, name, lambda: None)
+        monkeypatch.setattr(specrl.loop, name, lambda: None)
     model, data = rl_task
     argv = base_args(model, data, str(tmp_path)) + ["--debug-rollout-only", *flags]
     with pytest.raises(SystemExit) as exit_:
-        scripts.train.main(argv)
+        specrl.loop.main(argv)
     assert str(exit_.value) == (
         f"error: {what}; no checkpoint was saved (--save not set): a rerun starts from "
         "--hf-checkpoint"

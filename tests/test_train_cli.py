@@ -124,3 +124,22 @@ def test_launch_server_help_marks_model_path_required(capsys):
         parser.parse_args(["--port", "30001"])
     assert "--model-path" in capsys.readouterr().err
     assert parser.parse_args(["--model_path", "/m"]).model_path == "/m"
+
+
+# How a flag's help says what it is when not given.
+SHOWS_DEFAULT = re.compile(r"\(default: |auto: |\(required\)")
+
+
+@pytest.mark.parametrize("make_parser", [build_parser, server_parser], ids=["train", "server"])
+def test_every_flag_that_takes_a_value_shows_its_default(make_parser):
+    """--help of scripts/train.py and launch_server: each flag that takes a value ends its help
+    with (default: X), gives an auto: ... rule, or is (required); a switch shows none (off
+    unless given). SGLang's and slime's compat flags included (their default is the value that
+    is accepted without a word)."""
+    parser = make_parser()
+    switches = {a.option_strings[0] for a in parser._actions if a.nargs == 0}
+    listed = entries(parser.format_help())
+    silent = [
+        f for f, text in listed.items() if f not in switches and not SHOWS_DEFAULT.search(text)
+    ]
+    assert silent == []

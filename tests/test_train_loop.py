@@ -93,7 +93,7 @@ def loop_args(model, data, out):
     return argv
 
 
-def run(argv, code="from scripts.train import main; main(sys.argv[1:])"):
+def run(argv, code="from specrl.loop import main; main(sys.argv[1:])"):
     proc = subprocess.run(
         [sys.executable, "-c", "import sys; " + code, *argv],
         capture_output=True,
@@ -426,19 +426,19 @@ def test_dry_run_refuses_a_missing_draft_and_a_tree_too_big(task, tmp_path, caps
 
 def test_colocate_refuses_nccl_weight_sync(task, tmp_path, monkeypatch):
     """Two NCCL ranks cannot share one GPU: --colocate with --weight-sync-mode distributed is
-    refused before anything starts, naming the mode to use (scripts/train.py's main, called
+    refused before anything starts, naming the mode to use (specrl.loop's main, called
     in-process: it raises the SystemExit whose message the command prints)."""
-    import scripts.train
+    import specrl.loop
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray started")
 
-    monkeypatch.setattr(scripts.train, "init_ray", no_ray)
+    monkeypatch.setattr(specrl.loop, "init_ray", no_ray)
     for name in ("setup_logging", "quiet_known_noise"):  # keep pytest's logging as it is
-        monkeypatch.setattr(scripts.train, name, lambda: None)
+        monkeypatch.setattr(specrl.loop, name, lambda: None)
     model, data = task
     argv = base_args(model, data, str(tmp_path))
     argv += ["--colocate", "--weight-sync-mode", "distributed", "--dry-run"]
     with pytest.raises(SystemExit) as refused:
-        scripts.train.main(argv)
+        specrl.loop.main(argv)
     assert "--weight-sync-mode tensor" in str(refused.value)

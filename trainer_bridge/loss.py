@@ -65,10 +65,14 @@ class LossConfig:
     )
     eps_clip: float = _opt(0.2, "PPO clip range: ratios below 1 - eps_clip are clipped.")
     eps_clip_high: float | None = _opt(
-        None, "PPO upper clip range (ratios above 1 + eps_clip_high are clipped); default eps_clip."
+        None,
+        "PPO upper clip range (ratios above 1 + eps_clip_high are clipped).",
+        unset="--eps-clip",
     )
     eps_clip_c: float | None = _opt(
-        None, "Dual-clip PPO bound (> 1): caps the loss of negative-advantage tokens at -c * A."
+        None,
+        "Dual-clip PPO bound (> 1): caps the loss of negative-advantage tokens at -c * A.",
+        unset="none: no dual clip",
     )
     kl_coef: float = _opt(
         0.0, "KL penalty folded into token advantages (reinforce_plus_plus_baseline only)."

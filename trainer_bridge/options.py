@@ -43,7 +43,10 @@ class TrainerArgs:
     )
     max_tokens_per_gpu: Optional[int] = field(
         default=None,
-        metadata={"help": "Token budget of a train micro batch (--use-dynamic-batch-size)."},
+        metadata={
+            "help": "Token budget of a train micro batch (--use-dynamic-batch-size).",
+            "unset": "none; --use-dynamic-batch-size needs it",
+        },
     )
     log_probs_max_tokens_per_gpu: Optional[int] = field(
         default=None,
@@ -86,12 +89,13 @@ class TrainerArgs:
         default=None,
         metadata={
             "help": "MoE models: megatron's expert tensor parallel size, --tensor-model-parallel-"
-            "size (the default: each routed expert split over the TP ranks like a dense MLP) or "
+            "size (each routed expert split over the TP ranks like a dense MLP) or "
             "1 (slime's MoE recipes: every rank holds whole experts and runs them on its own "
             "tokens; the expert-parallel group is then carved out of TP x DP, so "
             "--expert-model-parallel-size may span the TP ranks), or a divisor of TP in between "
             "(each expert split over that many ranks, TP rank r holding slice r mod it). Sizes "
-            "that do not divide TP are refused."
+            "that do not divide TP are refused.",
+            "unset": "--tensor-model-parallel-size",
         },
     )
     seed: int = field(
@@ -119,8 +123,8 @@ class TrainerArgs:
         default=None,
         metadata={
             "help": "MTP layers of the model (slime's / Megatron's flag). specrl builds the ones "
-            "the checkpoint has (num_nextn_predict_layers); a different count is refused. "
-            "Default: the checkpoint's."
+            "the checkpoint has (num_nextn_predict_layers); a different count is refused.",
+            "unset": "the checkpoint's",
         },
     )
     mtp_loss_scaling_factor: float = field(
@@ -161,8 +165,8 @@ class TrainerArgs:
         metadata={
             "help": "Learning rate of the draft trained online (the MTP layers with "
             "--enable-mtp-training, the external draft with --enable-draft-training): a draft may "
-            "need to move faster than the policy to keep up with it. Default: --lr. Not with "
-            "--bf16."
+            "need to move faster than the policy to keep up with it. Not with --bf16.",
+            "unset": "--lr",
         },
     )
     moe_aux_loss_coeff: float = field(
@@ -210,8 +214,8 @@ class TrainerArgs:
             "a run resumed from --load keeps this reference): a --save directory (the policy of "
             "its latest checkpoint), one iter_NNNNNNN/ directory of it, slime's torch_dist "
             "(Megatron-LM) checkpoint, the output of `python -m trainer_bridge.convert "
-            "hf-to-mcore` (any TP / EP size), or a Hugging Face checkpoint of the same model. "
-            "Default: --hf-checkpoint's weights."
+            "hf-to-mcore` (any TP / EP size), or a Hugging Face checkpoint of the same model.",
+            "unset": "--hf-checkpoint's weights",
         },
     )
 

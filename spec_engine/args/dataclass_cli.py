@@ -6,7 +6,8 @@ metadata (e.g. `--disable-x` for a default-on switch). Help, `choices` and
 `metavar` come from the metadata; booleans are switches, lists take one or more values, fields
 without a default are required. Every package's options (engine, rollout, trainer) use this.
 `HelpFormatter` lists each flag once (without its underscore spelling) with its default, and
-marks required flags.
+marks required flags. A field whose default is None says what None means in its metadata's
+`unset` ("no evaluation"), shown as its default, or in an "auto: ..." in its help.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def add_dataclass_args(
             kwargs["default"] = f.default
         else:
             kwargs["default"] = f.default_factory()
+        if kwargs.get("default", False) is None and "unset" in f.metadata:
+            kwargs["help"] += f" (default: {f.metadata['unset']})"
         kind, inner = _flag_type(hints[f.name])
         if kind is bool:
             kwargs["action"] = "store_false" if kwargs.get("default") else "store_true"
@@ -93,8 +96,8 @@ def dest(prefix: str, name: str) -> str:
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Each flag once, under its dashed name, with "(default: X)" or "(required)" after its help.
 
-    Switches and unset (None) defaults show no default: a switch is off unless given, and an
-    unset value's help says what happens instead.
+    Switches show no default (a switch is off unless given); a None default shows the field's
+    `unset` text, added to its help by add_dataclass_args, or its help's "auto: ...".
     """
 
     def _format_action_invocation(self, action: argparse.Action) -> str:

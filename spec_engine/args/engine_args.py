@@ -1,11 +1,11 @@
-"""EngineArgs: every engine option under SGLang's ServerArgs name, its CLI, and its validation.
+"""EngineArgs: every engine option under SGLang's ServerArgs name, and its CLI.
 
 One dataclass is the single source of truth. `add_cli_args` generates argparse flags from it
 (`--model-path` for the server, `--sglang-speculative-algorithm` when given a prefix inside a
-launcher);
-help text comes from field metadata. `EngineArgs.__post_init__` checks everything that can be
-checked without the model; `spec_engine.args.resolve` fills the auto values once, from the
-device and the checkpoints' configs.
+launcher); help text comes from field metadata. `EngineArgs.__post_init__` checks everything
+that can be checked without the model (spec_engine.args.engine_checks, and spec_checks for the
+speculative flags); `spec_engine.args.resolve` fills the auto values once, from the device and
+the checkpoints' configs.
 """
 
 from __future__ import annotations
@@ -18,42 +18,31 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from spec_engine.args.dataclass_cli import add_dataclass_args, dataclass_from_args
+from spec_engine.args.engine_checks import (
+    ATTENTION_BACKENDS,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    LOG_LEVELS,
+    ON_COLLAPSE_CHOICES,
+    SCHEDULE_POLICIES,
+    SGLANG_ATTENTION_BACKENDS,
+    check_engine_args,
+    normalize_dtype,
+)
 from spec_engine.args.sglang_compat import (
     SGLANG_FLAGS,
     CompatArgs,
     check_sglang_options,
     given_options,
 )
-from spec_engine.args.spec_checks import check_adaptive, check_ngram
-
-DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("torch_native", "flashinfer")
-# SGLang's other backends: accepted, and run on one of specrl's (resolve logs which and why).
-SGLANG_ATTENTION_BACKENDS = (
-    "fa3",
-    "fa4",
-    "triton",
-    "flex_attention",
-    "flashmla",
-    "cutlass_mla",
-    "trtllm_mha",
-    "trtllm_mla",
-    "aiter",
-    "wave",
-    "intel_amx",
-    "intel_xpu",
-    "ascend",
-    "dual_chunk_flash_attn",
-    "hybrid_linear_attn",
-    "nsa",
+from spec_engine.args.spec_checks import (
+    SPECULATIVE_ALGORITHMS,
+    canonical_algorithm,
+    check_speculative,
 )
+
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
-SCHEDULE_POLICIES = ("fcfs",)
-SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 NGRAM_DEFAULT_DRAFT_TOKENS = 12
-LOG_LEVELS = ("debug", "info", "warning", "error")
-ON_COLLAPSE_CHOICES = ("warn", "disable")  # spec_engine.core.accept_alarm's modes
 
 # Auto chunked-prefill budgets: SGLang's default on large GPUs, and a smaller one for CPU
 # where a 2048-token chunk already keeps the cores busy for a while.
@@ -81,7 +70,7 @@ class EngineArgs:
         "Hugging Face checkpoint directory of the target model (config.json + *.safetensors).",
         aliases=("model",),
     )
-    tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory; defaults to --model-path.")
+    tokenizer_path: Optional[str] = _opt(None, "Tokenizer directory.", unset="--model-path")
     skip_tokenizer_init: bool = _opt(
         False, "Do not load a tokenizer: requests must give input_ids and outputs carry no text."
     )
@@ -96,20 +85,22 @@ class EngineArgs:
     )
     context_length: Optional[int] = _opt(
         None,
-        "Maximum tokens per request (prompt + output); defaults to the model's "
-        "max_position_embeddings. Larger values are refused.",
+        "Maximum tokens per request (prompt + output); larger values than the model's are refused.",
+        unset="the model's max_position_embeddings",
     )
     served_model_name: Optional[str] = _opt(
-        None, "Model name reported by the OpenAI-compatible API; defaults to --model-path."
+        None, "Model name reported by the OpenAI-compatible API.", unset="--model-path"
     )
     chat_template: Optional[str] = _opt(
-        None, "Path to a Jinja chat template; defaults to the tokenizer's own template."
+        None, "Path to a Jinja chat template.", unset="the tokenizer's own template"
     )
     # Server
     host: str = _opt("127.0.0.1", "HTTP server host.")
     port: int = _opt(30000, "HTTP server port.")
     api_key: Optional[str] = _opt(
-        None, "If set, the HTTP server requires 'Authorization: Bearer <key>'."
+        None,
+        "If set, the HTTP server requires 'Authorization: Bearer <key>'.",
+        unset="none: no authentication",
     )
     skip_server_warmup: bool = _opt(
         False, "Do not run a one-token warmup request when the server starts."
@@ -133,7 +124,9 @@ class EngineArgs:
         f"{MEM_FRACTION_CPU} of RAM on CPU). Ignored when --max-total-tokens is set.",
     )
     max_total_tokens: Optional[int] = _opt(
-        None, "Size of the KV cache pool in tokens; overrides --mem-fraction-static."
+        None,
+        "Size of the KV cache pool in tokens; overrides --mem-fraction-static.",
+        unset="sized by --mem-fraction-static",
     )
     max_running_requests: Optional[int] = _opt(
         None, f"Maximum requests decoded together (auto: {MAX_RUNNING_REQUESTS_DEFAULT})."
@@ -176,9 +169,12 @@ class EngineArgs:
         "EAGLE (EAGLE-2, or MTP when the target has MTP layers and no draft is given), EAGLE3, "
         "STANDALONE (a small LM as draft) or NGRAM (no draft model).",
         choices=SPECULATIVE_ALGORITHMS + ("NEXTN",),
+        unset="none: no speculative decoding",
     )
     speculative_draft_model_path: Optional[str] = _opt(
-        None, "Draft checkpoint: an EAGLE/EAGLE-3 draft, or a small LM for STANDALONE."
+        None,
+        "Draft checkpoint: an EAGLE/EAGLE-3 draft, or a small LM for STANDALONE.",
+        unset="none: EAGLE drafts with the target's MTP layers; NGRAM needs none",
     )
     speculative_num_steps: Optional[int] = _opt(
         None, "Draft depth (auto: 5 for Llama targets, 3 otherwise and for STANDALONE)."
@@ -207,6 +203,7 @@ class EngineArgs:
         None,
         "FR-Spec: a .pt tensor of hot token ids restricting the EAGLE draft head (verification "
         "stays full-vocabulary).",
+        unset="none: the draft head's full vocabulary",
     )
     speculative_ngram_min_match_window_size: int = _opt(
         1, "NGRAM: shortest context suffix matched against the n-gram cache."
@@ -263,8 +260,9 @@ class EngineArgs:
         None,
         "Batch sizes to capture, any list (deduplicated and sorted; sizes above "
         "--max-running-requests are dropped). A batch runs as the smallest size >= its own, "
-        "padded. Default: 1..8, then steps of 2 to 32, 4 to 64, 8 to 256, 16 beyond, up to "
-        "--cuda-graph-max-bs.",
+        "padded.",
+        unset="1..8, then steps of 2 to 32, 4 to 64, 8 to 256, 16 beyond, up to "
+        "--cuda-graph-max-bs",
     )
     cuda_graph_max_bs: Optional[int] = _opt(
         None,
@@ -316,99 +314,10 @@ class EngineArgs:
     sglang_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
-        self.dtype = _normalize_dtype(self.dtype)
-        _check_choice("dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
-        _check_choice("device", self.device, DEVICE_CHOICES)
-        _check_choice(
-            "attention_backend",
-            self.attention_backend,
-            ATTENTION_BACKENDS + SGLANG_ATTENTION_BACKENDS,
-            allow_none=True,
-        )
-        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
-        _check_choice("log_level", self.log_level, LOG_LEVELS)
-        _check_choice("speculative_on_collapse", self.speculative_on_collapse, ON_COLLAPSE_CHOICES)
-        check_sglang_options(self.sglang_options)
-        _check_positive("context_length", self.context_length, allow_none=True)
-        _check_positive("max_total_tokens", self.max_total_tokens, allow_none=True)
-        _check_positive("max_running_requests", self.max_running_requests, allow_none=True)
-        _check_positive("max_prefill_tokens", self.max_prefill_tokens)
-        _check_positive("page_size", self.page_size)
-        _check_positive("stream_interval", self.stream_interval)
-        for name in (
-            "max_request_bytes",
-            "max_request_prompts",
-            "max_request_samples",
-            "max_request_tokens",
-            "speculative_collapse_min_verify_steps",
-        ):
-            _check_positive(name, getattr(self, name))
-        _check_positive("cuda_graph_max_bs", self.cuda_graph_max_bs, allow_none=True)
-        for size in self.cuda_graph_bs or ():
-            _check_positive("cuda_graph_bs", size)
-        if (
-            self.chunked_prefill_size is not None
-            and self.chunked_prefill_size != -1
-            and self.chunked_prefill_size <= 0
-        ):
-            raise ValueError(
-                "--chunked-prefill-size must be positive or -1 (disabled), got "
-                f"{self.chunked_prefill_size}"
-            )
-        for name in ("mem_fraction_static", "speculative_collapse_threshold"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 < value < 1.0:
-                raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1), got {value}")
-        if self.schedule_conservativeness <= 0:
-            raise ValueError(
-                "--schedule-conservativeness must be positive, got "
-                f"{self.schedule_conservativeness}"
-            )
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {self.port}")
-        self._validate_speculative()
-
-    def _validate_speculative(self) -> None:
-        if self.speculative_algorithm is not None:
-            self.speculative_algorithm = self.speculative_algorithm.upper()
-            if self.speculative_algorithm == "NEXTN":  # SGLang's alias
-                self.speculative_algorithm = "EAGLE"
-        _check_choice(
-            "speculative_algorithm",
-            self.speculative_algorithm,
-            SPECULATIVE_ALGORITHMS,
-            allow_none=True,
-        )
-        spec_flags = (
-            "speculative_draft_model_path",
-            "speculative_num_steps",
-            "speculative_eagle_topk",
-            "speculative_num_draft_tokens",
-            "speculative_token_map",
-        )
-        check_adaptive(self)
-        if self.speculative_algorithm is None:
-            given = [f for f in spec_flags if getattr(self, f) is not None]
-            if given:
-                raise ValueError(f"--{given[0].replace('_', '-')} needs --speculative-algorithm")
-            return
-        for name in (
-            "speculative_num_steps",
-            "speculative_eagle_topk",
-            "speculative_num_draft_tokens",
-        ):
-            _check_positive(name, getattr(self, name), allow_none=True)
-        for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
-            value = getattr(self, name)
-            if not 0.0 < value <= 1.0:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be in (0, 1] (1.0 is lossless), got {value}"
-                )
-        check_ngram(self)
-        if self.speculative_token_map is not None and self.speculative_algorithm != "EAGLE":
-            raise ValueError(
-                "--speculative-token-map (FR-Spec) works with --speculative-algorithm EAGLE only"
-            )
+        self.dtype = normalize_dtype(self.dtype)
+        check_engine_args(self)
+        self.speculative_algorithm = canonical_algorithm(self.speculative_algorithm)
+        check_speculative(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -424,8 +333,7 @@ def add_cli_args(
     required: typing.Iterable[str] = (),
 ) -> None:
     """Add one flag per EngineArgs field: `--{prefix}{name-with-dashes}` (underscores also
-    accepted);
-    `required`: fields the command line must give (a server's --model-path)."""
+    accepted); `required`: fields the command line must give (a server's --model-path)."""
     add_dataclass_args(
         parser,
         EngineArgs,
@@ -471,28 +379,3 @@ def closest_field(name: str) -> Optional[str]:
     """The EngineArgs field most like `name`, for 'did you mean' messages."""
     matches = difflib.get_close_matches(name.replace("-", "_"), field_names(), n=1, cutoff=0.5)
     return matches[0] if matches else None
-
-
-def _normalize_dtype(dtype: str) -> str:
-    return {
-        "half": "float16",
-        "fp16": "float16",
-        "float": "float32",
-        "fp32": "float32",
-        "bf16": "bfloat16",
-    }.get(dtype, dtype)
-
-
-def _check_choice(name: str, value: Any, choices: tuple, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value not in choices:
-        flag = "--" + name.replace("_", "-")
-        raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}")
-
-
-def _check_positive(name: str, value: Optional[int], allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")

@@ -242,39 +242,63 @@ def resolve_speculative(
         )
     if algo is None:
         return args
-    path = args.speculative_draft_model_path
     if algo == "NGRAM":
-        if args.enable_deterministic_inference:
-            raise ValueError(
-                "--enable-deterministic-inference cannot hold with --speculative-algorithm NGRAM: "
-                "its drafts come from an n-gram cache shared by all requests, so a request's "
-                "draft trees (and with them its sampled tokens and log-prob bits) depend on the "
-                "other requests. Use EAGLE, EAGLE3, NEXTN or STANDALONE, whose drafts are per "
-                "request, or no speculation"
-            )
-        if path is not None:
-            raise ValueError(
-                "--speculative-algorithm NGRAM uses no draft model; drop "
-                "--speculative-draft-model-path"
-            )
-        if args.speculative_num_steps is not None or args.speculative_eagle_topk is not None:
-            raise ValueError(
-                "NGRAM builds its own draft trees: set only --speculative-num-draft-tokens and the "
-                "--speculative-ngram-* flags, not --speculative-num-steps / "
-                "--speculative-eagle-topk"
-            )
-        tokens = args.speculative_num_draft_tokens or NGRAM_DEFAULT_DRAFT_TOKENS
-        if tokens < 2:
-            raise ValueError(
-                "--speculative-num-draft-tokens must be at least 2 (the root and one draft), got "
-                f"{tokens}"
-            )
-        return dataclasses.replace(args, speculative_num_draft_tokens=tokens)
+        return resolve_ngram(args)
+    path = args.speculative_draft_model_path
     if path is None and not (algo == "EAGLE" and target.num_mtp_layers > 0):
         raise ValueError(
             f"--speculative-algorithm {algo} needs --speculative-draft-model-path"
             + ("" if algo != "EAGLE" else " (or a target with MTP layers)")
         )
+    steps, topk, tokens = draft_tree(args, target)
+    multi_layer = path is None and multi_layer_mtp(target)
+    check_multi_layer_eagle(args, multi_layer, target.num_mtp_layers, steps, topk)
+    if draft is not None:
+        _check_draft(DraftKind(algo), target, draft, context_len)
+        if DraftKind(algo) is DraftKind.STANDALONE and draft.vocab_size != target.vocab_size:
+            check_same_tokenizer(args.tokenizer_path or args.model_path, path, target, draft)
+    return dataclasses.replace(
+        args,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=tokens,
+    )
+
+
+def resolve_ngram(args: EngineArgs) -> EngineArgs:
+    """NGRAM: the tokens verified per step (auto: NGRAM_DEFAULT_DRAFT_TOKENS), and no flag of a
+    draft model or of a drafted tree."""
+    if args.enable_deterministic_inference:
+        raise ValueError(
+            "--enable-deterministic-inference cannot hold with --speculative-algorithm NGRAM: "
+            "its drafts come from an n-gram cache shared by all requests, so a request's "
+            "draft trees (and with them its sampled tokens and log-prob bits) depend on the "
+            "other requests. Use EAGLE, EAGLE3, NEXTN or STANDALONE, whose drafts are per "
+            "request, or no speculation"
+        )
+    if args.speculative_draft_model_path is not None:
+        raise ValueError(
+            "--speculative-algorithm NGRAM uses no draft model; drop --speculative-draft-model-path"
+        )
+    if args.speculative_num_steps is not None or args.speculative_eagle_topk is not None:
+        raise ValueError(
+            "NGRAM builds its own draft trees: set only --speculative-num-draft-tokens and the "
+            "--speculative-ngram-* flags, not --speculative-num-steps / "
+            "--speculative-eagle-topk"
+        )
+    tokens = args.speculative_num_draft_tokens or NGRAM_DEFAULT_DRAFT_TOKENS
+    if tokens < 2:
+        raise ValueError(
+            "--speculative-num-draft-tokens must be at least 2 (the root and one draft), got "
+            f"{tokens}"
+        )
+    return dataclasses.replace(args, speculative_num_draft_tokens=tokens)
+
+
+def draft_tree(args: EngineArgs, target: ModelConfig) -> tuple[int, int, int]:
+    """(steps, topk, draft tokens) of a model draft's tree: SGLang's auto values when no
+    --speculative-num-steps is given, the tokens of a chain (topk 1) set to steps + 1, and a
+    tree larger than its steps and topk can propose refused."""
     steps, topk, tokens = (
         args.speculative_num_steps,
         args.speculative_eagle_topk,
@@ -286,10 +310,9 @@ def resolve_speculative(
                 "--speculative-eagle-topk / --speculative-num-draft-tokens need "
                 "--speculative-num-steps too"
             )
+        llama = target.architecture == "LlamaForCausalLM"
         steps, topk, tokens = (
-            (5, 4, 8)
-            if target.architecture == "LlamaForCausalLM" and algo != "STANDALONE"
-            else (3, 1, 4)
+            (5, 4, 8) if llama and args.speculative_algorithm != "STANDALONE" else (3, 1, 4)
         )
     topk = topk or 1
     if topk == 1 and tokens != steps + 1:
@@ -313,18 +336,7 @@ def resolve_speculative(
             f"candidates at the first step and {topk}x{topk} at each later one); lower it or "
             "raise --speculative-num-steps / --speculative-eagle-topk"
         )
-    multi_layer = path is None and multi_layer_mtp(target)
-    check_multi_layer_eagle(args, multi_layer, target.num_mtp_layers, steps, topk)
-    if draft is not None:
-        _check_draft(DraftKind(algo), target, draft, context_len)
-        if DraftKind(algo) is DraftKind.STANDALONE and draft.vocab_size != target.vocab_size:
-            check_same_tokenizer(args.tokenizer_path or args.model_path, path, target, draft)
-    return dataclasses.replace(
-        args,
-        speculative_num_steps=steps,
-        speculative_eagle_topk=topk,
-        speculative_num_draft_tokens=tokens,
-    )
+    return steps, topk, tokens
 
 
 def max_draft_tokens(steps: int, topk: int) -> int:

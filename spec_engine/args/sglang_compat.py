@@ -242,7 +242,8 @@ CompatArgs = dataclasses.make_dataclass(
                 metadata={
                     "help": ("[refused unless the default] " if flag.refuse else "[no-op] ")
                     + flag.reason
-                    + "."
+                    + ".",
+                    "unset": "none",  # SGLang's None
                 },
             ),
         )

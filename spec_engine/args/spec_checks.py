@@ -1,10 +1,23 @@
-"""Checks of EngineArgs' NGRAM, --speculative-adaptive and --enable-multi-layer-eagle options
-(split from engine_args to keep that module small); each error names the flag."""
+"""What EngineArgs' speculative flags accept: the algorithm, the flags that go with it, the
+draft tree's and the NGRAM cache's sizes (check_speculative, when EngineArgs is built), and
+--enable-multi-layer-eagle against the target's MTP layers (check_multi_layer_eagle, when
+spec_engine.args.resolve has read the model); each error names the flag."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+from spec_engine.args.engine_checks import check_choice, check_positive
+
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
+# Flags that mean nothing without --speculative-algorithm.
+NEEDS_ALGORITHM = (
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "speculative_token_map",
+)
 NGRAM_POSITIVE = (
     "speculative_ngram_min_match_window_size",
     "speculative_ngram_max_match_window_size",
@@ -13,6 +26,40 @@ NGRAM_POSITIVE = (
     "speculative_ngram_branch_length",
     "speculative_ngram_capacity",
 )
+
+
+def canonical_algorithm(algorithm: Optional[str]) -> Optional[str]:
+    """--speculative-algorithm in capitals, SGLang's NEXTN as the EAGLE it runs."""
+    if algorithm is None:
+        return None
+    algorithm = algorithm.upper()
+    return "EAGLE" if algorithm == "NEXTN" else algorithm
+
+
+def check_speculative(args: Any) -> None:
+    """The algorithm (canonical_algorithm's spelling) and the flags that go with it."""
+    check_choice(
+        "speculative_algorithm", args.speculative_algorithm, SPECULATIVE_ALGORITHMS, allow_none=True
+    )
+    check_adaptive(args)
+    if args.speculative_algorithm is None:
+        given = [f for f in NEEDS_ALGORITHM if getattr(args, f) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --speculative-algorithm")
+        return
+    for name in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+        check_positive(name, getattr(args, name), allow_none=True)
+    for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+        value = getattr(args, name)
+        if not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be in (0, 1] (1.0 is lossless), got {value}"
+            )
+    check_ngram(args)
+    if args.speculative_token_map is not None and args.speculative_algorithm != "EAGLE":
+        raise ValueError(
+            "--speculative-token-map (FR-Spec) works with --speculative-algorithm EAGLE only"
+        )
 
 
 def check_ngram(args: Any) -> None:

@@ -1,0 +1,120 @@
+"""What EngineArgs accepts without reading a model: each option's choices and range (the
+speculative flags that go together: spec_checks). Every error names the flag and the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from spec_engine.args.sglang_compat import check_sglang_options
+
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+DTYPE_SPELLINGS = {
+    "half": "float16",
+    "fp16": "float16",
+    "float": "float32",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+}
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("torch_native", "flashinfer")
+# SGLang's other backends: accepted, and run on one of specrl's (resolve logs which and why).
+SGLANG_ATTENTION_BACKENDS = (
+    "fa3",
+    "fa4",
+    "triton",
+    "flex_attention",
+    "flashmla",
+    "cutlass_mla",
+    "trtllm_mha",
+    "trtllm_mla",
+    "aiter",
+    "wave",
+    "intel_amx",
+    "intel_xpu",
+    "ascend",
+    "dual_chunk_flash_attn",
+    "hybrid_linear_attn",
+    "nsa",
+)
+SCHEDULE_POLICIES = ("fcfs",)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+ON_COLLAPSE_CHOICES = ("warn", "disable")  # spec_engine.core.accept_alarm's modes
+# Options that must be positive integers when given (None: auto).
+POSITIVE_OR_AUTO = ("context_length", "max_total_tokens", "max_running_requests")
+POSITIVE = (
+    "max_prefill_tokens",
+    "page_size",
+    "stream_interval",
+    "max_request_bytes",
+    "max_request_prompts",
+    "max_request_samples",
+    "max_request_tokens",
+    "speculative_collapse_min_verify_steps",
+)
+
+
+def normalize_dtype(dtype: str) -> str:
+    """SGLang's other spellings of a dtype (half, bf16, ...) as torch names them."""
+    return DTYPE_SPELLINGS.get(dtype, dtype)
+
+
+def check_engine_args(args: Any) -> None:
+    """Every EngineArgs option but the speculative ones, in its choices and range."""
+    check_choices(args)
+    check_sglang_options(args.sglang_options)
+    check_sizes(args)
+    for name in ("mem_fraction_static", "speculative_collapse_threshold"):
+        value = getattr(args, name)
+        if value is not None and not 0.0 < value < 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1), got {value}")
+    if args.schedule_conservativeness <= 0:
+        raise ValueError(
+            f"--schedule-conservativeness must be positive, got {args.schedule_conservativeness}"
+        )
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+
+
+def check_choices(args: Any) -> None:
+    """Options with a fixed set of values (dtype as normalize_dtype leaves it)."""
+    check_choice("dtype", args.dtype, ("auto", "float32", "float16", "bfloat16"))
+    check_choice("device", args.device, DEVICE_CHOICES)
+    check_choice(
+        "attention_backend",
+        args.attention_backend,
+        ATTENTION_BACKENDS + SGLANG_ATTENTION_BACKENDS,
+        allow_none=True,
+    )
+    check_choice("schedule_policy", args.schedule_policy, SCHEDULE_POLICIES)
+    check_choice("log_level", args.log_level, LOG_LEVELS)
+    check_choice("speculative_on_collapse", args.speculative_on_collapse, ON_COLLAPSE_CHOICES)
+
+
+def check_sizes(args: Any) -> None:
+    """Token, request and batch counts: positive (or auto where None means auto)."""
+    for name in POSITIVE_OR_AUTO:
+        check_positive(name, getattr(args, name), allow_none=True)
+    for name in POSITIVE:
+        check_positive(name, getattr(args, name))
+    check_positive("cuda_graph_max_bs", args.cuda_graph_max_bs, allow_none=True)
+    for size in args.cuda_graph_bs or ():
+        check_positive("cuda_graph_bs", size)
+    chunk = args.chunked_prefill_size
+    if chunk is not None and chunk != -1 and chunk <= 0:
+        raise ValueError(f"--chunked-prefill-size must be positive or -1 (disabled), got {chunk}")
+
+
+def check_choice(name: str, value: Any, choices: tuple, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value not in choices:
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{flag} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+def check_positive(name: str, value: Optional[int], allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
