@@ -2,8 +2,9 @@
 SGLang's request fields (io_struct's UpdateWeights*/InitWeightsUpdateGroup/... ReqInput).
 Engine inherits it; every call runs on the scheduler thread between steps (`_call`). A field
 SGLang has that specrl does not act on is accepted at its neutral value and refused otherwise
-with the reason. SGLang's extra fields come after the original parameters, which callers (the
-rollout's engine actor) pass by position."""
+with the reason. SGLang's extra fields come after the original parameters, which callers may
+pass by position. The wrappers (HTTP routes, the rollout's Ray actor) are generated from
+control_methods.CONTROL_METHODS with these signatures; weights.formats decodes the tensors."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from spec_engine.reports import EngineReports
-from spec_engine.weights.transport import FlattenedBucket, deserialize_shared
+from spec_engine.weights.formats import FLATTENED_BUCKET, named_tensor_pairs
 
 
 class EngineControl(EngineReports):
@@ -44,11 +45,12 @@ class EngineControl(EngineReports):
                 "disable_draft_model: specrl updates the draft with the target (an MTP draft "
                 "shares the target's names); leave out the 'draft.'-prefixed tensors instead"
             )
-        if load_format not in (None, "flattened_bucket"):
+        if load_format not in (None, FLATTENED_BUCKET):
             raise ValueError(
                 f"load_format must be null or 'flattened_bucket', got {load_format!r} (specrl "
                 "loads Hugging Face-named tensors; 'direct' parameter names are not supported)"
             )
+        shared = None
         if serialized_named_tensors is not None:
             if named_tensors is not None:
                 raise ValueError("give named_tensors or serialized_named_tensors, not both")
@@ -59,36 +61,8 @@ class EngineControl(EngineReports):
                     "serialized_named_tensors must hold one entry per tensor-parallel rank of the "
                     f"engine, and specrl engines have one; got {count}"
                 )
-            named_tensors = deserialize_shared(serialized_named_tensors[0])
-        if load_format == "flattened_bucket":
-            buckets = named_tensors if isinstance(named_tensors, list) else [named_tensors]
-            if not all(isinstance(b, (FlattenedBucket, dict)) for b in buckets):
-                raise ValueError(
-                    "load_format='flattened_bucket' takes FlattenedBucket objects or their "
-                    "to_dict() dicts"
-                )
-            items = [
-                pair
-                for b in buckets
-                for pair in (
-                    b if isinstance(b, FlattenedBucket) else FlattenedBucket.from_dict(b)
-                ).unpack()
-            ]
-        elif isinstance(named_tensors, dict) and set(named_tensors) == {
-            "flattened_tensor",
-            "metadata",
-        }:
-            raise ValueError(
-                "these tensors are a flattened bucket: send load_format 'flattened_bucket'"
-            )
-        elif isinstance(named_tensors, dict):
-            items = list(named_tensors.items())
-        elif isinstance(named_tensors, (list, tuple)) and all(
-            isinstance(p, (list, tuple)) and len(p) == 2 for p in named_tensors
-        ):
-            items = list(named_tensors)
-        else:
-            raise ValueError("named_tensors must be a dict or a list of (name, tensor) pairs")
+            shared = entries[0]
+        items = named_tensor_pairs(named_tensors, load_format, shared)
         return self._update_weights(
             lambda: self.updater.apply(items),
             flush_cache,

@@ -19,11 +19,12 @@ from typing import Any, Optional, Union
 import torch
 
 from spec_engine.args.engine_args import EngineArgs, split_sglang_options
-from spec_engine.args.resolve import resolve_engine_config
+from spec_engine.args.resolve import EngineConfig, resolve_engine_config
 from spec_engine.args.sglang_compat import check_sglang_options
 from spec_engine.control import EngineControl
-from spec_engine.core.channel import Channel
+from spec_engine.core.channel import Channel, Collector
 from spec_engine.core.inputs import (
+    GenerateReqInput,
     InputIds,
     Params,
     Prompt,
@@ -52,16 +53,7 @@ class Engine(EngineControl):
     """Generation engine: `Engine(model_path=..., **engine_args)`; see EngineArgs for options."""
 
     def __init__(self, engine_args: Optional[EngineArgs] = None, **kwargs: Any) -> None:
-        kwargs = split_sglang_options(kwargs)
-        args = (
-            dataclasses.replace(engine_args, **kwargs)
-            if engine_args is not None
-            else EngineArgs(**kwargs)
-        )
-        logging.getLogger("spec_engine").setLevel(args.log_level.upper())
-        for line in check_sglang_options(args.sglang_options):
-            logger.warning(line)
-        self.config = resolve_engine_config(args, cuda_available=torch.cuda.is_available())
+        self.config = _resolve_config(engine_args, kwargs)
         self.args = args = self.config.args
         self.model_config = self.config.target
         self.context_len = self.config.context_len
@@ -88,19 +80,7 @@ class Engine(EngineControl):
         )
         worker = create_worker(self.config, self.runner, tree_cache.alloc_slots, eos_ids)
         self.scheduler = Scheduler(args, worker, tree_cache, eos_ids, decode_tail)
-        self.inputs = RequestBuilder(
-            self.tokenizer,
-            self.model_config.vocab_size,
-            self.context_len,
-            self.runner.max_total_tokens,
-            worker.decode_headroom(),
-            args.page_size,
-            args.random_seed,
-            RequestLimits(
-                args.max_request_prompts, args.max_request_samples, args.max_request_tokens
-            ),
-            routing_refusal(self.model_config.moe is not None, args.enable_return_routed_experts),
-        )
+        self.inputs = self._request_builder(worker.decode_headroom())
         draft = getattr(worker, "draft", None)
         self.updater = WeightUpdater(self.runner.model, self.runner.device, draft)
         self.memory = MemoryController(
@@ -110,6 +90,27 @@ class Engine(EngineControl):
         self.stats = RequestStats(log_requests=args.log_requests)
         self._weight_snapshot: Optional[dict[str, str]] = None
         self._profiler_ctl = Profiler()
+        self._start_scheduler_thread()
+
+    def _request_builder(self, kv_headroom: int) -> RequestBuilder:
+        """What checks and builds requests, with this engine's limits."""
+        args = self.args
+        return RequestBuilder(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.context_len,
+            self.runner.max_total_tokens,
+            kv_headroom,
+            args.page_size,
+            args.random_seed,
+            RequestLimits(
+                args.max_request_prompts, args.max_request_samples, args.max_request_tokens
+            ),
+            routing_refusal(self.model_config.moe is not None, args.enable_return_routed_experts),
+        )
+
+    def _start_scheduler_thread(self) -> None:
+        """The thread that runs the scheduler and every command posted to it (see _loop)."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._inflight: set[str] = set()  # rids of requests not finished yet
@@ -150,44 +151,20 @@ class Engine(EngineControl):
 
         With stream=True returns an iterator of cumulative output dicts (batch items carry "index").
         """
-        reqs, single = self._make_requests(
-            prompt,
-            input_ids,
-            sampling_params,
-            return_logprob,
-            top_logprobs_num,
-            rid,
-            stream,
-            logprob_start_len,
-            return_routed_experts,
-            routed_experts_start_len,
+        obj = GenerateReqInput(
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            rid=rid,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            stream=stream,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start_len=routed_experts_start_len,
         )
-        channel = Channel(self._thread.is_alive)
-        outputs = self._submit(reqs, channel)
-        if stream:
-            return self._stream(outputs, single, channel)
-        pending = len(outputs)
-        while pending:
-            delivery = channel.get()
-            outputs[delivery.index].add(delivery)
-            pending -= delivery.finished
-        results = [o.to_dict() for o in outputs]
-        return results[0] if single else results
-
-    def _stream(
-        self, outputs: list[RequestOutput], single: bool, channel: Channel
-    ) -> Iterator[dict]:
-        pending = len(outputs)
-        try:
-            while pending:
-                delivery = channel.get()
-                out = outputs[delivery.index]
-                out.add(delivery)
-                pending -= delivery.finished
-                yield out.to_dict(None if single else delivery.index)
-        finally:
-            if pending:  # the caller stopped reading: stop the work
-                self._abort_unfinished(outputs)
+        collector = self._submit(self._make_requests(obj), Channel(self._thread.is_alive))
+        return collector.stream() if stream else collector.wait()
 
     async def async_generate(
         self,
@@ -203,55 +180,23 @@ class Engine(EngineControl):
         routed_experts_start_len: int = 0,
     ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """Async form of `generate`; with stream=True returns an async iterator."""
-        # Tokenizing a long prompt takes seconds: off the event loop, which serves other requests.
-        reqs, single = await asyncio.to_thread(
-            self._make_requests,
-            prompt,
-            input_ids,
-            sampling_params,
-            return_logprob,
-            top_logprobs_num,
-            rid,
-            stream,
-            logprob_start_len,
-            return_routed_experts,
-            routed_experts_start_len,
+        obj = GenerateReqInput(
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            rid=rid,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            stream=stream,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start_len=routed_experts_start_len,
         )
-        channel = Channel(self._thread.is_alive, asyncio.get_running_loop())
-        outputs = self._submit(reqs, channel)
-        if stream:
-            return self._astream(outputs, single, channel)
-        pending = len(outputs)
-        try:
-            while pending:
-                delivery = await channel.aget()
-                outputs[delivery.index].add(delivery)
-                pending -= delivery.finished
-        finally:
-            if pending:  # cancelled, e.g. an HTTP client went away: stop the work
-                self._abort_unfinished(outputs)
-        results = [o.to_dict() for o in outputs]
-        return results[0] if single else results
-
-    async def _astream(
-        self, outputs: list[RequestOutput], single: bool, channel: Channel
-    ) -> AsyncIterator[dict]:
-        pending = len(outputs)
-        try:
-            while pending:
-                delivery = await channel.aget()
-                out = outputs[delivery.index]
-                out.add(delivery)
-                pending -= delivery.finished
-                yield out.to_dict(None if single else delivery.index)
-        finally:
-            if pending:
-                self._abort_unfinished(outputs)
-
-    def _abort_unfinished(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            if not out.finished:
-                self.abort_request(out.req.input.rid)
+        # Tokenizing a long prompt takes seconds: off the event loop, which serves other requests.
+        built = await asyncio.to_thread(self._make_requests, obj)
+        collector = self._submit(built, Channel(self._thread.is_alive, asyncio.get_running_loop()))
+        # Cancelled (an HTTP client went away) or closed early, the collector stops the work.
+        return collector.astream() if stream else await collector.await_all()
 
     # ------------------------------------------------------------ control
 
@@ -288,12 +233,14 @@ class Engine(EngineControl):
 
     # ------------------------------------------------------------ requests
 
-    def _make_requests(self, *args: Any) -> tuple[list[Req], bool]:
+    def _make_requests(self, obj: GenerateReqInput) -> tuple[list[Req], bool]:
         if self._closed:
             raise RuntimeError("engine is shut down")
-        return self.inputs.build(*args)
+        return self.inputs.build(obj)
 
-    def _submit(self, reqs: list[Req], channel: Channel) -> list[RequestOutput]:
+    def _submit(self, built: tuple[list[Req], bool], channel: Channel) -> Collector:
+        """Hand the requests to the scheduler; their outputs come back through `channel`."""
+        reqs, single = built
         rids = [req.input.rid for req in reqs]
         with self._lock:
             taken = [r for r in rids if r in self._inflight]
@@ -311,7 +258,8 @@ class Engine(EngineControl):
                 self.scheduler.add_request(req)
 
         self._post(add)
-        return [RequestOutput(req, self.tokenizer) for req in reqs]
+        outputs = [RequestOutput(req, self.tokenizer) for req in reqs]
+        return Collector(outputs, single, channel, self.abort_request)
 
     def _make_callback(self, index: int, channel: Channel) -> Callable[[Req, bool], None]:
         def on_output(req: Req, finished: bool) -> None:
@@ -389,3 +337,18 @@ class Engine(EngineControl):
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return True
+
+
+def _resolve_config(engine_args: Optional[EngineArgs], kwargs: dict[str, Any]) -> EngineConfig:
+    """The engine's arguments (engine_args updated by kwargs, SGLang's options split off) and
+    what they resolve to; sets the log level and warns about SGLang options specrl ignores."""
+    kwargs = split_sglang_options(kwargs)
+    args = (
+        dataclasses.replace(engine_args, **kwargs)
+        if engine_args is not None
+        else EngineArgs(**kwargs)
+    )
+    logging.getLogger("spec_engine").setLevel(args.log_level.upper())
+    for line in check_sglang_options(args.sglang_options):
+        logger.warning(line)
+    return resolve_engine_config(args, cuda_available=torch.cuda.is_available())

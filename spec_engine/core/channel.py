@@ -1,14 +1,15 @@
-"""Channel: the deliveries of one call's requests, from the scheduler thread to the caller
-(a thread blocked in Engine.generate, or an event loop awaiting Engine.async_generate)."""
+"""The caller's side of one generate call: the Channel that brings its requests' deliveries
+from the scheduler thread (to a thread blocked in Engine.generate, or an event loop awaiting
+Engine.async_generate), and the Collector that turns them into the call's results."""
 
 from __future__ import annotations
 
 import asyncio
 import queue
-from collections.abc import Callable
-from typing import Optional
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Optional, Union
 
-from spec_engine.core.outputs import Delivery
+from spec_engine.core.outputs import Delivery, RequestOutput
 
 _POLL_S = 1.0  # how often a waiting caller checks that the scheduler thread is alive
 
@@ -52,3 +53,74 @@ class Channel:
     def _check_alive(self) -> None:
         if not self._alive():
             raise RuntimeError("the engine's scheduler thread has stopped")
+
+
+class Collector:
+    """One call's results, shared by the sync and async paths: the outputs its requests
+    delivered so far, how many are still running, and the abort of those left unfinished when
+    the caller stops early (a stream closed, an await cancelled, an error)."""
+
+    def __init__(
+        self,
+        outputs: list[RequestOutput],
+        single: bool,
+        channel: Channel,
+        abort: Callable[[str], None],
+    ) -> None:
+        self.outputs = outputs
+        self.single = single  # one prompt, one request: the result is a dict, not a list
+        self.pending = len(outputs)
+        self._channel = channel
+        self._abort = abort
+
+    def wait(self) -> Union[dict, list[dict]]:
+        """Block until every request finished; their output dicts."""
+        try:
+            while self.pending:
+                self._add(self._channel.get())
+        finally:
+            self.abort_unfinished()
+        return self.results()
+
+    async def await_all(self) -> Union[dict, list[dict]]:
+        try:
+            while self.pending:
+                self._add(await self._channel.aget())
+        finally:
+            self.abort_unfinished()
+        return self.results()
+
+    def stream(self) -> Iterator[dict]:
+        """Each delivery's cumulative output dict (batch items carry "index")."""
+        try:
+            while self.pending:
+                yield self._snapshot(self._channel.get())
+        finally:
+            self.abort_unfinished()
+
+    async def astream(self) -> AsyncIterator[dict]:
+        try:
+            while self.pending:
+                yield self._snapshot(await self._channel.aget())
+        finally:
+            self.abort_unfinished()
+
+    def results(self) -> Union[dict, list[dict]]:
+        results = [out.to_dict() for out in self.outputs]
+        return results[0] if self.single else results
+
+    def abort_unfinished(self) -> None:
+        """Stop the work of the requests nobody waits for any more."""
+        if self.pending:
+            for out in self.outputs:
+                if not out.finished:
+                    self._abort(out.req.input.rid)
+
+    def _add(self, delivery: Delivery) -> RequestOutput:
+        out = self.outputs[delivery.index]
+        out.add(delivery)
+        self.pending -= delivery.finished
+        return out
+
+    def _snapshot(self, delivery: Delivery) -> dict:
+        return self._add(delivery).to_dict(None if self.single else delivery.index)

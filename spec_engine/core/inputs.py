@@ -18,6 +18,29 @@ InputIds = Union[list[int], list[list[int]], None]
 Params = Union[dict[str, Any], list[dict[str, Any]], None]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerateReqInput:
+    """One generate call, built once by Engine.generate/async_generate: SGLang's
+    io_struct.GenerateReqInput, with the fields specrl serves (same names; text is the
+    engine's `prompt`). A field may hold one value for a single prompt, or (the log-prob
+    fields, rid, sampling_params) a list with one per prompt of a batch; RequestBuilder.build
+    checks them."""
+
+    text: Prompt = None
+    input_ids: InputIds = None
+    sampling_params: Params = None
+    rid: Union[str, list[str], None] = None
+    return_logprob: Union[bool, list[bool]] = False
+    # With return_logprob: the prompt position input_token_logprobs start at (-1: none).
+    logprob_start_len: Union[int, list[int]] = -1
+    top_logprobs_num: Union[int, list[int]] = 0
+    stream: bool = False
+    # Routing replay (MoE, --enable-return-routed-experts): meta_info.routed_experts from
+    # routed_experts_start_len on.
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestLimits:
     """What one call may ask for (--max-request-prompts/-samples/-tokens): a client cannot
@@ -101,36 +124,34 @@ class RequestBuilder:
         # build() runs on worker threads (tokenizing off the event loop): the count is shared.
         self._seed_lock = threading.Lock()
 
-    def build(
-        self,
-        prompt: Prompt,
-        input_ids: InputIds,
-        sampling_params: Params,
-        return_logprob: Union[bool, list[bool]],
-        top_logprobs_num: Union[int, list[int]],
-        rid: Union[str, list[str], None],
-        stream: bool,
-        logprob_start_len: Union[int, list[int]] = -1,
-        return_routed_experts: bool = False,
-        routed_experts_start_len: int = 0,
-    ) -> tuple[list[Req], bool]:
+    def build(self, obj: GenerateReqInput) -> tuple[list[Req], bool]:
         """Validate a call and expand it into requests (n per prompt); raises ValueError naming the
-        field."""
-        ids_list, single = self._tokenize(prompt, input_ids)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(ids_list):
-                raise ValueError(
-                    f"sampling_params has {len(sampling_params)} entries for {len(ids_list)} "
-                    "prompts"
-                )
-            params = [SamplingParams.from_dict(p) for p in sampling_params]
-        else:
-            params = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
+        field. Also returns whether the call was for one prompt (one output, not a list)."""
+        ids_list, single = self._tokenize(obj.text, obj.input_ids)
+        params = _parse_sampling_params(obj.sampling_params, len(ids_list))
+        logprobs = self._logprob_options(obj, ids_list)
+        self._check_routing(ids_list, obj.return_routed_experts, obj.routed_experts_start_len)
+        if not isinstance(obj.stream, bool):
+            raise ValueError(f"stream must be true or false, got {obj.stream!r}")
+        rids = self._rids(obj.rid, len(ids_list))
+        params = [self._check_request(ids, sp) for ids, sp in zip(ids_list, params)]
+        self.limits.check(ids_list, params)
+        reqs = [
+            req
+            for ids, sp, rid, options in zip(ids_list, params, rids, logprobs)
+            for req in self._samples(obj, ids, sp, rid, options)
+        ]
+        return reqs, single and len(reqs) == 1
+
+    def _logprob_options(
+        self, obj: GenerateReqInput, ids_list: list[list[int]]
+    ) -> list[tuple[bool, int, int]]:
+        """(return_logprob, top_logprobs_num, logprob_start_len) of each prompt, checked. As in
+        SGLang, each field may also be a list: one value per prompt."""
         count = len(ids_list)
-        # As in SGLang, the log-prob fields may also be lists: one value per prompt.
-        return_logprobs = _per_prompt("return_logprob", return_logprob, count)
-        top_nums = _per_prompt("top_logprobs_num", top_logprobs_num, count)
-        start_lens = _per_prompt("logprob_start_len", logprob_start_len, count)
+        return_logprobs = _per_prompt("return_logprob", obj.return_logprob, count)
+        top_nums = _per_prompt("top_logprobs_num", obj.top_logprobs_num, count)
+        start_lens = _per_prompt("logprob_start_len", obj.logprob_start_len, count)
         for value in return_logprobs:
             if not isinstance(value, bool):
                 raise ValueError(f"return_logprob must be true or false, got {value!r}")
@@ -155,42 +176,45 @@ class RequestBuilder:
                     f"logprob_start_len {value} is past the end of a {len(ids)}-token prompt; "
                     "use 0 to score the whole prompt"
                 )
-        self._check_routing(ids_list, return_routed_experts, routed_experts_start_len)
-        if not isinstance(stream, bool):
-            raise ValueError(f"stream must be true or false, got {stream!r}")
-        rids = self._rids(rid, len(ids_list))
-        params = [self._check_request(ids, sp) for ids, sp in zip(ids_list, params)]
-        self.limits.check(ids_list, params)
+        return list(zip(return_logprobs, top_nums, start_lens))
+
+    def _samples(
+        self,
+        obj: GenerateReqInput,
+        ids: list[int],
+        sp: SamplingParams,
+        rid: str,
+        logprobs: tuple[bool, int, int],
+    ) -> list[Req]:
+        """The n requests of one prompt, each with its seed."""
+        want, top_num, start = logprobs
         reqs = []
-        for ids, sp, base_rid, want, top_num, start in zip(
-            ids_list, params, rids, return_logprobs, top_nums, start_lens
-        ):
-            for i in range(sp.n):
-                if sp.sampling_seed is not None:
-                    seed = derive_seed(sp.sampling_seed, i)
-                else:
-                    with self._seed_lock:
-                        seed = derive_seed(self.random_seed, self._submitted)
-                        self._submitted += 1
-                reqs.append(
-                    Req(
-                        ReqInput(
-                            rid=base_rid if sp.n == 1 else f"{base_rid}-{i}",
-                            parent_rid=None if sp.n == 1 else base_rid,
-                            origin_input_ids=tuple(ids),
-                            sampling_params=sp,
-                            seed=seed,
-                            return_logprob=want,
-                            # As in SGLang, top log-probs come only with return_logprob.
-                            top_logprobs_num=top_num if want else 0,
-                            logprob_start_len=start,
-                            stream=stream,
-                            return_routed_experts=return_routed_experts,
-                            routed_experts_start_len=routed_experts_start_len,
-                        )
+        for i in range(sp.n):
+            if sp.sampling_seed is not None:
+                seed = derive_seed(sp.sampling_seed, i)
+            else:
+                with self._seed_lock:
+                    seed = derive_seed(self.random_seed, self._submitted)
+                    self._submitted += 1
+            reqs.append(
+                Req(
+                    ReqInput(
+                        rid=rid if sp.n == 1 else f"{rid}-{i}",
+                        parent_rid=None if sp.n == 1 else rid,
+                        origin_input_ids=tuple(ids),
+                        sampling_params=sp,
+                        seed=seed,
+                        return_logprob=want,
+                        # As in SGLang, top log-probs come only with return_logprob.
+                        top_logprobs_num=top_num if want else 0,
+                        logprob_start_len=start,
+                        stream=obj.stream,
+                        return_routed_experts=obj.return_routed_experts,
+                        routed_experts_start_len=obj.routed_experts_start_len,
                     )
                 )
-        return reqs, single and len(reqs) == 1
+            )
+        return reqs
 
     def _check_routing(self, ids_list: list[list[int]], want: bool, start: int) -> None:
         """SGLang's fields: return_routed_experts a bool, routed_experts_start_len in
@@ -213,46 +237,18 @@ class RequestBuilder:
             )
 
     def _tokenize(self, prompt: Prompt, input_ids: InputIds) -> tuple[list[list[int]], bool]:
+        """Each prompt's token ids, and whether one prompt was given (not a list)."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt (text) or input_ids")
-        vocab = self.vocab_size
         if prompt is not None:
-            if self.tokenizer is None:
-                raise ValueError(
-                    "a text prompt needs a tokenizer, but the engine runs with "
-                    "--skip-tokenizer-init; send input_ids"
-                )
-            single = isinstance(prompt, str)
-            prompts = [prompt] if single else prompt
-            if (
-                not isinstance(prompts, list)
-                or not prompts
-                or not all(isinstance(p, str) for p in prompts)
-            ):
-                raise ValueError("prompt must be a string or a non-empty list of strings")
-            if any(p == "" for p in prompts):
-                raise ValueError("prompt is empty; give at least one token of text")
-            for p in prompts:
-                try:
-                    p.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    raise ValueError(
-                        f"prompt is not valid Unicode text ({e.reason} at character {e.start}, "
-                        "e.g. a lone surrogate escape); send UTF-8 text"
-                    ) from None
-            longest = max(len(p) for p in prompts)
-            if longest > self.context_len * self._max_token_chars:
-                raise ValueError(
-                    f"the prompt has {longest} characters, more than {self.context_len} tokens "
-                    f"(the context length) can hold; shorten it"
-                )
-            return [self._encode(p) for p in prompts], single
+            return self._tokenize_text(prompt)
         if not isinstance(input_ids, list) or not input_ids:
             raise ValueError(
                 "input_ids must be a non-empty list of token ids (or a list of such lists)"
             )
         single = not isinstance(input_ids[0], list)
         batch = [input_ids] if single else input_ids
+        vocab = self.vocab_size
         for ids in batch:
             if not isinstance(ids, list) or not ids:
                 raise ValueError("input_ids is empty; give at least one token id")
@@ -264,6 +260,38 @@ class RequestBuilder:
                         f"input_ids has token id {t}, outside the vocabulary [0, {vocab})"
                     )
         return batch, single
+
+    def _tokenize_text(self, prompt: Union[str, list[str]]) -> tuple[list[list[int]], bool]:
+        if self.tokenizer is None:
+            raise ValueError(
+                "a text prompt needs a tokenizer, but the engine runs with "
+                "--skip-tokenizer-init; send input_ids"
+            )
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else prompt
+        if (
+            not isinstance(prompts, list)
+            or not prompts
+            or not all(isinstance(p, str) for p in prompts)
+        ):
+            raise ValueError("prompt must be a string or a non-empty list of strings")
+        if any(p == "" for p in prompts):
+            raise ValueError("prompt is empty; give at least one token of text")
+        for p in prompts:
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"prompt is not valid Unicode text ({e.reason} at character {e.start}, "
+                    "e.g. a lone surrogate escape); send UTF-8 text"
+                ) from None
+        longest = max(len(p) for p in prompts)
+        if longest > self.context_len * self._max_token_chars:
+            raise ValueError(
+                f"the prompt has {longest} characters, more than {self.context_len} tokens "
+                f"(the context length) can hold; shorten it"
+            )
+        return [self._encode(p) for p in prompts], single
 
     def _encode(self, text: str) -> list[int]:
         """Token ids of `text`. With a fast tokenizer the length is checked before the ids become
@@ -328,6 +356,15 @@ class RequestBuilder:
         ):
             raise ValueError(f"rid must be a string per prompt ({count} expected), got {rid!r}")
         return rids
+
+
+def _parse_sampling_params(sampling_params: Params, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: a list gives one each, a dict (or None) is shared."""
+    if not isinstance(sampling_params, list):
+        return [SamplingParams.from_dict(sampling_params)] * count
+    if len(sampling_params) != count:
+        raise ValueError(f"sampling_params has {len(sampling_params)} entries for {count} prompts")
+    return [SamplingParams.from_dict(p) for p in sampling_params]
 
 
 def _per_prompt(name: str, value: Any, count: int) -> list[Any]:

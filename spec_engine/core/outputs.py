@@ -123,20 +123,11 @@ class RequestOutput:
 
     def to_dict(self, index: Optional[int] = None) -> dict[str, Any]:
         """The output so far (cumulative); raises if the engine failed the request."""
+        self._check_failed()
         d = self.last
-        fr = d.finish_reason
-        if fr is not None and fr.get("status_code", 200) >= 500:
-            raise EngineFailure(f"request {self.req.input.rid} failed: {fr['message']}")
-        if not all(math.isfinite(lp) for lp in self.logprobs):
-            logger.error("request %s: non-finite log-probs from the model", self.req.input.rid)
-            raise EngineFailure(
-                f"request {self.req.input.rid} failed: the model produced non-finite log-probs "
-                "(NaN/Inf), so its tokens are meaningless; check the weights "
-                "(--enable-nan-detection samples around NaN logits)"
-            )
         meta: dict[str, Any] = {
             "id": self.req.input.rid,
-            "finish_reason": fr,
+            "finish_reason": d.finish_reason,
             "prompt_tokens": len(self.req.input.origin_input_ids),
             "completion_tokens": len(self.ids),
             "cached_tokens": d.cached_tokens,
@@ -144,38 +135,11 @@ class RequestOutput:
             "weight_version": d.weight_version,
         }
         if d.spec is not None:
-            verify_ct, emitted, drafted = d.spec
-            accepted = emitted - verify_ct
-            meta.update(
-                {
-                    "spec_verify_ct": verify_ct,
-                    # SGLang's count: tokens per verify pass, accepted drafts plus the bonus token.
-                    "spec_accept_length": emitted / verify_ct if verify_ct else 0.0,
-                    "spec_accept_token_num": accepted,
-                    "spec_draft_token_num": drafted,
-                    "spec_accept_rate": accepted / drafted if drafted else 0.0,
-                    # specrl's: acceptance collapsed after a weight update (core.accept_alarm).
-                    "spec_accept_alarm": d.accept_alarm,
-                }
-            )
+            meta.update(_spec_meta(d.spec, d.accept_alarm))
         if self.req.input.return_logprob:
-            meta["output_token_logprobs"] = [
-                (lp, t, None) for lp, t in zip(self.logprobs, self.ids)
-            ]
-            if self.req.input.top_logprobs_num:
-                meta["output_top_logprobs"] = [
-                    [(lp, t, None) for lp, t in top] for top in self.top_logprobs
-                ]
-            if d.input_logprobs is not None:
-                meta.update(self._input_logprobs(d))
-        if fr is not None and self.top_p_ids:
-            # slime's top-p replay, as its SGLang patch sends it (only with the finish reason).
-            flat, offsets = [], [0]
-            for nucleus in self.top_p_ids:
-                flat.extend(nucleus)
-                offsets.append(len(flat))
-            meta["top_p_token_ids"] = _b64_int32(flat)
-            meta["top_p_token_offsets"] = _b64_int32(offsets)
+            meta.update(self._logprob_meta(d))
+        if d.finish_reason is not None and self.top_p_ids:
+            meta.update(self._top_p_meta())
         if d.routed_experts is not None:
             # SGLang's wire format (its detokenizer's): the int32 array's bytes in base64,
             # rows [routed_experts_start_len, prompt + output - 1), then layers, then top-k.
@@ -187,6 +151,43 @@ class RequestOutput:
         if index is not None:
             out["index"] = index
         return out
+
+    def _check_failed(self) -> None:
+        """Raise EngineFailure when the engine failed the request or its log-probs are not
+        finite."""
+        fr = self.last.finish_reason
+        if fr is not None and fr.get("status_code", 200) >= 500:
+            raise EngineFailure(f"request {self.req.input.rid} failed: {fr['message']}")
+        if not all(math.isfinite(lp) for lp in self.logprobs):
+            logger.error("request %s: non-finite log-probs from the model", self.req.input.rid)
+            raise EngineFailure(
+                f"request {self.req.input.rid} failed: the model produced non-finite log-probs "
+                "(NaN/Inf), so its tokens are meaningless; check the weights "
+                "(--enable-nan-detection samples around NaN logits)"
+            )
+
+    def _logprob_meta(self, d: Delivery) -> dict[str, Any]:
+        """SGLang's output_token_logprobs / output_top_logprobs: (logprob, id, None) entries,
+        and the prompt's when asked for."""
+        meta: dict[str, Any] = {
+            "output_token_logprobs": [(lp, t, None) for lp, t in zip(self.logprobs, self.ids)]
+        }
+        if self.req.input.top_logprobs_num:
+            meta["output_top_logprobs"] = [
+                [(lp, t, None) for lp, t in top] for top in self.top_logprobs
+            ]
+        if d.input_logprobs is not None:
+            meta.update(self._input_logprobs(d))
+        return meta
+
+    def _top_p_meta(self) -> dict[str, str]:
+        """slime's top-p replay, as its SGLang patch sends it (only with the finish reason):
+        every nucleus's token ids in one array, and where each starts."""
+        flat, offsets = [], [0]
+        for nucleus in self.top_p_ids:
+            flat.extend(nucleus)
+            offsets.append(len(flat))
+        return {"top_p_token_ids": _b64_int32(flat), "top_p_token_offsets": _b64_int32(offsets)}
 
     def _input_logprobs(self, d: Delivery) -> dict[str, Any]:
         """SGLang's input_token_logprobs: (logprob, id, None) for every prompt token from
@@ -227,6 +228,22 @@ class RequestOutput:
             if pos >= 0:
                 text = text[:pos]
         return text
+
+
+def _spec_meta(spec: tuple[int, int, int], accept_alarm: bool) -> dict[str, Any]:
+    """SGLang's speculative counters from (verify passes, tokens emitted, drafts proposed)."""
+    verify_ct, emitted, drafted = spec
+    accepted = emitted - verify_ct
+    return {
+        "spec_verify_ct": verify_ct,
+        # SGLang's count: tokens per verify pass, accepted drafts plus the bonus token.
+        "spec_accept_length": emitted / verify_ct if verify_ct else 0.0,
+        "spec_accept_token_num": accepted,
+        "spec_draft_token_num": drafted,
+        "spec_accept_rate": accepted / drafted if drafted else 0.0,
+        # specrl's: acceptance collapsed after a weight update (core.accept_alarm).
+        "spec_accept_alarm": accept_alarm,
+    }
 
 
 def _hold_back_stop_prefix(text: str, stops: Optional[list[str]]) -> str:

@@ -71,6 +71,28 @@ class SamplingParams:
         return sp
 
     def validate(self) -> None:
+        """Raise ValueError naming the first bad field (a lone stop string becomes a list)."""
+        self._check_numbers()
+        self._check_penalties()
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"sampling_params.min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
+                f"({self.max_new_tokens})"
+            )
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "no_stop_trim",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"sampling_params.{name} must be true or false, got {getattr(self, name)!r}"
+                )
+        self._check_stops()
+
+    def _check_numbers(self) -> None:
+        """Token counts, the seed and the sampling knobs: types and ranges."""
         # 0: prefill only, to score the prompt (input_token_logprobs), as SGLang allows.
         _int("max_new_tokens", self.max_new_tokens, minimum=0, allow_none=True)
         _int("min_new_tokens", self.min_new_tokens, minimum=0)
@@ -90,6 +112,9 @@ class SamplingParams:
             raise ValueError("sampling_params.top_k must be -1 (disabled) or >= 1, got 0")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"sampling_params.min_p must be in [0, 1], got {self.min_p}")
+
+    def _check_penalties(self) -> None:
+        """The penalties, logit_bias and custom_params (what changes the logits)."""
         for name in ("frequency_penalty", "presence_penalty"):
             _number(name, getattr(self, name))
             if not -2.0 <= getattr(self, name) <= 2.0:
@@ -116,21 +141,8 @@ class SamplingParams:
             raise ValueError(
                 f"sampling_params.custom_params must be an object, got {self.custom_params!r:.100}"
             )
-        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(
-                f"sampling_params.min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens "
-                f"({self.max_new_tokens})"
-            )
-        for name in (
-            "ignore_eos",
-            "skip_special_tokens",
-            "spaces_between_special_tokens",
-            "no_stop_trim",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"sampling_params.{name} must be true or false, got {getattr(self, name)!r}"
-                )
+
+    def _check_stops(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:

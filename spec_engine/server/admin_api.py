@@ -1,6 +1,7 @@
 """SGLang's control and introspection endpoints beyond /generate: server info, loads, weight
 versions, tokenize/detokenize, metrics, weights by name (slime's engine client calls these).
-The weight-update and memory endpoints are http_server's CONTROL_METHODS."""
+The weight-update and memory endpoints are generated from control_methods.CONTROL_METHODS
+(server.http_server)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ from spec_engine.server.requests import BadRequest, json_body
 
 def add_admin_routes(app: FastAPI, engine: Engine) -> None:
     """Register the endpoints on `app` (see the module docstring)."""
+    _add_load_routes(app, engine)
+    _add_weight_routes(app, engine)
+    _add_token_routes(app, engine)
+    _add_metrics_route(app, engine)
+
+
+def _add_load_routes(app: FastAPI, engine: Engine) -> None:
+    """Server info and loads, in SGLang's current and legacy shapes."""
 
     @app.get("/get_server_info")
     @app.get("/server_info")
@@ -56,6 +65,10 @@ def add_admin_routes(app: FastAPI, engine: Engine) -> None:
             for load in result["loads"]
         ]
 
+
+def _add_weight_routes(app: FastAPI, engine: Engine) -> None:
+    """The weight version (read, relabel) and weights by name."""
+
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict:
         return {"weight_version": engine.get_weight_version()}
@@ -80,6 +93,8 @@ def add_admin_routes(app: FastAPI, engine: Engine) -> None:
             raise BadRequest(f"truncate_size must be an integer, got {size!r}")
         return await asyncio.to_thread(engine.get_weights_by_name, name, size)
 
+
+def _add_token_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -129,6 +144,9 @@ def add_admin_routes(app: FastAPI, engine: Engine) -> None:
         )
         return {"text": texts if batch else texts[0]}
 
+
+def _add_metrics_route(app: FastAPI, engine: Engine) -> None:
+    """Prometheus metrics with --enable-metrics (a 404 that says so without)."""
     registry = None
     if engine.args.enable_metrics:
         from spec_engine.server.metrics import make_registry

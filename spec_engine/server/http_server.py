@@ -9,14 +9,15 @@ import asyncio
 import inspect
 import typing
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 
+from spec_engine.control_methods import CONTROL_METHODS, ControlMethod
 from spec_engine.core.outputs import EngineFailure
 from spec_engine.core.stats import HEALTH_CHECK_RID_PREFIX
 from spec_engine.engine import Engine
@@ -30,7 +31,8 @@ from spec_engine.server.requests import (
     json_body,
     sse,
 )
-from spec_engine.weights.transport import deserialize_tensors
+from spec_engine.version import __version__
+from spec_engine.weights.formats import tensors_from_text
 
 _GENERATE_KEYS = {
     "text",
@@ -85,10 +87,21 @@ DISCONNECT_POLL_S = 0.1
 
 
 def create_app(engine: Engine) -> FastAPI:
-    app = FastAPI(title="spec_engine", version=engine.get_server_info()["version"])
-    api_key = engine.args.api_key
+    app = FastAPI(title="spec_engine", version=__version__)
     app.state.max_request_bytes = engine.args.max_request_bytes
+    _add_api_key_check(app, engine.args.api_key)
+    _add_error_responses(app)
+    _add_native_routes(app, engine)
+    _add_generate_route(app, engine)
+    for method in CONTROL_METHODS:
+        if method.http:
+            _add_control_route(app, engine, method)
+    add_admin_routes(app, engine)
+    add_openai_routes(app, engine)
+    return app
 
+
+def _add_api_key_check(app: FastAPI, api_key: Optional[str]) -> None:
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
         # Health probes stay open, as in SGLang.
@@ -107,6 +120,8 @@ def create_app(engine: Engine) -> FastAPI:
             )
         return await call_next(request)
 
+
+def _add_error_responses(app: FastAPI) -> None:
     @app.exception_handler(ValueError)
     async def valueerror_response(request: Request, exc: ValueError):
         status = 413 if isinstance(exc, PayloadTooLarge) else 400
@@ -122,7 +137,9 @@ def create_app(engine: Engine) -> FastAPI:
     async def validationerror_response(request: Request, exc: RequestValidationError):
         return error_response(describe_validation(exc.errors()), request)
 
-    # ---------------------------------------------------------------- native endpoints
+
+def _add_native_routes(app: FastAPI, engine: Engine) -> None:
+    """SGLang's health, model info, cache flush and abort endpoints."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -175,35 +192,12 @@ def create_app(engine: Engine) -> FastAPI:
         engine.abort_request(rid, abort_all=abort_all, message=str(message))
         return Response(status_code=200)
 
+
+def _add_generate_route(app: FastAPI, engine: Engine) -> None:
     @app.post("/generate")
     async def generate(request: Request):
         body = await json_body(request)
-        unknown = set(body) - _GENERATE_KEYS - set(_GENERATE_NEUTRAL)
-        if unknown:
-            raise BadRequest(
-                f"unknown field(s) {sorted(unknown)} in /generate; allowed: "
-                f"{sorted(_GENERATE_KEYS | set(_GENERATE_NEUTRAL))}"
-            )
-        for key, (neutral, why) in _GENERATE_NEUTRAL.items():
-            if key in body and body[key] not in (neutral, None):
-                raise BadRequest(f"{key}: {why} (got {body[key]!r:.80}; leave it out)")
-        with_text = body.get("return_text_in_logprobs", False)
-        if not isinstance(with_text, bool):
-            raise BadRequest(
-                f"return_text_in_logprobs must be true or false, got {with_text!r:.80}"
-            )
-        kwargs = dict(
-            prompt=body.get("text"),
-            input_ids=body.get("input_ids"),
-            sampling_params=body.get("sampling_params"),
-            return_logprob=body.get("return_logprob", False),
-            top_logprobs_num=body.get("top_logprobs_num", 0),
-            rid=body.get("rid"),
-            logprob_start_len=body.get("logprob_start_len", -1),
-            # null means the default, as SGLang's optional fields read it
-            return_routed_experts=body.get("return_routed_experts") or False,
-            routed_experts_start_len=body.get("routed_experts_start_len") or 0,
-        )
+        kwargs, with_text = _generate_arguments(body)
         if body.get("stream", False):
             stream = await engine.async_generate(stream=True, **kwargs)
 
@@ -223,9 +217,45 @@ def create_app(engine: Engine) -> FastAPI:
             return [_logprob_text(engine, o, with_text) for o in out]
         return _logprob_text(engine, out, with_text)
 
-    # ---------------------------------------------------------------- weights and memory
 
-    async def control(request: Request, method, keys: tuple[str, ...], convert=None):
+def _generate_arguments(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """/generate's body as Engine.async_generate's keyword arguments (stream aside), and
+    return_text_in_logprobs; refuses unknown fields and SGLang's at a value specrl cannot serve."""
+    unknown = set(body) - _GENERATE_KEYS - set(_GENERATE_NEUTRAL)
+    if unknown:
+        raise BadRequest(
+            f"unknown field(s) {sorted(unknown)} in /generate; allowed: "
+            f"{sorted(_GENERATE_KEYS | set(_GENERATE_NEUTRAL))}"
+        )
+    for key, (neutral, why) in _GENERATE_NEUTRAL.items():
+        if key in body and body[key] not in (neutral, None):
+            raise BadRequest(f"{key}: {why} (got {body[key]!r:.80}; leave it out)")
+    with_text = body.get("return_text_in_logprobs", False)
+    if not isinstance(with_text, bool):
+        raise BadRequest(f"return_text_in_logprobs must be true or false, got {with_text!r:.80}")
+    kwargs = dict(
+        prompt=body.get("text"),
+        input_ids=body.get("input_ids"),
+        sampling_params=body.get("sampling_params"),
+        return_logprob=body.get("return_logprob", False),
+        top_logprobs_num=body.get("top_logprobs_num", 0),
+        rid=body.get("rid"),
+        logprob_start_len=body.get("logprob_start_len", -1),
+        # null means the default, as SGLang's optional fields read it
+        return_routed_experts=body.get("return_routed_experts") or False,
+        routed_experts_start_len=body.get("routed_experts_start_len") or 0,
+    )
+    return kwargs, with_text
+
+
+def _add_control_route(app: FastAPI, engine: Engine, control: ControlMethod) -> None:
+    """/<name>: the engine method's keyword arguments as JSON fields (tensors travel as
+    serialized_named_tensors, the text form of named_tensors)."""
+    method = getattr(engine, control.name)
+    keys = control_fields(method)
+    convert = tensors_from_text if "serialized_named_tensors" in keys else None
+
+    async def handler(request: Request):
         body = await json_body(request)
         unknown = set(body) - set(keys)
         if unknown:
@@ -243,44 +273,18 @@ def create_app(engine: Engine) -> FastAPI:
         # SGLang answers a failed check (weights_checker compare) with its body and a 400.
         return JSONResponse(result, status_code=400 if result.get("success") is False else 200)
 
-    def tensors_from_text(body: dict) -> dict:
-        """serialized_named_tensors: a list (SGLang's MultiprocessingSerializer strings, one per
-        tensor-parallel rank: tensors shared with a process on this machine), or one string
-        (spec_engine.weights.transport.serialize_tensors: the tensors themselves)."""
-        serialized = body.get("serialized_named_tensors")
-        if isinstance(serialized, str):
-            body["named_tensors"] = deserialize_tensors(body.pop("serialized_named_tensors"))
-        elif not isinstance(serialized, list):
-            raise BadRequest(
-                "serialized_named_tensors is required: a list of SGLang MultiprocessingSerializer "
-                "strings, or one spec_engine.weights.transport.serialize_tensors string"
-            )
-        return body
+    app.api_route(f"/{control.name}", methods=list(control.http), name=control.name)(handler)
 
-    def control_endpoint(name: str) -> None:
-        """POST /<name>: the engine method's keyword arguments as JSON fields (tensors travel as
-        serialized_named_tensors, the text form of named_tensors)."""
-        method = getattr(engine, name)
-        keys = tuple(
-            dict.fromkeys(
-                "serialized_named_tensors" if k == "named_tensors" else k
-                for k in inspect.signature(method).parameters
-            )
+
+def control_fields(method: Callable[..., Any]) -> tuple[str, ...]:
+    """The JSON fields of a control route: the method's parameters, named_tensors sent as
+    serialized_named_tensors."""
+    return tuple(
+        dict.fromkeys(
+            "serialized_named_tensors" if k == "named_tensors" else k
+            for k in inspect.signature(method).parameters
         )
-        convert = tensors_from_text if "serialized_named_tensors" in keys else None
-
-        async def handler(request: Request):
-            return await control(request, method, keys, convert)
-
-        methods = ["GET", "POST"] if name in GET_OR_POST else ["POST"]
-        app.api_route(f"/{name}", methods=methods, name=name)(handler)
-
-    for name in CONTROL_METHODS:
-        control_endpoint(name)
-
-    add_admin_routes(app, engine)
-    add_openai_routes(app, engine)
-    return app
+    )
 
 
 # -------------------------------------------------------------------- helpers
@@ -314,36 +318,6 @@ def _logprob_text(engine: Engine, out: dict, with_text: bool) -> dict:
                 for top in meta[key]
             ]
     return out
-
-
-CONTROL_METHODS = (
-    "update_weights_from_tensor",
-    "init_weights_update_group",
-    "update_weights_from_distributed",
-    "update_weights_from_disk",
-    "destroy_weights_update_group",
-    "get_weights_checksum",
-    "weights_checker",
-    "post_process_weights",
-    "pause_generation",
-    "continue_generation",
-    "release_memory_occupation",
-    "resume_memory_occupation",
-    "start_profile",
-    "stop_profile",
-)
-
-
-# Control endpoints SGLang serves on GET too (a body-less GET takes every default).
-GET_OR_POST = frozenset(
-    {
-        "weights_checker",
-        "release_memory_occupation",
-        "resume_memory_occupation",
-        "start_profile",
-        "stop_profile",
-    }
-)
 
 
 def _check_field_types(method, body: dict) -> None:

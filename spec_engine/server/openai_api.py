@@ -19,7 +19,20 @@ from spec_engine.server.requests import BadRequest, json_body, parse_model, sse
 
 def add_openai_routes(app: FastAPI, engine: Engine) -> None:
     model_name = engine.args.served_model_name
+    _add_model_routes(app, engine, model_name)
 
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_model(CompletionRequest, await json_body(request))
+        return await _completions(engine, model_name, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_model(ChatCompletionRequest, await json_body(request))
+        return await _chat_completions(engine, model_name, req)
+
+
+def _add_model_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
     def model_card() -> dict:
         return {
             "id": model_name,
@@ -52,158 +65,178 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
             )
         return model_card()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = parse_model(CompletionRequest, await json_body(request))
-        _refuse(best_of=req.best_of not in (None, 1), suffix=req.suffix is not None)
-        prompt = req.prompt
-        if isinstance(prompt, list) and not prompt:
-            raise BadRequest(
-                "prompt is an empty list; send a string, a list of strings, token ids or a "
-                "list of token-id lists"
-            )
-        as_text = isinstance(prompt, str) or (
-            isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
-        )
-        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-            raise BadRequest(f"logprobs must be in [0, 20], got {req.logprobs}")
-        kwargs = dict(
-            prompt=prompt if as_text else None,
-            input_ids=None if as_text else prompt,
-            sampling_params=req.sampling_params(req.max_tokens),
-            return_logprob=req.logprobs is not None,
-            top_logprobs_num=req.logprobs or 0,
-            rid=req.rid,
-            # echo with logprobs scores the prompt too (OpenAI's first logprob is None).
-            logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
-        )
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
-        prompts = (
-            [prompt]
-            if isinstance(prompt, str) or not isinstance(prompt[0], (str, list))
-            else prompt
-        )
-        if req.stream:
-            stream = await engine.async_generate(stream=True, **kwargs)
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
 
-            def choice(
-                i: int, delta: str, finish: Optional[str], new: Optional[dict] = None
-            ) -> dict:
-                logprobs = None
-                if new is not None:
-                    echoed = "input_token_logprobs" in new["meta_info"]
-                    logprobs = _completion_logprobs(engine, new, with_prompt=echoed)
-                return {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": finish}
-
-            def echo(i: int) -> str:
-                return _prompt_text(engine, prompts[i // req.n])
-
-            return StreamingResponse(
-                _stream_events(
-                    stream, base, choice, include_usage, req.n, echo=echo if req.echo else None
-                ),
-                media_type="text/event-stream",
-            )
-        outs = _as_list(await engine.async_generate(**kwargs))
-        choices = []
-        for i, o in enumerate(outs):
-            echoed = _prompt_text(engine, prompts[i // req.n]) if req.echo else ""
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = _completion_logprobs(engine, o, with_prompt=req.echo)
-            choices.append(
-                {
-                    "index": i,
-                    "text": echoed + o["text"],
-                    "finish_reason": _finish(o),
-                    "logprobs": logprobs,
-                }
-            )
-        return {**base, "choices": choices, "usage": _usage(outs, req.n)}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = parse_model(ChatCompletionRequest, await json_body(request))
-        _refuse(
-            response_format=req.response_format not in (None, {"type": "text"}),
-            tools=bool(req.tools),
-            tool_choice=req.tool_choice not in (None, "none"),
-        )
-        if engine.tokenizer is None or engine.tokenizer.chat_template is None:
-            raise BadRequest(
-                "this model has no chat template; pass --chat-template or use /v1/completions"
-            )
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = engine.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=True,
-                **(req.chat_template_kwargs or {}),
-            )
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
-            raise BadRequest(f"the chat template could not render these messages: {e}") from None
-        # The template already holds any special tokens it wants.
-        input_ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
-        top = req.top_logprobs or 0
-        if top and not req.logprobs:
-            raise BadRequest("top_logprobs needs logprobs=true")
-        kwargs = dict(
-            input_ids=list(input_ids),
-            sampling_params=req.sampling_params(req.max_completion_tokens or req.max_tokens),
-            return_logprob=req.logprobs,
-            top_logprobs_num=top,
-            rid=req.rid,
-        )
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
-        if req.stream:
-            stream = await engine.async_generate(stream=True, **kwargs)
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-
-            def choice(
-                i: int, delta: str, finish: Optional[str], new: Optional[dict] = None
-            ) -> dict:
-                return {
-                    "index": i,
-                    "delta": {"content": delta} if delta else {},
-                    "logprobs": None if new is None else _chat_logprobs(engine, new),
-                    "finish_reason": finish,
-                }
-
-            first = [
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for i in range(req.n)
-            ]
-            return StreamingResponse(
-                _stream_events(
-                    stream,
-                    {**base, "object": "chat.completion.chunk"},
-                    choice,
-                    include_usage,
-                    req.n,
-                    first,
-                ),
-                media_type="text/event-stream",
-            )
-        outs = _as_list(await engine.async_generate(**kwargs))
-        choices = [
+async def _completions(engine: Engine, model_name: str, req: CompletionRequest) -> Any:
+    kwargs, prompts = _completion_arguments(req)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+    if req.stream:
+        return await _stream_completions(engine, req, kwargs, base, prompts)
+    outs = _as_list(await engine.async_generate(**kwargs))
+    choices = []
+    for i, o in enumerate(outs):
+        echoed = _prompt_text(engine, prompts[i // req.n]) if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = _completion_logprobs(engine, o, with_prompt=req.echo)
+        choices.append(
             {
                 "index": i,
-                "message": {"role": "assistant", "content": o["text"]},
+                "text": echoed + o["text"],
                 "finish_reason": _finish(o),
-                "logprobs": _chat_logprobs(engine, o) if req.logprobs else None,
+                "logprobs": logprobs,
             }
-            for i, o in enumerate(outs)
-        ]
-        return {**base, "choices": choices, "usage": _usage(outs, req.n)}
+        )
+    return {**base, "choices": choices, "usage": _usage(outs, req.n)}
+
+
+def _completion_arguments(req: CompletionRequest) -> tuple[dict[str, Any], list[Any]]:
+    """Engine.async_generate's keyword arguments for a completion request, and its prompts (one
+    per choice group: text, or token ids)."""
+    _refuse(best_of=req.best_of not in (None, 1), suffix=req.suffix is not None)
+    prompt = req.prompt
+    if isinstance(prompt, list) and not prompt:
+        raise BadRequest(
+            "prompt is an empty list; send a string, a list of strings, token ids or a "
+            "list of token-id lists"
+        )
+    as_text = isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and isinstance(prompt[0], str)
+    )
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise BadRequest(f"logprobs must be in [0, 20], got {req.logprobs}")
+    kwargs = dict(
+        prompt=prompt if as_text else None,
+        input_ids=None if as_text else prompt,
+        sampling_params=req.sampling_params(req.max_tokens),
+        return_logprob=req.logprobs is not None,
+        top_logprobs_num=req.logprobs or 0,
+        rid=req.rid,
+        # echo with logprobs scores the prompt too (OpenAI's first logprob is None).
+        logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
+    )
+    prompts = (
+        [prompt] if isinstance(prompt, str) or not isinstance(prompt[0], (str, list)) else prompt
+    )
+    return kwargs, prompts
+
+
+async def _stream_completions(
+    engine: Engine,
+    req: CompletionRequest,
+    kwargs: dict[str, Any],
+    base: dict[str, Any],
+    prompts: list[Any],
+) -> StreamingResponse:
+    stream = await engine.async_generate(stream=True, **kwargs)
+
+    def choice(i: int, delta: str, finish: Optional[str], new: Optional[dict] = None) -> dict:
+        logprobs = None
+        if new is not None:
+            echoed = "input_token_logprobs" in new["meta_info"]
+            logprobs = _completion_logprobs(engine, new, with_prompt=echoed)
+        return {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def echo(i: int) -> str:
+        return _prompt_text(engine, prompts[i // req.n])
+
+    return StreamingResponse(
+        _stream_events(
+            stream,
+            base,
+            choice,
+            _include_usage(req),
+            req.n,
+            echo=echo if req.echo else None,
+        ),
+        media_type="text/event-stream",
+    )
+
+
+async def _chat_completions(engine: Engine, model_name: str, req: ChatCompletionRequest) -> Any:
+    top = req.top_logprobs or 0
+    input_ids = _chat_input_ids(engine, req)
+    if top and not req.logprobs:
+        raise BadRequest("top_logprobs needs logprobs=true")
+    kwargs = dict(
+        input_ids=input_ids,
+        sampling_params=req.sampling_params(req.max_completion_tokens or req.max_tokens),
+        return_logprob=req.logprobs,
+        top_logprobs_num=top,
+        rid=req.rid,
+    )
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    base = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
+    if req.stream:
+        return await _stream_chat(engine, req, kwargs, {**base, "object": "chat.completion.chunk"})
+    outs = _as_list(await engine.async_generate(**kwargs))
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": o["text"]},
+            "finish_reason": _finish(o),
+            "logprobs": _chat_logprobs(engine, o) if req.logprobs else None,
+        }
+        for i, o in enumerate(outs)
+    ]
+    return {**base, "choices": choices, "usage": _usage(outs, req.n)}
+
+
+def _chat_input_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
+    """The messages through the model's chat template, as token ids."""
+    _refuse(
+        response_format=req.response_format not in (None, {"type": "text"}),
+        tools=bool(req.tools),
+        tool_choice=req.tool_choice not in (None, "none"),
+    )
+    if engine.tokenizer is None or engine.tokenizer.chat_template is None:
+        raise BadRequest(
+            "this model has no chat template; pass --chat-template or use /v1/completions"
+        )
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        text = engine.tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=True,
+            **(req.chat_template_kwargs or {}),
+        )
+    except (jinja2.TemplateError, TypeError, ValueError) as e:
+        raise BadRequest(f"the chat template could not render these messages: {e}") from None
+    # The template already holds any special tokens it wants.
+    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+async def _stream_chat(
+    engine: Engine, req: ChatCompletionRequest, kwargs: dict[str, Any], base: dict[str, Any]
+) -> StreamingResponse:
+    stream = await engine.async_generate(stream=True, **kwargs)
+
+    def choice(i: int, delta: str, finish: Optional[str], new: Optional[dict] = None) -> dict:
+        return {
+            "index": i,
+            "delta": {"content": delta} if delta else {},
+            "logprobs": None if new is None else _chat_logprobs(engine, new),
+            "finish_reason": finish,
+        }
+
+    first = [
+        {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        for i in range(req.n)
+    ]
+    return StreamingResponse(
+        _stream_events(stream, base, choice, _include_usage(req), req.n, first),
+        media_type="text/event-stream",
+    )
+
+
+def _include_usage(req: Any) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
 
 
 def _refuse(**unsupported: bool) -> None:
