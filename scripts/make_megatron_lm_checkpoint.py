@@ -21,7 +21,7 @@ slime run of this model passes, the model built by Megatron-LM's model_provider(
 (--transformer-impl local: no Transformer Engine here), the Hugging Face weights loaded into it
 by specrl's converter, then `save_checkpoint(1, [model], None, None, 0)`, on CPU with gloo. The
 local spec names some MLA and MoE norms otherwise than TE's spec, which slime's runs use: the
-trainer reads either (trainer_bridge.checkpoint_names).
+trainer reads either (trainer_bridge.model.checkpoint_names).
 """
 
 from __future__ import annotations

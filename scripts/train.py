@@ -5,7 +5,7 @@
         --sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2
 
 The pieces: flags (specrl.train_options), Ray and its bundles (specrl.placement), the engines
-(rollout.engine_group), the policy (trainer_bridge.actor_group), rollouts (rollout.manager), and
+(rollout.engine_group), the policy (trainer_bridge.actor.group), rollouts (rollout.manager), and
 what a run prints (specrl.console, specrl.summary, specrl.plots).
 """
 
@@ -39,7 +39,7 @@ from specrl.progress import RolloutProgress
 from specrl.summary import rollout_line, summarize
 from specrl.train_batch import to_train_batch
 from specrl.train_options import check_checkpoints, parse_args
-from trainer_bridge.actor_group import TrainerDied, TrainGroup
+from trainer_bridge.actor.group import TrainerDied, TrainGroup
 
 logger = logging.getLogger("specrl.train")
 

@@ -1,6 +1,6 @@
-"""The layout's rules, checked on the source: no import cycles (modules, and spec_engine's
-subpackages), the engine imports nothing from the RL side, modules stay small, and the code
-cites only documents that are in the repository."""
+"""The layout's rules, checked on the source: no import cycles (modules, and the subpackages of
+spec_engine and trainer_bridge), the engine imports nothing from the RL side, modules stay small,
+and the code cites only documents that are in the repository."""
 
 from __future__ import annotations
 
@@ -82,20 +82,31 @@ def test_no_module_import_cycles():
     assert _cycle(GRAPH) == []
 
 
-def test_no_cycles_between_engine_subpackages():
-    """spec_engine's parts form layers: mem, weights < forward_batch < layers < models <
-    attention < args < runner < core < speculative < engine < server, launch_server."""
+def _parts(package: str) -> dict[str, set[str]]:
+    """The import graph between `package`'s parts: its subpackages and top-level modules."""
 
     def part(module: str) -> str:
         return ".".join(module.split(".")[:2])
 
-    packages: dict[str, set[str]] = {}
+    parts: dict[str, set[str]] = {}
     for name, deps in GRAPH.items():
-        if name.startswith("spec_engine."):
-            packages.setdefault(part(name), set()).update(
-                part(d) for d in deps if d.startswith("spec_engine.") and part(d) != part(name)
+        if name.startswith(f"{package}."):
+            parts.setdefault(part(name), set()).update(
+                part(d) for d in deps if d.startswith(f"{package}.") and part(d) != part(name)
             )
-    assert _cycle(packages) == []
+    return parts
+
+
+def test_no_cycles_between_engine_subpackages():
+    """spec_engine's parts form layers: mem, weights < forward_batch < layers < models <
+    attention < args < runner < core < speculative < engine < server, launch_server."""
+    assert _cycle(_parts("spec_engine")) == []
+
+
+def test_no_cycles_between_trainer_subpackages():
+    """trainer_bridge's parts form layers: spec_rewrite < micro_batches < parallel < model <
+    convert < checkpoint; drafts beside them; actor (the rank that uses them all) on top."""
+    assert _cycle(_parts("trainer_bridge")) == []
 
 
 def test_the_cycle_finder_finds_cycles():

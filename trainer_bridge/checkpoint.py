@@ -18,7 +18,7 @@ their Adam state too, each expert's tensor sharded over the expert tensor parall
 --expert-tensor-parallel-size 1): a checkpoint resumes at another expert-parallel and expert tensor
 parallel size, each rank reading its experts (or its slices of them) back. With
 --enable-draft-training, `draft` holds the draft trained online (EAGLE-2/3 or STANDALONE) and
-its Adam state (trainer_bridge.online_draft).
+its Adam state (trainer_bridge.drafts.online).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from spec_engine.models.hf_config import ModelConfig
-from trainer_bridge.checkpoint_names import match_saved_names
+from trainer_bridge.model.checkpoint_names import match_saved_names
 from trainer_bridge.options import TrainerArgs
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class TrainActor(Protocol):
     arch: ModelConfig
     gpt: Any  # megatron's GPTModel
     optimizer: Any  # megatron's MegatronOptimizer
-    online_draft: Any  # trainer_bridge.online_draft.OnlineDraft or its stand-in
+    online_draft: Any  # trainer_bridge.drafts.online.OnlineDraft or its stand-in
     dp_rank: int
     dp_size: int
     step: int
@@ -205,7 +205,7 @@ def _state_dict(
     actor: TrainActor, rollout_id: int, saved: Collection[str] | None = None
 ) -> dict[str, Any]:
     """What a checkpoint holds; `saved`: when loading, the checkpoint's keys (its norms may go by
-    the local spec's names: trainer_bridge.checkpoint_names)."""
+    the local spec's names: trainer_bridge.model.checkpoint_names)."""
     loading = saved is not None
     model = actor.gpt.sharded_state_dict()
     if loading:
@@ -465,7 +465,7 @@ def check_same_model(
 ) -> None:
     """Refuse weights (Hugging Face config `saved_config`, in `directory`) of another model shape
     than --hf-checkpoint's `hf_config`, naming what differs and `fix`."""
-    from trainer_bridge.model_provider import read_model_config
+    from trainer_bridge.model.provider import read_model_config
 
     saved, wanted = read_model_config(saved_config), read_model_config(hf_config)
     if saved != wanted:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 from trainer_bridge.convert.checkpoint import hf_to_mcore, mcore_to_hf
-from trainer_bridge.model_provider import DEFAULT_VOCAB_DIVISOR
+from trainer_bridge.model.provider import DEFAULT_VOCAB_DIVISOR
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -18,19 +18,20 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from trainer_bridge import expert_parallel, moe
 from trainer_bridge import loss as losses
 from trainer_bridge.batch import TrainBatch, pad_batch
-from trainer_bridge.data_parallel import DataParallel
-from trainer_bridge.draft_training import DraftLearningRate, set_trainable
+from trainer_bridge.drafts.mtp_loss import mtp_loss
+from trainer_bridge.drafts.mtp_training import DraftLearningRate, set_trainable
+from trainer_bridge.drafts.online import OnlineDraft
 from trainer_bridge.loss import LossConfig
-from trainer_bridge.micro_batches import plan_micro_batches
-from trainer_bridge.mtp_loss import mtp_loss
-from trainer_bridge.online_draft import OnlineDraft
+from trainer_bridge.micro_batches.layout import MicroBatch
+from trainer_bridge.micro_batches.plan import plan_micro_batches
+from trainer_bridge.model import moe
 from trainer_bridge.options import TrainerArgs, check_mtp_flags
-from trainer_bridge.packing import MicroBatch
+from trainer_bridge.parallel import expert as expert_parallel
+from trainer_bridge.parallel.data import DataParallel
+from trainer_bridge.parallel.sequence import allreduce_norm_grads, local_tokens
 from trainer_bridge.routing_replay import replay_config, replayed, routes_for
-from trainer_bridge.sequence_parallel import allreduce_norm_grads, local_tokens
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 class TrainActor:
     """One trainer rank. Alone (rank 0 of 1) it picks its own port; as one of `world_size` ranks
-    (trainer_bridge.actor_group.TrainGroup) every rank gets the same batch: tensor-parallel ranks
+    (trainer_bridge.actor.group.TrainGroup) every rank gets the same batch: tensor-parallel ranks
     split the model, data-parallel ranks take their share of the sequences."""
 
     def __init__(
@@ -57,7 +58,7 @@ class TrainActor:
         from trainer_bridge.checkpoint import load_reference
         from trainer_bridge.convert import load_hf_weights, load_mcore_state_dict
         from trainer_bridge.megatron_compat import free_port, init_model_parallel
-        from trainer_bridge.model_provider import build_gpt_model, read_model_config, trainer_device
+        from trainer_bridge.model.provider import build_gpt_model, read_model_config, trainer_device
 
         if args.hf_checkpoint is None:
             raise ValueError(
@@ -212,7 +213,7 @@ class TrainActor:
         self, rows: Sequence[int], lengths: list[int], log_probs: bool = False
     ) -> list[list[int]]:
         """`rows` of a batch (row i holding lengths[i] tokens) in micro batches, as many on every
-        data-parallel rank (trainer_bridge.micro_batches)."""
+        data-parallel rank (trainer_bridge.micro_batches.plan)."""
         args = self.args
         budget = args.log_probs_max_tokens_per_gpu if log_probs else args.max_tokens_per_gpu
         return plan_micro_batches(

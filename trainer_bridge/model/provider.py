@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from spec_engine.models.hf_config import ConfigSource, ModelConfig
-from trainer_bridge.checkpoint_names import te_checkpoint_names, te_extra_states
-from trainer_bridge.expert_parallel import (
+from trainer_bridge.model.checkpoint_names import te_checkpoint_names, te_extra_states
+from trainer_bridge.model.mla import check_mla, mla_config_fields
+from trainer_bridge.model.moe import check_moe, count_real_tokens_only, moe_config_fields
+from trainer_bridge.parallel.expert import (
     check_expert_parallel,
     reduce_experts_over_expert_data_parallel,
 )
-from trainer_bridge.mla import check_mla, mla_config_fields
-from trainer_bridge.moe import check_moe, count_real_tokens_only, moe_config_fields
-from trainer_bridge.sequence_parallel import (
+from trainer_bridge.parallel.sequence import (
     replicated_kv_down_proj,
     sequence_parallel_spec,
     uses_sequence_parallel,
@@ -145,7 +145,7 @@ def transformer_config(
         attention_dropout=0.0,
         mtp_num_layers=arch.num_mtp_layers or None,
         tensor_model_parallel_size=tp,
-        # MoE and MLA models at TP > 1 (see sequence_parallel.py)
+        # MoE and MLA models at TP > 1 (see trainer_bridge.parallel.sequence)
         sequence_parallel=uses_sequence_parallel(arch, tp),
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
@@ -175,11 +175,11 @@ def build_gpt_model(
 ) -> GPTModel:
     """A randomly initialised GPTModel for this rank of the current megatron parallel state, on
     `device` (default: trainer_device()); `packed`: its attention takes packed sequences
-    (--qkv-format thd, see trainer_bridge.packed_attention).
+    (--qkv-format thd, see trainer_bridge.micro_batches.packed_attention).
 
     Needs `megatron_compat.init_model_parallel()` (or an equivalent set-up) first; TP/PP/EP/ETP
     sizes come from megatron's parallel_state (this rank builds its share of the routed experts:
-    trainer_bridge.expert_parallel). Load weights with `trainer_bridge.convert`.
+    trainer_bridge.parallel.expert). Load weights with `trainer_bridge.convert`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -208,8 +208,8 @@ def build_gpt_model(
     if config.sequence_parallel:  # its norms
         layer_spec = sequence_parallel_spec(layer_spec)
     if packed:
-        from trainer_bridge.packed_attention import with_packed_attention
-        from trainer_bridge.thd_ops import use_vectorized_thd_ops
+        from trainer_bridge.micro_batches.packed_attention import with_packed_attention
+        from trainer_bridge.micro_batches.thd_ops import use_vectorized_thd_ops
 
         layer_spec = with_packed_attention(layer_spec, config)  # before the MTP layers copy it
         use_vectorized_thd_ops()
