@@ -8,12 +8,12 @@ differs by draft is a `_Kind`, picked by the algorithm and the checkpoint's arch
 (trainer_bridge.drafts.eagle3) reads the captured auxiliary layers and learns by SpecForge's
 training-time-test loss; EAGLE-2 (trainer_bridge.drafts.eagle2) reads the final hidden state and
 learns by EAGLE's feature regression + cross-entropy through the policy's head, which it drafts
-with (neither trained nor pushed as the draft's); a STANDALONE draft (trainer_bridge.
-standalone_draft: a plain LM, which the algorithm names rather than its architecture) reads only
-the tokens and is distilled from the policy's logits, KL(policy || draft). The draft steps with
-its own Adam after each policy step, so the policy's optimizer, clipping and checkpoint layout
-are those of a run without it. Its weights travel with the policy's in every push, under the
-engine's `draft.` prefix.
+with (neither trained nor pushed as the draft's); a STANDALONE draft
+(trainer_bridge.drafts.standalone: a plain LM, which the algorithm names rather than its
+architecture) reads only the tokens and is distilled from the policy's logits, KL(policy ||
+draft). The draft steps with its own Adam after each policy step, so the policy's optimizer,
+clipping and checkpoint layout are those of a run without it. Its weights travel with the policy's
+in every push, under the engine's `draft.` prefix.
 """
 
 from __future__ import annotations
