@@ -183,23 +183,54 @@ def build_gpt_model(
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
-        get_gpt_mtp_block_spec,
-    )
 
     arch = read_model_config(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    etp = parallel_state.get_expert_tensor_parallel_world_size()
     config = transformer_config(
-        arch, tp=tp, pp=pp, ep=ep, etp=etp, params_dtype=params_dtype, **config_overrides
+        arch,
+        tp=tp,
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
+        params_dtype=params_dtype,
+        **config_overrides,
     )
+    layer_spec = _layer_spec(arch, config, packed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        rotary_percent=arch.partial_rotary_factor,
+        mtp_block_spec=_mtp_spec(arch, config, layer_spec),
+    )
+    if arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "llama3":
+        _apply_llama3_scaling(model, arch.rope_scaling)
+    reduce_experts_over_expert_data_parallel(model)
+    te_extra_states(model)  # checkpoints that Megatron-LM with Transformer Engine reads as they are
+    # Megatron puts its parallel layers on the current CUDA device but builds norms and other
+    # plain modules on the default device: move the whole model, as Megatron-LM's get_model does.
+    return model.to(device or trainer_device())
+
+
+def _layer_spec(arch: ModelConfig, config: TransformerConfig, packed: bool) -> Any:
+    """The decoder's layer spec: megatron's local (non-TE) one, one spec per layer for a MoE model
+    (dense or MoE after config.moe_layer_freq), adapted to save under Transformer Engine's names
+    (checkpoint_names), to sequence parallelism's norms and, `packed`, to packed attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+
     if arch.moe is None:
         layer_spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    else:  # one spec per layer: dense or MoE after config.moe_layer_freq
+    else:
         layer_spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=False, normalization="RMSNorm"
         )
@@ -213,33 +244,21 @@ def build_gpt_model(
 
         layer_spec = with_packed_attention(layer_spec, config)  # before the MTP layers copy it
         use_vectorized_thd_ops()
-    mtp_spec = None
-    if arch.num_mtp_layers:
-        mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
-        mtp_spec = replicated_kv_down_proj(mtp_spec)
-        if config.sequence_parallel:
-            mtp_spec = sequence_parallel_spec(mtp_spec)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=padded_vocab_size(arch.vocab_size, tp, make_vocab_size_divisible_by),
-        max_sequence_length=arch.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=parallel_output,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=arch.rope_theta,
-        rotary_percent=arch.partial_rotary_factor,
-        mtp_block_spec=mtp_spec,
-    )
-    if arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "llama3":
-        _apply_llama3_scaling(model, arch.rope_scaling)
-    reduce_experts_over_expert_data_parallel(model)
-    te_extra_states(model)  # checkpoints that Megatron-LM with Transformer Engine reads as they are
-    # Megatron puts its parallel layers on the current CUDA device but builds norms and other
-    # plain modules on the default device: move the whole model, as Megatron-LM's get_model does.
-    return model.to(device or trainer_device())
+    return layer_spec
+
+
+def _mtp_spec(arch: ModelConfig, config: TransformerConfig, layer_spec: Any) -> Any:
+    """The MTP block's spec (None without MTP layers): megatron's, built on the decoder's
+    `layer_spec`, with the same MLA and sequence-parallel adaptations."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    if not arch.num_mtp_layers:
+        return None
+    mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+    mtp_spec = replicated_kv_down_proj(mtp_spec)
+    if config.sequence_parallel:
+        mtp_spec = sequence_parallel_spec(mtp_spec)
+    return mtp_spec
 
 
 def trainer_device() -> torch.device:
