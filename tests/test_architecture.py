@@ -98,7 +98,7 @@ def _parts(package: str) -> dict[str, set[str]]:
 
 
 def test_no_cycles_between_engine_subpackages():
-    """spec_engine's parts form layers: mem, weights < forward_batch < layers < models <
+    """spec_engine's parts form layers: dtypes, mem, weights < forward_batch < layers < models <
     attention < args < runner < core < speculative < engine < server, launch_server."""
     assert _cycle(_parts("spec_engine")) == []
 
