@@ -101,7 +101,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from spec_engine import Engine
-    from specrl.tiny_models import build_checkpoint
+    from tiny.checkpoints import build_checkpoint
 
     path = args.model_path
     if path is None:

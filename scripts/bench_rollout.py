@@ -57,7 +57,7 @@ from scripts.bench_rollout_report import (
     roofline,
     speedup_svg,
 )
-from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
+from tiny.checkpoints import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
 ALGORITHMS = (
     "baseline",

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from spec_engine import Engine
-from specrl.tiny_models import add_mimo_mtp
 from tests.conftest import random_prompts
+from tiny.checkpoints import add_mimo_mtp
 from trainer_bridge.drafts.mtp_loss import mtp_loss
 from trainer_bridge.loss import LossConfig
 from trainer_bridge.micro_batches.layout import PaddedMicroBatch

@@ -1,6 +1,7 @@
 """The layout's rules, checked on the source: no import cycles (modules, and the subpackages of
-spec_engine and trainer_bridge), the engine imports nothing from the RL side, modules stay small,
-and the code cites only documents that are in the repository."""
+spec_engine and trainer_bridge), the engine imports nothing from the RL side, no runtime package
+imports the test fixtures (tiny), modules stay small, and the code cites only documents that are in
+the repository."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("spec_engine", "trainer_bridge", "rollout", "specrl")
+PACKAGES = ("spec_engine", "trainer_bridge", "rollout", "specrl", "tiny")
+RUNTIME = ("spec_engine", "trainer_bridge", "rollout", "specrl")  # tiny/ holds test fixtures
 MAX_LINES = 500
 
 
@@ -119,6 +121,17 @@ def test_engine_does_not_import_the_rl_side():
         n: sorted(d for d in deps if not d.startswith("spec_engine"))
         for n, deps in GRAPH.items()
         if n.startswith("spec_engine")
+    }
+    assert {n: d for n, d in offenders.items() if d} == {}
+
+
+def test_runtime_packages_do_not_import_the_fixtures():
+    """tiny/ builds checkpoints and run assets for tests, examples and benchmarks; nothing a run
+    executes depends on it."""
+    offenders = {
+        n: sorted(d for d in deps if d.split(".")[0] == "tiny")
+        for n, deps in GRAPH.items()
+        if n.split(".")[0] in RUNTIME
     }
     assert {n: d for n, d in offenders.items() if d} == {}
 

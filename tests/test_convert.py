@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from conftest import FAMILIES
 from torch.nn import functional as F
 
-from specrl.tiny_models import add_mimo_mtp
+from tiny.checkpoints import add_mimo_mtp
 from trainer_bridge.convert import (
     hf_to_mcore,
     hf_to_mcore_state_dict,

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from spec_engine import Engine
 from spec_engine.weights.updater import DRAFT_PREFIX
-from specrl.tiny_models import build_eagle_draft
 from tests.test_eagle3_training import PROMPT, engine_draft_extend
+from tiny.checkpoints import build_eagle_draft
 from trainer_bridge.drafts.eagle2 import Eagle2Draft, eagle_loss
 from trainer_bridge.micro_batches.layout import PaddedMicroBatch
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig

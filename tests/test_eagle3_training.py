@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spec_engine import Engine
-from specrl.tiny_models import build_eagle_draft
+from tiny.checkpoints import build_eagle_draft
 from trainer_bridge.drafts.eagle3 import Eagle3Draft, ttt_loss
 from trainer_bridge.micro_batches.layout import PaddedMicroBatch
 

@@ -103,8 +103,8 @@ def test_cuda_bf16_checkpoint_restores_main_weights_and_adam(make_model, tmp_pat
     and loaded bit for bit (not rebuilt from the bfloat16 weights), and the resumed policy's
     next step equals the saving one's."""
     pytest.importorskip("megatron.core", reason="megatron-core (scripts/gpu/pack.sh trainer)")
-    from specrl.tiny_models import add_mimo_mtp
     from tests.test_checkpoint import _tp_batches
+    from tiny.checkpoints import add_mimo_mtp
     from trainer_bridge.actor import TrainActor
     from trainer_bridge.checkpoint.optimizer import trained
     from trainer_bridge.megatron_compat import destroy_model_parallel

@@ -37,7 +37,7 @@ def _data(arch: str) -> tuple[Path, Path, Path]:
 def saved(request, tmp_path_factory) -> tuple[str, str]:
     """(the saved model's architecture, a Hugging Face checkpoint of its shape with other
     weights: the policy)"""
-    from specrl.tiny_models import build_checkpoint
+    from tiny.checkpoints import build_checkpoint
 
     data, _, _ = _data(request.param)
     path = tmp_path_factory.mktemp("other")

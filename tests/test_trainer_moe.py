@@ -37,7 +37,7 @@ T = 12
 ATOL = 1e-4
 # "glm4_moe": q/k norms, grouped routing, a next-n layer (conftest.FAMILIES); "flat": no q/k
 # norm, one expert group (plain top-k), a tied head, no next-n layer; "deepseek_v3": MLA with a
-# query bottleneck and interleaved rope (specrl.tiny_models.DEEPSEEK_V3_TINY) under YaRN with
+# query bottleneck and interleaved rope (tiny.checkpoints.DEEPSEEK_V3_TINY) under YaRN with
 # both mscales (as DeepSeek-V3 itself), GLM's routing, a next-n layer with its embedding and head
 # copies.
 YARN = {
