@@ -19,7 +19,7 @@ e.g. (docs/benchmarks/drift_eagle3_cpu.md)
     python -m scripts.bench_drift --spec eagle3 --num-rollout 90 --draft-lr 1e-2 \\
         --arms online-fast frozen --name drift_eagle3_long_cpu
 
-The task file holds 256 prompts (specrl.tiny_run), 64 rollouts' worth; a longer run would wrap
+The task file holds 256 prompts (tiny.run_assets), 64 rollouts' worth; a longer run would wrap
 around to the prompts before the shift, so the file is extended by repeating its post-shift
 prompts in order, and every rollout after the shift is scored by the shifted reward. --reuse
 keeps runs that already finished (their metrics.jsonl has every rollout), so more seeds can be
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from specrl.plots import read_metrics, svg
-from specrl.tiny_run import TASK_PROMPTS
+from tiny.run_assets import TASK_PROMPTS
 
 MODES = {"online": "1", "frozen": "0"}  # MTP_TRAINING; "online-fast" (--draft-lr) is optional
 ARMS = ("online", "frozen", "online-fast")

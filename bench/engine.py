@@ -141,7 +141,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def random_llama(args: argparse.Namespace) -> str:
     """A random Llama of the flags' shape, in a fresh temporary directory."""
-    from specrl.tiny_models import build_checkpoint
+    from tiny.checkpoints import build_checkpoint
 
     path = tempfile.mkdtemp(prefix="bench-llama-")
     build_checkpoint(

@@ -2,7 +2,7 @@
 
     python -m scripts.bench_packing --repeats 15 --json docs/benchmarks/data/packing_cpu.json
 
-The tiny CPU run's trainer (specrl.tiny_run: a random Qwen2 trunk, hidden 64, 2 layers, one
+The tiny CPU run's trainer (tiny.run_assets: a random Qwen2 trunk, hidden 64, 2 layers, one
 MiMo MTP layer) takes TrainActor.train on 32 sequences (GRPO, --enable-mtp-training): the old
 log-probs forward, forward + backward with the MTP loss, one Adam step. Two batches: the tiny
 run's shapes (its task's prompts, 1-4 response tokens) and ragged ones (prompts of 16-128
@@ -30,7 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from rollout.tiny_task import PROMPT_FORMAT
-from specrl.tiny_models import add_mimo_mtp, build_tiny_model
+from tiny.checkpoints import add_mimo_mtp, build_tiny_model
 from trainer_bridge.batch import TrainBatch
 
 if TYPE_CHECKING:

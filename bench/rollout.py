@@ -44,7 +44,7 @@ from typing import Optional
 from bench.checkpoints import PRESETS, apply_preset, cached, work_dir
 from bench.rollout_report import report
 from bench.rounds import run
-from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
+from tiny.checkpoints import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
 ALGORITHMS = (
     "baseline",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from safetensors.torch import load_file
 
 from spec_engine import Engine
-from specrl.tiny_models import build_tiny_model
+from tiny.checkpoints import build_tiny_model
 
 MAX_NEW_TOKENS = 24
 

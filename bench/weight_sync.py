@@ -32,7 +32,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from bench.checkpoints import PRESETS, apply_preset, cached, work_dir
-from specrl.tiny_models import build_checkpoint
+from tiny.checkpoints import build_checkpoint
 from trainer_bridge.megatron_compat import free_port
 
 COLOCATED_TARGET_S = 1.0  # an 8B colocated push on one H100/H200 (issue [gpu-ready])

@@ -11,7 +11,7 @@ megatron/training joins the installed megatron.core.
     python -m scripts.make_megatron_lm_checkpoint --megatron-lm /tmp/Megatron-LM \
         --arch deepseek_v3 --out tests/data/megatron_lm_deepseek_v3
 
-OUT/hf/        the tiny model (config, safetensors, tokenizer), built by specrl.tiny_models
+OUT/hf/        the tiny model (config, safetensors, tokenizer), built by tiny.checkpoints
 OUT/megatron/  Megatron-LM's --save directory: latest_checkpointed_iteration.txt ("1") and
                iter_0000001/ (common.pt with Megatron-LM's args, .metadata, __0_*.distcp)
 OUT/build.json the build_checkpoint arguments (a test rebuilds a same-shape model from them)
@@ -21,7 +21,7 @@ slime run of this model passes, the model built by Megatron-LM's model_provider(
 (--transformer-impl local: no Transformer Engine here), the Hugging Face weights loaded into it
 by specrl's converter, then `save_checkpoint(1, [model], None, None, 0)`, on CPU with gloo. The
 local spec names some MLA and MoE norms otherwise than TE's spec, which slime's runs use: the
-trainer reads either (trainer_bridge.checkpoint_names).
+trainer reads either (trainer_bridge.model.checkpoint_names).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ BUILDS = {
 
 
 def build_hf(hf_dir: str, build: dict) -> None:
-    from specrl.tiny_models import build_checkpoint, build_tokenizer
+    from tiny.checkpoints import build_checkpoint, build_tokenizer
 
     tok = build_tokenizer(hf_dir, vocab_size=build["vocab_size"])
     bos, eos = tok.convert_tokens_to_ids(["<s>", "</s>"])

@@ -2,14 +2,14 @@
 
     python scripts/make_tiny_model.py --out /tmp/tiny-llama [--arch llama|qwen2|...|deepseek_v3]
 
-The builders live in `specrl.tiny_models` (tests and examples use them too).
+The builders live in `tiny.checkpoints` (tests and examples use them too).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from specrl.tiny_models import build_tiny_model
+from tiny.checkpoints import build_tiny_model
 
 
 def main() -> None:

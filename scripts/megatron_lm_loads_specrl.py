@@ -15,7 +15,7 @@ There is no TE here, so Megatron-LM builds its local spec (--transformer-impl lo
 checkpoint names differ from TE's for MLA and MoE norms (megatron-core maps them onto TE's for
 dense GQA layers only) and which lacks the `_extra_state` entries TE's modules ask for. The
 script gives Megatron-LM's layer and MTP specs TE's names and its modules TE's extra states with
-trainer_bridge.checkpoint_names, the same rules specrl's model uses, which
+trainer_bridge.model.checkpoint_names, the same rules specrl's model uses, which
 tests/test_checkpoint_names.py checks against megatron-core's own TE specs.
 
     python -m scripts.megatron_lm_loads_specrl --megatron-lm /tmp/Megatron-LM --out /tmp/lm-load \
@@ -101,11 +101,12 @@ def megatron_lm_load(root: str, hf_config: dict, flags: list[str], scratch: str)
 def te_named_models() -> Iterator[None]:
     """Within: Megatron-LM's gpt_builder builds GPTModels whose layers save and load under
     Transformer Engine's checkpoint names, with TE's extra states and its replicated MLA key/value
-    down projection (trainer_bridge.checkpoint_names, sequence_parallel.replicated_kv_down_proj)."""
+    down projection (trainer_bridge.model.checkpoint_names,
+    trainer_bridge.parallel.sequence.replicated_kv_down_proj)."""
     import gpt_builders
 
-    from trainer_bridge.checkpoint_names import te_checkpoint_names, te_extra_states
-    from trainer_bridge.sequence_parallel import replicated_kv_down_proj
+    from trainer_bridge.model.checkpoint_names import te_checkpoint_names, te_extra_states
+    from trainer_bridge.parallel.sequence import replicated_kv_down_proj
 
     gpt_model = gpt_builders.GPTModel
 

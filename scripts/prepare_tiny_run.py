@@ -1,4 +1,4 @@
-"""Build the tiny CPU run's assets (specrl.tiny_run): a tokenizer, a random model with one MTP
+"""Build the tiny CPU run's assets (tiny.run_assets): a tokenizer, a random model with one MTP
 layer (MiMo-style, or DeepSeek-V3- or GLM-4.5-shaped with --model deepseek-v3|glm4.5), the tiny
 task and a supervised warm-up; prints the warmed-up checkpoint's path.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from specrl.console import quiet_known_noise, setup_logging
-from specrl.tiny_run import MODELS, prepare
+from tiny.run_assets import MODELS, prepare
 
 
 def main() -> None:

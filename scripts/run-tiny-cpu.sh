@@ -48,7 +48,7 @@ case "${SPEC:-mtp}" in
     if [ "${MTP_TRAINING:-1}" != 0 ]; then SPEC_FLAGS+=(--enable-mtp-training); fi ;;
   eagle3)  # a random EAGLE-3 draft over the full vocabulary, trained online from scratch
     if [ ! -d "$OUT/assets/eagle3" ]; then
-      python -c "import json, sys; from specrl.tiny_models import build_eagle_draft as b; \
+      python -c "import json, sys; from tiny.checkpoints import build_eagle_draft as b; \
 w = sys.argv[1] + '/warm'; \
 b(sys.argv[1] + '/eagle3', w, 3, draft_vocab_size=json.load(open(w + '/config.json'))['vocab_size'])" \
         "$OUT/assets"

@@ -5,7 +5,7 @@
 parses the flags and prints the run's `summary`. `scripts/train.py` is its command.
 
 The pieces: flags (specrl.train_options), Ray and its bundles (specrl.placement), the engines
-(rollout.engine_group), the policy (trainer_bridge.actor_group), rollouts (rollout.manager), and
+(rollout.engine_group), the policy (trainer_bridge.actor.group), rollouts (rollout.manager), and
 what a run prints (specrl.console, specrl.summary, specrl.plots).
 """
 
@@ -40,7 +40,7 @@ from specrl.progress import RolloutProgress
 from specrl.summary import rollout_line, summarize
 from specrl.train_batch import to_train_batch
 from specrl.train_options import check_checkpoints, parse_args
-from trainer_bridge.actor_group import TrainerDied, TrainGroup
+from trainer_bridge.actor.group import TrainerDied, TrainGroup
 
 # The name a run's log lines carry (stderr shows it): the loop's, since scripts/train.py held it.
 logger = logging.getLogger("specrl.train")

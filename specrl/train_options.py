@@ -25,11 +25,11 @@ from spec_engine.args.engine_args import EngineArgs
 from spec_engine.args.resolve import resolve_engine_config
 from spec_engine.models.hf_config import ModelConfig
 from specrl.slime_compat import SlimeCompatArgs, check_model_shape, check_slime_options
-from trainer_bridge.expert_parallel import check_expert_parallel
 from trainer_bridge.loss import LossConfig
-from trainer_bridge.model_provider import check_tensor_parallel, read_model_config
-from trainer_bridge.moe import balance_config
+from trainer_bridge.model.moe import balance_config
+from trainer_bridge.model.provider import check_tensor_parallel, read_model_config
 from trainer_bridge.options import TrainerArgs, check_mtp_flags
+from trainer_bridge.parallel.expert import check_expert_parallel
 from trainer_bridge.routing_replay import check_routing_replay
 from trainer_bridge.weight_sync import WeightSyncConfig
 

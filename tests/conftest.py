@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from specrl.tiny_models import build_checkpoint, build_tokenizer
+from tiny.checkpoints import build_checkpoint, build_tokenizer
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -37,7 +37,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     ),
     "qwen2": dict(arch="qwen2", tie_word_embeddings=True),
     "qwen3": dict(arch="qwen3", head_dim=32),
-    # GLM-4.5 MoE (specrl.tiny_models.GLM4_MOE_TINY): q/k/v biases, partial rotary, grouped
+    # GLM-4.5 MoE (tiny.checkpoints.GLM4_MOE_TINY): q/k/v biases, partial rotary, grouped
     # sigmoid routing with a correction bias, shared expert, a dense first layer; one variant with
     # q/k norms and an MTP layer in the checkpoint, one without q/k norms or top-k renormalising.
     "glm4_moe": dict(
@@ -135,7 +135,7 @@ def rl_task(make_model, tmp_path_factory) -> tuple[str, str]:
     from transformers import AutoTokenizer
 
     from rollout.tiny_task import write_tiny_task
-    from specrl.tiny_models import add_mimo_mtp
+    from tiny.checkpoints import add_mimo_mtp
 
     model = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=41), seed=42)
     data = str(tmp_path_factory.mktemp("task") / "task.jsonl")

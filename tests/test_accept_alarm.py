@@ -16,9 +16,9 @@ from spec_engine import Engine
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.core.accept_alarm import AcceptAlarm
 from spec_engine.launch_server import build_parser
-from specrl.tiny_models import add_mimo_mtp, build_eagle_draft
 from specrl.train_options import parse_args
 from tests.conftest import random_prompts
+from tiny.checkpoints import add_mimo_mtp, build_eagle_draft
 
 # 1 + 4 x 4 tokens: the prefill's, then 4 full verify steps of a draft equal to the target.
 GREEDY = {"temperature": 0.0, "max_new_tokens": 17, "ignore_eos": True}

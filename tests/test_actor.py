@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from spec_engine import Engine
-from specrl.tiny_models import add_mimo_mtp
 from tests.conftest import random_prompts
+from tiny.checkpoints import add_mimo_mtp
+from trainer_bridge.drafts.mtp_loss import mtp_loss
 from trainer_bridge.loss import LossConfig
-from trainer_bridge.mtp_loss import mtp_loss
-from trainer_bridge.packing import PaddedMicroBatch
+from trainer_bridge.micro_batches.layout import PaddedMicroBatch
 
 pytest.importorskip("megatron.core")
 

@@ -21,8 +21,8 @@ from spec_engine.speculative import draft_lag
 from spec_engine.speculative.base import SpecWorker
 from spec_engine.speculative.draft_runner import DraftRunner
 from spec_engine.speculative.eagle_worker import EagleWorker
-from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 from tests.conftest import random_prompts
+from tiny.checkpoints import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # The depth of each decode step (0: plain), by the step's index: plain stretches of 1, 2 and 6

@@ -1,6 +1,7 @@
-"""The layout's rules, checked on the source: no import cycles (modules, and spec_engine's
-subpackages), the engine imports nothing from the RL side, modules stay small, and the code
-cites only documents that are in the repository."""
+"""The layout's rules, checked on the source: no import cycles (modules, and the subpackages of
+spec_engine and trainer_bridge), the engine imports nothing from the RL side, no runtime package
+imports the test fixtures (tiny), modules stay small, and the code cites only documents that are in
+the repository."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("spec_engine", "trainer_bridge", "rollout", "specrl", "bench")
+PACKAGES = ("spec_engine", "trainer_bridge", "rollout", "specrl", "bench", "tiny")
+RUNTIME = ("spec_engine", "trainer_bridge", "rollout", "specrl")  # bench/ and tiny/ are tools
 MAX_LINES = 500
 
 
@@ -82,20 +84,31 @@ def test_no_module_import_cycles():
     assert _cycle(GRAPH) == []
 
 
-def test_no_cycles_between_engine_subpackages():
-    """spec_engine's parts form layers: mem, weights < forward_batch < layers < models <
-    attention < args < runner < core < speculative < engine < server, launch_server."""
+def _parts(package: str) -> dict[str, set[str]]:
+    """The import graph between `package`'s parts: its subpackages and top-level modules."""
 
     def part(module: str) -> str:
         return ".".join(module.split(".")[:2])
 
-    packages: dict[str, set[str]] = {}
+    parts: dict[str, set[str]] = {}
     for name, deps in GRAPH.items():
-        if name.startswith("spec_engine."):
-            packages.setdefault(part(name), set()).update(
-                part(d) for d in deps if d.startswith("spec_engine.") and part(d) != part(name)
+        if name.startswith(f"{package}."):
+            parts.setdefault(part(name), set()).update(
+                part(d) for d in deps if d.startswith(f"{package}.") and part(d) != part(name)
             )
-    assert _cycle(packages) == []
+    return parts
+
+
+def test_no_cycles_between_engine_subpackages():
+    """spec_engine's parts form layers: dtypes, mem, weights < forward_batch < layers < models <
+    attention < args < runner < core < speculative < engine < server, launch_server."""
+    assert _cycle(_parts("spec_engine")) == []
+
+
+def test_no_cycles_between_trainer_subpackages():
+    """trainer_bridge's parts form layers: spec_rewrite < micro_batches < parallel < model <
+    convert < checkpoint; drafts beside them; actor (the rank that uses them all) on top."""
+    assert _cycle(_parts("trainer_bridge")) == []
 
 
 def test_the_cycle_finder_finds_cycles():
@@ -108,6 +121,17 @@ def test_engine_does_not_import_the_rl_side():
         n: sorted(d for d in deps if not d.startswith("spec_engine"))
         for n, deps in GRAPH.items()
         if n.startswith("spec_engine")
+    }
+    assert {n: d for n, d in offenders.items() if d} == {}
+
+
+def test_runtime_packages_do_not_import_the_fixtures():
+    """tiny/ builds checkpoints and run assets for tests, examples and benchmarks; nothing a run
+    executes depends on it."""
+    offenders = {
+        n: sorted(d for d in deps if d.split(".")[0] == "tiny")
+        for n, deps in GRAPH.items()
+        if n.split(".")[0] in RUNTIME
     }
     assert {n: d for n, d in offenders.items() if d} == {}
 

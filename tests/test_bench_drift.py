@@ -7,7 +7,7 @@ import json
 import os
 
 from bench.drift import LATEST, extend_task, goes_on_from
-from specrl.tiny_run import TASK_PROMPTS
+from tiny.run_assets import TASK_PROMPTS
 
 
 def _lines(path: str) -> list[str]:

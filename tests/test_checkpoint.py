@@ -271,8 +271,8 @@ def test_a_policy_checkpoint_resumes_bitwise_and_at_another_tp_size(make_model, 
     0.164 LR, with its step count lost 0.116 LR (both also break the same-TP round trip)."""
     import torch.multiprocessing as mp
 
-    from specrl.tiny_models import add_mimo_mtp
     from tests.test_moe_tp import _ports
+    from tiny.checkpoints import add_mimo_mtp
 
     model = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=41, vocab_size=300), seed=42)
     out = str(tmp_path)
@@ -345,8 +345,8 @@ def test_a_fused_adams_step_count_resumes(make_model, tmp_path, monkeypatch):
     steps differed."""
     import megatron.core.optimizer as megatron_optimizer
 
-    from specrl.tiny_models import add_mimo_mtp
     from tests.test_moe_tp import _ports
+    from tiny.checkpoints import add_mimo_mtp
 
     monkeypatch.setattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False)
     monkeypatch.setattr(megatron_optimizer, "Adam", GroupStepAdam)

@@ -1,10 +1,10 @@
 """The trainer's checkpoints name each layer's norm weights as megatron-core's Transformer Engine
 spec does (what slime's DeepSeek-V3 and GLM-4.5 torch_dist checkpoints hold): a norm fused into
-the linear after it is that linear's `layer_norm_weight` (trainer_bridge.checkpoint_names). The
-oracle is megatron-core's own TE layer specs (get_gpt_decoder_block_spec / get_gpt_mtp_block_spec
-with use_transformer_engine=True), built here from the stand-ins megatron substitutes for TE's
-classes when TE is not installed: which of a layer's norms are TENorm modules and which linears
-are TELayerNormColumnParallelLinear (a norm fused in)."""
+the linear after it is that linear's `layer_norm_weight` (trainer_bridge.model.checkpoint_names).
+The oracle is megatron-core's own TE layer specs (get_gpt_decoder_block_spec /
+get_gpt_mtp_block_spec with use_transformer_engine=True), built here from the stand-ins megatron
+substitutes for TE's classes when TE is not installed: which of a layer's norms are TENorm modules
+and which linears are TELayerNormColumnParallelLinear (a norm fused in)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def te_norm_names(node, provider, path: str = "") -> set[str]:
 def test_layer_norms_are_saved_under_transformer_engines_names(variant, make_model, te_specs):
     from spec_engine.models.hf_config import ModelConfig
     from trainer_bridge.megatron_compat import model_parallel
-    from trainer_bridge.model_provider import build_gpt_model, transformer_config
+    from trainer_bridge.model.provider import build_gpt_model, transformer_config
 
     specs, provider = te_specs
     path = make_model(**VARIANTS[variant], vocab_size=300)
@@ -117,7 +117,7 @@ def test_a_dense_models_norms_keep_transformer_engines_names(family, make_model,
     spec already maps their norms onto TE's names, and the trainer's map keeps that."""
     from spec_engine.models.hf_config import ModelConfig
     from trainer_bridge.megatron_compat import model_parallel
-    from trainer_bridge.model_provider import build_gpt_model, transformer_config
+    from trainer_bridge.model.provider import build_gpt_model, transformer_config
 
     specs, provider = te_specs
     path = make_model(**FAMILIES[family], vocab_size=300)
@@ -177,7 +177,7 @@ def test_modules_save_the_extra_state_transformer_engines_do(variant, make_model
 
     from spec_engine.models.hf_config import ModelConfig
     from trainer_bridge.megatron_compat import model_parallel
-    from trainer_bridge.model_provider import build_gpt_model, transformer_config
+    from trainer_bridge.model.provider import build_gpt_model, transformer_config
 
     specs, _ = te_specs
     path = make_model(**VARIANTS.get(variant, FAMILIES.get(variant)), vocab_size=300)
@@ -248,11 +248,11 @@ def test_a_checkpoint_under_the_local_names_resumes(variant, make_model, tmp_pat
     equals the saving run's."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from trainer_bridge import model_provider
     from trainer_bridge.actor import TrainActor
     from trainer_bridge.batch import TrainBatch
     from trainer_bridge.loss import LossConfig
     from trainer_bridge.megatron_compat import destroy_model_parallel
+    from trainer_bridge.model import provider as model_provider
     from trainer_bridge.options import TrainerArgs
 
     path = make_model(**VARIANTS[variant], vocab_size=300)

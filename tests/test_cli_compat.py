@@ -212,7 +212,7 @@ def test_draft_formats_and_vocab_checks(seed_ckpt, tmp_path, caplog):
     (line,) = [r.getMessage() for r in caplog.records]
     assert "max_position_embeddings (256) is below the target's context length 512" in line
     other = tmp_path / "other-tokenizer"
-    from specrl.tiny_models import build_tiny_model
+    from tiny.checkpoints import build_tiny_model
 
     build_tiny_model(str(other), "qwen2", vocab_size=448)
     with pytest.raises(ValueError, match="their tokenizers differ") as err:

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from conftest import FAMILIES
 from torch.nn import functional as F
 
-from specrl.tiny_models import add_mimo_mtp
+from tiny.checkpoints import add_mimo_mtp
 from trainer_bridge.convert import (
     hf_to_mcore,
     hf_to_mcore_state_dict,
@@ -28,7 +28,7 @@ from trainer_bridge.convert import (
     read_mcore_meta,
 )
 from trainer_bridge.convert.__main__ import main as convert_cli
-from trainer_bridge.model_provider import padded_vocab_size, read_model_config
+from trainer_bridge.model.provider import padded_vocab_size, read_model_config
 
 # megatron's notices about absent Transformer Engine/apex and its own deprecations: not ours to fix.
 pytestmark = [
@@ -158,7 +158,7 @@ def tp1():
 @cpu_megatron
 @pytest.mark.parametrize("family", NAMES)
 def test_logits_match_transformers_tp1(family, checkpoints, tp1):
-    from trainer_bridge.model_provider import build_gpt_model
+    from trainer_bridge.model.provider import build_gpt_model
 
     path = checkpoints[family]
     model = build_gpt_model(path).eval()
@@ -175,7 +175,7 @@ def test_logits_match_transformers_tp1(family, checkpoints, tp1):
 
 @cpu_megatron
 def test_mimo_mtp_block_matches_reference_tp1(checkpoints, tp1):
-    from trainer_bridge.model_provider import build_gpt_model
+    from trainer_bridge.model.provider import build_gpt_model
 
     model = build_gpt_model(checkpoints["mimo"]).eval()
     assert model.config.mtp_num_layers == 1
@@ -189,7 +189,7 @@ def _tp2_worker(rank: int, port: int, jobs: dict[str, tuple[str, str]], out_dir:
     outputs and the model exported to Hugging Face tensors."""
     torch.set_num_threads(1)
     from trainer_bridge.megatron_compat import model_parallel
-    from trainer_bridge.model_provider import build_gpt_model
+    from trainer_bridge.model.provider import build_gpt_model
 
     with model_parallel(2, 1, rank=rank, world_size=2, master_port=port):
         for name, (hf_path, mcore_path) in jobs.items():

@@ -1,5 +1,5 @@
 """The RL loop on a tiny DeepSeek-V3-shaped model (MLA, a dense first layer then MoE with a shared
-expert, one next-n MTP layer; specrl.tiny_run's "deepseek-v3", which `MODEL=deepseek-v3 bash
+expert, one next-n MTP layer; tiny.run_assets's "deepseek-v3", which `MODEL=deepseek-v3 bash
 scripts/run-tiny-cpu.sh` runs) and a GLM-4.5-shaped one ("glm4.5": GQA, the same MoE), the latter
 also moving its routers' expert bias every step: the next-n layer drafts the rollouts (EAGLE), is
 trained online through megatron's MTP block and pushed back into the engine, checked by
@@ -34,7 +34,7 @@ GLM45_FLAGS += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "30"]
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,extra", [("deepseek_v3", []), ("glm4_moe", GLM45_FLAGS)])
 def test_moe_loop_trains_its_mtp_layer_online(arch, extra, task, make_model, tmp_path):
-    from specrl.tiny_run import MOE_RUN
+    from tiny.run_assets import MOE_RUN
 
     model = make_model(arch, **MOE_RUN)
     out = str(tmp_path / "run")

@@ -148,8 +148,8 @@ def test_train_step_and_push_name_every_device(actor, mimo):  # noqa: F811
     parallel layers on the CUDA device by itself), and metric reductions run on the rank's
     device."""
     from trainer_bridge.batch import TrainBatch
-    from trainer_bridge.data_parallel import DataParallel
-    from trainer_bridge.model_provider import build_gpt_model
+    from trainer_bridge.model.provider import build_gpt_model
+    from trainer_bridge.parallel.data import DataParallel
     from trainer_bridge.weight_sync import WeightSyncConfig
 
     meta = build_gpt_model(mimo, device=torch.device("meta"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrl.tiny_models import add_mimo_mtp
+from tiny.checkpoints import add_mimo_mtp
 
 pytest.importorskip("megatron.core")
 

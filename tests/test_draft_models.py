@@ -21,7 +21,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
 
 from spec_engine import Engine
-from specrl.tiny_models import add_mimo_mtp, build_eagle_draft
+from tiny.checkpoints import add_mimo_mtp, build_eagle_draft
 
 PROMPT = [17, 240, 33, 91, 5, 402, 77, 12, 300, 45, 8]
 TOPK = 3

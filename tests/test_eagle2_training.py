@@ -1,4 +1,4 @@
-"""The trainer-side EAGLE-2 draft (trainer_bridge.eagle2_draft): it computes what the engine's
+"""The trainer-side EAGLE-2 draft (trainer_bridge.drafts.eagle2): it computes what the engine's
 draft computes from the same checkpoint, EAGLE's loss falls under Adam and trains the draft alone,
 what it pushes or saves the engine takes, and --enable-draft-training runs it in the trainer on
 the policy's final hidden states."""
@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from spec_engine import Engine
 from spec_engine.weights.updater import DRAFT_PREFIX
-from specrl.tiny_models import build_eagle_draft
 from tests.test_eagle3_training import PROMPT, engine_draft_extend
-from trainer_bridge.eagle2_draft import Eagle2Draft, eagle_loss
-from trainer_bridge.packing import PaddedMicroBatch
+from tiny.checkpoints import build_eagle_draft
+from trainer_bridge.drafts.eagle2 import Eagle2Draft, eagle_loss
+from trainer_bridge.micro_batches.layout import PaddedMicroBatch
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The trainer-side EAGLE-3 draft (trainer_bridge.eagle3_draft): its first step equals the engine's
+"""The trainer-side EAGLE-3 draft (trainer_bridge.drafts.eagle3): its first step equals the engine's
 own draft loaded from the same checkpoint, its training-time-test loss falls under Adam and
 trains the draft alone, and what it saves the engine loads."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from spec_engine import Engine
-from specrl.tiny_models import build_eagle_draft
-from trainer_bridge.eagle3_draft import Eagle3Draft, ttt_loss
-from trainer_bridge.packing import PaddedMicroBatch
+from tiny.checkpoints import build_eagle_draft
+from trainer_bridge.drafts.eagle3 import Eagle3Draft, ttt_loss
+from trainer_bridge.micro_batches.layout import PaddedMicroBatch
 
 PROMPT = [17, 240, 33, 91, 5, 402, 77, 12, 300, 45, 8]
 DRAFT_VOCAB = 96

@@ -214,7 +214,7 @@ def test_max_engine_restarts_must_not_be_negative():
 def test_a_dead_trainer_rank_is_reported_at_once():
     ray = pytest.importorskip("ray")
     from tests.dying_rank import Rank
-    from trainer_bridge.actor_group import TrainerDied, TrainGroup
+    from trainer_bridge.actor.group import TrainerDied, TrainGroup
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ray.init(

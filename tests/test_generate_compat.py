@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
 
 from spec_engine import Engine
 from spec_engine.server.http_server import create_app
-from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
+from tiny.checkpoints import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
 PROMPT = [5, 9, 14, 22, 30, 41, 5, 9, 61, 77]
 GREEDY = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}

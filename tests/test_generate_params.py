@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from spec_engine import Engine
-from specrl.tiny_models import build_eagle_draft
+from tiny.checkpoints import build_eagle_draft
 
 PROMPT = [5, 9, 14, 22, 30, 41, 5, 9]
 PENALIZED = {

@@ -100,7 +100,7 @@ def test_real_cuda_graphs_equal_eager(models, algo):  # noqa: F811
 @pytest.fixture(scope="module")
 def wide_models(make_model, tmp_path_factory):
     """head_dim 64 (FlashInfer has kernels for it): a Llama target and an EAGLE-2 draft."""
-    from specrl.tiny_models import build_eagle_draft
+    from tiny.checkpoints import build_eagle_draft
 
     target = make_model(
         "llama", num_layers=2, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2
@@ -188,7 +188,7 @@ def test_cuda_bf16_train_step_and_colocated_push(make_model):
     on the GPU), a GRPO step with online MTP training, then a colocated push (buckets shared by
     CUDA IPC in SGLang's serializer format) into an engine on the same GPU, checked by checksum."""
     pytest.importorskip("megatron.core", reason="megatron-core (scripts/gpu/pack.sh trainer)")
-    from specrl.tiny_models import add_mimo_mtp
+    from tiny.checkpoints import add_mimo_mtp
     from trainer_bridge.actor import TrainActor
     from trainer_bridge.batch import TrainBatch
     from trainer_bridge.loss import LossConfig

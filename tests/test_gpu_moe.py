@@ -103,10 +103,10 @@ def test_cuda_bf16_checkpoint_restores_main_weights_and_adam(make_model, tmp_pat
     and loaded bit for bit (not rebuilt from the bfloat16 weights), and the resumed policy's
     next step equals the saving one's."""
     pytest.importorskip("megatron.core", reason="megatron-core (scripts/gpu/pack.sh trainer)")
-    from specrl.tiny_models import add_mimo_mtp
     from tests.test_checkpoint import _tp_batches
+    from tiny.checkpoints import add_mimo_mtp
     from trainer_bridge.actor import TrainActor
-    from trainer_bridge.checkpoint import _trained
+    from trainer_bridge.checkpoint.optimizer import trained
     from trainer_bridge.megatron_compat import destroy_model_parallel
     from trainer_bridge.options import TrainerArgs
 
@@ -116,7 +116,7 @@ def test_cuda_bf16_checkpoint_restores_main_weights_and_adam(make_model, tmp_pat
 
     def state(actor) -> dict[str, torch.Tensor]:
         out = {}
-        for name, param, main, optimizer in _trained(actor):
+        for name, param, main, optimizer in trained(actor):
             # bfloat16 weights train through a float32 main copy; float32 ones (norms) as they are
             assert main.dtype == torch.float32 and main.is_cuda, name
             assert (main is not param) == (param.dtype == torch.bfloat16), name

@@ -5,7 +5,7 @@ DeepSeek-V3 (MLA, a dense layer then MoE, one MTP layer) and a tiny GLM-4.5 (GQA
 partial rotary, the same MoE and MTP) in Megatron-LM's --save layout, its args
 in common.pt, next to the Hugging Face checkpoint of the same weights. Megatron-LM built them
 with its local layer spec, whose MLA and MoE layers name their norms otherwise than the TE-named
-ones this trainer saves (trainer_bridge.checkpoint_names). A policy started from another
+ones this trainer saves (trainer_bridge.model.checkpoint_names). A policy started from another
 checkpoint of that shape with --ref-load pointed at one holds the saved weights bit for bit (its
 MTP layer's too), in the --save layout and in slime's 'release' one, and its log-probs are
 transformers' for those weights."""
@@ -37,7 +37,7 @@ def _data(arch: str) -> tuple[Path, Path, Path]:
 def saved(request, tmp_path_factory) -> tuple[str, str]:
     """(the saved model's architecture, a Hugging Face checkpoint of its shape with other
     weights: the policy)"""
-    from specrl.tiny_models import build_checkpoint
+    from tiny.checkpoints import build_checkpoint
 
     data, _, _ = _data(request.param)
     path = tmp_path_factory.mktemp("other")

@@ -1,5 +1,5 @@
-"""Micro batches of a train step (trainer_bridge.micro_batches): --micro-batch-size sequences in
-order, or slime's --use-dynamic-batch-size: first fit within --max-tokens-per-gpu, as many micro
+"""Micro batches of a train step (trainer_bridge.micro_batches.plan): --micro-batch-size sequences
+in order, or slime's --use-dynamic-batch-size: first fit within --max-tokens-per-gpu, as many micro
 batches on every data-parallel rank."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_bridge.micro_batches import _cost, plan_micro_batches
+from trainer_bridge.micro_batches.plan import _cost, plan_micro_batches
 
 
 def test_slimes_example_makes_two_micro_batches():
@@ -66,7 +66,7 @@ def test_every_sequence_lands_once_within_the_budget(lengths, budget, packed, ex
 def test_balance_data_gives_every_rank_as_many_sequences_and_close_token_counts():
     """GRPO groups of long and of short prompts: contiguous shares would give one rank 400 tokens
     and the other 40; --balance-data gives each two of each."""
-    from trainer_bridge.data_parallel import balanced_partitions
+    from trainer_bridge.parallel.data import balanced_partitions
 
     assert balanced_partitions([100] * 4 + [10] * 4, 2) == [[0, 3, 5, 6], [1, 2, 4, 7]]
     assert balanced_partitions([1, 2, 3, 4, 5, 6, 7, 8], 2) == [[0, 3, 5, 6], [1, 2, 4, 7]]
@@ -81,7 +81,7 @@ def test_balance_data_gives_every_rank_as_many_sequences_and_close_token_counts(
     data=st.data(),
 )
 def test_balanced_partitions_split_every_sequence_once_into_equal_groups(parts, per, data):
-    from trainer_bridge.data_parallel import balanced_partitions
+    from trainer_bridge.parallel.data import balanced_partitions
 
     lengths = data.draw(st.lists(st.integers(1, 500), min_size=parts * per, max_size=parts * per))
     got = balanced_partitions(lengths, parts)

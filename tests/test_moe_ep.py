@@ -316,7 +316,7 @@ def test_what_does_not_split_over_experts_is_refused(checkpoints, tmp_path):
     from spec_engine.models.hf_config import ModelConfig
     from specrl.train_options import check_checkpoints, parse_args
     from trainer_bridge.checkpoint import FORMAT, V1_FORMAT, check_common
-    from trainer_bridge.expert_parallel import check_expert_parallel
+    from trainer_bridge.parallel.expert import check_expert_parallel
 
     arch = ModelConfig.load(checkpoints["glm4_moe"])
     with pytest.raises(ValueError, match="size 3 does not divide the 8 routed experts"):

@@ -174,7 +174,7 @@ def test_an_etp1_checkpoint_resumes_at_etp2(runs):
 def test_other_expert_tensor_parallel_sizes_are_refused(checkpoints, tmp_path, capsys):
     from spec_engine.models.hf_config import ModelConfig
     from specrl.train_options import check_checkpoints, parse_args
-    from trainer_bridge.expert_parallel import check_expert_parallel
+    from trainer_bridge.parallel.expert import check_expert_parallel
 
     arch = ModelConfig.load(checkpoints["glm4_moe"])
     with pytest.raises(ValueError, match="--expert-tensor-parallel-size 3 with .*-size 4 is not"):

@@ -166,7 +166,7 @@ def test_packed_attention_equals_megatron_attention_per_sequence(actor):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from trainer_bridge.packed_attention import PackedDotProductAttention
+    from trainer_bridge.micro_batches.packed_attention import PackedDotProductAttention
 
     config = TransformerConfig(
         num_layers=1,
@@ -223,7 +223,7 @@ def test_packed_attention_refuses_what_it_does_not_compute(actor):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from trainer_bridge.packed_attention import PackedDotProductAttention
+    from trainer_bridge.micro_batches.packed_attention import PackedDotProductAttention
 
     config = TransformerConfig(
         num_layers=1, hidden_size=64, num_attention_heads=4, window_size=(8, 0)
@@ -238,7 +238,7 @@ def test_a_pack_restarts_positions_and_unpacks_to_the_padded_layout():
     """Rows of 3, 1 and 5 tokens packed to a multiple of 4: the padding is a 4th sequence,
     positions restart at every sequence, and per-token values come back in the padded layout,
     zero wherever the predicted token is not in the same sequence."""
-    from trainer_bridge.packing import PackedMicroBatch
+    from trainer_bridge.micro_batches.layout import PackedMicroBatch
 
     tokens = torch.tensor(
         [[11, 12, 13, 0, 0], [21, 0, 0, 0, 0], [31, 32, 33, 34, 35]], device="cpu"
@@ -263,7 +263,7 @@ def test_a_pack_padded_for_tensor_parallelism_scores_as_the_padded_rows(actor):
     changes no sequence's log-probs."""
     from trainer_bridge import loss as losses
     from trainer_bridge.batch import pad_batch
-    from trainer_bridge.packing import PackedMicroBatch, PaddedMicroBatch
+    from trainer_bridge.micro_batches.layout import PackedMicroBatch, PaddedMicroBatch
 
     batch = ragged_batch(actor).select(range(3))
     tokens, mask, _ = pad_batch(batch, actor.device)
@@ -291,7 +291,7 @@ def test_vectorized_thd_rope_and_roll_equal_megatrons_per_sequence_definitions(a
         rope_utils._apply_rotary_pos_emb_thd,
         multi_token_prediction._roll_tensor_packed_seq,
     ):
-        assert patched.__module__ == "trainer_bridge.thd_ops"
+        assert patched.__module__ == "trainer_bridge.micro_batches.thd_ops"
     cu = torch.tensor([0, 4, 5, 12], dtype=torch.int32, device="cpu")
     g = torch.Generator(device="cpu").manual_seed(5)
     t = torch.randn(12, 2, 8, generator=g, device="cpu")

@@ -215,7 +215,7 @@ def test_a_torch_dist_checkpoint_without_mtp_layers_keeps_the_hf_checkpoints(
     """slime's converter run without --mtp-num-layers: a MiMo policy started from (and
     referenced to) it takes the trunk from the checkpoint, bit for bit as the plain model reads
     it, and keeps --hf-checkpoint's MTP layer, saying so."""
-    from specrl.tiny_models import add_mimo_mtp
+    from tiny.checkpoints import add_mimo_mtp
     from trainer_bridge.megatron_compat import destroy_model_parallel
 
     base = make_model("qwen2", num_layers=2, seed=71)

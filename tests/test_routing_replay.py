@@ -160,7 +160,7 @@ def test_server_returns_routed_experts(glm, hf_routing):
 
 def test_deepseek_v3_reports_its_experts(tmp_path_factory):
     """The same hook serves DeepSeek-V3 (MLA, grouped top-k): its experts equal transformers'."""
-    from specrl.tiny_models import build_checkpoint
+    from tiny.checkpoints import build_checkpoint
 
     path = build_checkpoint(str(tmp_path_factory.mktemp("dsv3")), arch="deepseek_v3")
     config = AutoModelForCausalLM.from_pretrained(path).config

@@ -167,7 +167,7 @@ def test_replay_overrides_a_router_that_disagrees(actor, batch):
         )
     try:
         from trainer_bridge.batch import pad_batch
-        from trainer_bridge.packing import PaddedMicroBatch
+        from trainer_bridge.micro_batches.layout import PaddedMicroBatch
 
         tokens, _, _ = pad_batch(train_batch, actor.device)
         with _Routing(actor.gpt) as own, torch.no_grad():

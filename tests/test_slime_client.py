@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from specrl.tiny_models import add_mimo_mtp
 from tests.slime_wire import install_fake_sglang, slime_payload
+from tiny.checkpoints import add_mimo_mtp
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")

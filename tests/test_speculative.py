@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from spec_engine import Engine
-from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft
 from tests.conftest import random_prompts
 from tests.test_sampling import chi2_pvalue, expected_probs
+from tiny.checkpoints import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 

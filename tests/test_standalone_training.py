@@ -1,4 +1,4 @@
-"""--enable-draft-training with a STANDALONE draft (trainer_bridge.standalone_draft): the trainer's
+"""--enable-draft-training with a STANDALONE draft (trainer_bridge.drafts.standalone): the trainer's
 draft computes what the engine's STANDALONE draft computes (a tied head, a vocabulary padded past
 the policy's), distillation from the policy lowers KL(policy || draft) and raises the engine's
 accept length once pushed, the trainer distills it on its own policy's logits and checkpoints it,
@@ -18,9 +18,9 @@ import torch
 from spec_engine import Engine
 from spec_engine.weights.updater import DRAFT_PREFIX
 from tests.conftest import random_prompts
-from trainer_bridge.eagle2_draft import EAGLE2_ARCHITECTURE as EAGLE2
-from trainer_bridge.packing import PaddedMicroBatch
-from trainer_bridge.standalone_draft import StandaloneDraft, check_vocabulary, distill_loss
+from trainer_bridge.drafts.eagle2 import EAGLE2_ARCHITECTURE as EAGLE2
+from trainer_bridge.drafts.standalone import StandaloneDraft, check_vocabulary, distill_loss
+from trainer_bridge.micro_batches.layout import PaddedMicroBatch
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
 
 CPU = torch.device("cpu")
@@ -173,8 +173,8 @@ def test_the_trainer_distills_pushes_and_checkpoints_the_draft(standalone, engin
     pytest.importorskip("megatron.core")
     from trainer_bridge.actor import TrainActor
     from trainer_bridge.batch import TrainBatch
+    from trainer_bridge.drafts.online import OnlineDraft
     from trainer_bridge.megatron_compat import destroy_model_parallel
-    from trainer_bridge.online_draft import OnlineDraft
     from trainer_bridge.options import TrainerArgs
 
     policy, path = standalone
@@ -241,7 +241,7 @@ def test_the_trainer_distills_pushes_and_checkpoints_the_draft(standalone, engin
 def test_what_cannot_distill_is_refused(standalone, tmp_path):
     from spec_engine.models.hf_config import ModelConfig
     from specrl.train_options import parse_args
-    from trainer_bridge.online_draft import load_draft
+    from trainer_bridge.drafts.online import load_draft
 
     argv = ["--hf-checkpoint", "m", "--prompt-data", "d", "--rollout-batch-size", "1"]
     argv += ["--num-rollout", "1", "--output-dir", "o", "--enable-draft-training"]

@@ -188,7 +188,7 @@ def test_a_run_starts_from_ref_load_in_the_trainer_and_the_engines(task, make_mo
     begins, and it is pushed into the engines before the first rollout: that rollout's
     log-probs from the engines equal the trainer's (train/tis 1), and the first step's KL to the
     reference, which is --ref-load too, is 0."""
-    from specrl.tiny_models import add_mimo_mtp
+    from tiny.checkpoints import add_mimo_mtp
 
     model, data = task
     other = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=43), seed=44)
@@ -285,7 +285,7 @@ def test_seed_example_engine_flags_are_accepted():
 @pytest.fixture(scope="module")
 def launcher_checkpoints(make_model, task, tmp_path_factory):
     """Tiny stand-ins for the launchers' real checkpoints: --dry-run reads their configs."""
-    from specrl.tiny_models import build_eagle_draft
+    from tiny.checkpoints import build_eagle_draft
 
     qwen3 = make_model("qwen3", head_dim=32)
     eagle3 = build_eagle_draft(str(tmp_path_factory.mktemp("eagle3")), qwen3, version=3)
@@ -353,7 +353,7 @@ def test_gpu_launchers_pass_flag_checks(script, env, needles, launcher_checkpoin
 def test_moe_mtp_launcher_passes_flag_checks(model, arch, name, tmp_path):
     """scripts/run-moe-mtp.sh with each MODEL: the trainer builds the family (--dry-run reads the
     config as the trainer does) and the engine drafts with its next-n layer."""
-    from specrl.tiny_models import build_checkpoint
+    from tiny.checkpoints import build_checkpoint
 
     path = build_checkpoint(
         str(tmp_path / arch), arch=arch, extra_config={"num_nextn_predict_layers": 1}

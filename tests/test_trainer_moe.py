@@ -37,7 +37,7 @@ T = 12
 ATOL = 1e-4
 # "glm4_moe": q/k norms, grouped routing, a next-n layer (conftest.FAMILIES); "flat": no q/k
 # norm, one expert group (plain top-k), a tied head, no next-n layer; "deepseek_v3": MLA with a
-# query bottleneck and interleaved rope (specrl.tiny_models.DEEPSEEK_V3_TINY) under YaRN with
+# query bottleneck and interleaved rope (tiny.checkpoints.DEEPSEEK_V3_TINY) under YaRN with
 # both mscales (as DeepSeek-V3 itself), GLM's routing, a next-n layer with its embedding and head
 # copies.
 YARN = {
@@ -102,7 +102,7 @@ def tp1():
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_match_transformers_and_export_is_exact(variant, checkpoints, tp1):
-    from trainer_bridge.model_provider import build_gpt_model
+    from trainer_bridge.model.provider import build_gpt_model
 
     path = checkpoints[variant]
     model = build_gpt_model(path).eval()
@@ -157,7 +157,7 @@ def mtp_reference(path: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", ["glm4_moe", "deepseek_v3"])
 def test_mtp_layer_matches_transformers_modules(variant, checkpoints, tp1):
-    from trainer_bridge.model_provider import build_gpt_model
+    from trainer_bridge.model.provider import build_gpt_model
 
     path = checkpoints[variant]
     model = build_gpt_model(path).eval()
@@ -195,8 +195,8 @@ def test_roundtrip_is_bit_exact(variant, tp, ep, checkpoints, tmp_path):
 
 
 def test_balance_loss_reaches_the_logs(checkpoints, tp1):
-    from trainer_bridge.model_provider import build_gpt_model
-    from trainer_bridge.moe import moe_aux_losses
+    from trainer_bridge.model.moe import moe_aux_losses
+    from trainer_bridge.model.provider import build_gpt_model
 
     path = checkpoints["flat"]
     assert moe_aux_losses() == {} or not any(moe_aux_losses().values())
@@ -216,10 +216,10 @@ def _routers(model) -> list:
 # the checkpoint's (the default rate 0).
 @pytest.mark.parametrize("variant,bias_rate", [("glm4_moe", 0.1), ("deepseek_v3", 0.0)])
 def test_train_actor_builds_and_steps(variant, bias_rate, checkpoints, monkeypatch):
-    from trainer_bridge import moe
     from trainer_bridge.actor import TrainActor
     from trainer_bridge.batch import TrainBatch
     from trainer_bridge.megatron_compat import destroy_model_parallel
+    from trainer_bridge.model import moe
     from trainer_bridge.options import TrainerArgs
 
     path = checkpoints[variant]
@@ -292,7 +292,7 @@ def test_train_actor_builds_and_steps(variant, bias_rate, checkpoints, monkeypat
 
 
 def test_what_megatron_computes_differently_is_refused(checkpoints):
-    from trainer_bridge.model_provider import check_tensor_parallel, read_model_config
+    from trainer_bridge.model.provider import check_tensor_parallel, read_model_config
 
     with open(os.path.join(checkpoints["flat"], "config.json")) as f:
         cfg = json.load(f)

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from spec_engine import Engine
-from specrl.tiny_models import add_mimo_mtp
 from tests.conftest import random_prompts
+from tiny.checkpoints import add_mimo_mtp
 from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig, buckets
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from spec_engine import Engine
 from spec_engine.weights.loader import tensor_checksum
 from spec_engine.weights.transport import FlattenedBucket
-from specrl.tiny_models import add_mimo_mtp
 from tests.conftest import random_prompts
+from tiny.checkpoints import add_mimo_mtp
 from trainer_bridge.megatron_compat import free_port
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
@@ -141,7 +141,7 @@ def test_mtp_draft_layers_are_updated_with_the_target(mimo_pair):
 
 
 def test_external_draft_is_updated_by_prefix_and_from_disk(pair, tmp_path):
-    from specrl.tiny_models import build_eagle_draft
+    from tiny.checkpoints import build_eagle_draft
 
     old, new = pair
     d_old = build_eagle_draft(str(tmp_path / "d_old"), old, version=2, seed=1)
@@ -448,7 +448,7 @@ def test_checkpoint_buffers_are_accepted_and_tied_conflicts_refused(pair, make_m
 
 
 def test_bad_eagle3_id_map_is_refused_before_anything_changes(make_model, tmp_path):
-    from specrl.tiny_models import build_eagle_draft
+    from tiny.checkpoints import build_eagle_draft
 
     target = make_model("llama", num_layers=4)
     draft = build_eagle_draft(str(tmp_path / "eagle3"), target, version=3, draft_vocab_size=128)

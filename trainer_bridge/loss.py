@@ -13,6 +13,7 @@ per-token, so masks and every aggregation mode apply unchanged.
 """
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -317,7 +318,6 @@ def policy_loss(
     `rollout_logp` (weights applied only with `use_tis`). Metrics use the loss's reduction.
     """
     old_logp, advantages = old_logp.detach(), advantages.detach()
-    mode = cfg.loss_agg_mode
     if cfg.advantage_estimator == "gspo":
         log_ratio = gspo_log_ratio(logp, old_logp, loss_mask)
     else:
@@ -327,27 +327,58 @@ def policy_loss(
     )
 
     def reduce(values: Tensor) -> Tensor:
-        return aggregate(values, loss_mask, mode, normalizer)
+        return aggregate(values, loss_mask, cfg.loss_agg_mode, normalizer)
 
     metrics: dict[str, Tensor] = {}
-    if rollout_logp is not None:
-        raw = torch.exp((old_logp - rollout_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-        weights = raw.clamp(cfg.tis_clip_low, cfg.tis_clip)
-        metrics.update(
-            tis=reduce(raw),
-            tis_weight=reduce(weights),
-            tis_clipfrac=reduce((weights != raw).to(raw.dtype)),
-        )
-        if cfg.use_tis:
-            pg = pg * weights
-    elif cfg.use_tis:
-        raise ValueError("use_tis needs rollout_logp")
-
-    pg_loss = reduce(pg)
-    loss = pg_loss
-    metrics.update(pg_loss=pg_loss, pg_clipfrac=reduce(clipped), ppo_kl=reduce(-log_ratio))
+    pg = _truncated_importance_sampling(pg, old_logp, rollout_logp, cfg, reduce, metrics)
+    loss = metrics["pg_loss"] = reduce(pg)
+    metrics.update(pg_clipfrac=reduce(clipped), ppo_kl=reduce(-log_ratio))
     if cfg.eps_clip_c is not None:
         metrics["pg_clipfrac_lower"] = reduce(dual)
+    loss = _with_regularizers(loss, logp, ref_logp, entropy, cfg, reduce, metrics)
+    metrics["loss"] = loss
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def _truncated_importance_sampling(
+    pg: Tensor,
+    old_logp: Tensor,
+    rollout_logp: Tensor | None,
+    cfg: LossConfig,
+    reduce: Callable[[Tensor], Tensor],
+    metrics: dict[str, Tensor],
+) -> Tensor:
+    """TIS (--use-tis): the per-token policy-gradient terms `pg` weighted by exp(old_logp -
+    rollout_logp), the trainer's probability of each sampled token over the engine's, clipped to
+    [--tis-clip-low, --tis-clip]: the rollout's tokens were sampled from the engine's
+    distribution, not the trainer's. Its metrics (tis, tis_weight, tis_clipfrac) are added to
+    `metrics` whenever `rollout_logp` is given, the weights applied only with use_tis."""
+    if rollout_logp is None:
+        if cfg.use_tis:
+            raise ValueError("use_tis needs rollout_logp")
+        return pg
+    raw = torch.exp((old_logp - rollout_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    weights = raw.clamp(cfg.tis_clip_low, cfg.tis_clip)
+    metrics.update(
+        tis=reduce(raw),
+        tis_weight=reduce(weights),
+        tis_clipfrac=reduce((weights != raw).to(raw.dtype)),
+    )
+    return pg * weights if cfg.use_tis else pg
+
+
+def _with_regularizers(
+    loss: Tensor,
+    logp: Tensor,
+    ref_logp: Tensor | None,
+    entropy: Tensor | None,
+    cfg: LossConfig,
+    reduce: Callable[[Tensor], Tensor],
+    metrics: dict[str, Tensor],
+) -> Tensor:
+    """`loss` minus the entropy bonus (--entropy-coef) and plus the KL loss to the reference
+    model (--use-kl-loss, --kl-loss-coef). Their metrics (entropy_loss, kl) are added to
+    `metrics` whenever `entropy` / `ref_logp` are given, the terms to the loss only when asked."""
     if entropy is not None:
         metrics["entropy_loss"] = reduce(entropy)
         loss = loss - cfg.entropy_coef * metrics["entropy_loss"]
@@ -359,8 +390,7 @@ def policy_loss(
             loss = loss + cfg.kl_loss_coef * metrics["kl"]
     elif cfg.use_kl_loss:
         raise ValueError("use_kl_loss needs ref_logp")
-    metrics["loss"] = loss
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    return loss
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -325,7 +325,7 @@ def init_model_parallel(
     shared port. `ep`: expert-parallel size, carved out of data parallelism (megatron's
     "tp-cp-ep-dp-pp" order: the ep ranks of an expert group are consecutive data-parallel
     ranks); `etp`: expert tensor parallel size, default `tp` (megatron's), at 1 the expert
-    groups are carved out of tp x dp instead (trainer_bridge.expert_parallel).
+    groups are carved out of tp x dp instead (trainer_bridge.parallel.expert).
     """
     apply_cpu_shims()
     expert_ranks = (tp if etp is None else etp) * pp * ep

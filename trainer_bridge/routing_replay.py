@@ -8,7 +8,7 @@ num_hidden_layers, top_k]` (dense layers 0), one per forwarded token. Megatron's
 (position t, row b) at t * batch + b, as `routing()` flattens its `[s, b, experts]` logits.
 Under sequence parallelism (MoE models at TP > 1) each tensor-parallel rank routes its own
 contiguous part of the sequence, so the TrainActor hands each rank its part of the routes
-(sequence_parallel.local_tokens) before they reach `replayed`. Only forwards route: without
+(parallel.sequence.local_tokens) before they reach `replayed`. Only forwards route: without
 activation recompute the backward reuses the forward's choice (megatron's REPLAY_BACKWARD serves
 recompute, which the trainer does not turn on).
 """

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from spec_engine.runner.model_runner import DTYPES
+from spec_engine.dtypes import DTYPES
 from spec_engine.weights.loader import tensor_checksum
 from spec_engine.weights.transport import FlattenedBucket, serialize_shared
 from trainer_bridge.megatron_compat import free_port

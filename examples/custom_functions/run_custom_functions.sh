@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/train.py with a custom generate function and a custom reward (rollouts only).
 #   bash examples/custom_functions/run_custom_functions.sh [MODEL_DIR] [extra train.py flags...]
-# Without MODEL_DIR a tiny random Llama + tokenizer is built (specrl.tiny_models). OUT=dir picks
+# Without MODEL_DIR a tiny random Llama + tokenizer is built (tiny.checkpoints). OUT=dir picks
 # the output directory (default runs/custom-functions). Drop --debug-rollout-only to train.
 set -euo pipefail
 MODEL=${1:+$(realpath "$1")}  # paths given are resolved before the cd below
@@ -15,7 +15,7 @@ if [ -z "$MODEL" ]; then
   python - "$MODEL" >/dev/null <<'PY'
 import sys
 
-from specrl.tiny_models import build_tiny_model
+from tiny.checkpoints import build_tiny_model
 
 build_tiny_model(sys.argv[1])
 PY

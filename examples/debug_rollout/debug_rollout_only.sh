@@ -2,7 +2,7 @@
 # Rollouts only (slime's --debug-rollout-only): engines generate and rewards are scored, but no
 # trainer starts and no weights change; use it to check prompts, rewards and engine flags.
 #   bash examples/debug_rollout/debug_rollout_only.sh [MODEL_DIR] [extra scripts/train.py flags...]
-# Without MODEL_DIR a tiny random Llama + tokenizer is built (specrl.tiny_models). OUT=dir picks
+# Without MODEL_DIR a tiny random Llama + tokenizer is built (tiny.checkpoints). OUT=dir picks
 # the output directory (default runs/debug-rollout): metrics.jsonl has one line per rollout
 # (rollout/raw_reward, rollout/spec_accept_length, ...), rollouts/ the saved samples.
 set -euo pipefail
@@ -17,7 +17,7 @@ if [ -z "$MODEL" ]; then
   python - "$MODEL" >/dev/null <<'PY'
 import sys
 
-from specrl.tiny_models import build_tiny_model
+from tiny.checkpoints import build_tiny_model
 
 build_tiny_model(sys.argv[1])
 PY

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Serve a model with spec_engine and query it the SGLang way (curl) and the OpenAI way (Python).
 #   bash examples/serve/serve_and_query.sh [MODEL_DIR]
-# Without MODEL_DIR a tiny random Llama + tokenizer is built (specrl.tiny_models). PORT=... picks
+# Without MODEL_DIR a tiny random Llama + tokenizer is built (tiny.checkpoints). PORT=... picks
 # the port (default: a free one). The server is stopped when the script exits, even on errors.
 set -euo pipefail
 MODEL=${1:+$(realpath "$1")}  # resolved before the cd below
@@ -13,7 +13,7 @@ if [ -z "$MODEL" ]; then
   python - "$MODEL" >/dev/null <<'PY'
 import sys
 
-from specrl.tiny_models import build_tiny_model
+from tiny.checkpoints import build_tiny_model
 
 build_tiny_model(sys.argv[1])
 PY

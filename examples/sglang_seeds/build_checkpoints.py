@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from rollout.tiny_task import write_tiny_task
-from specrl.tiny_models import (
+from tiny.checkpoints import (
     add_mimo_mtp,
     build_checkpoint,
     build_eagle_draft,

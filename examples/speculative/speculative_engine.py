@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spec_engine import Engine
-from specrl.tiny_models import add_mimo_mtp, build_checkpoint, build_eagle_draft, build_tiny_model
+from tiny.checkpoints import add_mimo_mtp, build_checkpoint, build_eagle_draft, build_tiny_model
 
 PROMPTS = [
     "The cat sees a bird",

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spec_engine import Engine
 from spec_engine.weights.loader import tensor_checksum
-from specrl.tiny_models import build_tiny_model
+from tiny.checkpoints import build_tiny_model
 
 PROMPT = "The cat"
 # What the model is trained to say after PROMPT: a target the generation will visibly move to.

@@ -1,7 +1,7 @@
 """ModelConfig: a Hugging Face config.json normalized into the fields a model needs.
 
 The one reader of Hugging Face configs: the engine builds its models from it and the trainer
-(trainer_bridge.model_provider) builds megatron-core models from it, so both read a checkpoint
+(trainer_bridge.model.provider) builds megatron-core models from it, so both read a checkpoint
 the same way. Each side refuses what it cannot run on top of what is refused here.
 """
 

@@ -10,6 +10,7 @@ import torch
 
 from spec_engine.args.resolve import EngineConfig
 from spec_engine.args.spec_shapes import spec_shapes
+from spec_engine.dtypes import DTYPES
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.norm import use_fused_rmsnorm
 from spec_engine.layers.routing_capture import RoutingCapture, attach_routing_capture
@@ -23,8 +24,6 @@ from spec_engine.runner.graph_runner import GraphSpec
 from spec_engine.weights.loader import build_model
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class ForwardOutput(NamedTuple):

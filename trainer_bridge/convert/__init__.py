@@ -8,7 +8,7 @@ In memory:
     mcore_to_hf_tensors(model_or_state_dict, hf_config) (HF name, tensor) pairs, one at a time
                                                        (a TP>1 model is gathered per tensor, an
                                                        EP>1 model's experts fetched from their
-                                                       ranks: expert_parallel.py)
+                                                       ranks: parallel/expert.py)
     load_hf_weights(model, hf_checkpoint)              a Hugging Face directory (or an hf-to-mcore
     checkpoint) into this rank's model (its own experts under expert parallelism)
 On disk (see checkpoint.py for the megatron format) and on the command line:
@@ -48,13 +48,13 @@ from trainer_bridge.convert.tp import (
     shard_state_dict,
     shard_tensor,
 )
-from trainer_bridge.expert_parallel import GatheredOverEP, local_state_dict
-from trainer_bridge.model_provider import (
+from trainer_bridge.model.provider import (
     DEFAULT_VOCAB_DIVISOR,
     check_tensor_parallel,
     padded_vocab_size,
     read_model_config,
 )
+from trainer_bridge.parallel.expert import GatheredOverEP, local_state_dict
 
 __all__ = [
     "gather_state_dicts",

@@ -12,19 +12,48 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from trainer_bridge.convert.checkpoint import hf_to_mcore, mcore_to_hf
-from trainer_bridge.model_provider import DEFAULT_VOCAB_DIVISOR
+from trainer_bridge.model.provider import DEFAULT_VOCAB_DIVISOR
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Run one conversion; a bad checkpoint or flag exits with status 2 and the reason."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "hf-to-mcore":
+            hf_to_mcore(
+                args.hf_checkpoint,
+                args.save,
+                tp=args.tp,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                ep=args.ep,
+                expert_tp=args.etp,
+            )
+        else:
+            mcore_to_hf(args.load, args.hf_checkpoint, args.save)
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"error: {e}\n")
+    print(f"wrote {args.save}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per direction."""
     parser = argparse.ArgumentParser(
         prog="python -m trainer_bridge.convert",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_hf_to_mcore(commands)
+    _add_mcore_to_hf(commands)
+    return parser
+
+
+def _add_hf_to_mcore(commands: Any) -> None:
+    """hf-to-mcore's flags: where from and to, and the parallel layout to shard for."""
     to_mcore = commands.add_parser(
         "hf-to-mcore", help="Hugging Face directory -> megatron checkpoint"
     )
@@ -68,6 +97,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         default=DEFAULT_VOCAB_DIVISOR,
         help="pad the vocabulary to a multiple of this times --tp (Megatron's flag)",
     )
+
+
+def _add_mcore_to_hf(commands: Any) -> None:
+    """mcore-to-hf's flags: the megatron checkpoint, the Hugging Face directory it came from, and
+    where to write."""
     to_hf = commands.add_parser("mcore-to-hf", help="megatron checkpoint -> Hugging Face directory")
     to_hf.add_argument(
         "--load", required=True, help="megatron checkpoint directory written by hf-to-mcore"
@@ -78,22 +112,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         help="the Hugging Face directory it came from (config and tokenizer files are copied)",
     )
     to_hf.add_argument("--save", required=True, help="output Hugging Face directory")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "hf-to-mcore":
-            hf_to_mcore(
-                args.hf_checkpoint,
-                args.save,
-                tp=args.tp,
-                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                ep=args.ep,
-                expert_tp=args.etp,
-            )
-        else:
-            mcore_to_hf(args.load, args.hf_checkpoint, args.save)
-    except (ValueError, FileNotFoundError) as e:
-        parser.exit(2, f"error: {e}\n")
-    print(f"wrote {args.save}")
 
 
 if __name__ == "__main__":

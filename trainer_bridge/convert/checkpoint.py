@@ -36,12 +36,12 @@ from torch import Tensor
 from spec_engine.weights.loader import iterate_checkpoint
 from trainer_bridge.convert.state_dict import hf_to_mcore_state_dict, mcore_to_hf_items
 from trainer_bridge.convert.tp import gather_state_dicts, shard_state_dict
-from trainer_bridge.expert_parallel import check_expert_parallel, merge_experts, split_experts
-from trainer_bridge.model_provider import (
+from trainer_bridge.model.provider import (
     DEFAULT_VOCAB_DIVISOR,
     padded_vocab_size,
     read_model_config,
 )
+from trainer_bridge.parallel.expert import check_expert_parallel, merge_experts, split_experts
 
 FORMAT = "specrl-mcore-v1"
 META_FILE = "specrl_mcore.json"

@@ -21,12 +21,12 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from spec_engine.models.hf_config import ModelConfig
-from trainer_bridge.expert_parallel import check_expert_parallel
-from trainer_bridge.model_provider import (
+from trainer_bridge.model.provider import (
     DEFAULT_VOCAB_DIVISOR,
     check_tensor_parallel,
     padded_vocab_size,
 )
+from trainer_bridge.parallel.expert import check_expert_parallel
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _COLUMN = (
@@ -35,7 +35,7 @@ _COLUMN = (
     "eh_proj.weight",
     # multi-latent attention (DeepSeek-V3): up projections by whole heads; megatron gathers the
     # query down projection's output again before its norm (the key/value down projection is
-    # replicated: trainer_bridge.sequence_parallel)
+    # replicated: trainer_bridge.parallel.sequence)
     "linear_q_proj.weight",
     "linear_q_down_proj.weight",
     "linear_q_up_proj.weight",

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from spec_engine.models.hf_config import ConfigSource, ModelConfig
-from trainer_bridge.checkpoint_names import te_checkpoint_names, te_extra_states
-from trainer_bridge.expert_parallel import (
+from trainer_bridge.model.checkpoint_names import te_checkpoint_names, te_extra_states
+from trainer_bridge.model.mla import check_mla, mla_config_fields
+from trainer_bridge.model.moe import check_moe, count_real_tokens_only, moe_config_fields
+from trainer_bridge.parallel.expert import (
     check_expert_parallel,
     reduce_experts_over_expert_data_parallel,
 )
-from trainer_bridge.mla import check_mla, mla_config_fields
-from trainer_bridge.moe import check_moe, count_real_tokens_only, moe_config_fields
-from trainer_bridge.sequence_parallel import (
+from trainer_bridge.parallel.sequence import (
     replicated_kv_down_proj,
     sequence_parallel_spec,
     uses_sequence_parallel,
@@ -145,7 +145,7 @@ def transformer_config(
         attention_dropout=0.0,
         mtp_num_layers=arch.num_mtp_layers or None,
         tensor_model_parallel_size=tp,
-        # MoE and MLA models at TP > 1 (see sequence_parallel.py)
+        # MoE and MLA models at TP > 1 (see trainer_bridge.parallel.sequence)
         sequence_parallel=uses_sequence_parallel(arch, tp),
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
@@ -175,50 +175,27 @@ def build_gpt_model(
 ) -> GPTModel:
     """A randomly initialised GPTModel for this rank of the current megatron parallel state, on
     `device` (default: trainer_device()); `packed`: its attention takes packed sequences
-    (--qkv-format thd, see trainer_bridge.packed_attention).
+    (--qkv-format thd, see trainer_bridge.micro_batches.packed_attention).
 
     Needs `megatron_compat.init_model_parallel()` (or an equivalent set-up) first; TP/PP/EP/ETP
     sizes come from megatron's parallel_state (this rank builds its share of the routed experts:
-    trainer_bridge.expert_parallel). Load weights with `trainer_bridge.convert`.
+    trainer_bridge.parallel.expert). Load weights with `trainer_bridge.convert`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
-        get_gpt_mtp_block_spec,
-    )
 
     arch = read_model_config(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    etp = parallel_state.get_expert_tensor_parallel_world_size()
     config = transformer_config(
-        arch, tp=tp, pp=pp, ep=ep, etp=etp, params_dtype=params_dtype, **config_overrides
+        arch,
+        tp=tp,
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
+        params_dtype=params_dtype,
+        **config_overrides,
     )
-    if arch.moe is None:
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
-    else:  # one spec per layer: dense or MoE after config.moe_layer_freq
-        layer_spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization="RMSNorm"
-        )
-        count_real_tokens_only()  # the routers' counts for --moe-router-bias-update-rate
-    layer_spec = te_checkpoint_names(replicated_kv_down_proj(layer_spec))
-    if config.sequence_parallel:  # its norms
-        layer_spec = sequence_parallel_spec(layer_spec)
-    if packed:
-        from trainer_bridge.packed_attention import with_packed_attention
-        from trainer_bridge.thd_ops import use_vectorized_thd_ops
-
-        layer_spec = with_packed_attention(layer_spec, config)  # before the MTP layers copy it
-        use_vectorized_thd_ops()
-    mtp_spec = None
-    if arch.num_mtp_layers:
-        mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
-        mtp_spec = replicated_kv_down_proj(mtp_spec)
-        if config.sequence_parallel:
-            mtp_spec = sequence_parallel_spec(mtp_spec)
+    layer_spec = _layer_spec(arch, config, packed)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -231,7 +208,7 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
         rotary_percent=arch.partial_rotary_factor,
-        mtp_block_spec=mtp_spec,
+        mtp_block_spec=_mtp_spec(arch, config, layer_spec),
     )
     if arch.rope_scaling is not None and arch.rope_scaling["rope_type"] == "llama3":
         _apply_llama3_scaling(model, arch.rope_scaling)
@@ -240,6 +217,48 @@ def build_gpt_model(
     # Megatron puts its parallel layers on the current CUDA device but builds norms and other
     # plain modules on the default device: move the whole model, as Megatron-LM's get_model does.
     return model.to(device or trainer_device())
+
+
+def _layer_spec(arch: ModelConfig, config: TransformerConfig, packed: bool) -> Any:
+    """The decoder's layer spec: megatron's local (non-TE) one, one spec per layer for a MoE model
+    (dense or MoE after config.moe_layer_freq), adapted to save under Transformer Engine's names
+    (checkpoint_names), to sequence parallelism's norms and, `packed`, to packed attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+
+    if arch.moe is None:
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    else:
+        layer_spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization="RMSNorm"
+        )
+        count_real_tokens_only()  # the routers' counts for --moe-router-bias-update-rate
+    layer_spec = te_checkpoint_names(replicated_kv_down_proj(layer_spec))
+    if config.sequence_parallel:  # its norms
+        layer_spec = sequence_parallel_spec(layer_spec)
+    if packed:
+        from trainer_bridge.micro_batches.packed_attention import with_packed_attention
+        from trainer_bridge.micro_batches.thd_ops import use_vectorized_thd_ops
+
+        layer_spec = with_packed_attention(layer_spec, config)  # before the MTP layers copy it
+        use_vectorized_thd_ops()
+    return layer_spec
+
+
+def _mtp_spec(arch: ModelConfig, config: TransformerConfig, layer_spec: Any) -> Any:
+    """The MTP block's spec (None without MTP layers): megatron's, built on the decoder's
+    `layer_spec`, with the same MLA and sequence-parallel adaptations."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    if not arch.num_mtp_layers:
+        return None
+    mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+    mtp_spec = replicated_kv_down_proj(mtp_spec)
+    if config.sequence_parallel:
+        mtp_spec = sequence_parallel_spec(mtp_spec)
+    return mtp_spec
 
 
 def trainer_device() -> torch.device:

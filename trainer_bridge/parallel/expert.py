@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from spec_engine.models.hf_config import ModelConfig
+from trainer_bridge.micro_batches.layout import MicroBatch, micro_batch
 from trainer_bridge.options import TrainerArgs
-from trainer_bridge.packing import MicroBatch, micro_batch
 
 # A routed expert's tensor in megatron's GPTModel (trunk and MTP layers alike).
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")

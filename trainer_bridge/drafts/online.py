@@ -5,15 +5,15 @@ The draft learns from the policy's own forward in each train step: forward hooks
 model keep (detached) the hidden states the engine's draft reads, the policy's logits are the
 teacher, and the draft's loss backpropagates into the draft alone, once per micro batch. What
 differs by draft is a `_Kind`, picked by the algorithm and the checkpoint's architecture: EAGLE-3
-(trainer_bridge.eagle3_draft) reads the captured auxiliary layers and learns by SpecForge's
-training-time-test loss; EAGLE-2 (trainer_bridge.eagle2_draft) reads the final hidden state and
+(trainer_bridge.drafts.eagle3) reads the captured auxiliary layers and learns by SpecForge's
+training-time-test loss; EAGLE-2 (trainer_bridge.drafts.eagle2) reads the final hidden state and
 learns by EAGLE's feature regression + cross-entropy through the policy's head, which it drafts
-with (neither trained nor pushed as the draft's); a STANDALONE draft (trainer_bridge.
-standalone_draft: a plain LM, which the algorithm names rather than its architecture) reads only
-the tokens and is distilled from the policy's logits, KL(policy || draft). The draft steps with
-its own Adam after each policy step, so the policy's optimizer, clipping and checkpoint layout
-are those of a run without it. Its weights travel with the policy's in every push, under the
-engine's `draft.` prefix.
+with (neither trained nor pushed as the draft's); a STANDALONE draft
+(trainer_bridge.drafts.standalone: a plain LM, which the algorithm names rather than its
+architecture) reads only the tokens and is distilled from the policy's logits, KL(policy ||
+draft). The draft steps with its own Adam after each policy step, so the policy's optimizer,
+clipping and checkpoint layout are those of a run without it. Its weights travel with the policy's
+in every push, under the engine's `draft.` prefix.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ from torch import Tensor, nn
 from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.registry import model_class
 from spec_engine.weights.updater import DRAFT_PREFIX
-from trainer_bridge.eagle2_draft import EAGLE2_ARCHITECTURE, Eagle2Draft, eagle_loss
-from trainer_bridge.eagle3_draft import EAGLE3_ARCHITECTURE, Eagle3Draft, ttt_loss
-from trainer_bridge.options import TrainerArgs
-from trainer_bridge.standalone_draft import (
+from trainer_bridge.drafts.eagle2 import EAGLE2_ARCHITECTURE, Eagle2Draft, eagle_loss
+from trainer_bridge.drafts.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Draft, ttt_loss
+from trainer_bridge.drafts.standalone import (
     STANDALONE,
     StandaloneDraft,
     check_vocabulary,
     distill_loss,
 )
+from trainer_bridge.options import TrainerArgs
 
 
 class FeatureCapture:

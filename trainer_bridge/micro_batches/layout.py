@@ -6,7 +6,7 @@ Packing follows slime (backends/megatron_utils/data.py): `cu_seqlens` int32 over
 sequences, the pack padded to a multiple of the tensor-parallel size with the padding as one more
 sequence, PackedSeqParams(qkv_format="thd"), batch dimension 1. Megatron restarts rotary
 positions at every cu_seqlens boundary, its MTP block rolls tokens within each sequence, and the
-core attention keeps each sequence to itself (trainer_bridge.packed_attention).
+core attention keeps each sequence to itself (trainer_bridge.micro_batches.packed_attention).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from trainer_bridge.thd_ops import positions_in_sequence
+from trainer_bridge.micro_batches.thd_ops import positions_in_sequence
 
 
 class PaddedMicroBatch:
@@ -147,7 +147,7 @@ def micro_batch(
     --qkv-format's layout; its sequence dimension (a pack's length, as slime pads, or the padded
     width) is padded to a multiple of `pad_multiple` (the tensor-parallel size, which sequence
     parallelism splits it by), or to `length` (the expert group's common length:
-    trainer_bridge.expert_parallel.aligned_micro_batch)."""
+    trainer_bridge.parallel.expert.aligned_micro_batch)."""
     if qkv_format == "thd":
         return PackedMicroBatch(tokens, lengths, pad_multiple, length)
     return PaddedMicroBatch(tokens, lengths, pad_multiple, length)

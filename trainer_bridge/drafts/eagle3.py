@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from spec_engine.layers.norm import RMSNorm
 from spec_engine.layers.rotary import RotaryEmbedding
 from spec_engine.models.hf_config import ModelConfig
-from trainer_bridge.draft_layers import DraftAttention, DraftMLP, load_checkpoint, save_pretrained
+from trainer_bridge.drafts.layers import DraftAttention, DraftMLP, load_checkpoint, save_pretrained
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 # SpecForge's defaults (scripts/train_eagle3.py): 7 unrolled steps, step k weighted 0.8 ** k.

@@ -72,7 +72,7 @@ def replicated_kv_down_proj(spec: Any) -> Any:
     the sequence-parallel region, whose backward sums it over the TP ranks, and the weight (marked
     `sequence_parallel`) is all-reduced as norms are. At TP 1 it computes the same as the
     column-parallel one, and one module at every TP size keeps one layout (it gets TE's
-    `_extra_state`: checkpoint_names.te_extra_states)."""
+    `_extra_state`: model.checkpoint_names.te_extra_states)."""
     from megatron.core.post_training.modelopt.layers import Linear
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
@@ -87,7 +87,7 @@ def allreduce_norm_grads(ddp_model: Any) -> None:
     weights marked `sequence_parallel` (norms, MoE routers under sequence parallelism) and
     q/k layernorms (each TP rank holds different heads). The rest of finalize_model_grads is
     left out on purpose: it would move the routers' expert_bias at megatron's rate (the actor
-    moves it at --moe-router-bias-update-rate: trainer_bridge.moe.update_expert_bias)."""
+    moves it at --moe-router-bias-update-rate: trainer_bridge.model.moe.update_expert_bias)."""
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import (
         _allreduce_non_tensor_model_parallel_grads,

@@ -17,7 +17,7 @@ p(v) - log q(v)) with p = softmax(policy logits), q = softmax(draft logits), tem
 each position t whose next token t + 1 is a response token (the policy's loss mask), averaged
 over them. The teacher is the policy's logits from the same micro batch, detached.
 
-Layout as trainer_bridge.eagle3_draft's: tokens [b, S]; `target_logits` [b, S, V], position t
+Layout as trainer_bridge.drafts.eagle3's: tokens [b, S]; `target_logits` [b, S, V], position t
 predicting token t + 1; `mask` [b, S - 1], t marking token t + 1 as a response token.
 """
 

@@ -23,8 +23,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
 
+from trainer_bridge.micro_batches.thd_ops import sequence_layout
 from trainer_bridge.spec_rewrite import swap_in_spec
-from trainer_bridge.thd_ops import sequence_layout
 
 
 class PackedDotProductAttention(DotProductAttention):

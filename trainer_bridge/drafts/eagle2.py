@@ -24,7 +24,7 @@ token). EAGLE's uniform noise on the input features (a data augmentation for off
 over fixed features) is left out: RL's features are new each step, and the loss stays a
 deterministic function of the batch.
 
-Layout of a batch as trainer_bridge.eagle3_draft's: tokens [b, S]; `features` [b, S, H];
+Layout of a batch as trainer_bridge.drafts.eagle3's: tokens [b, S]; `features` [b, S, H];
 `target_logits` [b, S, V], position t predicting token t + 1; `mask` [b, S - 1], t marking
 token t + 1 as a response token.
 """
@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from spec_engine.layers.norm import RMSNorm
 from spec_engine.layers.rotary import RotaryEmbedding
 from spec_engine.models.hf_config import ModelConfig
-from trainer_bridge.draft_layers import DraftAttention, DraftMLP, load_checkpoint, save_pretrained
+from trainer_bridge.drafts.layers import DraftAttention, DraftMLP, load_checkpoint, save_pretrained
 
 EAGLE2_ARCHITECTURE = "LlamaForCausalLMEagle"
 # EAGLE's train_config (eagle/train/main.py): loss = v_w x vloss + p_w x ploss.

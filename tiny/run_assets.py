@@ -20,9 +20,10 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from rollout.tiny_task import PROMPT_FORMAT, write_tiny_task
-from specrl.tiny_models import add_mimo_mtp, build_tiny_model
+from tiny.checkpoints import add_mimo_mtp, build_tiny_model
 from trainer_bridge.batch import TrainBatch
 
+# Under specrl's loggers, whose INFO lines the console prints (specrl.console.setup_logging).
 logger = logging.getLogger("specrl.tiny_run")
 
 LOG_LINES = 8  # warm-up progress lines, spread over the steps
@@ -35,7 +36,7 @@ def _mimo(out: str, seed: int) -> None:
     add_mimo_mtp(out, seed=seed + 1)
 
 
-# The MoE models' size: 2 trunk layers and one next-n layer over specrl.tiny_models'
+# The MoE models' size: 2 trunk layers and one next-n layer over tiny.checkpoints'
 # DEEPSEEK_V3_TINY (MLA with a query bottleneck) or GLM4_MOE_TINY: 8 routed experts and a shared
 # one, layer 0 dense (first_k_dense_replace=1), layer 1 and the next-n layer MoE
 # (build_checkpoint's keywords; tests build the same models).

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer_bridge.packing import MicroBatch
+from trainer_bridge.micro_batches.layout import MicroBatch
 
 
 def mtp_loss(gpt: Any, vocab_size: int, batch: MicroBatch, hidden: Tensor, mask: Tensor) -> Tensor:

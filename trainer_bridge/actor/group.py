@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from trainer_bridge.actor import TrainActor
+from trainer_bridge.actor.train_actor import TrainActor
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.loss import LossConfig
 from trainer_bridge.options import TrainerArgs

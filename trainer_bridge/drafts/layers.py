@@ -1,5 +1,5 @@
-"""What the trainer-side external drafts (trainer_bridge.eagle2_draft, trainer_bridge.eagle3_draft)
-share: attention and SwiGLU MLP in Hugging Face's layout (q/k/v/o and gate/up/down projections,
+"""What the trainer-side external drafts (trainer_bridge.drafts.eagle2 and .eagle3) share:
+attention and SwiGLU MLP in Hugging Face's layout (q/k/v/o and gate/up/down projections,
 as the engine's checkpoints name them), and reading and writing a draft whose parameter and
 buffer names are its checkpoint's own.
 """
