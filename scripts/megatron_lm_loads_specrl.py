@@ -16,7 +16,7 @@ checkpoint names differ from TE's for MLA and MoE norms (megatron-core maps them
 dense GQA layers only) and which lacks the `_extra_state` entries TE's modules ask for. The
 script gives Megatron-LM's layer and MTP specs TE's names and its modules TE's extra states with
 trainer_bridge.model.checkpoint_names, the same rules specrl's model uses, which
-tests/test_checkpoint_names.py checks against megatron-core's own TE specs.
+tests/trainer/test_checkpoint_names.py checks against megatron-core's own TE specs.
 
     python -m scripts.megatron_lm_loads_specrl --megatron-lm /tmp/Megatron-LM --out /tmp/lm-load \
         --arch deepseek_v3 --flags "" --flags "--no-load-rng" --flags "--finetune"

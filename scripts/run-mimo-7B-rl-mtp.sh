@@ -4,7 +4,7 @@
 # --enable-mtp-training --mtp-loss-scaling-factor 0.2, EAGLE with 3 steps, topk 1).
 #   HF_CHECKPOINT=/root/MiMo-7B-RL DATA=/root/dapo-math-17k.jsonl bash scripts/run-mimo-7B-rl-mtp.sh [flags]
 # Untested on GPUs so far (no GPU was available when it was written); the same flags run on CPU
-# in tests/test_train_loop.py with a tiny MiMo-style model.
+# in tests/e2e/test_train_loop.py with a tiny MiMo-style model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/models/mimo-7B-rl.sh

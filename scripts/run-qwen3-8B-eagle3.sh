@@ -4,7 +4,7 @@
 #   HF_CHECKPOINT=/root/Qwen3-8B DRAFT=/root/Qwen3-8B-EAGLE3 DATA=/root/dapo-math-17k.jsonl \
 #     bash scripts/run-qwen3-8B-eagle3.sh [extra scripts/train.py flags]     (--dry-run: check the flags)
 # Untested on GPUs so far (no GPU was available when it was written); the same flags run on CPU
-# in tests/test_train_loop.py with a tiny model.
+# in tests/e2e/test_train_loop.py with a tiny model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/models/qwen3-8B.sh

@@ -5,7 +5,7 @@ generation: weight updates, memory, pause, reports, profiling. Each wrapper is g
 it with the engine method's own signature and docstring (functools.wraps), so none can drop or
 rename a parameter: the HTTP server's POST /<name> routes (server.http_server), the rollout's
 Ray actor and its handle (rollout.engine_actor, through `add_control_methods`).
-tests/test_control_api.py compares every wrapper's parameters with the engine's."""
+tests/engine/test_control_api.py compares every wrapper's parameters with the engine's."""
 
 from __future__ import annotations
 

@@ -153,12 +153,12 @@ def train_env() -> dict[str, str]:
 
 
 class RLLoopRun:
-    """scripts/train.py with tests/test_train_loop.loop_args, started when the first test asks
+    """scripts/train.py with test_train_loop.py's loop_args, started when the first test asks
     for it and left running meanwhile (a test can do other work, e.g. start other runs, before it
     waits with finished()). Runs in a session of its own: stop() ends what it started."""
 
     def __init__(self, model: str, data: str, root: str) -> None:
-        from tests.test_train_loop import loop_args
+        from tests.e2e.test_train_loop import loop_args
 
         self.out = os.path.join(root, "run")
         self.saved_rollouts = os.path.join(root, "rollouts", "r{rollout_id}.pt")
@@ -208,8 +208,8 @@ class RLLoopRun:
 @pytest.fixture(scope="session")
 def rl_loop_run(rl_task, tmp_path_factory) -> Iterator[RLLoopRun]:
     """One RL loop on the RL task, shared (each such run costs a Ray, an engine and two trainer
-    ranks starting): tests/test_train_loop.py checks the loop and replays its saved rollouts;
-    tests/test_checkpoint.py compares a killed and resumed run with it, bit for bit, and runs
+    ranks starting): tests/e2e/test_train_loop.py checks the loop and replays its saved rollouts;
+    tests/e2e/test_checkpoint.py compares a killed and resumed run with it, bit for bit, and runs
     the killed one while this one runs."""
     run = RLLoopRun(*rl_task, str(tmp_path_factory.mktemp("rl_loop")))
     yield run
@@ -243,10 +243,10 @@ def rollout_only_run(rl_task, tmp_path_factory) -> tuple[subprocess.CompletedPro
     --debug-rollout-only run on the RL task, shared by the tests that read it (each such run
     costs a Ray and an engine start): three rollouts with --use-fault-tolerance and health
     checks, the engine killed mid-request in rollout 0 and stopped (hung) in rollout 1
-    (tests/engine_killer.py), and closing the metrics log failing at the end
-    (ROLLOUT_ONLY_MAIN). tests/test_fault_tolerance.py checks the restarts,
-    tests/test_train_loop.py the shutdown and that megatron is never imported."""
-    from tests.test_train_loop import base_args
+    (tests/support/engine_killer.py), and closing the metrics log failing at the end
+    (ROLLOUT_ONLY_MAIN). tests/e2e/test_fault_tolerance.py checks the restarts,
+    tests/e2e/test_train_loop.py the shutdown and that megatron is never imported."""
+    from tests.e2e.test_train_loop import base_args
 
     model, data = rl_task
     out = str(tmp_path_factory.mktemp("rollout_only") / "run")
@@ -257,7 +257,7 @@ def rollout_only_run(rl_task, tmp_path_factory) -> tuple[subprocess.CompletedPro
     argv += ["--rollout-health-check-first-wait", "0"]
     argv += [
         "--custom-generate-function-path",
-        "tests.engine_killer.generate_then_kill_then_hang_engine",
+        "tests.support.engine_killer.generate_then_kill_then_hang_engine",
     ]
     proc = subprocess.run(
         [sys.executable, "-c", "import sys; " + ROLLOUT_ONLY_MAIN, *argv],

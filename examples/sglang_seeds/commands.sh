@@ -2,7 +2,7 @@
 # (the seeds this project started from), as a user pastes them: only the hub names are replaced
 # by the local stand-ins that build_checkpoints.py writes under $CKPT, and `python3 -m
 # sglang.launch_server` by `python -m spec_engine.launch_server`. Sourced by run.sh and by
-# tests/test_cli_compat.py.
+# tests/server/test_cli_compat.py.
 CKPT=${CKPT:-runs/sglang-seeds}
 
 SEED_COMMANDS=(

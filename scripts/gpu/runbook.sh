@@ -64,7 +64,7 @@ PY
 }
 
 step_tests() {
-  python3 -m pytest tests/test_gpu.py -m gpu -q -rs -p no:cacheprovider \
+  python3 -m pytest tests/gpu/test_gpu.py -m gpu -q -rs -p no:cacheprovider \
     --junitxml="$RESULTS/pytest_gpu.xml" 2>&1 | tee "$RESULTS/pytest_gpu.txt"
 }
 
@@ -102,7 +102,7 @@ step_lease() {  # one call: each step time-limited, the most telling first; <= 8
   RESULTS=/tmp/specrl-results
   mkdir -p "$RESULTS"
   step_env
-  timeout 160 python3 -m pytest tests/test_gpu.py -m gpu -k "not flashinfer" -q -rs \
+  timeout 160 python3 -m pytest tests/gpu/test_gpu.py -m gpu -k "not flashinfer" -q -rs \
     -p no:cacheprovider 2>&1 | tee "$RESULTS/pytest_gpu.txt"
   timeout 140 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
     --dtype bfloat16 --algorithms baseline --batch-sizes 1 8 32 64 128 256 --input-len 128 \
@@ -115,7 +115,7 @@ step_lease() {  # one call: each step time-limited, the most telling first; <= 8
   timeout 60 python3 -m scripts.bench_weight_sync --preset llama-3.1-8b --device cuda \
     --dtype bfloat16 --repeats 2 --work-dir "$WORK" --json "$RESULTS/weight_sync.json" 2>&1 \
     | tee "$RESULTS/weight_sync.txt"
-  timeout 50 python3 -m pytest tests/test_gpu.py -m gpu -k flashinfer -q -rs \
+  timeout 50 python3 -m pytest tests/gpu/test_gpu.py -m gpu -k flashinfer -q -rs \
     -p no:cacheprovider 2>&1 | tee "$RESULTS/pytest_flashinfer.txt"
   step_summary
   if [ -n "$out" ]; then
@@ -131,7 +131,7 @@ step_recheck() {  # one call after a lease's fixes: what it failed or left out; 
   RESULTS=/tmp/specrl-results
   mkdir -p "$RESULTS"
   step_env
-  timeout 280 python3 -m pytest tests/test_gpu.py -m gpu -q -rs -p no:cacheprovider 2>&1 \
+  timeout 280 python3 -m pytest tests/gpu/test_gpu.py -m gpu -q -rs -p no:cacheprovider 2>&1 \
     | tee "$RESULTS/pytest_gpu.txt"
   timeout 130 python3 -m scripts.bench_weight_sync --preset llama-3.1-8b --device cuda \
     --dtype bfloat16 --repeats 2 --work-dir "$WORK" --json "$RESULTS/weight_sync.json" 2>&1 \
@@ -151,7 +151,7 @@ step_moe_adaptive() {  # one call: what landed after the second lease; <= 8 file
   RESULTS=/tmp/specrl-results
   mkdir -p "$RESULTS"
   step_env
-  timeout 230 python3 -m pytest tests/test_gpu_moe.py tests/test_gpu_adaptive.py -m gpu -q -rs \
+  timeout 230 python3 -m pytest tests/gpu/test_gpu_moe.py tests/gpu/test_gpu_adaptive.py -m gpu -q -rs \
     -p no:cacheprovider -o junit_family=legacy --junitxml="$RESULTS/pytest_moe_adaptive.xml" 2>&1 \
     | tee "$RESULTS/pytest_moe_adaptive.txt"
   # A perfect draft (--forced-acceptance), then the random draft as it is (accepting ~nothing):
@@ -207,7 +207,7 @@ step_host() {  # one call: the host-side batching at the batch sizes where steps
   timeout 80 python3 -m scripts.gpu.probe_adaptive --work-dir "$WORK" --batch 32 \
     --profile python --cases fixed --json "$RESULTS/probe_b32.json" 2>&1 | tail -n 60 \
     | tee "$RESULTS/probe.txt"
-  timeout 120 python3 -m pytest tests/test_gpu.py tests/test_gpu_adaptive.py -m gpu \
+  timeout 120 python3 -m pytest tests/gpu/test_gpu.py tests/gpu/test_gpu_adaptive.py -m gpu \
     -k "flashinfer or graphs or adaptive" -q -rs -p no:cacheprovider 2>&1 \
     | tee "$RESULTS/pytest_gpu.txt"
   if [ -n "$out" ]; then
@@ -241,7 +241,7 @@ step_host_pad() {  # a short call: the padded extend masks built batch-wide (gra
   local out=${OUT:-}
   RESULTS=/tmp/specrl-results
   mkdir -p "$RESULTS"
-  timeout 80 python3 -m pytest tests/test_gpu.py -m gpu -k "graphs" -q -rs -p no:cacheprovider \
+  timeout 80 python3 -m pytest tests/gpu/test_gpu.py -m gpu -k "graphs" -q -rs -p no:cacheprovider \
     2>&1 | tee "$RESULTS/pytest_gpu.txt"
   timeout 140 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
     --dtype bfloat16 --algorithms baseline eagle3 --batch-sizes 64 128 --steps 3 --topk 1 \

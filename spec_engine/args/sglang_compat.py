@@ -4,7 +4,7 @@ to use instead. None of SGLang's flags is an "unrecognized argument".
 
 The table is the single source: `CompatArgs` (a dataclass generated from it) gives the CLI
 flags, `check_sglang_options` sorts given values into refusals and log lines, and
-docs/sglang_compat.md is checked against it by tests/test_cli_compat.py.
+docs/sglang_compat.md is checked against it by tests/server/test_cli_compat.py.
 """
 
 from __future__ import annotations
