@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from scripts.bench_engine import random_batches
-from spec_engine.core.adaptive import bucket
+from spec_engine.speculative.adaptive.costs import bucket
 
 if TYPE_CHECKING:
     from spec_engine import Engine
@@ -88,16 +88,16 @@ def measure(
     before = spec_time_breakdown(engine)
     modes_before = adaptive_steps(engine)
     steps_before = getattr(worker, "verify_steps", 0)
-    verify_before = engine.scheduler.spec_verify_ct
-    emitted_before = engine.scheduler.spec_emitted
+    verify_before = engine.scheduler.policy.counters.verify_ct
+    emitted_before = engine.scheduler.policy.counters.emitted
     start = clock()
     outs = engine.generate(
         input_ids=prompts(batch, args.input_len, args.vocab_size, repetitive, r + 1),
         sampling_params=params,
     )
     elapsed = clock() - start
-    verifies = engine.scheduler.spec_verify_ct - verify_before
-    emitted = engine.scheduler.spec_emitted - emitted_before
+    verifies = engine.scheduler.policy.counters.verify_ct - verify_before
+    emitted = engine.scheduler.policy.counters.emitted - emitted_before
     steps = getattr(worker, "verify_steps", 0) - steps_before
     spent = {k: v - before.get(k, 0.0) for k, v in spec_time_breakdown(engine).items()}
     modes = {m: n - modes_before.get(m, 0) for m, n in adaptive_steps(engine).items()}

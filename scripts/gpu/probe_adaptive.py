@@ -88,16 +88,17 @@ def _sync() -> None:
 
 
 def _timed(records: list, kind: str, fn: Callable, depth_of: Callable) -> Callable:
-    """`fn` wrapped to append (kind, depth, batch, ms) after a CUDA synchronize."""
+    """`fn` wrapped to append (kind, depth, batch, ms) after a CUDA synchronize (kind "plain"
+    for a call at depth 0: a decode without speculation)."""
 
     def wrapper(reqs, *args, **kwargs):
         _sync()
         start = time.perf_counter()
         out = fn(reqs, *args, **kwargs)
         _sync()
-        records.append(
-            (kind, depth_of(args, kwargs), len(reqs), 1000 * (time.perf_counter() - start))
-        )
+        depth = depth_of(args, kwargs)
+        ms = 1000 * (time.perf_counter() - start)
+        records.append(("plain" if depth == 0 else kind, depth, len(reqs), ms))
         return out
 
     return wrapper
@@ -111,12 +112,12 @@ def _run(path: str, kwargs: dict, batch: int, args: argparse.Namespace, force=No
         records: list = []
         prof = _StepProfiler(worker.decode, args.profile_steps, args.profile or "python")
         worker.decode = _timed(records, "spec", prof, lambda a, k: a[0] if a else None)
-        worker.decode_plain = _timed(records, "plain", worker.decode_plain, lambda a, k: 0)
         worker.catch_up = _timed(records, "catch_up", worker.catch_up, lambda a, k: None)
-        if force is not None and sched.adaptive is not None:
+        adaptive = getattr(sched.policy, "adaptive", None)
+        if force is not None and adaptive is not None:
             # choose() runs more than once a step (the KV demand asks too): key the forced mode
             # on the steps observed so far.
-            model, observe, done = sched.adaptive, sched.adaptive.observe, [0]
+            model, observe, done = adaptive, adaptive.observe, [0]
 
             def counted(*a, **k):
                 done[0] += 1

@@ -53,7 +53,7 @@ SCHEDULE_POLICIES = ("fcfs",)
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 NGRAM_DEFAULT_DRAFT_TOKENS = 12
 LOG_LEVELS = ("debug", "info", "warning", "error")
-ON_COLLAPSE_CHOICES = ("warn", "disable")  # spec_engine.core.accept_alarm's modes
+ON_COLLAPSE_CHOICES = ("warn", "disable")  # spec_engine.speculative.accept_alarm's modes
 
 # Auto chunked-prefill budgets: SGLang's default on large GPUs, and a smaller one for CPU
 # where a 2048-token chunk already keeps the cores busy for a while.
@@ -233,7 +233,7 @@ class EngineArgs:
         "depth per batch-size bucket, accept length per depth): run the mode expected to emit "
         "the most tokens/s. Any algorithm; the tree flags are the deepest shape it may choose.",
     )
-    # Acceptance alarm (spec_engine.core.accept_alarm): the draft falls behind a weight update
+    # Acceptance alarm (speculative.accept_alarm): the draft falls behind a weight update
     speculative_on_collapse: str = _opt(
         "warn",
         "When the accept length under new weights falls below --speculative-collapse-threshold x "
