@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from bench.prompts import prompts
-from spec_engine.core.adaptive import bucket
+from spec_engine.speculative.adaptive.costs import bucket
 
 if TYPE_CHECKING:
     from spec_engine import Engine
@@ -75,16 +75,15 @@ def measure(
     before = spec_time_breakdown(engine)
     modes_before = adaptive_steps(engine)
     steps_before = getattr(worker, "verify_steps", 0)
-    verify_before = engine.scheduler.spec_verify_ct
-    emitted_before = engine.scheduler.spec_emitted
+    verify_before, emitted_before = spec_counts(engine)
     start = clock()
     outs = engine.generate(
         input_ids=prompts(batch, args.input_len, args.vocab_size, repetitive, r + 1),
         sampling_params=params,
     )
     elapsed = clock() - start
-    verifies = engine.scheduler.spec_verify_ct - verify_before
-    emitted = engine.scheduler.spec_emitted - emitted_before
+    verify_ct, emitted_ct = spec_counts(engine)
+    verifies, emitted = verify_ct - verify_before, emitted_ct - emitted_before
     steps = getattr(worker, "verify_steps", 0) - steps_before
     spent = {k: v - before.get(k, 0.0) for k, v in spec_time_breakdown(engine).items()}
     modes = {m: n - modes_before.get(m, 0) for m, n in adaptive_steps(engine).items()}
@@ -116,6 +115,12 @@ def timed(clock: Callable[[], float], fn, *args, **kwargs) -> float:
 def spec_time_breakdown(engine: Engine) -> dict[str, float]:
     """Seconds drafting, verifying and in bookkeeping so far (none without speculation)."""
     return engine.get_server_info()["internal_states"][0].get("spec_time_breakdown", {})
+
+
+def spec_counts(engine: Engine) -> tuple[int, int]:
+    """Verify passes so far and the tokens they emitted (0, 0 without speculation)."""
+    counters = getattr(engine.scheduler.policy, "counters", None)
+    return (counters.verify_ct, counters.emitted) if counters is not None else (0, 0)
 
 
 def adaptive_steps(engine: Engine) -> dict[int, int]:

@@ -88,16 +88,17 @@ def _sync() -> None:
 
 
 def _timed(records: list, kind: str, fn: Callable, depth_of: Callable) -> Callable:
-    """`fn` wrapped to append (kind, depth, batch, ms) after a CUDA synchronize."""
+    """`fn` wrapped to append (kind, depth, batch, ms) after a CUDA synchronize (kind "plain"
+    for a call at depth 0: a decode without speculation)."""
 
     def wrapper(reqs, *args, **kwargs):
         _sync()
         start = time.perf_counter()
         out = fn(reqs, *args, **kwargs)
         _sync()
-        records.append(
-            (kind, depth_of(args, kwargs), len(reqs), 1000 * (time.perf_counter() - start))
-        )
+        depth = depth_of(args, kwargs)
+        ms = 1000 * (time.perf_counter() - start)
+        records.append(("plain" if depth == 0 else kind, depth, len(reqs), ms))
         return out
 
     return wrapper
@@ -110,8 +111,9 @@ def _run(path: str, kwargs: dict, batch: int, args: argparse.Namespace, force=No
     engine = open_engine(path, {**kwargs, "speculative_accept_threshold_single": 1e-9}, batch, args)
     try:
         records, prof = _instrument(engine.scheduler, args)
-        if force is not None and engine.scheduler.adaptive is not None:
-            _force(engine.scheduler.adaptive, force)
+        adaptive = getattr(engine.scheduler.policy, "adaptive", None)
+        if force is not None and adaptive is not None:
+            _force(adaptive, force)
         generation = _generate(engine, batch, args, records, prof)
         table = prof.table()
         report = engine.get_server_info()["internal_states"][0].get("spec_adaptive")
@@ -139,7 +141,6 @@ def _instrument(sched, args: argparse.Namespace) -> tuple[list, _StepProfiler]:
     records: list = []
     prof = _StepProfiler(worker.decode, args.profile_steps, args.profile or "python")
     worker.decode = _timed(records, "spec", prof, lambda a, k: a[0] if a else None)
-    worker.decode_plain = _timed(records, "plain", worker.decode_plain, lambda a, k: 0)
     worker.catch_up = _timed(records, "catch_up", worker.catch_up, lambda a, k: None)
     return records, prof
 

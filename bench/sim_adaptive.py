@@ -1,6 +1,7 @@
-"""The --speculative-adaptive cost model (spec_engine/core/adaptive.py) on simulated machines: its
-tokens/s as a share of the best fixed mode's, per machine and cost set, for each NOISE setting
-(inf: costs compared as measured, without scaling them by the reference mode's moves).
+"""The --speculative-adaptive cost model (spec_engine/speculative/adaptive/) on simulated
+machines: its tokens/s as a share of the best fixed mode's, per machine and cost set, for each
+NOISE setting (inf: costs compared as measured, without scaling them by the reference mode's
+moves).
 
     python -m scripts.sim_adaptive --seeds 16 --steps 768 --noise 1.0 1.1 1.2 inf
 
@@ -17,7 +18,8 @@ import argparse
 import math
 import random
 
-from spec_engine.core import adaptive
+from spec_engine.speculative.adaptive import costs
+from spec_engine.speculative.adaptive.model import SpecCostModel
 
 COSTS = {  # seconds per request per step: plain, depth 1, 2, 3
     "plain-better": (3.0, 7.5, 11.25, 15.0),  # run 5's STANDALONE-self at batch 8
@@ -40,7 +42,7 @@ def speed(machine: str, step: int, rng: random.Random, now: float) -> float:
 def efficiency(cost: tuple[float, ...], machine: str, seed: int, args: argparse.Namespace) -> float:
     """The model's tokens/s over the best fixed mode's, on one simulated generation."""
     rng = random.Random(seed)
-    model = adaptive.SpecCostModel([1, 2, 3], nested=True)
+    model = SpecCostModel([1, 2, 3], nested=True)
     best = max(range(4), key=lambda m: (m + 1) / cost[m])
     taken = yardstick = 0.0
     slow = 1.0
@@ -59,13 +61,13 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=16)
     parser.add_argument("--steps", type=int, default=768, help="decode steps per generation")
     parser.add_argument("--step-noise", type=float, default=0.15)
-    parser.add_argument("--noise", type=float, nargs="+", default=[adaptive.NOISE, math.inf])
+    parser.add_argument("--noise", type=float, nargs="+", default=[costs.NOISE, math.inf])
     args = parser.parse_args()
     cells = [(name, machine) for name in COSTS for machine in MACHINES]
     print("| NOISE | " + " | ".join(f"{n} {m}" for n, m in cells) + " | mean | min |")
     print("|---" * (len(cells) + 3) + "|")
     for noise in args.noise:
-        adaptive.NOISE = noise
+        costs.NOISE = noise
         shares = [
             sum(efficiency(COSTS[n], m, s, args) for s in range(args.seeds)) / args.seeds
             for n, m in cells

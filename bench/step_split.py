@@ -19,8 +19,9 @@ from typing import Any
 
 from spec_engine.core.scheduler import Scheduler
 
-WORKER_CALLS = ("prefill", "decode", "decode_plain", "catch_up")
-SCHEDULER_CALLS = ("_decode_groups", "_ensure_decode_room", "_process_outputs")
+WORKER_CALLS = ("prefill", "catch_up")  # decode: timed as decode, or decode_plain at depth 0
+# (the scheduler's part, its method): the policy's plans, retractions and output processing
+SCHEDULER_CALLS = (("policy", "plan"), ("retraction", "plan_decode"), ("outputs", "process"))
 
 # engine -> call -> [seconds, calls]
 totals: dict[str, dict[str, list[float]]] = collections.defaultdict(
@@ -42,17 +43,22 @@ def timed(fn: Callable, into: list[float]) -> Callable:
 
 
 def engine_name(scheduler: Scheduler) -> str:
-    adaptive = "+adaptive" if scheduler.adaptive is not None else ""
+    adaptive = "+adaptive" if getattr(scheduler.policy, "adaptive", None) is not None else ""
     return f"{type(scheduler.worker).__name__}{adaptive} #{id(scheduler) % 10000}"
 
 
 def instrument(scheduler: Scheduler) -> None:
     """Time this scheduler's calls (its instance attributes shadow the methods)."""
     calls = totals[engine_name(scheduler)]
+    worker = scheduler.worker
     for name in WORKER_CALLS:
-        setattr(scheduler.worker, name, timed(getattr(scheduler.worker, name), calls[name]))
-    for name in SCHEDULER_CALLS:
-        setattr(scheduler, name, timed(getattr(scheduler, name), calls[name]))
+        if hasattr(worker, name):
+            setattr(worker, name, timed(getattr(worker, name), calls[name]))
+    spec, plain = timed(worker.decode, calls["decode"]), timed(worker.decode, calls["decode_plain"])
+    worker.decode = lambda reqs, *depth: (plain if depth == (0,) else spec)(reqs, *depth)
+    for part, name in SCHEDULER_CALLS:
+        owner = getattr(scheduler, part)
+        setattr(owner, name, timed(getattr(owner, name), calls[name]))
     scheduler.step_split = calls["step"]
 
 

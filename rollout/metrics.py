@@ -59,7 +59,7 @@ def spec_metrics(samples: list[Sample]) -> dict[str, float]:
     if not infos:
         return {}
     # 1.0 when any sample came from weights under which the engine's accept length had
-    # collapsed (spec_engine.core.accept_alarm; engines without the field count as 0). Also
+    # collapsed (spec_engine.speculative.accept_alarm; engines without the field count as 0). Also
     # when no sample verified: with --speculative-on-collapse disable a whole rollout can run
     # plainly, and that is when the alarm matters most.
     metrics = {

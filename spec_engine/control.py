@@ -188,7 +188,7 @@ class EngineControl(EngineReports):
             self.scheduler.weights_changed(flush=flush_cache)
             if weight_version is not None:
                 self.weight_version = weight_version
-            self.scheduler.weights_updated(self.weight_version)
+            self.scheduler.policy.weights_updated(self.weight_version)
             if torch_empty_cache:
                 _empty_device_cache(self.runner.device)
             seconds = time.perf_counter() - start
@@ -252,8 +252,7 @@ class EngineControl(EngineReports):
             if abort_all_requests:
                 self.scheduler.abort_all("aborted by update_weight_version")
             self.weight_version = new_version
-            if self.scheduler.alarm is not None:
-                self.scheduler.alarm.relabel(new_version)
+            self.scheduler.policy.relabel(new_version)
 
         self._call(run)
         return {

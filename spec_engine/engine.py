@@ -41,7 +41,7 @@ from spec_engine.core.stats import RequestStats
 from spec_engine.core.tokenizer import load_tokenizer
 from spec_engine.mem.radix_cache import RadixCache
 from spec_engine.runner.model_runner import ModelRunner
-from spec_engine.speculative.factory import create_worker
+from spec_engine.speculative.factory import create_policy, create_worker
 from spec_engine.weights.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,8 @@ class Engine(EngineControl):
             and self.config.draft_kind.uses_target_features,
         )
         worker = create_worker(self.config, self.runner, tree_cache.alloc_slots, eos_ids)
-        self.scheduler = Scheduler(args, worker, tree_cache, eos_ids, decode_tail)
+        policy = create_policy(args, worker)
+        self.scheduler = Scheduler(args, worker, policy, tree_cache, eos_ids, decode_tail)
         self.inputs = self._request_builder(worker.decode_headroom())
         draft = getattr(worker, "draft", None)
         self.updater = WeightUpdater(self.runner.model, self.runner.device, draft)
@@ -263,7 +264,7 @@ class Engine(EngineControl):
 
     def _make_callback(self, index: int, channel: Channel) -> Callable[[Req, bool], None]:
         def on_output(req: Req, finished: bool) -> None:
-            alarm = self.scheduler.alarm  # read on the scheduler thread, which calls this
+            alarm = self.scheduler.policy.accept_alarm  # on the scheduler thread: it calls this
             delivered = channel.put(
                 Delivery.of(
                     index,
@@ -271,7 +272,7 @@ class Engine(EngineControl):
                     finished,
                     self.weight_version,
                     self.args.speculative_algorithm is not None,
-                    alarm is not None and alarm.up,
+                    alarm,
                 )
             )
             if finished:

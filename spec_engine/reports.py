@@ -91,31 +91,28 @@ class EngineReports:
     def _load(self, sections: set[str]) -> dict[str, Any]:
         s, stats = self.scheduler, self.stats.snapshot()
         every = "all" in sections
-        running, waiting = _num_running(s), len(s.waiting)
-        used = s.allocator.total_tokens - s.available_tokens()
-        usage = used / s.allocator.total_tokens
+        waiting = s.admission.waiting
+        running, total = _num_running(s), s.kv.allocator.total_tokens
+        used = total - s.kv.available_tokens()
+        usage = used / total
+        max_running = self.args.max_running_requests
         load: dict[str, Any] = {
             "dp_rank": 0,
             "num_running_reqs": running,
-            "num_waiting_reqs": waiting,
+            "num_waiting_reqs": len(waiting),
             "num_used_tokens": used,
             # SGLang's: the tokens in use plus those the queue will prefill.
-            "num_total_tokens": used + sum(r.seq_len for r in s.waiting),
-            "max_total_num_tokens": s.allocator.total_tokens,
+            "num_total_tokens": used + sum(r.seq_len for r in waiting),
+            "max_total_num_tokens": total,
             "token_usage": round(usage, 4),
             "gen_throughput": round(s.last_gen_throughput, 2),
             "cache_hit_rate": round(stats["cached_tokens"] / max(stats["prompt_tokens"], 1), 4),
-            "utilization": round(max(running / s.max_running, usage / 0.9), 4),
-            "max_running_requests": s.max_running,
+            "utilization": round(max(running / max_running, usage / 0.9), 4),
+            "max_running_requests": max_running,
         }
-        if (every or "spec" in sections) and s.spec_verify_ct:
-            # Accepted drafts over the most the passes could accept: each pass's draft depth
-            # (--speculative-adaptive runs shallower passes than the configured depth).
-            accepted = s.spec_emitted - s.spec_verify_ct
-            load["speculative"] = {
-                "accept_length": s.spec_emitted / s.spec_verify_ct,
-                "accept_rate": accepted / max(s.spec_depth_sum, 1),
-            }
+        speculative = s.policy.load()
+        if (every or "spec" in sections) and speculative is not None:
+            load["speculative"] = speculative
         if every or "disagg" in sections:
             load["disaggregation"] = {
                 "mode": "null",
@@ -129,34 +126,26 @@ class EngineReports:
             }
         if every or "queues" in sections:
             load["queues"] = {
-                "waiting": waiting,
+                "waiting": len(waiting),
                 "grammar": 0,
-                "paused": running + waiting if self.memory.paused else 0,
-                "retracted": sum(1 for r in s.waiting if r.retractions),
+                "paused": running + len(waiting) if self.memory.paused else 0,
+                "retracted": sum(1 for r in waiting if r.retractions),
             }
-        load["num_total_reqs"] = running + waiting
+        load["num_total_reqs"] = running + len(waiting)
         return load
 
     def _internal_state(self) -> dict[str, Any]:
         s = self.scheduler
-        state = {
-            "num_used_tokens": s.allocator.total_tokens - s.available_tokens(),
+        free, total = s.kv.available_tokens(), s.kv.allocator.total_tokens
+        return {
+            "num_used_tokens": total - free,
             "num_running_reqs": _num_running(s),
-            "num_waiting_reqs": len(s.waiting),
-            "token_usage": round(1.0 - s.available_tokens() / s.allocator.total_tokens, 4),
-            "num_retractions": s.num_retractions,
+            "num_waiting_reqs": len(s.admission.waiting),
+            "token_usage": round(1.0 - free / total, 4),
+            "num_retractions": s.retraction.num_retractions,
             "last_gen_throughput": s.last_gen_throughput,
+            **s.policy.report(),  # speculation's counters, alarm and cost model
         }
-        if self.args.speculative_algorithm is not None:
-            state["avg_spec_accept_length"] = (
-                s.spec_emitted / s.spec_verify_ct if s.spec_verify_ct else None
-            )
-            state["spec_verify_ct"] = s.spec_verify_ct
-            state["spec_time_breakdown"] = dict(s.worker.timings.seconds)
-            state["spec_accept_alarm"] = s.alarm.report()
-            if s.adaptive is not None:
-                state["spec_adaptive"] = s.adaptive.report()
-        return state
 
     def get_model_info(self) -> dict[str, Any]:
         return {
@@ -255,7 +244,7 @@ class EngineReports:
 
 def _num_running(s: Scheduler) -> int:
     """Running requests, a half-prefilled (chunked) one included."""
-    return len(s.running) + (s.chunked is not None and s.chunked not in s.running)
+    return len(s.active_reqs())
 
 
 def _checksum_report(checksums: dict[str, str]) -> dict[str, Any]:

@@ -230,7 +230,7 @@ class EngineArgs:
         "depth per batch-size bucket, accept length per depth): run the mode expected to emit "
         "the most tokens/s. Any algorithm; the tree flags are the deepest shape it may choose.",
     )
-    # Acceptance alarm (spec_engine.core.accept_alarm): the draft falls behind a weight update
+    # Acceptance alarm (speculative.accept_alarm): the draft falls behind a weight update
     speculative_on_collapse: str = _opt(
         "warn",
         "When the accept length under new weights falls below --speculative-collapse-threshold x "

@@ -39,7 +39,7 @@ SGLANG_ATTENTION_BACKENDS = (
 )
 SCHEDULE_POLICIES = ("fcfs",)
 LOG_LEVELS = ("debug", "info", "warning", "error")
-ON_COLLAPSE_CHOICES = ("warn", "disable")  # spec_engine.core.accept_alarm's modes
+ON_COLLAPSE_CHOICES = ("warn", "disable")  # spec_engine.speculative.accept_alarm's modes
 # Options that must be positive integers when given (None: auto).
 POSITIVE_OR_AUTO = ("context_length", "max_total_tokens", "max_running_requests")
 POSITIVE = (

@@ -3,8 +3,8 @@
 A verify step of depth d checks a draft at most d tokens deep. Deeper drafts accept more tokens
 per verify when the draft predicts well, but every drafted token costs a draft step (EAGLE
 family) and a verify row per request; which depth emits the most tokens per second depends on
-the batch size and on how far drafts are accepted, so the cost model (core.adaptive) measures a
-few depths per batch-size bucket and picks one per step. The configured flags
+the batch size and on how far drafts are accepted, so the cost model (speculative.adaptive)
+measures a few depths per batch-size bucket and picks one per step. The configured flags
 (--speculative-num-steps, -eagle-topk, -num-draft-tokens) are the deepest shape.
 
 The candidate depths are the powers of two below the configured depth and that depth itself

@@ -43,7 +43,7 @@ class Delivery:
     # Prompt log-probs (complete once the prompt is prefilled) when asked for.
     input_logprobs: Optional[list[float]] = None
     input_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
-    # Whether the acceptance alarm (core.accept_alarm) is up for the weights that produced it.
+    # Whether the acceptance alarm (speculative.accept_alarm) is up for the weights that made it.
     accept_alarm: bool = False
     # With return_routed_experts, at the finish: [tokens, layers, top_k] int32 (Req's).
     routed_experts: Optional[torch.Tensor] = None
@@ -241,7 +241,7 @@ def _spec_meta(spec: tuple[int, int, int], accept_alarm: bool) -> dict[str, Any]
         "spec_accept_token_num": accepted,
         "spec_draft_token_num": drafted,
         "spec_accept_rate": accepted / drafted if drafted else 0.0,
-        # specrl's: acceptance collapsed after a weight update (core.accept_alarm).
+        # specrl's: acceptance collapsed after a weight update (speculative.accept_alarm).
         "spec_accept_alarm": accept_alarm,
     }
 

@@ -82,7 +82,7 @@ class Req:
     spec_drafted: int = 0
     # Decoded without speculation (acceptance alarm, --speculative-on-collapse disable): the
     # draft's KV and state lag behind its tokens, so it decodes plainly until it finishes or a
-    # retraction's prefill rebuilds them (see Scheduler._decode_groups).
+    # retraction's prefill rebuilds them (speculative/policy.py).
     draft_stale: bool = False
     # --speculative-adaptive with a draft model: the draft's inputs at the positions decoded
     # plainly since its KV was last in step, for the next speculative step to catch up on

@@ -2,8 +2,11 @@
 
 The scheduler decides which requests run and keeps KV headroom; a worker turns requests into
 forward batches, allocates the KV slots its forwards write, and returns the tokens each
-request emitted. Speculative workers implement the same three methods and may emit several
-tokens per request per decode step.
+request emitted. The interface the scheduler sees is five methods: `prefill`, `decode`, the KV a
+decode will allocate (`decode_kv_demand`) and may hold beyond a sequence (`decode_headroom`),
+and `release`. Speculative workers (speculative/base.py) implement the same methods, may emit
+several tokens per request per decode step, and decode at the depth the speculation policy
+chose (0: plainly); what only speculation needs of them the policy asks them directly.
 """
 
 from __future__ import annotations
@@ -50,9 +53,6 @@ class StepResult:
 
 
 class ModelWorker:
-    # The deepest speculative depth `decode` may be given (speculative workers; 0: none).
-    max_depth = 0
-
     def __init__(
         self, runner: ModelRunner, alloc_kv: AllocFn, eos_token_ids: frozenset[int]
     ) -> None:
@@ -65,29 +65,13 @@ class ModelWorker:
         self.vocab_size = runner.model_config.vocab_size
 
     def decode_kv_demand(self, reqs: Sequence[Req], depth: Optional[int] = None) -> int:
-        """KV tokens (whole pages) the next decode step of `reqs` at speculative `depth` (see
-        `decode`) will allocate."""
+        """KV tokens (whole pages) the next decode step of `reqs` at `depth` (see `decode`) will
+        allocate."""
         return self.page_size * sum(1 for r in reqs if r.kv_len % self.page_size == 0)
 
     def decode_headroom(self) -> int:
         """KV tokens a request may hold during a decode step beyond its own sequence (drafts)."""
         return 0
-
-    @property
-    def plain_steps_keep_draft(self) -> bool:
-        """Whether the worker may speculate again after `decode_plain` steps (no draft state a
-        plain step leaves behind)."""
-        return True
-
-    def catch_up(self, reqs: Sequence[Req], full_only: bool = False) -> None:
-        """Before a speculative `decode`: bring a draft that lags behind plain steps up to date
-        (speculative/draft_lag.py; `decode` would otherwise do it first), synchronized. Before a
-        plain step (`full_only`): only the drafts that lag by draft_lag.lag_limit positions."""
-
-    def catch_up_seconds(self, reqs: Sequence[Req]) -> Optional[float]:
-        """What `catch_up(reqs)` would take now (0 without a lagging draft; None: not known
-        yet)."""
-        return 0.0
 
     def release(self, req: Req) -> int:
         """Drop what the worker keeps for `req` between steps (its KV is being released).
@@ -150,9 +134,9 @@ class ModelWorker:
         return result, out, starts, ends
 
     def decode(self, reqs: Sequence[Req], depth: Optional[int] = None) -> StepResult:
-        """One decode step. `depth`: a speculative worker's draft depth for this step (one of
-        its shapes' depths, None: the deepest, --speculative-adaptive's choice otherwise);
-        plain decoding has one shape, the single token."""
+        """One decode step. `depth`: how a speculative worker decodes this step (None: its
+        configured shape, 0: plainly, else the depth of one of its shapes); plain decoding has
+        one shape, the single token."""
         return self._decode(reqs)[0]
 
     def _decode(
@@ -177,15 +161,6 @@ class ModelWorker:
         result = StepResult(tokens=[[] for _ in reqs])
         self._sample_into(result, out.logits, reqs, range(len(reqs)))
         return result, out
-
-    def decode_plain_kv_demand(self, reqs: Sequence[Req]) -> int:
-        """KV tokens the next `decode_plain` of `reqs` will allocate."""
-        return ModelWorker.decode_kv_demand(self, reqs)
-
-    def decode_plain(self, reqs: Sequence[Req]) -> StepResult:
-        """One token per request without speculation, whatever the worker: the target's KV
-        and sampling as plain decoding (a speculative worker's draft state is left behind)."""
-        return ModelWorker.decode(self, reqs)
 
     def _score_prompt(self, logits: torch.Tensor, scored: list[tuple[Req, list[int]]]) -> None:
         """Log-probs (and top log-probs) of prompt tokens at each request's temperature."""

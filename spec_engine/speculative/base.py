@@ -67,7 +67,7 @@ class SpecWorker(ModelWorker):
     ) -> None:
         super().__init__(runner, alloc_kv, eos_token_ids)
         # The configured (deepest) shape, and with --speculative-adaptive the shallower ones the
-        # scheduler may ask `decode` for (args.spec_shapes).
+        # speculation policy may ask `decode` for (args.spec_shapes).
         self.shapes = {s.depth: s for s in spec_shapes(args, args.speculative_adaptive)}
         self.max_depth = max(self.shapes)
         self.num_draft_tokens = args.speculative_num_draft_tokens
@@ -79,6 +79,48 @@ class SpecWorker(ModelWorker):
     def decode_headroom(self) -> int:
         # Verify slots past the last token (the deepest shape's), plus a page of rounding.
         return self.num_draft_tokens + self.page_size
+
+    def decode_kv_demand(self, reqs: Sequence[Req], depth: Optional[int] = None) -> int:
+        if depth == 0:
+            return super().decode_kv_demand(reqs)
+        return self._speculate_kv_demand(reqs, self.shape(depth))
+
+    def decode(self, reqs: Sequence[Req], depth: Optional[int] = None) -> StepResult:
+        """A verify round at `depth` (None: the deepest), or with depth 0 `decode_plain`."""
+        if depth == 0:
+            return self.decode_plain(reqs)
+        return self._speculate(reqs, self.shape(depth))
+
+    def _speculate_kv_demand(self, reqs: Sequence[Req], shape: SpecShape) -> int:
+        """KV tokens a verify round of `shape` allocates for `reqs`."""
+        raise NotImplementedError
+
+    def _speculate(self, reqs: Sequence[Req], shape: SpecShape) -> StepResult:
+        """Draft trees of `shape` for `reqs`, verified (SpecWorker.verify)."""
+        raise NotImplementedError
+
+    def decode_plain(self, reqs: Sequence[Req]) -> StepResult:
+        """One token per request without speculation: the target's KV and sampling as plain
+        decoding (a draft's state is left behind unless the worker records what it misses)."""
+        return ModelWorker.decode(self, reqs)
+
+    # What the speculation policy (speculative/policy.py) asks of a worker beyond decoding.
+
+    @property
+    def plain_steps_keep_draft(self) -> bool:
+        """Whether the worker may speculate again after `decode_plain` steps (no draft state a
+        plain step leaves behind)."""
+        return True
+
+    def catch_up(self, reqs: Sequence[Req], full_only: bool = False) -> None:
+        """Before a speculative `decode`: bring a draft that lags behind plain steps up to date
+        (speculative/draft_lag.py; `decode` would otherwise do it first), synchronized. Before a
+        plain step (`full_only`): only the drafts that lag by draft_lag.lag_limit positions."""
+
+    def catch_up_seconds(self, reqs: Sequence[Req]) -> Optional[float]:
+        """What `catch_up(reqs)` would take now (0 without a lagging draft; None: not known
+        yet)."""
+        return 0.0
 
     def shape(self, depth: Optional[int]) -> SpecShape:
         """The shape of a decode step at `depth` (None: the deepest)."""
@@ -106,30 +148,46 @@ class SpecWorker(ModelWorker):
         """Run the target over every tree (slots already allocated), accept, keep accepted KV."""
         start = self.timings.now()
         self.verify_steps += 1
+        batch = self._verify_batch(reqs, trees)
+        slots = batch.out_cache_loc
+        out = self.runner.forward(batch)
+        result, accepts = self._accept(out.logits, reqs, trees)
+        start = self.timings.add("verify_s", start)
+        self._keep_accepted(reqs, [t.size for t in trees], accepts, slots)
+        self.timings.add("bookkeeping_s", start)
+        return result, accepts, out
+
+    def _verify_batch(self, reqs: Sequence[Req], trees: Sequence[DraftTree]) -> ForwardBatch:
+        """The TARGET_VERIFY forward of each tree after its request's KV, node i at position
+        kv_len + its depth writing the slot of kv_len + i, attending by the tree's mask."""
         ids, positions = [], []
         for r, tree in zip(reqs, trees):
             ids.extend(tree.tokens)
             positions.extend(r.kv_len + d for d in tree.depths)
         sizes = [t.size for t in trees]
         kv_lens = [r.kv_len for r in reqs]
-        slots = self.runner.req_to_token_pool.read_ranges(
-            [r.req_pool_idx for r in reqs], kv_lens, [k + n for k, n in zip(kv_lens, sizes)]
-        )
-        batch = ForwardBatch(
+        ends = [k + n for k, n in zip(kv_lens, sizes)]
+        return ForwardBatch(
             mode=ForwardMode.TARGET_VERIFY,
             input_ids=self._tensor(ids),
             positions=self._tensor(positions),
-            out_cache_loc=slots,
+            out_cache_loc=self.runner.req_to_token_pool.read_ranges(
+                [r.req_pool_idx for r in reqs], kv_lens, ends
+            ),
             req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
-            seq_lens=self._tensor([r.kv_len + n for r, n in zip(reqs, sizes)]),
-            seq_lens_cpu=[r.kv_len + n for r, n in zip(reqs, sizes)],
+            seq_lens=self._tensor(ends),
+            seq_lens_cpu=ends,
             extend_seq_lens_cpu=sizes,
-            extend_prefix_lens_cpu=[r.kv_len for r in reqs],
+            extend_prefix_lens_cpu=kv_lens,
             custom_masks=_verify_masks(trees, kv_lens, self.device),
             capture_hidden=True,
         )
-        out = self.runner.forward(batch)
-        logits = out.logits
+
+    def _accept(
+        self, logits: torch.Tensor, reqs: Sequence[Req], trees: Sequence[DraftTree]
+    ) -> tuple[StepResult, list[Acceptance]]:
+        """Accept each tree's longest path the target agrees with (tree rejection sampling at the
+        requests' sampling parameters), with the emitted tokens' log-probs."""
         bad_rows: set[int] = set()
         if self.runner.args.enable_nan_detection:
             logits = replace_nan(logits)
@@ -150,15 +208,12 @@ class SpecWorker(ModelWorker):
             [r.input.return_logprob for r in reqs],
             [r.input.top_logprobs_num for r in reqs],
         )
-        top_p_ids = _top_p_replay(logits, reqs, accepts, logprobs)
-        start = self.timings.add("verify_s", start)
-        self._keep_accepted(reqs, sizes, accepts, slots)
-        self.timings.add("bookkeeping_s", start)
+        top_p_ids = _top_p_replay(logits, reqs, accepts, logprobs)  # renormalises logprobs
         result = StepResult(
             tokens=[a.tokens for a in accepts],
             logprobs=logprobs,
             top_logprobs=top,
-            drafted=[n - 1 for n in sizes],
+            drafted=[t.size - 1 for t in trees],
             accept_paths=[a.path for a in accepts],
             top_p_ids=top_p_ids,
             # Only rows that produced an emitted token count: a rejected draft branch (say, a
@@ -167,7 +222,7 @@ class SpecWorker(ModelWorker):
                 i: NONFINITE_LOGITS for i, a in enumerate(accepts) if bad_rows.intersection(a.rows)
             },
         )
-        return result, accepts, out
+        return result, accepts
 
     def _keep_accepted(
         self,

@@ -33,7 +33,7 @@ from spec_engine.core.request import Req
 # Positions a request's draft may lag before it catches up: as many as its share of
 # LAG_BUDGET_BYTES of feature rows holds (all running requests lagging at once), at least MIN_LAG
 # and at most MAX_LAG (the widest catch-up extend per request; token-only drafts: MAX_LAG). While
-# plain decoding wins for long (core.adaptive backs off its tries of speculation) a catch-up
+# plain decoding wins for long (speculative.adaptive backs off its tries of speculation) a catch-up
 # comes every that many plain steps, and a request that finishes lagging skips it.
 MIN_LAG = 128
 MAX_LAG = 1024
@@ -108,7 +108,7 @@ class ExtendCost:
         different sizes were measured (a prefill's and a catch-up's)."""
         if positions <= 0:
             return 0.0
-        if self._fit is None:  # fitted once per sample: the scheduler asks every decode step
+        if self._fit is None:  # fitted once per sample: the policy asks every decode step
             xs = [x for x, _ in self.samples]
             if len(set(xs)) < 2:
                 return None

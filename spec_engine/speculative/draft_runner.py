@@ -12,10 +12,12 @@ import os
 from typing import Optional
 
 import torch
+from torch import nn
 
 from spec_engine.args.resolve import DraftKind, EngineConfig
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.linear import Linear
+from spec_engine.mem.kv_pool import KVPool
 from spec_engine.models.registry import model_class, mtp_class
 from spec_engine.runner.base import RunnerBase
 from spec_engine.runner.graph_runner import GraphSpec
@@ -25,33 +27,55 @@ from spec_engine.weights.loader import build_model
 
 class DraftRunner(RunnerBase):
     def __init__(self, config: EngineConfig, target: ModelRunner) -> None:
-        args, kind, draft = config.args, config.draft_kind, config.draft
-        self.kind = kind
+        self.kind = config.draft_kind
         self.target = target
         # The target drafting for itself runs its own model on its own KV cache: the draft's KV
         # at a position would equal the target's there.
         self.shares_target = config.self_draft
         # --enable-multi-layer-eagle: draft step k runs MTP layer k (its own layer of the pool).
+        args = config.args
         self.mtp_layers = args.speculative_num_steps if args.enable_multi_layer_eagle else 1
+        self.model = self._build_model(config)  # before RunnerBase sets it: refresh() reads it
+        self._bind_vocab(config)
+        self.refresh()
+        super().__init__(
+            args,
+            config.draft,
+            self.model,
+            self._kv_pool(config),
+            target.req_to_token_pool,
+            target.allocator,
+            target.max_running_requests,
+            target.graph_pool,
+            self._graph_specs(config),
+        )
+
+    def _build_model(self, config: EngineConfig) -> nn.Module:
+        """The draft model: the target itself for a self-draft, else built from its checkpoint
+        (an MTP draft: only the MTP layers' weights of the target's)."""
         if self.shares_target:
-            model = target.model
-        else:
-            cls = mtp_class(draft) if kind is DraftKind.MTP else model_class(draft)
-            model = build_model(
-                cls,
-                draft,
-                target.dtype,
-                target.device,
-                config.draft_checkpoint,
-                only_known=kind is DraftKind.MTP,
-                **({"num_layers": self.mtp_layers} if self.mtp_layers > 1 else {}),
-            )
-        self.model = model  # before RunnerBase sets it: refresh() below reads it
+            return self.target.model
+        kind, draft = self.kind, config.draft
+        cls = mtp_class(draft) if kind is DraftKind.MTP else model_class(draft)
+        return build_model(
+            cls,
+            draft,
+            self.target.dtype,
+            self.target.device,
+            config.draft_checkpoint,
+            only_known=kind is DraftKind.MTP,
+            **({"num_layers": self.mtp_layers} if self.mtp_layers > 1 else {}),
+        )
+
+    def _bind_vocab(self, config: EngineConfig) -> None:
+        """Embedding and head (the draft's own where it has them, else the target's), the
+        vocabulary limits between a STANDALONE draft and its target, and an FR-Spec token map."""
+        kind, draft, target = self.kind, config.draft, self.target
         if kind is DraftKind.STANDALONE:
-            self.embed, self.head = model.model.embed_tokens, model.lm_head
+            self.embed, self.head = self.model.model.embed_tokens, self.model.lm_head
         else:
             self.embed = target.model.model.embed_tokens
-            own = model.draft_head() if kind is DraftKind.EAGLE3 else None
+            own = self.model.draft_head() if kind is DraftKind.EAGLE3 else None
             self.head = own if own is not None else target.model.lm_head
         # A STANDALONE draft with another vocab_size than the target (padded embedding rows;
         # resolve checked that the tokenizers agree) never proposes ids the target lacks, and
@@ -63,30 +87,24 @@ class DraftRunner(RunnerBase):
             draft.vocab_size if standalone and draft.vocab_size < target_vocab else None
         )
         self.token_map = None
-        if args.speculative_token_map is not None:
-            self.token_map = load_token_map(args.speculative_token_map, draft.vocab_size).to(
-                target.device
-            )
-        self.refresh()
-        # An MTP draft is one layer of the target's shape (every other draft is all of its config).
-        layers = self.mtp_layers if kind is DraftKind.MTP else draft.num_hidden_layers
-        kv_pool = (
-            target.kv_pool
-            if self.shares_target
-            else new_kv_pool(
-                draft, target.max_total_tokens, args.page_size, layers, target.dtype, target.device
-            )
-        )
-        super().__init__(
-            args,
+        token_map = config.args.speculative_token_map
+        if token_map is not None:
+            self.token_map = load_token_map(token_map, draft.vocab_size).to(target.device)
+
+    def _kv_pool(self, config: EngineConfig) -> KVPool:
+        """The target's pool for a self-draft, else a pool of the draft's layers (an MTP draft's
+        are layers of the target's shape; every other draft is all of its config)."""
+        if self.shares_target:
+            return self.target.kv_pool
+        draft, target = config.draft, self.target
+        layers = self.mtp_layers if self.kind is DraftKind.MTP else draft.num_hidden_layers
+        return new_kv_pool(
             draft,
-            model,
-            kv_pool,
-            target.req_to_token_pool,
-            target.allocator,
-            target.max_running_requests,
-            target.graph_pool,
-            self._graph_specs(config),
+            target.max_total_tokens,
+            config.args.page_size,
+            layers,
+            target.dtype,
+            target.device,
         )
 
     @property

@@ -12,12 +12,12 @@ plus their own ancestors' draft KV in scratch slots); keep the best `num_draft_t
 candidates as a tree; verify it with the target (SpecWorker.verify); extend the draft over the
 accepted tokens.
 
-Under --speculative-adaptive the scheduler also picks the round's depth: a shallower shape
-(args.spec_shapes) drafts fewer steps and keeps fewer candidates from the same next-round state,
-and the extend after its verify leaves the state any depth starts from, so depths may change
-from one round to the next.
+Under --speculative-adaptive the speculation policy also picks the round's depth: a shallower
+shape (args.spec_shapes) drafts fewer steps and keeps fewer candidates from the same next-round
+state, and the extend after its verify leaves the state any depth starts from, so depths may
+change from one round to the next.
 
-Plain steps under --speculative-adaptive (the scheduler decodes plainly when its cost model
+Plain steps under --speculative-adaptive (the policy decodes plainly when its cost model
 expects that to emit more tokens/s) run no draft work: they record the draft's inputs at the
 decoded positions (speculative/draft_lag.py), and the next speculative step first extends the
 draft over every lagging request's recorded positions in one batch — the extend each plain
@@ -111,8 +111,7 @@ class EagleWorker(SpecWorker):
         # which is then behind for good: the draft work is saved for the rest of the request.
         return self.adaptive
 
-    def decode_kv_demand(self, reqs: Sequence[Req], depth: Optional[int] = None) -> int:
-        shape = self.shape(depth)
+    def _speculate_kv_demand(self, reqs: Sequence[Req], shape: SpecShape) -> int:
         scratch = -(-self._scratch_size(len(reqs), shape.steps) // self.page_size) * self.page_size
         return self.verify_kv_demand(reqs, [shape.draft_tokens] * len(reqs)) + scratch
 
@@ -139,12 +138,11 @@ class EagleWorker(SpecWorker):
 
     # ---------------------------------------------------------------- decode
 
-    def decode(self, reqs: Sequence[Req], depth: Optional[int] = None) -> StepResult:
-        """A round at `depth`: that many draft steps and the shape's draft tokens (any depth
-        drafts from the same state, and the extend after the verify leaves the state every
-        depth starts from)."""
+    def _speculate(self, reqs: Sequence[Req], shape: SpecShape) -> StepResult:
+        """A round of `shape`: its depth in draft steps and its draft tokens (any depth drafts
+        from the same state, and the extend after the verify leaves the state every depth
+        starts from)."""
         self.catch_up(reqs)
-        shape = self.shape(depth)
         start = self.timings.now()
         self.alloc_verify_slots(reqs, [shape.draft_tokens] * len(reqs))
         size = self._scratch_size(len(reqs), shape.steps)

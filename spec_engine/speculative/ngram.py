@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from spec_engine.args.engine_args import EngineArgs
+from spec_engine.args.spec_shapes import SpecShape
 from spec_engine.core.request import Req
 from spec_engine.core.worker import AllocFn, StepResult
 from spec_engine.runner.model_runner import ModelRunner
@@ -144,13 +145,13 @@ class NgramWorker(SpecWorker):
             args.speculative_ngram_capacity,
         )
 
-    def decode_kv_demand(self, reqs: Sequence[Req], depth: Optional[int] = None) -> int:
-        return self.verify_kv_demand(reqs, [self.shape(depth).draft_tokens] * len(reqs))
+    def _speculate_kv_demand(self, reqs: Sequence[Req], shape: SpecShape) -> int:
+        return self.verify_kv_demand(reqs, [shape.draft_tokens] * len(reqs))
 
-    def decode(self, reqs: Sequence[Req], depth: Optional[int] = None) -> StepResult:
+    def _speculate(self, reqs: Sequence[Req], shape: SpecShape) -> StepResult:
         """Draft trees of at most the shape's tokens (a shallower depth: a smaller tree, as
         deep as it is long at most), verified."""
-        nodes = self.shape(depth).draft_tokens
+        nodes = shape.draft_tokens
         start = self.timings.now()
         trees = []
         for r in reqs:

@@ -14,8 +14,8 @@ from rollout.metrics import spec_metrics
 from rollout.sample import Sample
 from spec_engine import Engine
 from spec_engine.args.engine_args import EngineArgs
-from spec_engine.core.accept_alarm import AcceptAlarm
 from spec_engine.launch_server import build_parser
+from spec_engine.speculative.accept_alarm import AcceptAlarm
 from specrl.train_options import parse_args
 from tests.conftest import random_prompts
 from tiny.checkpoints import add_mimo_mtp, build_eagle_draft
@@ -154,7 +154,7 @@ def test_warn_mode_raises_the_alarm_and_keeps_speculating(models, caplog):
         first = run(engine, return_logprob=True)
         assert all(o["meta_info"]["spec_accept_length"] > 3.5 for o in first)
         assert not any(o["meta_info"]["spec_accept_alarm"] for o in first)
-        with caplog.at_level(logging.WARNING, logger="spec_engine.core.accept_alarm"):
+        with caplog.at_level(logging.WARNING, logger="spec_engine.speculative.accept_alarm"):
             engine.update_weights_from_disk(models["new"], weight_version="step-1")
             outs = run(engine, return_logprob=True)
         lines = [r.getMessage() for r in caplog.records if "collapsed" in r.getMessage()]
@@ -247,7 +247,7 @@ def test_switching_mid_request_stays_lossless(feature_drafts, kind):
         engine.pause_generation(mode="in_place")
 
         def force() -> list[int]:
-            engine.scheduler.alarm.up = True
+            engine.scheduler.policy.alarm.up = True
             return [r.spec_verify_ct for r in engine.scheduler.running]
 
         verified_before = engine._call(force)
@@ -294,7 +294,7 @@ def test_retracted_plain_requests_speculate_again_after_the_update(feature_draft
         speculative_on_collapse="disable",
         **draft,
     ) as engine:
-        engine._call(lambda: setattr(engine.scheduler.alarm, "up", True))
+        engine._call(lambda: setattr(engine.scheduler.policy.alarm, "up", True))
         stream = engine.generate(input_ids=prompts, sampling_params=params, stream=True)
 
         def all_stale() -> bool:  # every request runs and has taken a plain step
@@ -304,7 +304,7 @@ def test_retracted_plain_requests_speculate_again_after_the_update(feature_draft
         while not engine._call(all_stale):
             next(stream)
         engine.pause_generation(mode="retract")
-        waiting = engine._call(lambda: list(engine.scheduler.waiting))
+        waiting = engine._call(lambda: list(engine.scheduler.admission.waiting))
         assert len(waiting) == len(prompts) and all(r.draft_stale for r in waiting)
         engine.update_weights_from_disk(path, weight_version="same-weights")
         engine.continue_generation()

@@ -10,21 +10,17 @@ from hypothesis import strategies as st
 from spec_engine import Engine
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.args.spec_shapes import candidate_depths, spec_shapes
-from spec_engine.core.adaptive import (
-    EXPLORE_BUDGET,
-    EXPLORE_EVERY,
-    LATEST_STEPS,
-    MAX_EXPLORE_EVERY,
-    NOISE,
-    PLAIN,
-    RECENT,
-    STEP_SAMPLES,
-    WARM_STEPS,
-    SpecCostModel,
-    bucket,
-)
 from spec_engine.launch_server import build_parser
 from spec_engine.speculative import draft_lag
+from spec_engine.speculative.adaptive.accept_lengths import STEP_SAMPLES
+from spec_engine.speculative.adaptive.costs import EXPLORE_EVERY, NOISE, PLAIN, RECENT, bucket
+from spec_engine.speculative.adaptive.model import (
+    EXPLORE_BUDGET,
+    LATEST_STEPS,
+    MAX_EXPLORE_EVERY,
+    WARM_STEPS,
+    SpecCostModel,
+)
 from spec_engine.speculative.ngram import NgramCache
 from specrl.train_options import parse_args
 from tests.conftest import random_prompts
@@ -284,17 +280,17 @@ def test_accept_averages_count_requests_not_steps():
     for _ in range(30):
         model.observe(2, 1, 1.0, [[7, 7]])  # one draft accepted
     p1 = 31 / 32
-    assert model.survival[(2, 1)] == pytest.approx(p1)
-    assert model.survival[(2, 2)] == pytest.approx(1 / 32)
+    assert model.accept.survival[(2, 1)] == pytest.approx(p1)
+    assert model.accept.survival[(2, 2)] == pytest.approx(1 / 32)
     model.observe(2, 1, 1.0, [[7]])
-    assert model.survival[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32))
+    assert model.accept.survival[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32))
     model.observe(2, 8, 1.0, [[7]] * 8)
-    assert model.survival[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32) * (31 / 32) ** 8)
+    assert model.accept.survival[(2, 1)] == pytest.approx(p1 * (1 - 1 / 32) * (31 / 32) ** 8)
     assert model.accept_length(1) is None  # depth 1 of a tree: its own samples only
-    before = model.survival[(2, 1)]
+    before = model.accept.survival[(2, 1)]
     model.observe(2, 64, 1.0, [[7, 7]] * 64)  # one step counts as STEP_SAMPLES requests at most
     weight = 1 - (31 / 32) ** STEP_SAMPLES
-    assert model.survival[(2, 1)] == pytest.approx(before + weight * (1 - before))
+    assert model.accept.survival[(2, 1)] == pytest.approx(before + weight * (1 - before))
 
 
 def test_an_ngram_step_measures_every_smaller_tree_from_its_accepted_paths():
@@ -314,7 +310,9 @@ def test_an_ngram_step_measures_every_smaller_tree_from_its_accepted_paths():
     tree.observe(4, 2, 1.0, tokens, paths)
     assert tree.accept_length(4) == pytest.approx(3.5) and tree.accept_length(2) is None
     args = EngineArgs(model_path="m", **NGRAM, speculative_adaptive=True)
-    assert SpecCostModel.from_args(args).contained and not SpecCostModel.from_args(args).nested
+    assert (
+        SpecCostModel.from_args(args).accept.contained and not SpecCostModel.from_args(args).nested
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -571,7 +569,7 @@ def test_speculates_at_batch_1_and_decodes_plainly_at_a_large_batch(target):
     with Engine(model_path=target, random_seed=0, speculative_adaptive=True, **NGRAM) as engine:
 
         def inject() -> None:
-            model = engine.scheduler.adaptive
+            model = engine.scheduler.policy.adaptive
             model.set_accept([1.0])  # accept length 2 at every depth
             for b in (1, 2):
                 model.set_costs(b, plain_s=1.0, spec_s=1.5)  # gain 1.33
@@ -605,7 +603,7 @@ def test_measured_online_outputs_equal_plain_decoding(target):
     with Engine(model_path=target, random_seed=0, speculative_adaptive=True, **NGRAM) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         report = engine.get_server_info()["internal_states"][0]["spec_adaptive"]
-        costs = engine.scheduler.adaptive.costs
+        costs = engine.scheduler.policy.adaptive.costs
         for modes in costs.values():
             for cost in modes.values():
                 cost.interval = MAX_EXPLORE_EVERY  # as after many lost tries

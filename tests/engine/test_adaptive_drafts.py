@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from spec_engine import Engine
-from spec_engine.core.adaptive import SpecCostModel
 from spec_engine.core.scheduler import Scheduler
 from spec_engine.forward_batch import ForwardMode
 from spec_engine.runner.graph_runner import GraphRunner
 from spec_engine.speculative import draft_lag
+from spec_engine.speculative.adaptive.model import SpecCostModel
 from spec_engine.speculative.base import SpecWorker
 from spec_engine.speculative.draft_runner import DraftRunner
 from spec_engine.speculative.eagle_worker import EagleWorker
@@ -115,7 +115,7 @@ def draft_kv(engine: Engine, tokens: list[int]) -> torch.Tensor:
     thread."""
 
     def read() -> torch.Tensor:
-        slots, _ = engine.scheduler.tree_cache.match_prefix(tokens)
+        slots, _ = engine.scheduler.kv.tree_cache.match_prefix(tokens)
         pool = engine.scheduler.worker.draft.kv_pool
         return torch.stack([buf[slots].float().clone() for buf in pool.buffers()])
 
@@ -313,7 +313,7 @@ def test_a_draft_that_predicts_well_accepts_as_much_after_a_plain_stretch(
         assert not engine.scheduler.worker.draft.shares_target
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         report = engine.get_server_info()["internal_states"][0]["spec_adaptive"]
-        alarm = engine.scheduler.alarm.current
+        alarm = engine.scheduler.policy.alarm.current
     assert report["speculative_steps"] > 0 and report["plain_steps"] > 0
     assert all(out["meta_info"]["spec_verify_ct"] > 0 for out in outs)
     assert {step["depth"] for step in verified} == {1, 2, steps}

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from spec_engine import Engine
 from spec_engine.attention import make_backend
-from spec_engine.core.adaptive import SpecCostModel
 from spec_engine.mem.kv_pool import MLAKVPool
 from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.registry import model_class, mtp_class
+from spec_engine.speculative.adaptive.model import SpecCostModel
 from spec_engine.weights.loader import weight_spec
 from tests.conftest import random_prompts
 from tests.engine.test_adaptive_drafts import verified  # noqa: F401  (fixture)

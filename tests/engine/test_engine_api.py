@@ -114,7 +114,7 @@ def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(engine):
 
 @pytest.mark.parametrize("where", ["forward", "bookkeeping after prefill"])
 def test_a_failing_step_fails_its_requests_and_the_engine_recovers(engine, where):
-    owner = engine.scheduler.worker if where == "forward" else engine.scheduler.tree_cache
+    owner = engine.scheduler.worker if where == "forward" else engine.scheduler.kv.tree_cache
     name = "prefill" if where == "forward" else "cache_unfinished_req"
 
     def broken(*args, **kwargs):

@@ -105,7 +105,8 @@ def test_speculation_reports_the_accepted_tokens(glm, hf_routing, algorithm):
         outs = engine.generate(
             input_ids=prompts, sampling_params=GREEDY, return_routed_experts=True
         )
-        accepted = engine.scheduler.spec_emitted - engine.scheduler.spec_verify_ct
+        counters = engine.scheduler.policy.counters
+        accepted = counters.emitted - counters.verify_ct
     assert accepted > 0 or algorithm == "EAGLE"  # the tiny random MTP layer rarely guesses
     for prompt, out in zip(prompts, outs):
         assert_routing(hf_routing, prompt, out)

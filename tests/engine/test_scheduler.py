@@ -61,11 +61,11 @@ def test_retraction_under_small_kv_pool_gives_same_greedy_outputs(llama_path):
     params = {**GREEDY, "max_new_tokens": 48}
     with Engine(model_path=llama_path, random_seed=0) as engine:
         ample = engine.generate(input_ids=prompts, sampling_params=params)
-        assert engine.scheduler.num_retractions == 0
+        assert engine.scheduler.retraction.num_retractions == 0
     # 24 requests need ~1800 KV tokens at once; 300 forces admission limits and retractions.
     with Engine(model_path=llama_path, random_seed=0, max_total_tokens=300) as engine:
         tight = engine.generate(input_ids=prompts, sampling_params=params)
-        assert engine.scheduler.num_retractions > 0
+        assert engine.scheduler.retraction.num_retractions > 0
         assert_memory_clean(engine)
     assert [o["output_ids"] for o in tight] == [o["output_ids"] for o in ample]
 
@@ -77,7 +77,7 @@ def test_retraction_keeps_sampled_outputs_reproducible(llama_path):
         ample = engine.generate(input_ids=prompts, sampling_params=params)
     with Engine(model_path=llama_path, random_seed=5, max_total_tokens=200) as engine:
         tight = engine.generate(input_ids=prompts, sampling_params=params)
-        assert engine.scheduler.num_retractions > 0
+        assert engine.scheduler.retraction.num_retractions > 0
     assert [o["output_ids"] for o in tight] == [o["output_ids"] for o in ample]
 
 
@@ -211,7 +211,7 @@ def test_stop_conditions(llama_path, hf):
     plain = {"temperature": 0.0, "max_new_tokens": 20}
     with Engine(model_path=llama_path, random_seed=0) as engine:
         eos = engine.tokenizer.eos_token_id
-        assert eos in engine.scheduler.eos_token_ids
+        assert eos in engine.scheduler.outputs.eos_token_ids
         free = engine.generate(input_ids=prompt, sampling_params={**plain, "ignore_eos": True})
         ids, text = free["output_ids"], free["text"]
         # stop_token_ids: the first occurrence ends the output (the token is kept, its text

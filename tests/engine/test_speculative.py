@@ -299,7 +299,7 @@ def test_retraction_chunked_prefill_and_speculation(models):
         model_path=path, random_seed=0, max_total_tokens=400, chunked_prefill_size=32, **kwargs
     ) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-        assert engine.scheduler.num_retractions > 0
+        assert engine.scheduler.retraction.num_retractions > 0
         assert_clean(engine)
     assert_same(outs, baseline(path, prompts, params))
 

@@ -229,7 +229,7 @@ def test_pause_retract_update_continue_finishes_on_new_weights(pair):
         t, result = run_in_background(engine, params)
         engine.pause_generation(mode="retract")
         partial = engine._call(
-            lambda: {r.input.rid: list(r.output_ids) for r in engine.scheduler.waiting}
+            lambda: {r.input.rid: list(r.output_ids) for r in engine.scheduler.admission.waiting}
         )
         assert len(partial) == len(PROMPTS) and engine.scheduler.running == []
         engine.update_weights_from_disk(new)

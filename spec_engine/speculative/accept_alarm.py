@@ -7,10 +7,11 @@ spec_accept_length: tokens emitted per verify step) under each weight update, ke
 completed update reached, and raises once the current weights, after enough verify steps
 (--speculative-collapse-min-verify-steps, so a few unlucky steps do not fire it), fall below
 --speculative-collapse-threshold x that best. With --speculative-on-collapse disable the
-scheduler then decodes without speculation until the next weight update (of target or draft),
-after which speculation resumes and acceptance is measured afresh.
+speculation policy (speculative.policy.SpecPolicy) then has the scheduler decode without
+speculation until the next weight update (of target or draft), after which speculation resumes
+and acceptance is measured afresh.
 
-Runs on the scheduler thread only (the scheduler records, the engine's reports read).
+Runs on the scheduler thread only (the policy records, the engine's reports read).
 """
 
 from __future__ import annotations
