@@ -1,7 +1,7 @@
-"""trainer_bridge.convert and model_provider against transformers: megatron GPTModel logits equal
-the Hugging Face model's (TP=1 in process, TP=2 in two spawned gloo ranks), MiMo's MTP layer
-equals the engine's formula built from transformers' Qwen2 layer, and Hugging Face -> megatron
--> Hugging Face reproduces every tensor bit for bit."""
+"""trainer_bridge.convert and trainer_bridge.model.provider against transformers: megatron
+GPTModel logits equal the Hugging Face model's (TP=1 in process, TP=2 in two spawned gloo ranks),
+MiMo's MTP layer equals the engine's formula built from transformers' Qwen2 layer, and Hugging
+Face -> megatron -> Hugging Face reproduces every tensor bit for bit."""
 
 from __future__ import annotations
 
