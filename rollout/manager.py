@@ -25,6 +25,24 @@ from rollout.sample import Sample
 logger = logging.getLogger(__name__)
 
 Groups = list[list[Sample]]
+STATS = (
+    "groups_submitted",
+    "groups_filtered",
+    "groups_aborted",
+    "groups_leftover",
+    "response_tokens",
+)
+
+
+@dataclasses.dataclass
+class _Fill:
+    """One rollout's groups in flight, the ones kept, and the tallies of what became of them."""
+
+    rid_prefix: str
+    kept: Groups = dataclasses.field(default_factory=list)
+    pending: set[asyncio.Task] = dataclasses.field(default_factory=set)
+    stopping: bool = False  # read by the groups in flight: stop sampling more
+    stats: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(STATS, 0))
 
 
 class RolloutManager:
@@ -98,75 +116,72 @@ class RolloutManager:
         router, data_source = self._require_engines(), self._require_data()
         if self.reward_fn is None:
             raise ValueError("no reward function: set --rm-type or --custom-rm-path")
-        params = sampling_params_from_args(args)
         # aborting leftovers touches this rollout's requests only
-        rid_prefix = f"rollout-{uuid.uuid4().hex[:8]}-"
-        stopping = False
-        kept: Groups = []
-        pending: set[asyncio.Task] = set()
-        stats = {
-            "groups_submitted": 0,
-            "groups_filtered": 0,
-            "groups_aborted": 0,
-            "groups_leftover": 0,
-            "response_tokens": 0,
-        }
+        fill = _Fill(rid_prefix=f"rollout-{uuid.uuid4().hex[:8]}-")
+        params = sampling_params_from_args(args)
         try:
-            while len(kept) < args.rollout_batch_size:
-                # Keep enough groups in flight to fill the batch if every one of them is kept.
-                while len(kept) + len(pending) < args.rollout_batch_size:
-                    if stats["groups_submitted"] >= args.max_groups:
-                        raise RuntimeError(
-                            f"submitted {stats['groups_submitted']} groups but kept only "
-                            f"{len(kept)} of "
-                            f"{args.rollout_batch_size} ({stats['groups_filtered']} filtered out, "
-                            f"{stats['groups_aborted']} aborted or failed); raise "
-                            "--dynamic-sampling-max-groups "
-                            "or loosen --dynamic-sampling-filter-path"
-                        )
-                    for group in self._new_groups(
-                        data_source.get_prompts(args.over_sampling_size), args.n_samples_per_prompt
-                    ):
-                        pending.add(
-                            asyncio.ensure_future(
-                                generate_group(
-                                    args,
-                                    group,
-                                    params,
-                                    router,
-                                    self.generate_fn,
-                                    self.reward_fn,
-                                    lambda: stopping,
-                                    rid_prefix,
-                                    self.fn_args,
-                                )
-                            )
-                        )
-                        stats["groups_submitted"] += 1
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for group in sorted((t.result() for t in done), key=lambda g: g[0].group_index):
-                    stats["response_tokens"] += sum(s.response_length for s in group)
-                    if not group_is_complete(group):
-                        stats["groups_aborted"] += 1
-                    elif self.filter_fn is not None and not self.filter_fn(self.fn_args, group):
-                        stats["groups_filtered"] += 1
-                    elif len(kept) < args.rollout_batch_size:
-                        kept.append(group)
-                        if self.on_group_kept is not None:
-                            self.on_group_kept(len(kept), args.rollout_batch_size)
-                    else:  # finished together with the last group needed
-                        stats["groups_leftover"] += 1
+            while len(fill.kept) < args.rollout_batch_size:
+                self._top_up(fill, params, router, data_source)
+                done, fill.pending = await asyncio.wait(
+                    fill.pending, return_when=asyncio.FIRST_COMPLETED
+                )
+                self._sort_finished(fill, done)
         except BaseException:
-            stopping = True
-            await self._abort(
-                pending, rid_prefix, raise_errors=False
-            )  # the first error is the one to report
+            fill.stopping = True
+            # the first error is the one to report
+            await self._abort(fill.pending, fill.rid_prefix, raise_errors=False)
             raise
-        stopping = True
-        leftovers = await self._abort(pending, rid_prefix, raise_errors=True)
-        stats["response_tokens"] += sum(s.response_length for group in leftovers for s in group)
-        stats["groups_leftover"] += len(leftovers)
-        return kept, stats
+        fill.stopping = True
+        leftovers = await self._abort(fill.pending, fill.rid_prefix, raise_errors=True)
+        fill.stats["response_tokens"] += sum(s.response_length for g in leftovers for s in g)
+        fill.stats["groups_leftover"] += len(leftovers)
+        return fill.kept, fill.stats
+
+    def _top_up(self, fill: _Fill, params: dict, router: Router, data_source: DataSource) -> None:
+        """Keep enough groups in flight to fill the batch if every one of them is kept."""
+        args, stats = self.args, fill.stats
+        while len(fill.kept) + len(fill.pending) < args.rollout_batch_size:
+            if stats["groups_submitted"] >= args.max_groups:
+                raise RuntimeError(
+                    f"submitted {stats['groups_submitted']} groups but kept only "
+                    f"{len(fill.kept)} of "
+                    f"{args.rollout_batch_size} ({stats['groups_filtered']} filtered out, "
+                    f"{stats['groups_aborted']} aborted or failed); raise "
+                    "--dynamic-sampling-max-groups "
+                    "or loosen --dynamic-sampling-filter-path"
+                )
+            for group in self._new_groups(
+                data_source.get_prompts(args.over_sampling_size), args.n_samples_per_prompt
+            ):
+                task = generate_group(
+                    args,
+                    group,
+                    params,
+                    router,
+                    self.generate_fn,
+                    self.reward_fn,
+                    lambda: fill.stopping,
+                    fill.rid_prefix,
+                    self.fn_args,
+                )
+                fill.pending.add(asyncio.ensure_future(task))
+                stats["groups_submitted"] += 1
+
+    def _sort_finished(self, fill: _Fill, done: set[asyncio.Task]) -> None:
+        """Finished groups, in prompt order: kept, filtered out, aborted, or left over."""
+        stats, wanted = fill.stats, self.args.rollout_batch_size
+        for group in sorted((t.result() for t in done), key=lambda g: g[0].group_index):
+            stats["response_tokens"] += sum(s.response_length for s in group)
+            if not group_is_complete(group):
+                stats["groups_aborted"] += 1
+            elif self.filter_fn is not None and not self.filter_fn(self.fn_args, group):
+                stats["groups_filtered"] += 1
+            elif len(fill.kept) < wanted:
+                fill.kept.append(group)
+                if self.on_group_kept is not None:
+                    self.on_group_kept(len(fill.kept), wanted)
+            else:  # finished together with the last group needed
+                stats["groups_leftover"] += 1
 
     async def _abort(
         self, pending: set[asyncio.Task], rid_prefix: str, raise_errors: bool

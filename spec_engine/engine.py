@@ -80,7 +80,9 @@ class Engine(EngineControl):
         )
         worker = create_worker(self.config, self.runner, tree_cache.alloc_slots, eos_ids)
         policy = create_policy(args, worker)
-        self.scheduler = Scheduler(args, worker, policy, tree_cache, eos_ids, decode_tail)
+        self.scheduler = Scheduler(
+            args, worker, policy, tree_cache, eos_ids, decode_tail, self.runner.routing
+        )
         self.inputs = self._request_builder(worker.decode_headroom())
         draft = getattr(worker, "draft", None)
         self.updater = WeightUpdater(self.runner.model, self.runner.device, draft)

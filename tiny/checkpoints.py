@@ -132,6 +132,39 @@ def build_checkpoint(
     `extra_config`: more config keys (for glm4_moe, over GLM4_MOE_TINY); `init_device`: where the
     random weights are drawn ("cuda" builds an 8B model in seconds rather than minutes)."""
     import torch
+
+    config_cls, model_cls = _family(arch)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=0,
+    )
+    kwargs.update(_family_keys(arch, num_heads, head_dim, rope_scaling))
+    kwargs.update(extra_config or {})
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    with torch.device(init_device):
+        model = model_cls._from_config(config, dtype=getattr(torch, dtype))
+    if arch in ("glm4_moe", "deepseek_v3"):
+        _randomize_router_bias(model)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **save_kwargs)
+    if arch in ("glm4_moe", "deepseek_v3") and getattr(config, "num_nextn_predict_layers", 0):
+        _add_nextn_layers(out_dir, config, model_cls, dtype, copies=arch == "deepseek_v3")
+    return out_dir
+
+
+def _family(arch: str) -> tuple[Any, Any]:
+    """transformers' config and model classes of a family."""
     from transformers import (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
@@ -154,42 +187,24 @@ def build_checkpoint(
     }
     if arch not in families:
         raise ValueError(f"--arch must be one of {', '.join(families)}, got {arch!r}")
-    config_cls, model_cls = families[arch]
-    kwargs: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        initializer_range=initializer_range,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=0,
-    )
+    return families[arch]
+
+
+def _family_keys(
+    arch: str, num_heads: int, head_dim: int | None, rope_scaling: dict | None
+) -> dict[str, Any]:
+    """Config keys beyond the common shape: those given, and the MoE families' tiny defaults."""
+    keys: dict[str, Any] = {}
     if head_dim is not None:
-        kwargs["head_dim"] = head_dim
+        keys["head_dim"] = head_dim
     if rope_scaling is not None:
-        kwargs["rope_scaling"] = rope_scaling
+        keys["rope_scaling"] = rope_scaling
     if arch == "glm4_moe":
-        kwargs.update(GLM4_MOE_TINY)
+        keys.update(GLM4_MOE_TINY)
     if arch == "deepseek_v3":
         # MLA expands its keys to every head; transformers' DeepSeek needs kv heads == heads.
-        kwargs.update(DEEPSEEK_V3_TINY, num_key_value_heads=num_heads)
-    kwargs.update(extra_config or {})
-    config = config_cls(**kwargs)
-    torch.manual_seed(seed)
-    with torch.device(init_device):
-        model = model_cls._from_config(config, dtype=getattr(torch, dtype))
-    if arch in ("glm4_moe", "deepseek_v3"):
-        _randomize_router_bias(model)
-    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(out_dir, **save_kwargs)
-    if arch in ("glm4_moe", "deepseek_v3") and getattr(config, "num_nextn_predict_layers", 0):
-        _add_nextn_layers(out_dir, config, model_cls, dtype, copies=arch == "deepseek_v3")
-    return out_dir
+        keys.update(DEEPSEEK_V3_TINY, num_key_value_heads=num_heads)
+    return keys
 
 
 def _randomize_router_bias(model: Any) -> None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 from spec_engine.core.req_kv import RequestKV
 from spec_engine.core.request import Req
 from spec_engine.core.worker import StepResult
+from spec_engine.layers.routing_capture import RoutingCapture
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class OutputProcessor:
         eos_token_ids: frozenset[int],
         decode_tail: Optional[Callable[[list[int]], str]],
         stream_interval: int,
-        routing: Any,
+        routing: Optional[RoutingCapture],
     ) -> None:
         """`routing`: the target runner's routing capture (runner.routing; None without
         --enable-return-routed-experts)."""

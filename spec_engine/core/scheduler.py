@@ -22,6 +22,7 @@ from spec_engine.core.req_kv import RequestKV
 from spec_engine.core.request import Req
 from spec_engine.core.retraction import Retraction
 from spec_engine.core.worker import ModelWorker
+from spec_engine.layers.routing_capture import RoutingCapture
 from spec_engine.mem.radix_cache import RadixCache
 
 
@@ -37,14 +38,17 @@ class Scheduler:
         tree_cache: RadixCache,
         eos_token_ids: frozenset[int],
         decode_tail: Optional[Callable[[list[int]], str]] = None,
+        routing: Optional[RoutingCapture] = None,
     ) -> None:
+        """`routing`: the target runner's routing capture, read when a request that asked for its
+        routed experts finishes (None without --enable-return-routed-experts)."""
         self.worker = worker
         self.policy = policy
         self.kv = RequestKV(worker, tree_cache, args.page_size)
         self.admission = Admission(args, self.kv, worker.decode_headroom())
         self.retraction = Retraction(worker, policy, self.kv, self.admission)
         self.outputs = OutputProcessor(
-            self.kv, eos_token_ids, decode_tail, args.stream_interval, worker.runner.routing
+            self.kv, eos_token_ids, decode_tail, args.stream_interval, routing
         )
         self.running: list[Req] = []
         # The prefill batch being run: admitted, but not yet running (needed if the step fails).

@@ -184,48 +184,19 @@ class ModelConfig:
     def from_dict(
         cls, cfg: dict[str, Any], eos_token_ids: Optional[list[int]] = None
     ) -> ModelConfig:
-        archs = cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type", ""), "")]
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs!r} (model_type {cfg.get('model_type')!r}); "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        family = SUPPORTED_ARCHITECTURES[arch]
+        arch, family = _architecture(cfg)
         if family == "deepseek_v3":
             cfg = _mla_geometry(cfg)
-        if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
-            raise ValueError(
-                f"{arch} with sliding-window attention is not supported; use a config with "
-                "use_sliding_window=false"
-            )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(
-                f"{arch} with hidden_act={cfg['hidden_act']!r} is not supported; only silu "
-                "(SwiGLU) is"
-            )
+        _check_supported(cfg, arch)
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
-        if heads % kv_heads:
-            raise ValueError(
-                f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-            )
         hidden = cfg["hidden_size"]
         rope_theta, rope_scaling = rope_from_config(cfg, yarn=family in YARN_FAMILIES)
         attention_bias = bool(cfg.get("attention_bias", False))
         glm = family == "glm4_moe"
         moe = family in ("glm4_moe", "deepseek_v3")
         head_dim = cfg.get("head_dim") or hidden // heads
-        partial = float(
-            (cfg.get("rope_parameters") or {}).get(
-                "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)
-            )
-        )
-        if int(head_dim * partial) % 2:
-            raise ValueError(
-                f"partial_rotary_factor={partial} leaves an odd number of rotary dims of "
-                f"head_dim={head_dim}"
-            )
+        partial = _partial_rotary_factor(cfg, head_dim)
         return cls(
             architecture=arch,
             family=family,
@@ -387,3 +358,50 @@ def mla_from_config(cfg: dict[str, Any], rope_scaling: Optional[dict[str, Any]])
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's attention magnitude correction (DeepSeek's yarn_get_mscale)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _architecture(cfg: dict[str, Any]) -> tuple[str, str]:
+    """The checkpoint's supported architecture name and its family."""
+    archs = cfg.get("architectures") or [MODEL_TYPES.get(cfg.get("model_type", ""), "")]
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs!r} (model_type {cfg.get('model_type')!r}); "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch, SUPPORTED_ARCHITECTURES[arch]
+
+
+def _check_supported(cfg: dict[str, Any], arch: str) -> None:
+    """Refuse what the models here do not implement: sliding windows, activations other than
+    SwiGLU's, query heads that do not group over the KV heads."""
+    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+        raise ValueError(
+            f"{arch} with sliding-window attention is not supported; use a config with "
+            "use_sliding_window=false"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"{arch} with hidden_act={cfg['hidden_act']!r} is not supported; only silu (SwiGLU) is"
+        )
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ValueError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
+
+
+def _partial_rotary_factor(cfg: dict[str, Any], head_dim: int) -> float:
+    """The share of each head's dims that rotary embeddings turn (GLM-4.5: half)."""
+    partial = float(
+        (cfg.get("rope_parameters") or {}).get(
+            "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)
+        )
+    )
+    if int(head_dim * partial) % 2:
+        raise ValueError(
+            f"partial_rotary_factor={partial} leaves an odd number of rotary dims of "
+            f"head_dim={head_dim}"
+        )
+    return partial

@@ -59,63 +59,69 @@ class SelfCheckBatches:
     ) -> tuple[ForwardBatch, Optional[torch.Tensor]]:
         """A batch of `num` requests for `g`'s mode; `kv_rows`: draft-step rows that carry their
         own KV indices instead of a table row."""
-        c = self.CONTEXT
-        if g.extend:
-            q = max(g.width - 1, 1)  # one short of the width, so token padding runs as well
-            own = self._alloc(num * q).view(num, q)
-            rows = self._table_rows(num, own)
-            masks = None
-            if g.mode is ForwardMode.TARGET_VERIFY:
-                # A tree: each query sees the context, itself and a random subset of earlier nodes.
-                tree = torch.rand(q, q, generator=self.gen, device="cpu") < 0.5
-                eye = torch.eye(q, dtype=torch.bool, device="cpu")
-                tree = (tree.tril(-1) | eye).to(self.device)
-                masks = [
-                    torch.cat((torch.ones(q, c, dtype=torch.bool, device=self.device), tree), 1)
-                ] * num
-            batch = ForwardBatch(
-                mode=g.mode,
-                input_ids=self._ids(num * q),
-                positions=torch.arange(c, c + q, device=self.device).repeat(num),
-                out_cache_loc=own.reshape(-1),
-                req_pool_indices=rows,
-                seq_lens=torch.full((num,), c + q, device=self.device),
-                seq_lens_cpu=[c + q] * num,
-                extend_seq_lens_cpu=[q] * num,
-                extend_prefix_lens_cpu=[c] * num,
-                custom_masks=masks,
-                logits_indices=None
-                if masks is not None
-                else torch.arange(q - 1, num * q, q, device=self.device),
-            )
-            tokens = num * q
-        else:
-            n = num * g.width
-            own = self._alloc(n)
-            kv_idx = kv_ok = None
-            if kv_rows:
-                kv_idx = torch.cat((self.context.expand(n, c), own[:, None]), 1)
-                kv_ok = torch.ones(n, c + 1, dtype=torch.bool, device=self.device)
-                rows = torch.full((n,), g.dummy_row, dtype=torch.int64, device=self.device)
-            else:
-                rows = self._table_rows(n, own[:, None])
-            batch = ForwardBatch(
-                mode=g.mode,
-                input_ids=self._ids(n),
-                positions=torch.full((n,), c, device=self.device),
-                out_cache_loc=own,
-                req_pool_indices=rows,
-                seq_lens=torch.full((n,), c + 1, device=self.device),
-                seq_lens_cpu=[c + 1] * n,
-                kv_indices=kv_idx,
-                kv_mask=kv_ok,
-            )
-            tokens = n
+        batch, tokens = self._extend(g, num) if g.extend else self._one_token(g, num, kv_rows)
         features = None
         if feature_dim is not None:
             features = torch.randn(tokens, feature_dim, generator=self.gen, device="cpu")
             features = features.to(device=self.device, dtype=self.dtype)
         return batch, features
+
+    def _extend(self, g: GraphRunner, num: int) -> tuple[ForwardBatch, int]:
+        """An extend-shaped batch (draft extend, or a tree verify with random tree masks)."""
+        c = self.CONTEXT
+        q = max(g.width - 1, 1)  # one short of the width, so token padding runs as well
+        own = self._alloc(num * q).view(num, q)
+        rows = self._table_rows(num, own)
+        masks = None
+        if g.mode is ForwardMode.TARGET_VERIFY:
+            # A tree: each query sees the context, itself and a random subset of earlier nodes.
+            tree = torch.rand(q, q, generator=self.gen, device="cpu") < 0.5
+            eye = torch.eye(q, dtype=torch.bool, device="cpu")
+            tree = (tree.tril(-1) | eye).to(self.device)
+            masks = [
+                torch.cat((torch.ones(q, c, dtype=torch.bool, device=self.device), tree), 1)
+            ] * num
+        batch = ForwardBatch(
+            mode=g.mode,
+            input_ids=self._ids(num * q),
+            positions=torch.arange(c, c + q, device=self.device).repeat(num),
+            out_cache_loc=own.reshape(-1),
+            req_pool_indices=rows,
+            seq_lens=torch.full((num,), c + q, device=self.device),
+            seq_lens_cpu=[c + q] * num,
+            extend_seq_lens_cpu=[q] * num,
+            extend_prefix_lens_cpu=[c] * num,
+            custom_masks=masks,
+            logits_indices=None
+            if masks is not None
+            else torch.arange(q - 1, num * q, q, device=self.device),
+        )
+        return batch, num * q
+
+    def _one_token(self, g: GraphRunner, num: int, kv_rows: bool) -> tuple[ForwardBatch, int]:
+        """A batch of one token per row: `num` requests x the stage's width (decode, draft)."""
+        c = self.CONTEXT
+        n = num * g.width
+        own = self._alloc(n)
+        kv_idx = kv_ok = None
+        if kv_rows:
+            kv_idx = torch.cat((self.context.expand(n, c), own[:, None]), 1)
+            kv_ok = torch.ones(n, c + 1, dtype=torch.bool, device=self.device)
+            rows = torch.full((n,), g.dummy_row, dtype=torch.int64, device=self.device)
+        else:
+            rows = self._table_rows(n, own[:, None])
+        batch = ForwardBatch(
+            mode=g.mode,
+            input_ids=self._ids(n),
+            positions=torch.full((n,), c, device=self.device),
+            out_cache_loc=own,
+            req_pool_indices=rows,
+            seq_lens=torch.full((n,), c + 1, device=self.device),
+            seq_lens_cpu=[c + 1] * n,
+            kv_indices=kv_idx,
+            kv_mask=kv_ok,
+        )
+        return batch, n
 
     def close(self) -> None:
         for row in self._rows:
