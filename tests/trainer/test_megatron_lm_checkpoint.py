@@ -1,8 +1,8 @@
 """Checkpoints written by Megatron-LM's own code read as --ref-load: tests/data/megatron_lm_<arch>
 (scripts/make_megatron_lm_checkpoint.py, code in tiny/megatron_lm.py: Megatron-LM core_v0.16.1's
-save_checkpoint, torch_dist, the flow of slime's tools/convert_hf_to_torch_dist.py, on CPU) hold a tiny Qwen2, a tiny
-DeepSeek-V3 (MLA, a dense layer then MoE, one MTP layer) and a tiny GLM-4.5 (GQA with q/k norms,
-partial rotary, the same MoE and MTP) in Megatron-LM's --save layout, its args
+save_checkpoint, torch_dist, the flow of slime's tools/convert_hf_to_torch_dist.py, on CPU) hold
+a tiny Qwen2, a tiny DeepSeek-V3 (MLA, a dense layer then MoE, one MTP layer) and a tiny GLM-4.5
+(GQA with q/k norms, partial rotary, the same MoE and MTP) in Megatron-LM's --save layout, its args
 in common.pt, next to the Hugging Face checkpoint of the same weights. Megatron-LM built them
 with its local layer spec, whose MLA and MoE layers name their norms otherwise than the TE-named
 ones this trainer saves (trainer_bridge.model.checkpoint_names). A policy started from another
