@@ -144,6 +144,9 @@ def test_tokenizing_a_huge_prompt_blocks_nothing(make_model):
         assert latencies[len(latencies) // 2] < 0.1 and latencies[-1] < 0.3, latencies
         message = result["r"].json()["error"]["message"]
         assert result["r"].status_code == 400 and "does not fit the context length" in message
+        # Refused by its token count before the ids became Python ints (converting them holds
+        # the GIL), not by the request check after it, whose message adds the KV cache size.
+        assert message.endswith(f"context length {2**17}; shorten it"), message
         assert time.perf_counter() - start > 0.5
     finally:
         proc.terminate()
@@ -161,6 +164,8 @@ def test_body_limit_and_huge_prompts_are_refused_quickly(server):
     start = time.perf_counter()
     r = httpx.post(server + "/generate", json={"text": "ab " * 30_000})
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    # Refused by its length in characters, before it was tokenized at all.
+    assert "the prompt has 90000 characters" in r.json()["error"]["message"]
     assert time.perf_counter() - start < 2
     r = httpx.post(server + "/generate", json={"input_ids": [5, 6], "rid": "dup"})
     assert r.status_code == 200
