@@ -5,12 +5,14 @@ Engine.async_generate), and the Collector that turns them into the call's result
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Optional, Union
 
 from spec_engine.core.outputs import Delivery, RequestOutput
 
+logger = logging.getLogger(__name__)
 _POLL_S = 1.0  # how often a waiting caller checks that the scheduler thread is alive
 
 
@@ -114,6 +116,8 @@ class Collector:
         if self.pending:
             for out in self.outputs:
                 if not out.finished:
+                    # As SGLang logs a disconnected client's request: one line per request.
+                    logger.info("request %s aborted: its caller stopped waiting", out.req.input.rid)
                     self._abort(out.req.input.rid)
 
     def _add(self, delivery: Delivery) -> RequestOutput:

@@ -9,13 +9,15 @@ import asyncio
 import inspect
 import typing
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from spec_engine.control_methods import CONTROL_METHODS, ControlMethod
 from spec_engine.core.outputs import EngineFailure
@@ -30,6 +32,7 @@ from spec_engine.server.requests import (
     error_response,
     json_body,
     sse,
+    unless_disconnected,
 )
 from spec_engine.version import __version__
 from spec_engine.weights.formats import tensors_from_text
@@ -82,8 +85,6 @@ _GENERATE_NEUTRAL = {
     ),
 }
 HEALTH_TIMEOUT_S = 60.0
-# How often a non-streaming /generate checks that its client is still connected.
-DISCONNECT_POLL_S = 0.1
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -102,23 +103,31 @@ def create_app(engine: Engine) -> FastAPI:
 
 
 def _add_api_key_check(app: FastAPI, api_key: Optional[str]) -> None:
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        # Health probes stay open, as in SGLang.
+    if api_key:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
+
+
+class ApiKeyCheck:
+    """401 for a request without 'Authorization: Bearer <key>'; health probes stay open, as in
+    SGLang. A plain ASGI middleware: Starlette's @app.middleware("http") (BaseHTTPMiddleware)
+    hides the client's http.disconnect from request.is_disconnected(), so a dropped client's
+    request ran on."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
-            api_key
-            and request.url.path not in ("/health", "/health_generate")
-            and request.headers.get("authorization") != f"Bearer {api_key}"
+            scope["type"] == "http"
+            and Request(scope).url.path not in ("/health", "/health_generate")
+            and Headers(scope=scope).get("authorization") != self.expected
         ):
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "missing or wrong API key (send 'Authorization: Bearer <key>')"
-                    }
-                },
-                status_code=401,
-            )
-        return await call_next(request)
+            message = "missing or wrong API key (send 'Authorization: Bearer <key>')"
+            response = JSONResponse({"error": {"message": message}}, status_code=401)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def _add_error_responses(app: FastAPI) -> None:
@@ -210,7 +219,7 @@ def _add_generate_route(app: FastAPI, engine: Engine) -> None:
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        out = await _unless_disconnected(request, engine.async_generate(**kwargs))
+        out = await unless_disconnected(request, engine.async_generate(**kwargs))
         if out is None:  # the client went away: its requests were aborted
             return Response(status_code=499)
         if isinstance(out, list):
@@ -288,20 +297,6 @@ def control_fields(method: Callable[..., Any]) -> tuple[str, ...]:
 
 
 # -------------------------------------------------------------------- helpers
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work`, cancelling it (async_generate then aborts its requests and frees their KV)
-    when the client disconnects first; None in that case."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return None
 
 
 def _logprob_text(engine: Engine, out: dict, with_text: bool) -> dict:

@@ -10,11 +10,17 @@ from typing import Any, Optional
 
 import jinja2
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from spec_engine.engine import Engine
 from spec_engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from spec_engine.server.requests import BadRequest, json_body, parse_model, sse
+from spec_engine.server.requests import (
+    BadRequest,
+    json_body,
+    parse_model,
+    sse,
+    unless_disconnected,
+)
 
 
 def add_openai_routes(app: FastAPI, engine: Engine) -> None:
@@ -24,12 +30,12 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_model(CompletionRequest, await json_body(request))
-        return await _completions(engine, model_name, req)
+        return await _completions(engine, model_name, req, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse_model(ChatCompletionRequest, await json_body(request))
-        return await _chat_completions(engine, model_name, req)
+        return await _chat_completions(engine, model_name, req, request)
 
 
 def _add_model_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
@@ -66,13 +72,18 @@ def _add_model_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
         return model_card()
 
 
-async def _completions(engine: Engine, model_name: str, req: CompletionRequest) -> Any:
+async def _completions(
+    engine: Engine, model_name: str, req: CompletionRequest, request: Request
+) -> Any:
     kwargs, prompts = _completion_arguments(req)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
     if req.stream:
         return await _stream_completions(engine, req, kwargs, base, prompts)
-    outs = _as_list(await engine.async_generate(**kwargs))
+    out = await unless_disconnected(request, engine.async_generate(**kwargs))
+    if out is None:  # the client went away: its requests were aborted
+        return Response(status_code=499)
+    outs = _as_list(out)
     choices = []
     for i, o in enumerate(outs):
         echoed = _prompt_text(engine, prompts[i // req.n]) if req.echo else ""
@@ -153,7 +164,9 @@ async def _stream_completions(
     )
 
 
-async def _chat_completions(engine: Engine, model_name: str, req: ChatCompletionRequest) -> Any:
+async def _chat_completions(
+    engine: Engine, model_name: str, req: ChatCompletionRequest, request: Request
+) -> Any:
     top = req.top_logprobs or 0
     input_ids = _chat_input_ids(engine, req)
     if top and not req.logprobs:
@@ -169,7 +182,10 @@ async def _chat_completions(engine: Engine, model_name: str, req: ChatCompletion
     base = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
     if req.stream:
         return await _stream_chat(engine, req, kwargs, {**base, "object": "chat.completion.chunk"})
-    outs = _as_list(await engine.async_generate(**kwargs))
+    out = await unless_disconnected(request, engine.async_generate(**kwargs))
+    if out is None:  # the client went away: its requests were aborted
+        return Response(status_code=499)
+    outs = _as_list(out)
     choices = [
         {
             "index": i,

@@ -1,14 +1,21 @@
 """What every endpoint shares: reading a JSON body, validating it against a model, the 400
-errors that name the bad field, and server-sent events."""
+errors that name the bad field, server-sent events, and aborting the work of a client that
+disconnected."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, Optional, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+
+T = TypeVar("T")
+# How often a request waiting on the engine checks that its client is still connected.
+DISCONNECT_POLL_S = 0.1
 
 
 class BadRequest(ValueError):
@@ -85,3 +92,20 @@ def describe_validation(errors: list[dict[str, Any]]) -> str:
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> Optional[T]:
+    """Await `work`, cancelling it when the client disconnects first (an async_generate call
+    then aborts its requests, and their KV returns to the pool); None in that case."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():  # the client left, or this handler was cancelled
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

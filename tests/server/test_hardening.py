@@ -144,27 +144,13 @@ def test_tokenizing_a_huge_prompt_blocks_nothing(make_model):
         assert latencies[len(latencies) // 2] < 0.1 and latencies[-1] < 0.3, latencies
         message = result["r"].json()["error"]["message"]
         assert result["r"].status_code == 400 and "does not fit the context length" in message
+        # Refused by its token count before the ids became Python ints (converting them holds
+        # the GIL), not by the request check after it, whose message adds the KV cache size.
+        assert message.endswith(f"context length {2**17}; shorten it"), message
         assert time.perf_counter() - start > 0.5
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def test_a_client_that_disconnects_aborts_its_request(server):
-    """A non-streaming /generate whose client goes away is aborted: no request is left and
-    every KV slot is free or cached (the engine's own counters)."""
-    import time
-
-    import httpx
-
-    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server + "/generate", json=body, timeout=0.3)
-    start = time.perf_counter()
-    while httpx.get(server + "/v1/loads").json()["loads"][0]["num_total_reqs"]:
-        assert time.perf_counter() - start < 5, "the request kept running after its client left"
-        time.sleep(0.05)
-    assert httpx.get(server + "/v1/loads").json()["loads"][0]["num_used_tokens"] == 0
 
 
 def test_body_limit_and_huge_prompts_are_refused_quickly(server):
@@ -178,6 +164,8 @@ def test_body_limit_and_huge_prompts_are_refused_quickly(server):
     start = time.perf_counter()
     r = httpx.post(server + "/generate", json={"text": "ab " * 30_000})
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    # Refused by its length in characters, before it was tokenized at all.
+    assert "the prompt has 90000 characters" in r.json()["error"]["message"]
     assert time.perf_counter() - start < 2
     r = httpx.post(server + "/generate", json={"input_ids": [5, 6], "rid": "dup"})
     assert r.status_code == 200
