@@ -42,6 +42,8 @@ from specrl.train_batch import to_train_batch
 from specrl.train_options import check_checkpoints, parse_args
 from trainer_bridge.actor.group import TrainerDied, TrainGroup
 
+# An ExitStack exit callback: (exc_type, exc, traceback) -> whether it swallows the error.
+ExitHook = Callable[[type[BaseException] | None, BaseException | None, object], bool]
 # The name a run's log lines carry (stderr shows it): the loop's, since scripts/train.py held it.
 logger = logging.getLogger("specrl.train")
 
@@ -94,7 +96,7 @@ def setup(args: argparse.Namespace, resume: Resume | None, teardown: contextlib.
     the policy's weights, and fault tolerance: everything the loop runs on."""
     logger.info("starting Ray")
     init_ray(args.ray_num_cpus)
-    teardown.callback(_logged, "ray.shutdown", ray.shutdown)
+    teardown.push(shutdown_step("ray.shutdown", ray.shutdown))
     engines, trainer = start_actors(args, create_placements(args), teardown)
     tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
     manager = RolloutManager(args.options.rollout, engines.handles, tokenizer, launcher_args=args)
@@ -130,7 +132,7 @@ def start_actors(
     # leaves, so the trainer loads first; otherwise both load side by side.
     trainer = start_trainer(args, placements, teardown) if args.colocate else None
     engines = EngineGroup(args.options.engine, placements.engines)
-    teardown.callback(_logged, "stopping the engines", engines.shutdown)
+    teardown.push(shutdown_step("stopping the engines", engines.shutdown))
     if not args.colocate:
         trainer = start_trainer(args, placements, teardown)
     if trainer is not None and args.save:
@@ -149,7 +151,7 @@ def start_trainer(
     trainer = TrainGroup(
         opts.trainer, opts.loss, opts.rollout.rollout_temperature, placements.trainer
     )
-    teardown.callback(_logged, "stopping the trainer", trainer.shutdown)
+    teardown.push(shutdown_step("stopping the trainer", trainer.shutdown))
     return trainer
 
 
@@ -183,7 +185,7 @@ def watch_engines(run: Run, teardown: contextlib.ExitStack) -> None:
         args.rollout_health_check_timeout,
         args.rollout_health_check_first_wait,
     )
-    teardown.callback(_logged, "stopping the health checks", monitor.stop)
+    teardown.push(shutdown_step("stopping the health checks", monitor.stop))
     run.checked = monitor.active
 
 
@@ -201,7 +203,7 @@ def open_metrics_log(
         wandb_run_id=run.wandb_run_id,
         resume_step=run.start_rollout_id if resume is not None else None,
     )
-    teardown.callback(_logged, "closing the metrics log", metrics_log.close)
+    teardown.push(shutdown_step("closing the metrics log", metrics_log.close))
     return metrics_log
 
 
@@ -302,13 +304,22 @@ def save(
         trainer.save_hf(args.save_hf.format(rollout_id=rollout_id))
 
 
-def _logged(what: str, step: Callable[[], object]) -> None:
-    """One shutdown step; a failure is logged and re-raised (the other steps still run)."""
-    try:
-        step()
-    except Exception:
-        logger.exception("%s failed", what)
-        raise
+def shutdown_step(what: str, step: Callable[[], object]) -> ExitHook:
+    """One shutdown step for the run's ExitStack: the other steps still run when it fails, which
+    is logged; its error is raised only when the run had none, so a failure on the way out never
+    hides the error that ended the run (a dead actor's message names the checkpoint to resume
+    from)."""
+
+    def exit_hook(exc_type: type[BaseException] | None, *_: object) -> bool:
+        try:
+            step()
+        except Exception:
+            logger.exception("%s failed", what)
+            if exc_type is None:
+                raise
+        return False  # never swallows the run's own error
+
+    return exit_hook
 
 
 def load_rollout(path: str, rollout_id: int) -> tuple[Groups, Metrics]:

@@ -218,6 +218,33 @@ def test_debug_rollout_only_shuts_down_when_a_step_of_it_fails(rollout_only_run)
     assert "closing the metrics log failed" in proc.stderr
 
 
+def test_a_failing_shutdown_step_never_hides_the_error_that_ended_the_run(caplog):
+    """Every shutdown step runs and each failure is logged; a step's error is raised when the run
+    had none, but the run's own error (a dead actor: main turns it into the message naming the
+    checkpoint) is the one that leaves, not the failure on the way out."""
+    import contextlib
+
+    from rollout.router import EngineDied
+    from specrl.loop import shutdown_step
+
+    def broken() -> None:
+        raise RuntimeError("disk gone")
+
+    ran = []
+    with pytest.raises(EngineDied, match="engine 0 died"):
+        with contextlib.ExitStack() as teardown:
+            teardown.push(shutdown_step("stopping the engines", lambda: ran.append("engines")))
+            teardown.push(shutdown_step("closing the metrics log", broken))
+            raise EngineDied(0, "its actor was killed")
+    assert ran == ["engines"]
+    assert "closing the metrics log failed" in caplog.text
+    with pytest.raises(RuntimeError, match="disk gone"):
+        with contextlib.ExitStack() as teardown:
+            teardown.push(shutdown_step("stopping the engines", lambda: ran.append("engines")))
+            teardown.push(shutdown_step("closing the metrics log", broken))
+    assert ran == ["engines", "engines"]
+
+
 @pytest.mark.parametrize(
     "flag,needle",
     [
