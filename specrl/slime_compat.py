@@ -151,10 +151,11 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "loss_type": _only(
         "policy_loss", "specrl trains the policy loss only (no SFT loss)", "policy_loss"
     ),
-    "use_rollout_logprobs": _only(
-        False,
-        "the trainer recomputes the old policy's log-probs (slime's default); the rollout's are "
-        "used by --use-tis",
+    "custom_tis_function_path": _only(
+        None,
+        "TIS is built in (--use-tis, --tis-clip, --tis-clip-low: slime's vanilla TIS) and "
+        "--get-mismatch-metrics logs the mismatch metrics of slime's mis.py (train/mis_*); "
+        "no other TIS or rejection-sampling function is loaded",
     ),
     # Checkpoints
     "no_load_optim": _only(False, _LOAD),

@@ -20,7 +20,13 @@ def to_train_batch(groups: list[list[Sample]]) -> TrainBatch:
         response_lengths=[s.response_length for s in samples],
         rewards=[float(s.reward) for s in samples],
         loss_masks=[list(s.loss_mask) for s in samples],
-        rollout_log_probs=[list(s.rollout_log_probs) for s in samples],
+        # None when a sample has none (a custom generate function may not record them): the
+        # trainer then refuses the flags that need them (LossConfig.check_rollout_log_probs).
+        rollout_log_probs=(
+            [list(s.rollout_log_probs) for s in samples]
+            if all(s.rollout_log_probs is not None for s in samples)
+            else None
+        ),
         n_samples_per_prompt=sizes.pop(),
         rollout_routed_experts=(
             [s.rollout_routed_experts for s in samples]

@@ -1,6 +1,7 @@
 """Policy losses for GRPO/GSPO training: advantages, PPO clipping, KL, entropy, TIS; pure torch.
 
-Semantics and flag names follow slime (`--eps-clip`, `--kl-loss-type`, `--use-tis`, ...).
+Semantics and flag names follow slime (`--eps-clip`, `--kl-loss-type`, `--use-tis`, ...); the
+train–rollout mismatch (TIS and its metrics) is `trainer_bridge.mismatch`.
 Per-token tensors are padded `[batch, T]` with a per-token `loss_mask`; only `logp` (and
 `entropy`) carry gradients, every other input is detached here.
 
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor
 
 from spec_engine.args.dataclass_cli import add_dataclass_args, dataclass_from_args
+from trainer_bridge import mismatch
 
 ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus_baseline")
 KL_LOSS_TYPES = ("k1", "k2", "k3", "low_var_kl")
@@ -89,10 +91,25 @@ class LossConfig:
     entropy_coef: float = _opt(0.0, "Entropy bonus weight: loss -= entropy_coef * entropy.")
     use_tis: bool = _opt(
         False,
-        "Multiply the policy loss by truncated importance weights exp(old_logp - rollout_logp).",
+        "Multiply the policy loss by truncated importance weights exp(old_logp - rollout_logp): "
+        "the trainer's probability of each sampled token over the engine's, clamped to "
+        "[--tis-clip-low, --tis-clip].",
     )
     tis_clip: float = _opt(2.0, "Upper cap C of the TIS weights.")
     tis_clip_low: float = _opt(0.0, "Lower cap of the TIS weights.")
+    use_rollout_logprobs: bool = _opt(
+        False,
+        "Use the rollout's (the engine's) log-probs as the PPO ratio's old log-probs instead of "
+        "recomputing them in the trainer (one forward fewer; slime's bypass mode). Not with "
+        "--use-tis.",
+    )
+    get_mismatch_metrics: bool = _opt(
+        False,
+        "Log the trainer-vs-rollout log-prob mismatch per rollout (train/mis_kl, "
+        "train/mis_k3_kl, train/mis_*_ppl, ..., as slime's mis.py names them); the loss is "
+        "unchanged. With --use-rollout-logprobs the trainer still recomputes its log-probs for "
+        "them (one more forward).",
+    )
     calculate_per_token_loss: bool = _opt(
         False, "Average the loss over all tokens of the batch (same as --loss-agg-mode token-mean)."
     )
@@ -122,6 +139,13 @@ class LossConfig:
             raise ValueError(
                 f"--tis-clip ({self.tis_clip}) must be >= --tis-clip-low ({self.tis_clip_low})"
             )
+        if self.use_rollout_logprobs and self.use_tis:
+            raise ValueError(
+                "--use-rollout-logprobs and --use-tis cannot be set at the same time (as in "
+                "slime): with the rollout's log-probs as the old log-probs the PPO ratio already "
+                "measures the policy against the engine; drop --use-tis, or drop "
+                "--use-rollout-logprobs to weight the trainer's ratio by TIS"
+            )
         if self.kl_coef != 0.0 and self.advantage_estimator != "reinforce_plus_plus_baseline":
             raise ValueError(
                 f"--kl-coef {self.kl_coef} only shapes reinforce_plus_plus_baseline advantages; "
@@ -131,6 +155,28 @@ class LossConfig:
     @property
     def clip_high(self) -> float:
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+    @property
+    def recomputes_log_probs(self) -> bool:
+        """Whether the trainer computes its own old log-probs before the update (not with
+        --use-rollout-logprobs, unless --get-mismatch-metrics compares them with the rollout's)."""
+        return not self.use_rollout_logprobs or self.get_mismatch_metrics
+
+    def check_rollout_log_probs(self, available: bool) -> None:
+        """Refuse flags that need the rollout's log-probs when a batch has none."""
+        needing = [
+            f"--{name.replace('_', '-')}"
+            for name in ("use_rollout_logprobs", "use_tis", "get_mismatch_metrics")
+            if getattr(self, name)
+        ]
+        if needing and not available:
+            raise ValueError(
+                f"{' and '.join(needing)} need{'s' if len(needing) == 1 else ''} the rollout's "
+                "log-probs, but samples of this "
+                "rollout carry none (Sample.rollout_log_probs): the built-in rollout records the "
+                "engine's; a custom generate function must set them (one per response token), "
+                "or drop the flag"
+            )
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -302,7 +348,7 @@ def gspo_log_ratio(logp: Tensor, old_logp: Tensor, loss_mask: Tensor) -> Tensor:
 
 def policy_loss(
     logp: Tensor,
-    old_logp: Tensor,
+    old_logp: Tensor | None,
     advantages: Tensor,
     loss_mask: Tensor,
     cfg: LossConfig,
@@ -314,10 +360,22 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar loss and detached metrics for one batch of `[batch, T]` per-token tensors.
 
-    KL metrics need `ref_logp` (added to the loss only with `use_kl_loss`); TIS metrics need
-    `rollout_logp` (weights applied only with `use_tis`). Metrics use the loss's reduction.
+    `old_logp` are the trainer's log-probs before the update, the PPO ratio's reference; with
+    `use_rollout_logprobs` the reference is `rollout_logp` (the engine's) instead, and `old_logp`
+    (None when not recomputed) serves only the mismatch metrics. KL metrics need `ref_logp`
+    (added to the loss only with `use_kl_loss`); TIS and mismatch metrics need `rollout_logp`
+    (`_rollout_correction`). Metrics use the loss's reduction.
     """
-    old_logp, advantages = old_logp.detach(), advantages.detach()
+    train_logp = None if old_logp is None else old_logp.detach()
+    if cfg.use_rollout_logprobs:
+        if rollout_logp is None:
+            raise ValueError("--use-rollout-logprobs needs rollout_logp")
+        old_logp = rollout_logp.detach()
+    elif train_logp is None:
+        raise ValueError("old_logp is needed unless --use-rollout-logprobs")
+    else:
+        old_logp = train_logp
+    advantages = advantages.detach()
     if cfg.advantage_estimator == "gspo":
         log_ratio = gspo_log_ratio(logp, old_logp, loss_mask)
     else:
@@ -330,7 +388,9 @@ def policy_loss(
         return aggregate(values, loss_mask, cfg.loss_agg_mode, normalizer)
 
     metrics: dict[str, Tensor] = {}
-    pg = _truncated_importance_sampling(pg, old_logp, rollout_logp, cfg, reduce, metrics)
+    pg = _rollout_correction(
+        pg, logp, log_ratio, train_logp, rollout_logp, loss_mask, cfg, reduce, metrics
+    )
     loss = metrics["pg_loss"] = reduce(pg)
     metrics.update(pg_clipfrac=reduce(clipped), ppo_kl=reduce(-log_ratio))
     if cfg.eps_clip_c is not None:
@@ -340,30 +400,43 @@ def policy_loss(
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 
-def _truncated_importance_sampling(
+def _rollout_correction(
     pg: Tensor,
-    old_logp: Tensor,
+    logp: Tensor,
+    log_ratio: Tensor,
+    train_logp: Tensor | None,
     rollout_logp: Tensor | None,
+    loss_mask: Tensor,
     cfg: LossConfig,
     reduce: Callable[[Tensor], Tensor],
     metrics: dict[str, Tensor],
 ) -> Tensor:
-    """TIS (--use-tis): the per-token policy-gradient terms `pg` weighted by exp(old_logp -
-    rollout_logp), the trainer's probability of each sampled token over the engine's, clipped to
-    [--tis-clip-low, --tis-clip]: the rollout's tokens were sampled from the engine's
-    distribution, not the trainer's. Its metrics (tis, tis_weight, tis_clipfrac) are added to
-    `metrics` whenever `rollout_logp` is given, the weights applied only with use_tis."""
+    """The per-token policy-gradient terms `pg`, weighted by TIS with --use-tis
+    (`trainer_bridge.mismatch`: the rollout's tokens were sampled from the engine's
+    distribution, not the trainer's), and the mismatch metrics added to `metrics`, as slime's
+    policy_loss_function has them: with the rollout's log-probs, `train_rollout_logprob_abs_diff`
+    (|trainer - rollout|: the trainer's old log-probs, or the current ones under
+    --use-rollout-logprobs) and, when the trainer's old log-probs are there too, TIS's metrics
+    (applied or not); `ois` (the PPO ratio) with --use-tis or --get-mismatch-metrics; slime's
+    `mis_*` metrics with --get-mismatch-metrics."""
     if rollout_logp is None:
-        if cfg.use_tis:
-            raise ValueError("use_tis needs rollout_logp")
+        if cfg.use_tis or cfg.get_mismatch_metrics:
+            raise ValueError("--use-tis and --get-mismatch-metrics need rollout_logp")
         return pg
-    raw = torch.exp((old_logp - rollout_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    weights = raw.clamp(cfg.tis_clip_low, cfg.tis_clip)
-    metrics.update(
-        tis=reduce(raw),
-        tis_weight=reduce(weights),
-        tis_clipfrac=reduce((weights != raw).to(raw.dtype)),
-    )
+    rollout_logp = rollout_logp.detach()
+    compared = logp.detach() if cfg.use_rollout_logprobs else train_logp
+    metrics["train_rollout_logprob_abs_diff"] = reduce((compared - rollout_logp).abs())
+    if cfg.use_tis or cfg.get_mismatch_metrics:
+        metrics["ois"] = reduce(torch.exp(log_ratio.detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)))
+    if train_logp is None:
+        if cfg.get_mismatch_metrics:
+            raise ValueError("--get-mismatch-metrics needs the trainer's old_logp")
+        return pg
+    raw, weights = mismatch.tis_weights(train_logp, rollout_logp, cfg.tis_clip_low, cfg.tis_clip)
+    metrics.update((k, reduce(v)) for k, v in mismatch.tis_metrics(raw, weights).items())
+    if cfg.get_mismatch_metrics:
+        per_token = mismatch.mismatch_metrics(train_logp, rollout_logp, loss_mask)
+        metrics.update((k, reduce(v)) for k, v in per_token.items())
     return pg * weights if cfg.use_tis else pg
 
 

@@ -69,7 +69,8 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
         ("--lr-decay-style cosine", "the learning rate is constant"),
         ("--attention-dropout 0.1", "specrl trains without dropout"),
         ("--finetune", "export them with --save-hf and pass that as --hf-checkpoint"),
-        ("--use-rollout-logprobs", "recomputes the old policy's log-probs"),
+        ("--custom-tis-function-path mis.py:compute_mis_weights_with_cp", "TIS is built in"),
+        ("--use-rollout-logprobs --use-tis", "cannot be set at the same time"),
         ("--partial-rollout", "aborted and dropped"),
         ("--num-epoch 3", "give --num-rollout"),
         ("--sglang-router-ip 10.0.0.1", "routed in-process"),
@@ -80,6 +81,12 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
 def test_what_specrl_cannot_honour_is_refused_with_the_reason(extra, needle, tmp_path):
     with pytest.raises(SystemExit, match=needle):
         parse_args(argv("m", str(tmp_path), extra))
+
+
+def test_rollout_correction_flags_reach_the_loss(tmp_path):
+    extra = "--use-rollout-logprobs --get-mismatch-metrics --tis-clip-low 0.5"
+    loss = parse_args(argv("m", str(tmp_path), extra)).options.loss
+    assert loss.use_rollout_logprobs and loss.get_mismatch_metrics and loss.tis_clip_low == 0.5
 
 
 def test_num_steps_per_rollout_sets_the_global_batch_size(tmp_path):

@@ -171,12 +171,22 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, rl_loop_
             "reinforce_plus_plus_baseline",
             "--kl-coef",
             "0.01",
+            # slime's bypass (the rollout's log-probs as the old policy's) and the mismatch metrics
+            "--use-rollout-logprobs",
+            "--get-mismatch-metrics",
         ],
     )
     rows = metrics(replay)
     assert len(rows) == 2 and all(
         r["train/grad_norm"] > 0 and r["rollout/raw_reward"] is not None for r in rows
     )
+    # Rollout 0 was sampled with the weights the replay starts from: no mismatch but the
+    # engine's float error; logged as every train/ metric.
+    first = rows[0]
+    assert first["train/train_rollout_logprob_abs_diff"] < 1e-3
+    assert abs(first["train/mis_kl"]) < 1e-3 and 0 <= first["train/mis_k3_kl"] < 1e-5
+    assert first["train/tis_clipfrac"] == 0.0
+    assert all(r["train/mis_training_ppl"] > 1 and r["train/ois"] > 0 for r in rows)
     assert all(r["train/kl"] is not None and r["train/entropy"] > 0 for r in rows)
     assert all(
         r["rollout/weight_version"] == 0 for r in rows

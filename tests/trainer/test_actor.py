@@ -213,3 +213,94 @@ def test_pad_batch_puts_per_token_values_at_the_positions_that_score_the_respons
     batch.loss_masks = [[1, 0, 1], [1]]
     with pytest.raises(ValueError, match="sequence 0 has 2 response tokens but 3"):
         pad_batch(batch, torch.device("cpu"))
+
+
+def test_mismatch_metrics_and_rollout_logprobs_through_a_train_step(actor, mimo, monkeypatch):
+    """--get-mismatch-metrics in a real step: zero mismatch when the rollout's log-probs are the
+    trainer's own, and, with them moved by a known d per sequence (masked tokens by 30, which
+    must count nowhere), the metrics slime's definitions give; then
+    --use-rollout-logprobs: the ratio's reference is the rollout's (ppo_kl = mean d, not 0) and the
+    trainer's old log-prob forward is skipped unless the mismatch metrics need it."""
+    from rollout.sample import Sample
+    from specrl.train_batch import to_train_batch
+    from trainer_bridge import loss as losses
+    from trainer_bridge.batch import TrainBatch, pad_batch
+
+    tokens, lengths, _ = rollout(mimo)
+    n = len(tokens)
+    # The trainer's log-probs, not the engine's: earlier tests here have moved the weights.
+    logps = actor.compute_log_probs(TrainBatch(tokens, lengths, [0.0] * n))
+    d = [0.0, 0.2, -0.3, 1.0, -1.0, 0.5, 2.0, -0.1][:n]  # TIS ratios exp(-d)
+    masks = [[0] + [1] * (k - 1) if k > 1 else [1] for k in lengths]
+    moved = [
+        [lp + (di if m else 30.0) for lp, m in zip(lps, mask)]
+        for lps, mask, di in zip(logps, masks, d)
+    ]
+    rewards = [float(i % 2) for i in range(n)]
+
+    def step(cfg, log_probs, *, count=None):
+        batch = TrainBatch(tokens, lengths, rewards, masks, log_probs, n_samples_per_prompt=4)
+        saved = actor.loss_cfg, actor.optimizer.step, actor._logp_matrix
+        actor.loss_cfg = cfg
+        actor.optimizer.step = lambda: (True, 0.0, None)  # keep the weights
+        if count is not None:
+            actor._logp_matrix = lambda *a, **k: (count.append(1), saved[2](*a, **k))[1]
+        try:
+            return actor.train(batch)
+        finally:
+            actor.loss_cfg, actor.optimizer.step, actor._logp_matrix = saved
+            actor.model.zero_grad_buffer()
+
+    same = step(LossConfig(get_mismatch_metrics=True), logps)
+    assert same["train/train_rollout_logprob_abs_diff"] < 1e-4
+    assert abs(same["train/mis_kl"]) < 1e-4 and abs(same["train/mis_k3_kl"]) < 1e-6
+    assert same["train/tis_clipfrac"] == 0.0 and abs(same["train/ois"] - 1.0) < 1e-6
+    # Sequence means of the rollout's log-probs, masked, over sequences.
+    engine_ppl = sum(
+        -sum(lp * m for lp, m in zip(lps, mask)) / sum(mask) for lps, mask in zip(logps, masks)
+    )
+    assert abs(same["train/mis_rollout_log_ppl"] - engine_ppl / n) < 1e-6
+    assert abs(same["train/mis_training_log_ppl"] - engine_ppl / n) < 1e-4
+
+    gap = step(LossConfig(get_mismatch_metrics=True, tis_clip_low=0.5), moved)
+    assert abs(gap["train/train_rollout_logprob_abs_diff"] - sum(map(abs, d)) / n) < 1e-4
+    assert abs(gap["train/mis_kl"] - sum(d) / n) < 1e-4  # rollout - trainer
+    k3 = sum(math.exp(-x) + x - 1 for x in d) / n
+    assert abs(gap["train/mis_k3_kl"] - k3) < 1e-4
+    # exp(-d) leaves [0.5, 2] for d = 1, -1 and 2, on all of those sequences' scored tokens.
+    assert gap["train/tis_clipfrac"] == pytest.approx(3 / n, abs=1e-6)  # float32 sums
+    assert abs(gap["train/ppo_kl"]) < 1e-6  # the ratio's reference is still the trainer's
+
+    calls = []
+    bypass = step(LossConfig(use_rollout_logprobs=True), moved, count=calls)
+    assert calls == []  # no old log-prob forward
+    # ppo_kl = mean(old - logp) = mean(rollout - trainer) = mean d: the rollout is the reference.
+    assert abs(bypass["train/ppo_kl"] - sum(d) / n) < 1e-4
+    assert abs(bypass["train/train_rollout_logprob_abs_diff"] - sum(map(abs, d)) / n) < 1e-4
+    assert "train/mis_kl" not in bypass and "train/tis" not in bypass
+    measured = step(
+        LossConfig(use_rollout_logprobs=True, get_mismatch_metrics=True), moved, count=calls
+    )
+    assert calls == [1] and abs(measured["train/mis_kl"] - sum(d) / n) < 1e-4
+    assert abs(measured["train/ppo_kl"] - bypass["train/ppo_kl"]) < 1e-9
+    # --kl-coef's penalty is taken from the old policy's log-probs: the rollout's here (slime's).
+    kls = []
+    compute = losses.compute_advantages
+    monkeypatch.setattr(
+        losses, "compute_advantages", lambda *a, kl=None: (kls.append(kl), compute(*a, kl=kl))[1]
+    )
+    monkeypatch.setattr(actor, "ref", actor.gpt)  # the reference: the policy itself
+    rpp = dict(advantage_estimator="reinforce_plus_plus_baseline", kl_coef=0.1)
+    # (with the trainer's old log-probs computed too, for the mismatch metrics: not used here)
+    step(LossConfig(use_rollout_logprobs=True, get_mismatch_metrics=True, **rpp), moved)
+    _, mask, _ = pad_batch(TrainBatch(tokens, lengths, rewards, masks), actor.device)
+    per_row = (kls[0] * mask).sum(-1) / mask.sum(-1)  # k1: rollout - reference = d
+    assert torch.allclose(per_row, torch.tensor(d), atol=1e-4), per_row
+    # A rollout without log-probs (a custom generate function that kept none) is refused.
+    with pytest.raises(ValueError, match="--use-rollout-logprobs needs the rollout's log-probs"):
+        step(LossConfig(use_rollout_logprobs=True), None)
+    samples = [
+        Sample(tokens=t, response_length=k, reward=0.0, loss_mask=[1] * k)
+        for t, k in zip(tokens, lengths)
+    ]
+    assert to_train_batch([samples[:4], samples[4:]]).rollout_log_probs is None

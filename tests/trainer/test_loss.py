@@ -372,6 +372,9 @@ def test_gradients_flow_only_through_logp_and_entropy():
         "tis",
         "tis_weight",
         "tis_clipfrac",
+        "tis_abs",
+        "ois",
+        "train_rollout_logprob_abs_diff",
     }
     assert metrics["loss"].item() == loss.item()
 
@@ -403,6 +406,8 @@ def test_argparse_round_trip_with_slime_flag_names():
         "--use-tis",
         "--tis-clip",
         "--tis-clip-low",
+        "--use-rollout-logprobs",
+        "--get-mismatch-metrics",
         "--calculate-per-token-loss",
         "--loss-agg-mode",
     }

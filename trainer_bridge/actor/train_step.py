@@ -58,11 +58,11 @@ class RLTerms(NamedTuple):
     """The policy loss's inputs besides the policy's own log-probs: this rank's rows, [b, S - 1]
     each, the response positions of `mask` meaningful."""
 
-    old_logp: Tensor
+    old_logp: Optional[Tensor]  # the trainer's before the update; None: not recomputed
     ref_logp: Optional[Tensor]  # the frozen reference model's, when a KL term needs them
     advantages: Tensor
     mask: Tensor
-    rollout_logp: Optional[Tensor]  # the engine's, when the rollout reported them (TIS)
+    rollout_logp: Optional[Tensor]  # the engine's, when the rollout reported them
 
 
 class TrainSteps(PolicyForward):
@@ -77,15 +77,17 @@ class TrainSteps(PolicyForward):
     step: int  # optimizer steps taken
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
-        """One rollout's RL update: old log-probs, advantages, then optimizer steps over
-        global batches of micro batches. Returns slime's train/ metrics (means over steps)."""
+        """One rollout's RL update: old log-probs (the trainer's, or with --use-rollout-logprobs
+        the rollout's), advantages, then optimizer steps over global batches of micro batches.
+        Returns slime's train/ metrics (means over steps)."""
         start = time.perf_counter()
+        has_rollout = batch.rollout_log_probs is not None
+        self.loss_cfg.check_rollout_log_probs(has_rollout)
         tokens, mask, rollout = pad_batch(batch, self.device)
         share, rows = self.dp.share(batch)
-        old_logp, ref_logp, advantages = self._rl_terms(batch, share, rows, mask)
+        old_logp, ref_logp, advantages = self._rl_terms(batch, share, rows, mask, rollout)
         routes = routes_for(self.args, batch, tokens.shape[1], self.arch, self.device)
         tokens, mask, rollout = (t[rows] for t in (tokens, mask, rollout))
-        has_rollout = share.rollout_log_probs is not None
         terms = RLTerms(old_logp, ref_logp, advantages, mask, rollout if has_rollout else None)
         inputs = StepInputs(
             tokens,
@@ -98,28 +100,33 @@ class TrainSteps(PolicyForward):
         return self._train_steps(inputs, start)
 
     def _rl_terms(
-        self, batch: TrainBatch, share: TrainBatch, rows: Tensor, mask: Tensor
-    ) -> tuple[Tensor, Optional[Tensor], Tensor]:
-        """(old log-probs, reference log-probs or None, advantages) of this rank's `rows` of
-        `batch` (`share`), [len(share), S - 1] each, before any step changes the policy."""
+        self, batch: TrainBatch, share: TrainBatch, rows: Tensor, mask: Tensor, rollout: Tensor
+    ) -> tuple[Optional[Tensor], Optional[Tensor], Tensor]:
+        """(the trainer's old log-probs or None (--use-rollout-logprobs without
+        --get-mismatch-metrics: not computed), reference log-probs or None, advantages) of this
+        rank's `rows` of `batch` (`share`), [len(share), S - 1] each, before any step changes
+        the policy; `rollout` holds the whole batch's rollout log-probs."""
+        cfg = self.loss_cfg
         # The KL-shaped advantages of --kl-coef need every sequence's log-probs, not this rank's
         # share.
-        scored = batch if self.loss_cfg.kl_coef else share
-        old_logp = self._logp_matrix(scored, mask.shape[1])
+        scored = batch if cfg.kl_coef else share
+        width = mask.shape[1]
+        old_logp = self._logp_matrix(scored, width) if cfg.recomputes_log_probs else None
         ref_logp = (
-            self._logp_matrix(scored, mask.shape[1], reference=True)
-            if self.ref is not None
-            else None
+            self._logp_matrix(scored, width, reference=True) if self.ref is not None else None
         )
         kl = None
-        if self.loss_cfg.kl_coef:
-            kl = losses.kl_penalty(old_logp, ref_logp, self.loss_cfg.kl_loss_type)
-            old_logp, ref_logp = old_logp[rows], ref_logp[rows]
+        if cfg.kl_coef:
+            # slime's: the old policy's log-probs are the rollout's under --use-rollout-logprobs.
+            behaviour = rollout if cfg.use_rollout_logprobs else old_logp
+            kl = losses.kl_penalty(behaviour, ref_logp, cfg.kl_loss_type)
+            old_logp = None if old_logp is None else old_logp[rows]
+            ref_logp = ref_logp[rows]
         # Advantages need whole groups: computed on the full batch, then this rank takes its rows.
         advantages = losses.compute_advantages(
             torch.tensor(batch.rewards, dtype=torch.float32, device=self.device),
             mask,
-            self.loss_cfg,
+            cfg,
             batch.n_samples_per_prompt,
             kl=kl,
         )
@@ -145,7 +152,7 @@ class TrainSteps(PolicyForward):
             entropy = entropy.detach()  # logged as train/entropy only
         return losses.policy_loss(
             logp,
-            terms.old_logp[sl],
+            None if terms.old_logp is None else terms.old_logp[sl],
             terms.advantages[sl],
             terms.mask[sl],
             self.loss_cfg,
