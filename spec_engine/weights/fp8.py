@@ -16,8 +16,7 @@ dtype (BF16 on CUDA, float32 on CPU); block-FP8 GEMMs (SGLang's CUDA path) are n
 The loader (weights/loader.py) runs every tensor of such a checkpoint through
 `dequantized_tensors` and its metadata through `dequantized_metadata`, so models, the engine's
 weight checks and the trainer see an ordinary checkpoint under the same names. `quantize` is the
-blockwise cast that writes the format (DeepSeek's fp8 cast, as slime quantizes weights it
-pushes).
+blockwise cast that writes the format (DeepSeek's `weight_quant`).
 """
 
 from __future__ import annotations
@@ -143,10 +142,11 @@ def dequantize(
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, float32 weight_scale_inv) of a 2-D weight, blockwise: each block's
-    scale is its largest magnitude over 448 (1 for an all-zero block), an edge block scaled
-    over its real elements only (as if zero-padded); values are multiplied by the scale's inverse
-    and clamped to the FP8 range (slime's blockwise_cast_to_fp8, DeepSeek's block format)."""
+    """(float8_e4m3fn weight, float32 weight_scale_inv) of a 2-D weight, blockwise, as DeepSeek's
+    `weight_quant` (inference/kernel.py) casts it: each block's scale is its largest magnitude
+    over 448 in float32, an edge block's over its real elements only, and the values are divided
+    by it. Unlike that kernel, an all-zero block gets scale 1 (not 0 and NaN values) and the
+    quotients are clamped to the FP8 range."""
     if weight.dim() != 2:
         raise ValueError(f"block-FP8 quantizes 2-D weights, got shape {tuple(weight.shape)}")
     rows, cols = weight.shape
@@ -156,7 +156,7 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     blocks = w.view(grid[0], block[0], grid[1], block[1])
     amax = blocks.abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks * (1.0 / scale).view(grid[0], 1, grid[1], 1)).clamp(-FP8_MAX, FP8_MAX)
+    q = (blocks / scale.view(grid[0], 1, grid[1], 1)).clamp(-FP8_MAX, FP8_MAX)
     return q.to(FP8_DTYPE).view(padded)[:rows, :cols].contiguous(), scale
 
 

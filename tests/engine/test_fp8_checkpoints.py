@@ -20,10 +20,16 @@ from safetensors.torch import load_file, save_file
 
 from spec_engine import Engine
 from spec_engine.models.hf_config import ModelConfig
+from spec_engine.weights.fp8 import dequantize, quantize
 from spec_engine.weights.loader import checkpoint_metadata, hf_tensor, iterate_checkpoint
 from tests.conftest import random_prompts
 from tests.engine.test_engine_greedy import assert_matches_hf
-from tests.support.fp8_reference import dequantized_copy, dequantized_tensors
+from tests.support.fp8_reference import (
+    dequantized_copy,
+    dequantized_tensors,
+    weight_dequant,
+    weight_quant,
+)
 from tiny.releases import to_fp8_release
 
 BLOCK = (16, 16)
@@ -104,6 +110,18 @@ def test_read_weights_are_deepseeks_dequantization_bit_for_bit(fp8, name):
     assert read.keys() == reference.keys()
     for key, tensor in reference.items():
         assert read[key].dtype == tensor.dtype and torch.equal(read[key], tensor), key
+
+
+def test_quantize_and_dequantize_are_deepseeks_kernels():
+    """Edge blocks cut short both ways, blocks of very different magnitudes."""
+    g = torch.Generator().manual_seed(53)
+    w = torch.randn(40, 70, generator=g) * torch.logspace(-4, 1, 70)
+    q, s = quantize(w, (16, 16))
+    ref_q, ref_s = weight_quant(w, 16)
+    assert s.shape == (3, 5) and torch.equal(s, ref_s)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(dequantize(q, s, (16, 16)), weight_dequant(q, s, 16))
+    assert (dequantize(q, s, (16, 16)) - w).abs().max() < 0.07 * w.abs().max()
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -1,13 +1,14 @@
 """The oracles for block-FP8 checkpoints, written from DeepSeek's own code rather than ours.
 
-`weight_dequant` is DeepSeek-V3's inference/kernel.py `weight_dequant` (its Triton kernel
-`weight_dequant_kernel`) in plain torch, block by block: program (pid_m, pid_n) loads its
+`weight_dequant` and `weight_quant` are DeepSeek-V3's inference/kernel.py functions (their
+Triton kernels) in plain torch, block by block. In `weight_dequant` program (pid_m, pid_n) loads its
 block of the FP8 weight widened to float32 (masked at the tensor's edges), loads the one
 float32 scale `s[pid_m, pid_n]` and stores `x * s` in the output dtype (fp8_cast_bf16.py runs it
 with torch's default dtype set to bfloat16). `dequantized_copy` is fp8_cast_bf16.py's job:
 every FP8 weight dequantized with the `*_scale_inv` of the same name, whichever shard holds it,
-the scales dropped, the rest copied; the config loses its quantization_config so that
-transformers loads the result as an ordinary checkpoint.
+the scales dropped, the rest copied (that script leaves config.json as it is; here its
+quantization_config is dropped so that transformers loads the result as an ordinary
+checkpoint).
 """
 
 from __future__ import annotations
@@ -34,6 +35,24 @@ def weight_dequant(
             cols = slice(pid_n * block_size, (pid_n + 1) * block_size)
             y[rows, cols] = (x[rows, cols].to(torch.float32) * s[pid_m, pid_n]).to(dtype)
     return y
+
+
+def weight_quant(x: torch.Tensor, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's weight_quant(x, block_size) (its `weight_quant_kernel`), block by block: the
+    block's elements widened to float32, s = max|x| / 448, the block stored as x / s in
+    float8_e4m3fn and s in float32."""
+    assert x.dim() == 2
+    m, n = x.shape
+    y = torch.empty(m, n, dtype=torch.float8_e4m3fn, device="cpu")
+    s = torch.empty(math.ceil(m / block_size), math.ceil(n / block_size), device="cpu")
+    for pid_m in range(s.shape[0]):
+        for pid_n in range(s.shape[1]):
+            rows = slice(pid_m * block_size, (pid_m + 1) * block_size)
+            cols = slice(pid_n * block_size, (pid_n + 1) * block_size)
+            block = x[rows, cols].to(torch.float32)
+            s[pid_m, pid_n] = block.abs().max() / 448.0
+            y[rows, cols] = (block / s[pid_m, pid_n]).to(torch.float8_e4m3fn)
+    return y, s
 
 
 def read_shards(path: str) -> dict[str, torch.Tensor]:
