@@ -3,7 +3,8 @@ block-FP8 release reads (conversion and --hf-checkpoint) as DeepSeek's reference
 computes it, bit for bit (tests/support/fp8_reference.py), and exports as its fp8_cast_bf16.py
 BF16 form (or, --keep-fp8, in the FP8 layout it came in); GLM-4.5's and GLM-4.5-Air's next-n
 layers with their `embed_tokens` and `shared_head.head` copies, Qwen3 and MiMo, sharded with an
-index, go Hugging Face -> megatron -> Hugging Face bit for bit."""
+index, go Hugging Face -> megatron -> Hugging Face bit for bit; an EAGLE-3 draft as published
+(`d2t`/`t2d`, `pytorch_model.bin`, fewer positions than the policy) trains on longer sequences."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import shutil
 import pytest
 import torch
 from conftest import FAMILIES, GLM45_AIR
+from safetensors.torch import load_file
 
 from tests.support.fp8_reference import dequantized_copy, dequantized_tensors, read_shards
-from tiny.checkpoints import add_mimo_mtp
+from tiny.checkpoints import add_mimo_mtp, build_eagle_draft
 from tiny.releases import to_fp8_release, to_sharded_release
 from trainer_bridge.convert import (
     hf_to_mcore_state_dict,
@@ -98,8 +100,6 @@ def test_fp8_release_converts_as_deepseeks_weight_dequant_and_exports_bf16(relea
 
 
 def read_shards_or_file(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     if os.path.exists(os.path.join(path, "model.safetensors.index.json")):
         return read_shards(path)
     return load_file(os.path.join(path, "model.safetensors"))
@@ -176,3 +176,33 @@ def test_a_next_n_copy_that_differs_from_the_trunk_is_refused(releases, tmp_path
     )
     with pytest.raises(ValueError, match="differs from the trunk's"):
         hf_to_mcore_state_dict(weights, releases["glm4_5"])
+
+
+def test_published_eagle3_draft_trains_past_its_max_positions(make_model, tmp_path):
+    """As published (EAGLE3-LLaMA3.1-Instruct-8B: pytorch_model.bin, 2048 positions for a
+    131072-position policy): the draft trains on sequences longer than its own
+    max_position_embeddings, as the engine runs it."""
+    from trainer_bridge.actor import TrainActor
+    from trainer_bridge.batch import TrainBatch
+    from trainer_bridge.megatron_compat import destroy_model_parallel
+    from trainer_bridge.options import TrainerArgs
+
+    target = make_model("llama", num_layers=4)
+    draft = build_eagle_draft(str(tmp_path / "eagle3"), target, version=3, draft_vocab_size=96)
+    tensors = load_file(os.path.join(draft, "model.safetensors"))
+    os.remove(os.path.join(draft, "model.safetensors"))
+    torch.save(tensors, os.path.join(draft, "pytorch_model.bin"))
+    config = _config(draft)
+    config["max_position_embeddings"] = 16
+    with open(os.path.join(draft, "config.json"), "w") as f:
+        json.dump(config, f)
+    args = TrainerArgs(
+        hf_checkpoint=target, lr=1e-6, enable_draft_training=True, draft_checkpoint=draft
+    )
+    tokens = torch.randint(5, 500, (2, 24), generator=torch.Generator().manual_seed(1)).tolist()
+    actor = TrainActor(args)
+    try:
+        metrics = actor.train(TrainBatch(tokens, [12, 12], [1.0, 0.0], n_samples_per_prompt=2))
+    finally:
+        destroy_model_parallel()
+    assert torch.isfinite(torch.tensor(metrics["train/draft_loss"]))
