@@ -115,6 +115,11 @@ def is_scale_name(name: str) -> bool:
     return name.endswith(SCALE_SUFFIX)
 
 
+def weight_name(scale: str) -> str:
+    """X.weight of X.weight_scale_inv."""
+    return scale.removesuffix(SCALE_SUFFIX)
+
+
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
     """The scale grid of a [rows, columns] weight: one scale per block, edge blocks included."""
     return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
@@ -170,11 +175,11 @@ def dequantized_metadata(
     stored = {name: (tuple(shape), dtype) for name, shape, dtype in entries}
     for name, shape, dtype in entries:
         if is_scale_name(name):
-            weight = stored.get(name[: -len(SCALE_SUFFIX)])
+            weight = stored.get(weight_name(name))
             if weight is None or not _is_fp8(weight[1]):
                 raise ValueError(
                     f"checkpoint tensor {name!r} is a block scale without an FP8 weight "
-                    f"{name[: -len(SCALE_SUFFIX)]!r}"
+                    f"{weight_name(name)!r}"
                 )
             continue
         if not _is_fp8(dtype):

@@ -167,17 +167,24 @@ def _open_safetensors(path: str) -> Iterator[Any]:
         raise ValueError(f"could not read the weights file {path!r}: {e}") from None
 
 
-def iterate_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor in the checkpoint, as models take them: a block-FP8
-    checkpoint's weights dequantized to float32 and its scales left out (weights/fp8.py)."""
+def iterate_checkpoint(
+    model_path: str, only: Optional[Callable[[str], bool]] = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the checkpoint (those whose names `only` accepts: the
+    others are not read), as models take them: a block-FP8 checkpoint's weights dequantized to
+    float32 and its scales left out (weights/fp8.py)."""
     fmt = fp8.read_block_fp8(model_path)
     if fmt is None:
-        for name, tensor in _stored_tensors(model_path):
+        for name, tensor in _stored_tensors(model_path, only):
             fp8.refuse_unquantized_fp8(name, str(tensor.dtype))
             yield name, tensor
         return
-    scales = dict(_stored_tensors(model_path, only=fp8.is_scale_name))
-    yield from fp8.dequantized_tensors(_stored_tensors(model_path), scales, fmt)
+
+    def wanted_scale(name: str) -> bool:
+        return fp8.is_scale_name(name) and (only is None or only(fp8.weight_name(name)))
+
+    scales = dict(_stored_tensors(model_path, wanted_scale))
+    yield from fp8.dequantized_tensors(_stored_tensors(model_path, only), scales, fmt)
 
 
 def _stored_tensors(
@@ -256,7 +263,7 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
     check_weights(
         model, (m for m in checkpoint_metadata(model_path) if keep(m[0])), require_all=True
     )
-    copy_weights(model, ((n, t) for n, t in iterate_checkpoint(model_path) if keep(n)))
+    copy_weights(model, iterate_checkpoint(model_path, keep))
 
 
 def check_weights(

@@ -112,6 +112,19 @@ def test_read_weights_are_deepseeks_dequantization_bit_for_bit(fp8, name):
         assert read[key].dtype == tensor.dtype and torch.equal(read[key], tensor), key
 
 
+def test_a_layer_is_read_without_the_rest(fp8):
+    """What the next-n draft loads of the checkpoint: its layer, dequantized with its scales."""
+    path = fp8["deepseek_v3"]
+    reference = dequantized_tensors(path)
+
+    def next_n(name: str) -> bool:
+        return name.startswith("model.layers.2.")
+
+    read = dict(iterate_checkpoint(path, next_n))
+    assert read.keys() == {n for n in reference if next_n(n)}
+    assert all(torch.equal(t, reference[n]) for n, t in read.items())
+
+
 def test_quantize_and_dequantize_are_deepseeks_kernels():
     """Edge blocks cut short both ways, blocks of very different magnitudes."""
     g = torch.Generator().manual_seed(53)
