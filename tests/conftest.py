@@ -48,6 +48,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
         extra_config={"use_qk_norm": False, "norm_topk_prob": False, "num_nextn_predict_layers": 0},
     ),
 }
+# GLM-4.5-Air as its config.json differs from GLM-4.5's: no q/k norms, one expert group; with
+# its next-n layer (the release-layout tests).
+GLM45_AIR: dict[str, Any] = dict(
+    arch="glm4_moe",
+    num_layers=3,
+    extra_config={
+        "use_qk_norm": False,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_nextn_predict_layers": 1,
+    },
+)
 
 
 @pytest.fixture(scope="session")

@@ -159,7 +159,7 @@ def build_checkpoint(
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **save_kwargs)
     if arch in ("glm4_moe", "deepseek_v3") and getattr(config, "num_nextn_predict_layers", 0):
-        _add_nextn_layers(out_dir, config, model_cls, dtype, copies=arch == "deepseek_v3")
+        _add_nextn_layers(out_dir, config, model_cls, dtype)
     return out_dir
 
 
@@ -219,13 +219,11 @@ def _randomize_router_bias(model: Any) -> None:
                 gate.e_score_correction_bias.normal_(0.0, 0.1)
 
 
-def _add_nextn_layers(
-    out_dir: str, config: Any, model_cls: Any, dtype: str, copies: bool = False
-) -> None:
+def _add_nextn_layers(out_dir: str, config: Any, model_cls: Any, dtype: str) -> None:
     """Append GLM-4.5's or DeepSeek-V3's MTP layers (`model.layers.{N + i}.*`: a MoE decoder
     layer plus enorm/hnorm/eh_proj/shared_head.norm), which transformers' classes do not build:
     the layer tensors come from the same class built with N + num_nextn_predict_layers layers.
-    `copies`: also write the embedding and head copies DeepSeek-V3 checkpoints carry
+    Each also carries the copies of the embedding and the head that both releases publish
     (`embed_tokens`, `shared_head.head`)."""
     import copy
     import tempfile
@@ -254,9 +252,9 @@ def _add_nextn_layers(
         for norm in ("enorm", "hnorm", "shared_head.norm"):
             tensors[f"{prefix}{norm}.weight"] = torch.ones(h, dtype=getattr(torch, dtype))
         tensors[f"{prefix}eh_proj.weight"] = _random((h, 2 * h), 0.1, g).to(getattr(torch, dtype))
-        if copies:
-            tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-            tensors[f"{prefix}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        tensors[f"{prefix}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])  # tied
+        tensors[f"{prefix}shared_head.head.weight"] = head.clone()
     save_file(tensors, weights_path, metadata={"format": "pt"})
 
 

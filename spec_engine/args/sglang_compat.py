@@ -81,7 +81,10 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
         "auto", "the KV cache has the model's dtype (--dtype); fp8 KV caches are not implemented"
     ),
     "quantization": _refuse(
-        None, "specrl runs unquantized weights only; use a bf16/fp16 checkpoint"
+        None,
+        "quantizing at load is not implemented; a block-FP8 checkpoint (DeepSeek-V3's release, "
+        "quantization_config quant_method fp8) loads without this flag, dequantized "
+        "(docs/checkpoints.md)",
     ),
     "quantization_param_path": _refuse(None, "specrl runs unquantized weights only"),
     "json_model_override_args": _refuse(

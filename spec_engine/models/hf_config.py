@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from spec_engine.weights.fp8 import block_fp8
+
 # architecture name -> family; the family decides biases and norms the config does not state.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -125,6 +127,9 @@ class ModelConfig:
     moe: Optional[MoEConfig] = None
     # MLA models (DeepSeek-V3): the KV cache holds one latent "head" of mla.cache_dim per token.
     mla: Optional[MLAConfig] = None
+    # Block-FP8 checkpoints (quantization_config quant_method fp8): the block of one weight scale.
+    # How the weights are stored, not the architecture: the loader dequantizes them.
+    weight_block_size: Optional[tuple[int, int]] = field(default=None, compare=False)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -197,6 +202,7 @@ class ModelConfig:
         moe = family in ("glm4_moe", "deepseek_v3")
         head_dim = cfg.get("head_dim") or hidden // heads
         partial = _partial_rotary_factor(cfg, head_dim)
+        fp8 = block_fp8(cfg)  # refuses quantization methods other than block FP8
         return cls(
             architecture=arch,
             family=family,
@@ -233,6 +239,7 @@ class ModelConfig:
             partial_rotary_factor=partial,
             moe=moe_from_config(cfg) if moe else None,
             mla=mla_from_config(cfg, rope_scaling) if family == "deepseek_v3" else None,
+            weight_block_size=fp8.block if fp8 else None,
             hf_config=cfg,
         )
 

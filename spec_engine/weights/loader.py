@@ -1,5 +1,5 @@
-"""Loading weights: read Hugging Face checkpoints (safetensors or pytorch_model.bin) and copy
-named tensors into a model.
+"""Loading weights: read Hugging Face checkpoints (safetensors or pytorch_model.bin; block-FP8
+ones dequantized as they are read, weights/fp8.py) and copy named tensors into a model.
 
 A model describes the Hugging Face names it takes with `hf_weight_spec()`: for each name the
 parameter it lands in, the row range inside a fused parameter, and the expected shape. Loading
@@ -14,13 +14,15 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
+
+from spec_engine.weights import fp8
 
 # Names some checkpoints carry that are derived, not learned; skipped without error.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -165,19 +167,60 @@ def _open_safetensors(path: str) -> Iterator[Any]:
         raise ValueError(f"could not read the weights file {path!r}: {e}") from None
 
 
-def iterate_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_checkpoint(
+    model_path: str, only: Optional[Callable[[str], bool]] = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the checkpoint (those whose names `only` accepts: the
+    others are not read), as models take them: a block-FP8 checkpoint's weights dequantized to
+    float32 and its scales left out (weights/fp8.py)."""
+    fmt = fp8.read_block_fp8(model_path)
+    if fmt is None:
+        for name, tensor in _stored_tensors(model_path, only):
+            fp8.refuse_unquantized_fp8(name, str(tensor.dtype))
+            yield name, tensor
+        return
+
+    def wanted_scale(name: str) -> bool:
+        return fp8.is_scale_name(name) and (only is None or only(fp8.weight_name(name)))
+
+    scales = dict(_stored_tensors(model_path, wanted_scale))
+    yield from fp8.dequantized_tensors(_stored_tensors(model_path, only), scales, fmt)
+
+
+def _stored_tensors(
+    model_path: str, only: Optional[Callable[[str], bool]] = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as stored (those whose names `only` accepts)."""
     for path in checkpoint_files(model_path):
         if path.endswith(".bin"):
-            yield from _read_bin(path).items()
+            yield from ((n, t) for n, t in _read_bin(path).items() if only is None or only(n))
             continue
         with _open_safetensors(path) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if only is None or only(name):
+                    yield name, f.get_tensor(name)
 
 
-def checkpoint_metadata(model_path: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
+def checkpoint_metadata(
+    model_path: str, as_stored: bool = False
+) -> Iterator[tuple[str, tuple[int, ...], str]]:
     """(name, shape, dtype) of every tensor in the checkpoint (safetensors: without reading the
-    data)."""
+    data), as `iterate_checkpoint` yields them: a block-FP8 checkpoint's weights as F32, their
+    scales checked and left out; `as_stored`: every tensor as the files hold it."""
+    stored = _stored_metadata(model_path)
+    if as_stored:
+        yield from stored
+        return
+    fmt = fp8.read_block_fp8(model_path)
+    if fmt is not None:
+        yield from fp8.dequantized_metadata(stored, fmt)
+        return
+    for name, shape, dtype in stored:
+        fp8.refuse_unquantized_fp8(name, dtype)
+        yield name, shape, dtype
+
+
+def _stored_metadata(model_path: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
     for path in checkpoint_files(model_path):
         if path.endswith(".bin"):
             for name, t in _read_bin(path).items():
@@ -220,7 +263,7 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
     check_weights(
         model, (m for m in checkpoint_metadata(model_path) if keep(m[0])), require_all=True
     )
-    copy_weights(model, ((n, t) for n, t in iterate_checkpoint(model_path) if keep(n)))
+    copy_weights(model, iterate_checkpoint(model_path, keep))
 
 
 def check_weights(

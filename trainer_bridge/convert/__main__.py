@@ -1,7 +1,10 @@
 """Command line: convert between Hugging Face directories and specrl's megatron checkpoints.
 
 python -m trainer_bridge.convert hf-to-mcore --hf-checkpoint A --save B [--tp N] [--ep N] [--etp N]
-python -m trainer_bridge.convert mcore-to-hf --load B --hf-checkpoint A --save C
+python -m trainer_bridge.convert mcore-to-hf --load B --hf-checkpoint A --save C [--keep-fp8]
+
+A block-FP8 Hugging Face checkpoint (DeepSeek-V3's release) is read dequantized; mcore-to-hf
+writes it back in BF16, or with --keep-fp8 in its FP8 layout.
 
 --tp, --ep and --etp also answer to Megatron's --tensor-model-parallel-size,
 --expert-model-parallel-size and --expert-tensor-parallel-size; mcore-to-hf reads a checkpoint of
@@ -33,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 expert_tp=args.etp,
             )
         else:
-            mcore_to_hf(args.load, args.hf_checkpoint, args.save)
+            mcore_to_hf(args.load, args.hf_checkpoint, args.save, keep_fp8=args.keep_fp8)
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"error: {e}\n")
     print(f"wrote {args.save}")
@@ -112,6 +115,13 @@ def _add_mcore_to_hf(commands: Any) -> None:
         help="the Hugging Face directory it came from (config and tokenizer files are copied)",
     )
     to_hf.add_argument("--save", required=True, help="output Hugging Face directory")
+    to_hf.add_argument(
+        "--keep-fp8",
+        action="store_true",
+        help="when --hf-checkpoint is block-FP8 (DeepSeek-V3's release), write its FP8 weights "
+        "back in its layout (float8_e4m3fn + weight_scale_inv per weight_block_size block) "
+        "instead of BF16",
+    )
 
 
 if __name__ == "__main__":

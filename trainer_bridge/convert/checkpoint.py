@@ -33,7 +33,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from spec_engine.weights.loader import iterate_checkpoint
+from spec_engine.weights.fp8 import BlockFP8, quantize, read_block_fp8, scale_name
+from spec_engine.weights.loader import checkpoint_metadata, iterate_checkpoint
 from trainer_bridge.convert.state_dict import hf_to_mcore_state_dict, mcore_to_hf_items
 from trainer_bridge.convert.tp import gather_state_dicts, shard_state_dict
 from trainer_bridge.model.provider import (
@@ -57,16 +58,37 @@ _WEIGHT_PATTERNS = (
     "*.pth",
 )
 
+# safetensors' dtype names of the float dtypes a release stores unquantized.
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
 
 def read_hf_weights(path: str) -> dict[str, Tensor]:
     """Every tensor of a Hugging Face checkpoint directory (the engine's reader: shard index
-    first)."""
+    first; a block-FP8 checkpoint's weights dequantized to float32 as DeepSeek's weight_dequant
+    computes them, weights/fp8.py)."""
     return dict(iterate_checkpoint(path))
 
 
-def save_hf_checkpoint(named_tensors: Iterable[tuple[str, Tensor]], save: str, like: str) -> None:
+def save_hf_checkpoint(
+    named_tensors: Iterable[tuple[str, Tensor]], save: str, like: str, keep_fp8: bool = False
+) -> None:
     """Write `save/model.safetensors` and copy every non-weight file (config, tokenizer) of
-    `like`."""
+    `like`.
+
+    When `like` is a block-FP8 checkpoint (DeepSeek-V3's release), every tensor is written in the
+    dtype the release's BF16 form has: BF16 for the weights it stores in FP8, its own dtype for
+    the rest, and config.json without its quantization_config (what DeepSeek's fp8_cast_bf16.py
+    makes of the release). `keep_fp8` writes those weights back in the release's layout instead
+    (float8_e4m3fn + float32 weight_scale_inv per block of its weight_block_size, blockwise as
+    weights/fp8.quantize casts them) and keeps the config: a weight read from the release and
+    not trained comes back with its FP8 values (its scale recomputed from them).
+    """
+    fmt = read_block_fp8(like)
+    if keep_fp8 and fmt is None:
+        raise ValueError(
+            f"--keep-fp8 writes the FP8 layout of the checkpoint converted from, and {like!r} is "
+            "not block-FP8 (its config.json has no quantization_config)"
+        )
     os.makedirs(save, exist_ok=True)
     weights = {
         os.path.basename(p)
@@ -77,9 +99,33 @@ def save_hf_checkpoint(named_tensors: Iterable[tuple[str, Tensor]], save: str, l
         source = os.path.join(like, entry)
         if entry not in weights and os.path.isfile(source):
             shutil.copy2(source, os.path.join(save, entry))
-    save_file(
-        dict(named_tensors), os.path.join(save, "model.safetensors"), metadata={"format": "pt"}
-    )
+    if fmt is None:
+        tensors = dict(named_tensors)
+    else:
+        tensors = _from_fp8_release(named_tensors, like, fmt, keep_fp8)
+    if fmt is not None and not keep_fp8:
+        with open(os.path.join(like, "config.json")) as f:
+            config = json.load(f)
+        del config["quantization_config"]
+        with open(os.path.join(save, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(save, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _from_fp8_release(
+    named_tensors: Iterable[tuple[str, Tensor]], like: str, fmt: BlockFP8, keep_fp8: bool
+) -> dict[str, Tensor]:
+    """The tensors in the BF16 form of the FP8 release `like` (or, `keep_fp8`, its FP8 form)."""
+    stored = {name: dtype for name, _, dtype in checkpoint_metadata(like, as_stored=True)}
+    out: dict[str, Tensor] = {}
+    for name, tensor in named_tensors:
+        if scale_name(name) not in stored:
+            out[name] = tensor.to(_SAFETENSORS_DTYPES.get(stored.get(name), tensor.dtype))
+        elif keep_fp8:
+            out[name], out[scale_name(name)] = quantize(tensor, fmt.block)
+        else:
+            out[name] = tensor.to(torch.bfloat16)
+    return out
 
 
 def _rank_path(load: str, rank: int, ep_rank: int, ep: int) -> str:
@@ -184,9 +230,10 @@ def read_mcore_as_hf(load: str) -> tuple[dict[str, Any], dict[str, Tensor]]:
     return meta["hf_config"], dict(mcore_to_hf_items(whole, arch))
 
 
-def mcore_to_hf(load: str, hf_checkpoint: str, save: str) -> None:
+def mcore_to_hf(load: str, hf_checkpoint: str, save: str, keep_fp8: bool = False) -> None:
     """Convert a megatron checkpoint (any TP, EP and expert TP size) back into a Hugging Face
-    directory shaped like `hf_checkpoint`."""
+    directory shaped like `hf_checkpoint` (a block-FP8 one: in BF16, or `keep_fp8` in its FP8
+    layout; see save_hf_checkpoint)."""
     meta = read_mcore_meta(load)
     arch = read_model_config(hf_checkpoint)
     if read_model_config(meta["hf_config"]) != arch:
@@ -195,4 +242,4 @@ def mcore_to_hf(load: str, hf_checkpoint: str, save: str) -> None:
             f"{read_model_config(meta['hf_config'])} vs {arch}; pass the checkpoint it came from"
         )
     _, tensors = read_mcore_as_hf(load)
-    save_hf_checkpoint(tensors.items(), save, like=hf_checkpoint)
+    save_hf_checkpoint(tensors.items(), save, like=hf_checkpoint, keep_fp8=keep_fp8)

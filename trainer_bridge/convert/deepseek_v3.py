@@ -8,25 +8,17 @@ q_proj -> linear_q_proj without a query bottleneck), kv_a_proj_with_mqa -> linea
 (per head: the no-rope key dims, then the value), o_proj -> linear_proj. The MLPs are GLM-4.5's
 (glm4_moe.py); fused gate/up and the vocabulary are handled as for Llama.
 
-Next-n (MTP) layers `model.layers.{N + i}` map as GLM-4.5's, and each also carries copies of the
-embedding (`embed_tokens`) and the output head (`shared_head.head`), which megatron's MTP layers
-share with the trunk: the copies fold into `embedding.word_embeddings` / `output_layer` (refused
-if they differ) and are written back from them.
+Next-n (MTP) layers `model.layers.{N + i}` map as GLM-4.5's, their copies of the embedding
+(`embed_tokens`) and the output head (`shared_head.head`) included (glm4_moe.py).
 """
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from collections.abc import Collection
 
 from spec_engine.models.hf_config import ModelConfig
-from trainer_bridge.convert import llama
+from trainer_bridge.convert import glm4_moe
 from trainer_bridge.convert.glm4_moe import MTP_RENAMES, moe_mlp_names
-
-_SHARED_WITH_MTP = {
-    "embedding.word_embeddings.weight": "embed_tokens.weight",
-    "output_layer.weight": "shared_head.head.weight",
-}
 
 _ATTENTION = {
     "linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight",
@@ -83,34 +75,15 @@ def name_map(arch: ModelConfig) -> dict[str, tuple[str, ...]]:
         mcore, hf = f"mtp.layers.{i}.", f"model.layers.{n + i}."
         names.update({mcore + m: (hf + h,) for m, h in MTP_RENAMES.items()})
         names.update(_layer_names(arch, n + i, mcore + "transformer_layer.", hf))
-        for shared, copy in _SHARED_WITH_MTP.items():
-            names[shared] += (hf + copy,)
+    glm4_moe.add_mtp_copies(names, arch)
     return names
 
 
-def to_mcore(name: str, hf_tensors: tuple[Tensor, ...], arch: ModelConfig) -> Tensor:
-    """Build megatron tensor `name` from its Hugging Face tensors (in `name_map` order)."""
-    if name in _SHARED_WITH_MTP:
-        first, *copies = hf_tensors
-        if not all(torch.equal(first, c) for c in copies):
-            raise ValueError(
-                f"{arch.architecture} next-n layers carry a {_SHARED_WITH_MTP[name]} that differs "
-                f"from the trunk's; megatron's MTP layers share the trunk's {name}, so this "
-                "checkpoint cannot be converted without losing one of them"
-            )
-        return first
-    if name.endswith("eh_proj.weight"):  # [embedding, hidden], as megatron reads it
-        return hf_tensors[0]
-    return llama.to_mcore(name, hf_tensors, arch)
+def optional_names(arch: ModelConfig) -> Collection[str]:
+    """Hugging Face names a checkpoint may lack: the next-n layers' copies."""
+    return glm4_moe.optional_names(arch)
 
 
-def to_hf(name: str, tensor: Tensor, arch: ModelConfig) -> tuple[Tensor, ...]:
-    """The Hugging Face tensors (in `name_map` order) inside megatron tensor `name`; vocab padding
-    removed."""
-    if name in _SHARED_WITH_MTP:
-        (trimmed,) = llama.to_hf(name, tensor, arch)
-        # copies, not views: safetensors refuses to save tensors that share memory
-        return (trimmed, *(trimmed.clone() for _ in range(arch.num_mtp_layers)))
-    if name.endswith("eh_proj.weight"):
-        return (tensor,)
-    return llama.to_hf(name, tensor, arch)
+# MLA tensors keep their layout; the MLPs, eh_proj and the next-n copies are GLM-4.5's.
+to_mcore = glm4_moe.to_mcore
+to_hf = glm4_moe.to_hf

@@ -11,6 +11,8 @@ reads [hidden, embedding] (as the engine's models/mimo.py does); megatron's eh_p
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import Tensor
 
@@ -68,6 +70,11 @@ def name_map(arch: ModelConfig) -> dict[str, tuple[str, ...]]:
         names[mcore + _EH_PROJ] = (hf + "input_proj.weight",)
         names.update(_layer_names(arch, mcore + "transformer_layer.", hf))
     return names
+
+
+def optional_names(arch: ModelConfig) -> Collection[str]:
+    """Hugging Face names a checkpoint may lack: none (a tied head is not named at all)."""
+    return ()
 
 
 def _fuse_qkv(arch: ModelConfig, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

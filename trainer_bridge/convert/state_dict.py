@@ -1,7 +1,7 @@
 """Whole (tensor-parallel size 1) state dicts between Hugging Face and megatron, for every
 trainable architecture: each family's layout module (llama.py, glm4_moe.py, deepseek_v3.py)
-names the tensors and fuses or splits them; this module picks the layout and checks that nothing
-is missing or left over."""
+names the tensors (and those a checkpoint may lack) and fuses or splits them; this module picks
+the layout and checks that nothing is missing or left over."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def hf_to_mcore_state_dict(
     family = layout(arch)
     names = family.name_map(arch)
     wanted = {h for hs in names.values() for h in hs}
-    missing = sorted(wanted - hf_tensors.keys())
+    missing = sorted(wanted - hf_tensors.keys() - set(family.optional_names(arch)))
     unexpected = sorted(hf_tensors.keys() - wanted)
     if missing or unexpected:
         raise ValueError(
@@ -45,7 +45,8 @@ def hf_to_mcore_state_dict(
             "all)"
         )
     return {
-        m: family.to_mcore(m, tuple(hf_tensors[h] for h in hs), arch) for m, hs in names.items()
+        m: family.to_mcore(m, tuple(hf_tensors[h] for h in hs if h in hf_tensors), arch)
+        for m, hs in names.items()
     }
 
 

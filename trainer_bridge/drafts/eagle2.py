@@ -41,7 +41,13 @@ from torch import Tensor, nn
 from spec_engine.layers.norm import RMSNorm
 from spec_engine.layers.rotary import RotaryEmbedding
 from spec_engine.models.hf_config import ModelConfig
-from trainer_bridge.drafts.layers import DraftAttention, DraftMLP, load_checkpoint, save_pretrained
+from trainer_bridge.drafts.layers import (
+    DraftAttention,
+    DraftMLP,
+    draft_config,
+    load_checkpoint,
+    save_pretrained,
+)
 
 EAGLE2_ARCHITECTURE = "LlamaForCausalLMEagle"
 # EAGLE's train_config (eagle/train/main.py): loss = v_w x vloss + p_w x ploss.
@@ -89,7 +95,7 @@ class Eagle2Draft(nn.Module):
         h = config.hidden_size
         rotary = RotaryEmbedding(
             config.head_dim,
-            config.max_position_embeddings,
+            config.rope_max_positions or config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling,
             config.rotary_dim,
@@ -101,9 +107,10 @@ class Eagle2Draft(nn.Module):
         )
 
     @classmethod
-    def from_pretrained(cls, path: str, device: torch.device) -> Eagle2Draft:
-        """The draft in `path` (float32: its optimizer steps these weights directly)."""
-        model = cls(ModelConfig.from_pretrained(path), device)
+    def from_pretrained(cls, path: str, device: torch.device, positions: int = 0) -> Eagle2Draft:
+        """The draft in `path` (float32: its optimizer steps these weights directly), its rotary
+        tables covering at least `positions` (layers.draft_config)."""
+        model = cls(draft_config(path, positions), device)
         # Frozen copies of the target's embedding and head that EAGLE checkpoints ship: unused.
         load_checkpoint(model, path, "EAGLE-2", {"embed_tokens.weight", "lm_head.weight"})
         return model

@@ -22,7 +22,13 @@ from torch import Tensor, nn
 from spec_engine.layers.norm import RMSNorm
 from spec_engine.layers.rotary import RotaryEmbedding
 from spec_engine.models.hf_config import ModelConfig
-from trainer_bridge.drafts.layers import DraftAttention, DraftMLP, load_checkpoint, save_pretrained
+from trainer_bridge.drafts.layers import (
+    DraftAttention,
+    DraftMLP,
+    draft_config,
+    load_checkpoint,
+    save_pretrained,
+)
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 # SpecForge's defaults (scripts/train_eagle3.py): 7 unrolled steps, step k weighted 0.8 ** k.
@@ -37,7 +43,7 @@ class _MidLayer(nn.Module):
         rotary = RotaryEmbedding(
             config.head_dim,
             # Step k reads rotary position t + k: room for the last position's later steps.
-            config.max_position_embeddings + TTT_LENGTH,
+            (config.rope_max_positions or config.max_position_embeddings) + TTT_LENGTH,
             config.rope_theta,
             config.rope_scaling,
             config.rotary_dim,
@@ -76,9 +82,10 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool, device=device))
 
     @classmethod
-    def from_pretrained(cls, path: str, device: torch.device) -> Eagle3Draft:
-        """The draft in `path` (float32: its optimizer steps these weights directly)."""
-        model = cls(ModelConfig.from_pretrained(path), device)
+    def from_pretrained(cls, path: str, device: torch.device, positions: int = 0) -> Eagle3Draft:
+        """The draft in `path` (float32: its optimizer steps these weights directly), its rotary
+        tables covering at least `positions` (layers.draft_config)."""
+        model = cls(draft_config(path, positions), device)
         # embed_tokens: a frozen copy of the target's, unused.
         found = load_checkpoint(model, path, "EAGLE-3", {"embed_tokens.weight"}, {"t2d"})
         if "t2d" not in found:  # SGLang ignores t2d; rebuilt from d2t, which it reads

@@ -6,6 +6,7 @@ buffer names are its checkpoint's own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -87,6 +88,17 @@ class DraftMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def draft_config(path: str, positions: int = 0) -> ModelConfig:
+    """The draft's config, its rotary tables raised to `positions` (the policy's
+    max_position_embeddings) where its own max_position_embeddings is shorter: EAGLE drafts are
+    published with 2048 positions for targets of far longer contexts, and run at the target's
+    (as the engine and SGLang run them)."""
+    config = ModelConfig.from_pretrained(path)
+    if positions > config.max_position_embeddings:
+        config = dataclasses.replace(config, rope_max_positions=positions)
+    return config
 
 
 def load_checkpoint(

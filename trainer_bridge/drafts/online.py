@@ -140,10 +140,14 @@ _ALGORITHMS = {
 
 
 def load_draft(
-    path: Optional[str], device: torch.device, algorithm: Optional[str] = None
+    path: Optional[str],
+    device: torch.device,
+    algorithm: Optional[str] = None,
+    positions: int = 0,
 ) -> Eagle2Draft | Eagle3Draft | StandaloneDraft:
     """The draft at `path` (--sglang-speculative-draft-model-path) for the engines'
-    `algorithm` (None: the checkpoint's architecture decides, a plain LM being STANDALONE's)."""
+    `algorithm` (None: the checkpoint's architecture decides, a plain LM being STANDALONE's); an
+    EAGLE draft's rotary tables cover at least `positions` (the policy's)."""
     if path is None or not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(
             f"--enable-draft-training needs the draft checkpoint the engines load "
@@ -158,7 +162,7 @@ def load_draft(
     expected = _ALGORITHMS.get(algorithm) if algorithm is not None else None
     for arch in eagle:
         if expected in (None, arch):
-            return _KINDS[arch][0].from_pretrained(path, device)
+            return _KINDS[arch][0].from_pretrained(path, device, positions)
     wanted = expected or " or ".join(sorted(_KINDS))
     given = f" with --sglang-speculative-algorithm {algorithm}" if algorithm else ""
     raise ValueError(
@@ -176,7 +180,9 @@ class OnlineDraft:
         arch: ModelConfig,
         device: torch.device,
     ) -> None:
-        self.draft = load_draft(args.draft_checkpoint, device, args.speculative_algorithm)
+        self.draft = load_draft(
+            args.draft_checkpoint, device, args.speculative_algorithm, arch.max_position_embeddings
+        )
         config = self.draft.config
         if isinstance(self.draft, StandaloneDraft):
             # Its own vocabulary, which may be padded otherwise (the same tokenizer's).
