@@ -166,9 +166,6 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "num_epoch": _only(
         None, "give --num-rollout (prompts x epochs / --rollout-batch-size)", type=int
     ),
-    "partial_rollout": _only(
-        False, "groups left over when a rollout is full are aborted and dropped, not continued"
-    ),
     "buffer_filter_path": _only(
         None, "no rollout buffer filters; see --dynamic-sampling-filter-path"
     ),
