@@ -148,6 +148,39 @@ def output(ids: list[int], logprobs: list[float], text: str, finish: str, versio
     }
 
 
+class InstantEngine:
+    """Every request finishes at once: all groups of a rollout finish together, the ones not
+    needed after the batch is full."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    async def async_generate(self, input_ids, sampling_params, **kwargs):
+        self.requests += 1
+        return output([7, 8], [-0.5, -0.5], " bc", "stop", "v0")
+
+    def abort_request(self, rid: str) -> None:
+        pass
+
+
+def test_groups_finished_after_the_batch_is_full_are_trained_next_without_a_request(
+    tokenizer, tmp_path
+):
+    data = str(tmp_path / "task.jsonl")
+    write_tiny_task(data, tokenizer, n=16)
+    handle = InstantEngine()
+    manager = RolloutManager(partial_args(data), [handle], tokenizer)
+    groups, metrics = manager.generate(0)
+    assert [g[0].group_index for g in groups] == [0, 1] and handle.requests == 12
+    assert metrics["rollout/groups_leftover"] == 4
+    assert [g[0].group_index for g in manager.data_source.buffer] == [2, 3, 4, 5]
+    groups, metrics = manager.generate(1)
+    # the two buffered groups first, finished and scored already; two new ones made with them
+    assert [g[0].group_index for g in groups] == [2, 3] and handle.requests == 12 + 4
+    assert metrics["rollout/partial_samples_ratio"] == 1.0
+    assert all(s.reward is not None and s.response == " bc" for g in groups for s in g)
+
+
 def test_fill_from_output_appends_a_continuation():
     s = Sample(index=0, tokens=[1, 2])
     fill_from_output(s, output([7, 8, 9], [-0.1, -0.2, -0.3], " ab", "abort", "3"))
