@@ -90,6 +90,12 @@ def test_rollout_correction_flags_reach_the_loss(tmp_path):
     assert loss.use_rollout_logprobs and loss.get_mismatch_metrics and loss.tis_clip_low == 0.5
 
 
+def test_partial_rollout_flags_reach_the_rollout(tmp_path):
+    extra = "--partial-rollout --mask-offpolicy-in-partial-rollout"
+    rollout = parse_args(argv("m", str(tmp_path), extra)).options.rollout
+    assert rollout.partial_rollout and rollout.mask_offpolicy_in_partial_rollout
+
+
 def test_num_steps_per_rollout_sets_the_global_batch_size(tmp_path):
     args = parse_args(argv("m", str(tmp_path), "--num-steps-per-rollout 4"))
     assert args.options.trainer.global_batch_size == 8  # 4 prompts x 8 samples / 4 steps
