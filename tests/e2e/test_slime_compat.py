@@ -73,6 +73,7 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
         ("--use-rollout-logprobs --use-tis", "cannot be set at the same time"),
         ("--mask-offpolicy-in-partial-rollout", "it needs --partial-rollout"),
         ("--partial-rollout --use-rollout-routing-replay", "drop one of them"),
+        ("--partial-rollout --buffer-filter-path m:f", "taken back oldest first"),
         ("--num-epoch 3", "give --num-rollout"),
         ("--sglang-router-ip 10.0.0.1", "routed in-process"),
         ("--num-steps-per-rollout 3", "must be positive and divide the rollout's 32 samples"),
