@@ -163,13 +163,21 @@ class InstantEngine:
         pass
 
 
+def counting_rm(args, sample):
+    sample.metadata["scored"] = sample.metadata.get("scored", 0) + 1
+    return 1.0
+
+
 def test_groups_finished_after_the_batch_is_full_are_trained_next_without_a_request(
     tokenizer, tmp_path
 ):
     data = str(tmp_path / "task.jsonl")
     write_tiny_task(data, tokenizer, n=16)
     handle = InstantEngine()
-    manager = RolloutManager(partial_args(data), [handle], tokenizer)
+    rm = "tests.rollout.test_partial_rollout:counting_rm"
+    manager = RolloutManager(
+        partial_args(data, rm_type=None, custom_rm_path=rm), [handle], tokenizer
+    )
     groups, metrics = manager.generate(0)
     assert [g[0].group_index for g in groups] == [0, 1] and handle.requests == 12
     assert metrics["rollout/groups_leftover"] == 4
@@ -178,7 +186,8 @@ def test_groups_finished_after_the_batch_is_full_are_trained_next_without_a_requ
     # the two buffered groups first, finished and scored already; two new ones made with them
     assert [g[0].group_index for g in groups] == [2, 3] and handle.requests == 12 + 4
     assert metrics["rollout/partial_samples_ratio"] == 1.0
-    assert all(s.reward is not None and s.response == " bc" for g in groups for s in g)
+    assert all(s.reward == 1.0 and s.response == " bc" for g in groups for s in g)
+    assert all(s.metadata["scored"] == 1 for g in groups for s in g)  # not scored again
 
 
 def test_fill_from_output_appends_a_continuation():
