@@ -109,6 +109,13 @@ def test_partial_groups_are_continued_and_every_group_is_trained_once(
         begun_earlier = sum("start_rollout_id" in s.metadata for s in samples)
         assert metrics["rollout/partial_samples_ratio"] == begun_earlier / len(samples)
         assert metrics["rollout/groups_leftover"] == len(manager.data_source.buffer) == 4
+        # perf/tokens_per_s counts each token in the rollout that generated it
+        now = samples + [s for g in manager.data_source.buffer for s in g]
+        generated = sum(s.response_length for s in now) - sum(
+            s.response_length for s in carried.values()
+        )
+        tokens = metrics["perf/tokens_per_s"] * metrics["perf/rollout_time"]
+        assert tokens == pytest.approx(generated)
     assert continued > 0, "no rollout continued a partial response; the test proves nothing"
     # Nothing lost or duplicated: every group made is trained once or still waits in the buffer.
     waiting = [g[0].group_index for g in manager.data_source.buffer]
