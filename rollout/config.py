@@ -108,6 +108,19 @@ class RolloutArgs:
         "because a sample was aborted or failed); past it the rollout fails (default: 10 x "
         "--rollout-batch-size).",
     )
+    # Partial rollouts
+    partial_rollout: bool = _opt(
+        False,
+        "Keep the groups still unfinished when a rollout has --rollout-batch-size groups (and "
+        "those that finish after it): they go back to the data buffer with their partial "
+        "tokens and log-probs and are continued, not restarted, first thing in the next rollout "
+        "under the new weights (slime's --partial-rollout).",
+    )
+    mask_offpolicy_in_partial_rollout: bool = _opt(
+        False,
+        "With --partial-rollout, mask from the loss the tokens a continued sample got in earlier "
+        "rollouts (older weights): only the tokens of the weights being trained count.",
+    )
     # Extension points
     rollout_function_path: Optional[str] = _opt(
         None,
@@ -222,6 +235,17 @@ class RolloutArgs:
         ):
             raise ValueError(
                 f"--eval-prompt-data takes name/path pairs, got {self.eval_prompt_data}"
+            )
+        if self.mask_offpolicy_in_partial_rollout and not self.partial_rollout:
+            raise ValueError(
+                "--mask-offpolicy-in-partial-rollout masks the tokens of continued samples; it "
+                "needs --partial-rollout"
+            )
+        if self.partial_rollout and self.rollout_function_path is not None:
+            raise ValueError(
+                f"--partial-rollout continues the built-in rollout's groups; the rollout of "
+                f"--rollout-function-path {self.rollout_function_path} keeps its own (use "
+                "manager.data_source.add_samples there)"
             )
 
     @property

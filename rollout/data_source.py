@@ -17,6 +17,9 @@ class DataSource:
 
     Each epoch is a permutation of the file's lines: the file order, or with `shuffle` a
     permutation seeded by (seed, epoch), so a resumed run sees the same order.
+
+    The buffer (slime's RolloutDataSourceWithBuffer) holds groups handed back to be continued
+    (--partial-rollout): the rollout takes them before new prompts, and a checkpoint keeps them.
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class DataSource:
         self.epoch = 0
         self.offset = 0  # position within the current epoch's order
         self._order = self._epoch_order(0)
+        self.buffer: list[list[Sample]] = []
 
     @classmethod
     def from_args(
@@ -83,19 +87,30 @@ class DataSource:
             self.offset += 1
         return prompts
 
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        """Hand groups back to be served again, after those already in the buffer."""
+        self.buffer.extend(groups)
+
+    def get_samples_from_buffer(self, n: int) -> list[list[Sample]]:
+        """Up to `n` groups from the buffer, oldest first (slime's pop_first)."""
+        groups, self.buffer = self.buffer[:n], self.buffer[n:]
+        return groups
+
     def all_prompts(self) -> list[Sample]:
         """Every prompt once, in file order (for evaluation); does not move the epoch position."""
         return [self._make_sample(record) for record in self.records]
 
     def state_dict(self) -> dict[str, Any]:
         """The position (epoch, offset into its order) and what the order is derived from: with
-        the same file, shuffle and seed, an epoch's permutation is recomputed on load."""
+        the same file, shuffle and seed, an epoch's permutation is recomputed on load; and the
+        buffer's groups, as plain values (JSON)."""
         return {
             "epoch": self.epoch,
             "offset": self.offset,
             "shuffle": self.shuffle,
             "seed": self.seed,
             "num_prompts": len(self.records),
+            "buffer": [[sample.to_dict() for sample in group] for group in self.buffer],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -129,6 +144,7 @@ class DataSource:
             )
         self.epoch, self.offset = epoch, offset
         self._order = self._epoch_order(epoch)
+        self.buffer = [[Sample.from_dict(d) for d in group] for group in state.get("buffer", [])]
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.records)))

@@ -44,8 +44,10 @@ def sample_seed(rollout_seed: int, index: int) -> int:
 
 
 def fill_from_output(sample: Sample, output: dict[str, Any]) -> Sample:
-    """Fill a sample whose `tokens` hold the prompt from one engine output dict
-    (return_logprob=True)."""
+    """Append one engine output dict (return_logprob=True) to a sample whose `tokens` hold the
+    prompt and the response so far (none, or a partial one that --partial-rollout continues):
+    tokens, text, log-probs, loss mask and weight versions are extended, the speculative
+    counters summed, the status set from the finish reason."""
     meta = output["meta_info"]
     response_ids = list(output["output_ids"])
     if output.get("text") is None:
@@ -65,36 +67,65 @@ def fill_from_output(sample: Sample, output: dict[str, Any]) -> Sample:
             f"request {meta.get('id')}: {len(log_probs)} log-probs for {len(response_ids)} output "
             "tokens"
         )
+    previous, new = sample.response_length, len(response_ids)
+    if previous and len(sample.rollout_log_probs or ()) != previous:
+        raise ValueError(
+            f"sample {sample.index} continues a response of {previous} tokens that has no "
+            "rollout_log_probs for each; a custom generate function must record them to be "
+            "continued by --partial-rollout"
+        )
+    version = meta["weight_version"]
     sample.tokens = sample.tokens + response_ids
-    sample.response = output["text"]
-    sample.response_length = len(response_ids)
-    sample.loss_mask = [1] * len(response_ids)
-    sample.rollout_log_probs = log_probs
+    sample.response = sample.response + output["text"]
+    sample.response_length = previous + new
+    sample.loss_mask = (sample.loss_mask or [1] * previous) + [1] * new
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + log_probs
     sample.status = Status.from_finish_reason(meta["finish_reason"])
-    sample.weight_versions = sample.weight_versions + [meta["weight_version"]]
+    sample.weight_versions = sample.weight_versions + [version]
+    known = previous == 0 or sample.token_weight_versions is not None
+    sample.token_weight_versions = (
+        (sample.token_weight_versions or []) + [version] * new if known else None
+    )
     if "spec_verify_ct" in meta:
-        sample.spec_info = {
-            key: meta[key]
-            for key in (
-                "spec_verify_ct",
-                "spec_accept_length",
-                "spec_accept_token_num",
-                "spec_draft_token_num",
-            )
-        }
-        # 1.0: the engine's acceptance alarm was up for the weights that generated it.
-        sample.spec_info["spec_accept_alarm"] = float(meta.get("spec_accept_alarm", False))
+        sample.spec_info = _add_spec_info(sample.spec_info, meta)
     return sample
+
+
+def _add_spec_info(info: Optional[dict[str, float]], meta: dict[str, Any]) -> dict[str, float]:
+    """The speculative counters of the sample's requests so far and this one's, summed (a
+    continued sample made several requests); the accept length recomputed from the sums."""
+    counters = ("spec_verify_ct", "spec_accept_token_num", "spec_draft_token_num")
+    total = {key: (info or {}).get(key, 0) + meta[key] for key in counters}
+    verify = total["spec_verify_ct"]
+    # SGLang's count: tokens per verify pass, accepted drafts plus the bonus token.
+    total["spec_accept_length"] = (
+        (total["spec_accept_token_num"] + verify) / verify if verify else 0.0
+    )
+    # 1.0: the engine's acceptance alarm was up for the weights that generated any of it.
+    alarm = float(meta.get("spec_accept_alarm", False))
+    total["spec_accept_alarm"] = max(alarm, (info or {}).get("spec_accept_alarm", 0.0))
+    return total
 
 
 async def generate(
     args: Any, sample: Sample, sampling_params: dict[str, Any], engine: Any
 ) -> Sample:
-    """The default generate function: one request for the sample's prompt tokens."""
+    """The default generate function: one request for the sample's tokens, the prompt and any
+    partial response (--partial-rollout continues it, as slime's generate, with max_new_tokens
+    less the tokens it has)."""
     replay = getattr(args, "use_rollout_routing_replay", False)
+    if replay and sample.response_length:
+        raise ValueError(
+            "--use-rollout-routing-replay records the routing of a response generated in one "
+            "request; it cannot continue a partial one: drop --partial-rollout"
+        )
+    max_new_tokens = sampling_params["max_new_tokens"] - sample.response_length
+    if max_new_tokens <= 0:  # continued with the most tokens a response may have already
+        sample.status = Status.TRUNCATED
+        return sample
     output = await engine.async_generate(
         input_ids=list(sample.tokens),
-        sampling_params=sampling_params,
+        sampling_params={**sampling_params, "max_new_tokens": max_new_tokens},
         return_logprob=True,
         **({"return_routed_experts": True} if replay else {}),
     )
@@ -125,12 +156,23 @@ async def generate_group(
 
     Samples that have not started when `stopping()` turns true end ABORTED without a request;
     request ids start with `rid_prefix` (see Router.abort_all).
+
+    A group kept by --partial-rollout comes back with its samples as they were: finished ones
+    stay as they are, aborted ones are continued; with --mask-offpolicy-in-partial-rollout
+    every token they already have is masked from the loss first (slime's generate_and_rm).
     """
+    mask_offpolicy = args.partial_rollout and args.mask_offpolicy_in_partial_rollout
 
     async def one(sample: Sample) -> Sample:
+        if mask_offpolicy and sample.response_length:
+            # generated by the weights of an earlier rollout: off-policy for the ones trained
+            sample.loss_mask = [0] * sample.response_length
+        if sample.status in (Status.COMPLETED, Status.TRUNCATED):
+            return sample  # finished in an earlier rollout, its group did not
         if stopping():
             sample.status = Status.ABORTED
             return sample
+        sample.status = Status.PENDING  # an aborted sample is continued
         params = {**sampling_params, "sampling_seed": sample_seed(args.rollout_seed, sample.index)}
         with router.lease(rid_prefix + uuid.uuid4().hex) as engine:
             try:
@@ -159,8 +201,9 @@ async def generate_group(
         raise
     if reward_fn is None or any(s.status in (Status.ABORTED, Status.FAILED) for s in samples):
         return samples  # unscored: a group with an aborted or failed sample is dropped
-    rewards = await asyncio.gather(*(score(reward_fn, fn_args or args, s) for s in samples))
-    for sample, reward in zip(samples, rewards):
+    unscored = [s for s in samples if s.reward is None]  # scored: finished earlier
+    rewards = await asyncio.gather(*(score(reward_fn, fn_args or args, s) for s in unscored))
+    for sample, reward in zip(unscored, rewards):
         sample.reward = reward
     return samples
 

@@ -40,6 +40,7 @@ class _Fill:
 
     rid_prefix: str
     kept: Groups = dataclasses.field(default_factory=list)
+    leftover: Groups = dataclasses.field(default_factory=list)  # finished or aborted, not needed
     pending: set[asyncio.Task] = dataclasses.field(default_factory=set)
     stopping: bool = False  # read by the groups in flight: stop sampling more
     stats: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(STATS, 0))
@@ -52,6 +53,8 @@ class RolloutManager:
     `generate(rollout_id)` submits groups of --over-sampling-batch-size prompts concurrently,
     keeps groups that finished and pass --dynamic-sampling-filter-path until
     --rollout-batch-size are kept, then aborts the groups still in flight and waits for them.
+    With --partial-rollout the groups left over go back to the data source's buffer, partial
+    responses and all, and the next rollout takes them first and continues them.
     """
 
     def __init__(
@@ -100,18 +103,25 @@ class RolloutManager:
         """Metrics: docs/design.md's rollout/* and perf/* keys (rollout.metrics.rollout_metrics),
         and for the built-in rollout rollout/groups_{submitted,filtered,aborted,leftover}: groups
         sent, dropped by the filter, dropped for an aborted or failed sample, and not needed
-        (aborted leftovers and groups that finished after the batch was full)."""
+        (aborted leftovers and groups that finished after the batch was full: dropped, or with
+        --partial-rollout kept for the next rollout); with --partial-rollout also
+        rollout/partial_samples_ratio, the share of the rollout's samples begun in an earlier
+        one."""
         start = time.perf_counter()
         if self.rollout_fn is not None:
             groups = await call_maybe_async(self.rollout_fn, self.fn_args, rollout_id, self)
             _check_groups(groups, "--rollout-function-path")
             return groups, rollout_metrics(groups, time.perf_counter() - start)
-        groups, stats = await self._generate_filtered()
+        groups, stats = await self._generate_filtered(rollout_id)
         metrics = rollout_metrics(groups, time.perf_counter() - start, stats.pop("response_tokens"))
         metrics.update({f"rollout/{k}": float(v) for k, v in stats.items()})
+        if self.args.partial_rollout:
+            samples = [s for g in groups for s in g]
+            begun_earlier = sum("start_rollout_id" in s.metadata for s in samples)
+            metrics["rollout/partial_samples_ratio"] = begun_earlier / len(samples)
         return groups, metrics
 
-    async def _generate_filtered(self) -> tuple[Groups, dict[str, int]]:
+    async def _generate_filtered(self, rollout_id: int) -> tuple[Groups, dict[str, int]]:
         args = self.args
         router, data_source = self._require_engines(), self._require_data()
         if self.reward_fn is None:
@@ -134,8 +144,21 @@ class RolloutManager:
         fill.stopping = True
         leftovers = await self._abort(fill.pending, fill.rid_prefix, raise_errors=True)
         fill.stats["response_tokens"] += sum(s.response_length for g in leftovers for s in g)
-        fill.stats["groups_leftover"] += len(leftovers)
+        fill.leftover = sorted(fill.leftover + leftovers, key=lambda g: g[0].group_index)
+        fill.stats["groups_leftover"] = len(fill.leftover)
+        if args.partial_rollout:
+            self._keep_partial(fill.leftover, rollout_id, data_source)
         return fill.kept, fill.stats
+
+    def _keep_partial(self, groups: Groups, rollout_id: int, data_source: DataSource) -> None:
+        """--partial-rollout: the groups left over go back to the data source, to be continued
+        (slime's abort(): a sample with a response is marked with the rollout it began in)."""
+        for sample in (s for g in groups for s in g):
+            if sample.response_length and "start_rollout_id" not in sample.metadata:
+                sample.metadata["start_rollout_id"] = rollout_id
+        data_source.add_samples(groups)
+        if groups:
+            logger.info("kept %d partial groups for the next rollout", len(groups))
 
     def _top_up(self, fill: _Fill, params: dict, router: Router, data_source: DataSource) -> None:
         """Keep enough groups in flight to fill the batch if every one of them is kept."""
@@ -150,9 +173,13 @@ class RolloutManager:
                     "--dynamic-sampling-max-groups "
                     "or loosen --dynamic-sampling-filter-path"
                 )
-            for group in self._new_groups(
-                data_source.get_prompts(args.over_sampling_size), args.n_samples_per_prompt
-            ):
+            groups = []
+            if args.partial_rollout:  # groups left over by the last rollout first
+                groups = data_source.get_samples_from_buffer(args.over_sampling_size)
+                # their tokens were counted when they were generated
+                stats["response_tokens"] -= sum(s.response_length for g in groups for s in g)
+            prompts = data_source.get_prompts(args.over_sampling_size - len(groups))
+            for group in groups + self._new_groups(prompts, args.n_samples_per_prompt):
                 task = generate_group(
                     args,
                     group,
@@ -181,7 +208,7 @@ class RolloutManager:
                 if self.on_group_kept is not None:
                     self.on_group_kept(len(fill.kept), wanted)
             else:  # finished together with the last group needed
-                stats["groups_leftover"] += 1
+                fill.leftover.append(group)
 
     async def _abort(
         self, pending: set[asyncio.Task], rid_prefix: str, raise_errors: bool

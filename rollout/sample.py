@@ -41,7 +41,13 @@ class Sample:
     counters: spec_verify_ct, spec_accept_length, spec_accept_token_num, spec_draft_token_num,
     and spec_accept_alarm (1.0: the engine's acceptance alarm was up for its weights).
     `rollout_routed_experts` (--use-rollout-routing-replay): the engine's expert ids, int32
-    [len(tokens) - 1, num_hidden_layers, top_k]."""
+    [len(tokens) - 1, num_hidden_layers, top_k].
+
+    `weight_versions` (slime's) holds the engine's weight version of every request that added to
+    the response, in order; `token_weight_versions` the version of each response token (None
+    when a custom generate function does not record it). A sample continued by
+    --partial-rollout has several of each, and `metadata["start_rollout_id"]` (slime's) names
+    the rollout it started in."""
 
     group_index: Optional[int] = None
     index: Optional[int] = None
@@ -56,6 +62,7 @@ class Sample:
     rollout_routed_experts: Optional[torch.Tensor] = None
     status: Status = Status.PENDING
     weight_versions: list[str] = field(default_factory=list)
+    token_weight_versions: Optional[list[str]] = None
     spec_info: Optional[dict[str, float]] = None
     metadata: dict[str, Any] = field(default_factory=dict)
 

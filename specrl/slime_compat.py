@@ -166,11 +166,10 @@ SLIME_FLAGS: dict[str, SlimeFlag] = {
     "num_epoch": _only(
         None, "give --num-rollout (prompts x epochs / --rollout-batch-size)", type=int
     ),
-    "partial_rollout": _only(
-        False, "groups left over when a rollout is full are aborted and dropped, not continued"
-    ),
     "buffer_filter_path": _only(
-        None, "no rollout buffer filters; see --dynamic-sampling-filter-path"
+        None,
+        "the groups --partial-rollout keeps are taken back oldest first (slime's pop_first); no "
+        "other buffer filter is loaded",
     ),
     "rollout_global_dataset": _noop(False, "the launcher always owns the prompt data"),
     "disable_rollout_global_dataset": _only(False, "the launcher always owns the prompt data"),

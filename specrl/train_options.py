@@ -435,6 +435,12 @@ def check_launcher_flags(args: argparse.Namespace) -> None:
             "error: --colocate puts trainer and engines on the same GPUs, where NCCL cannot "
             "broadcast between two ranks; use --weight-sync-mode tensor (CUDA IPC) with it"
         )
+    if args.partial_rollout and args.use_rollout_routing_replay:
+        raise SystemExit(
+            "error: --partial-rollout continues responses in a later request, and "
+            "--use-rollout-routing-replay needs each response's routing from one request; drop "
+            "one of them"
+        )
     if (args.eval_interval is None) != (args.eval_prompt_data is None):
         raise SystemExit(
             "error: --eval-interval and --eval-prompt-data go together (how often, and on what)"

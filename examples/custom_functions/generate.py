@@ -37,6 +37,10 @@ async def generate_with_tool(
 ) -> Sample:
     """Turn 1 gets half the token budget; unless it stopped by itself, the tool's text is
     appended and turn 2 continues from everything so far with the rest of the budget."""
+    if args.partial_rollout:  # as slime's multi-turn examples: a cut response is not resumed
+        raise ValueError(
+            "generate_with_tool does not continue partial responses: drop --partial-rollout"
+        )
     budget = sampling_params["max_new_tokens"]  # tokens the policy generates, all turns together
     prompt_ids = list(sample.tokens)  # the prompt's token ids, from --prompt-data
     # `engine` is routed (and abortable), so leave rid out; the log-probs of the policy that

@@ -71,7 +71,9 @@ def test_slime_run_script_flags_parse_and_say_what_they_do(tmp_path):
         ("--finetune", "export them with --save-hf and pass that as --hf-checkpoint"),
         ("--custom-tis-function-path mis.py:compute_mis_weights_with_cp", "TIS is built in"),
         ("--use-rollout-logprobs --use-tis", "cannot be set at the same time"),
-        ("--partial-rollout", "aborted and dropped"),
+        ("--mask-offpolicy-in-partial-rollout", "it needs --partial-rollout"),
+        ("--partial-rollout --use-rollout-routing-replay", "drop one of them"),
+        ("--partial-rollout --buffer-filter-path m:f", "taken back oldest first"),
         ("--num-epoch 3", "give --num-rollout"),
         ("--sglang-router-ip 10.0.0.1", "routed in-process"),
         ("--num-steps-per-rollout 3", "must be positive and divide the rollout's 32 samples"),
@@ -87,6 +89,12 @@ def test_rollout_correction_flags_reach_the_loss(tmp_path):
     extra = "--use-rollout-logprobs --get-mismatch-metrics --tis-clip-low 0.5"
     loss = parse_args(argv("m", str(tmp_path), extra)).options.loss
     assert loss.use_rollout_logprobs and loss.get_mismatch_metrics and loss.tis_clip_low == 0.5
+
+
+def test_partial_rollout_flags_reach_the_rollout(tmp_path):
+    extra = "--partial-rollout --mask-offpolicy-in-partial-rollout"
+    rollout = parse_args(argv("m", str(tmp_path), extra)).options.rollout
+    assert rollout.partial_rollout and rollout.mask_offpolicy_in_partial_rollout
 
 
 def test_num_steps_per_rollout_sets_the_global_batch_size(tmp_path):

@@ -91,7 +91,7 @@ def test_rollout_groups(rollout, tokenizer):
         assert s.status is (Status.COMPLETED if eos else Status.TRUNCATED)
         assert s.status is Status.COMPLETED or s.response_length == 6
     assert any(s.status is Status.TRUNCATED for s in samples)
-    position = {"shuffle": False, "seed": 42, "num_prompts": 16}
+    position = {"shuffle": False, "seed": 42, "num_prompts": 16, "buffer": []}
     assert manager.data_source.state_dict() == {"epoch": 0, "offset": 3, **position}
     assert metrics["rollout/groups_submitted"] == 3 and metrics["rollout/groups_leftover"] == 0
     assert metrics["rollout/raw_reward"] == sum(s.reward for s in samples) / 12
@@ -360,4 +360,5 @@ def test_eval(engine, tokenizer, tiny_data):
         "shuffle": False,
         "seed": 42,
         "num_prompts": 16,
+        "buffer": [],
     }

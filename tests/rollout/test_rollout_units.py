@@ -182,6 +182,7 @@ def test_data_source_epochs_and_deterministic_shuffle(tmp_path, tokenizer):
         "shuffle": False,
         "seed": 42,
         "num_prompts": 5,
+        "buffer": [],
     }
 
     def labels(source, n):

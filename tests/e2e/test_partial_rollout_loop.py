@@ -1,0 +1,52 @@
+"""scripts/train.py with --partial-rollout and --mask-offpolicy-in-partial-rollout on CPU: the
+groups left over by a rollout are continued in the next one under the weights the trainer just
+pushed, their earlier tokens masked, and every group is trained once."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.debug_data import load_debug_rollout_data
+from tests.e2e.test_train_loop import base_args, metrics, run
+
+pytest.importorskip("ray")
+
+NUM_ROLLOUT = 3
+
+
+def test_the_loop_continues_left_over_groups_under_the_new_weights(rl_task, tmp_path):
+    model, data = rl_task
+    out = str(tmp_path / "out")
+    saved = str(tmp_path / "rollouts" / "r{rollout_id}.pt")
+    argv = base_args(model, data, out) + [
+        "--partial-rollout",
+        "--mask-offpolicy-in-partial-rollout",
+    ]
+    # Six groups in flight for two kept; stopping on a tenth of the vocabulary spreads the
+    # response lengths, so the abort cuts the groups not needed half-way.
+    argv += ["--over-sampling-batch-size", "6", "--rollout-stop-token-ids"]
+    argv += [str(t) for t in range(100, 150)]
+    argv += ["--save-debug-rollout-data", saved, "--lr", "1e-3"]
+    argv[argv.index("--rollout-max-response-len") + 1] = "24"
+    argv[argv.index("--num-rollout") + 1] = str(NUM_ROLLOUT)
+    run(argv)
+    rows = metrics(out)
+    rollouts = [load_debug_rollout_data(saved, i) for i in range(NUM_ROLLOUT)]
+    continued = 0
+    for rollout_id, (row, groups) in enumerate(zip(rows, rollouts)):
+        assert row["rollout/weight_version"] == rollout_id and "train/loss" in row
+        samples = [s for g in groups for s in g]
+        begun_earlier = [s for s in samples if "start_rollout_id" in s.metadata]
+        assert row["rollout/partial_samples_ratio"] == len(begun_earlier) / len(samples)
+        for s in samples:
+            versions = s.token_weight_versions
+            assert len(versions) == s.response_length <= 24
+            # the engines label each push with the rollout it generates: only its tokens train
+            assert s.loss_mask == [int(v == str(rollout_id)) for v in versions]
+            # one request per rollout it was generated in, each under that rollout's weights
+            assert s.weight_versions == sorted(set(s.weight_versions), key=int)
+            assert set(versions) <= set(s.weight_versions)
+            continued += str(rollout_id) in versions and versions[0] != str(rollout_id)
+    assert continued > 0, "no response was continued under new weights; the test proves nothing"
+    trained = [g[0].group_index for groups in rollouts for g in groups]
+    assert len(trained) == len(set(trained)) == 2 * NUM_ROLLOUT
