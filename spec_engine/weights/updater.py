@@ -96,6 +96,14 @@ class WeightUpdater:
             return draft.model, name
         return None, name  # an MTP layer no draft step uses
 
+    def _fp8_block(self, model: nn.Module) -> Optional[tuple[int, int]]:
+        """The FP8 block updates of `model` are quantized in: the target's and its MTP layers';
+        an external draft's updates are taken as sent (the trainer sends it unquantized)."""
+        draft = self.draft
+        if draft is not None and draft.external and model is draft.model:
+            return None
+        return fp8_block(model)
+
     def apply(self, named_tensors: Iterable[tuple[str, object]]) -> int:
         """Check every tensor, then copy all of them; returns the bytes received."""
         groups: dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor]]]] = {}
@@ -114,7 +122,7 @@ class WeightUpdater:
             model, local = self._route(name)
             if model is not None:
                 # An FP8 engine quantizes what arrives unquantized (what arrived in FP8 is exact).
-                block = fp8_block(model)
+                block = self._fp8_block(model)
                 if block is not None and name not in exact:
                     tensor = fp8.served(local, tensor, block)
                 groups.setdefault(id(model), (model, []))[1].append((local, tensor))
@@ -167,7 +175,7 @@ class WeightUpdater:
                 continue
             model, local = routes[name]
             if model is not None:
-                block = fp8_block(model)
+                block = self._fp8_block(model)
                 if block is not None and quantize:
                     tensor = fp8.served(local, tensor, block)
                 copy_weights(

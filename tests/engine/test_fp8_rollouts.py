@@ -28,7 +28,8 @@ from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig, buckets
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
 PROMPTS = random_prompts(3, 4, 20, seed=61)
-MTP = dict(speculative_algorithm="EAGLE", speculative_num_steps=2, speculative_eagle_topk=1)
+MTP_TREE = dict(speculative_num_steps=2, speculative_eagle_topk=1)
+MTP = dict(speculative_algorithm="EAGLE", **MTP_TREE)
 DOWN = "model.layers.1.mlp.down_proj.weight"  # 64 x 320: three blocks, the last cut short
 MTP_UP = "model.mtp_layers.0.mlp.up_proj.weight"
 
@@ -129,6 +130,20 @@ def test_updates_equal_a_fresh_fp8_load(pair, mode, tmp_path):
             fp8 = q is not None and "input_proj" not in name
             sent += t.numel() + q[1].numel() * 4 if fp8 else t.numel() * 4
         assert stats["bytes"] == sent < 0.5 * sum(t.numel() * 4 for t in tensors.values())
+
+
+def test_an_external_draft_takes_its_updates_as_sent(pair, make_model, tmp_path):
+    """A STANDALONE draft, even one loaded from an FP8 release, is not quantized on update: the
+    trainer sends it unquantized and --check-weight-update-equal compares it so."""
+    src = make_model("qwen2", seed=65)
+    draft = to_fp8_release(src, str(tmp_path / "draft-fp8"), DEFAULT_BLOCK)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft)
+    with Engine(model_path=pair[0], random_seed=0, quantization="fp8", **spec, **MTP_TREE) as e:
+        pusher = WeightPusher([e], WeightSyncConfig(check_weight_update_equal=True))
+        pusher.push([("draft." + n, t) for n, t in tensors.items()], version="v1")
+        pusher.close()
+        assert torch.equal(hf_tensor(e.scheduler.worker.draft.model, DOWN), tensors[DOWN])
 
 
 def test_fp8_weights_into_an_unquantized_engine_are_refused(pair):
