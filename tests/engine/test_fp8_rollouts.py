@@ -1,6 +1,7 @@
 """FP8 rollouts (--quantization fp8, weights/fp8.py): an engine quantizing a BF16 checkpoint at
 load serves exactly what it serves from the FP8 release of the same weights (tiny/releases.py,
-128 x 128 blocks), MTP layers included, and not what the unquantized engine serves; its weights
+128 x 128 blocks), MTP layers included, for a MiMo (Qwen2 + MTP layer) and a DeepSeek-V3 (MLA,
+routed and shared experts, next-n layer), and not what the unquantized engine serves; its weights
 are DeepSeek's weight_quant then weight_dequant of the checkpoint's (tests/support/
 fp8_reference.py); weight updates by every path (the trainer quantizing before it sends, or the
 engine as the weights arrive) equal a fresh FP8 load of the new weights, checked by
@@ -61,25 +62,51 @@ def _generate(engine: Engine) -> tuple[list[list[int]], list[float]]:
     return [o["output_ids"] for o in outs], logprobs
 
 
-def test_quantized_at_load_serves_the_fp8_release(pair, tmp_path):
-    src = pair[0]
+# Per family: tensors the release quantizes (of the target and of the MTP layer), and tensors it
+# keeps (embeddings, heads, norms, routers, MiMo's input_proj, the next-n layer's eh_proj).
+FAMILIES = {
+    "mimo": (
+        (DOWN, MTP_UP, "model.layers.0.self_attn.q_proj.weight"),
+        ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
+        + ("model.mtp_layers.0.input_proj.weight",),
+    ),
+    "deepseek_v3": (
+        ("model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.experts.3.down_proj.weight")
+        + ("model.layers.1.mlp.shared_experts.up_proj.weight",)
+        + ("model.layers.2.self_attn.kv_b_proj.weight", "model.layers.2.self_attn.q_a_proj.weight"),
+        ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight")
+        + ("model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.2.eh_proj.weight"),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(make_model, tmp_path_factory) -> str:
+    """A tiny DeepSeek-V3: MLA, a dense layer then MoE (routed and shared experts), a next-n
+    layer."""
+    src = make_model("deepseek_v3", num_layers=2, extra_config={"num_nextn_predict_layers": 1})
+    return _bf16_exact(src, str(tmp_path_factory.mktemp("deepseek-v3") / "ckpt"))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_quantized_at_load_serves_the_fp8_release(family, request, tmp_path):
+    src = (
+        request.getfixturevalue("pair")[0] if family == "mimo" else request.getfixturevalue(family)
+    )
+    quantized_names, kept = FAMILIES[family]
     release = to_fp8_release(src, str(tmp_path / "fp8"), DEFAULT_BLOCK)
     tensors = load_file(os.path.join(src, "model.safetensors"))
     with Engine(model_path=src, random_seed=0, quantization="fp8", **MTP) as engine:
         info = engine.get_server_info()
         assert info["quantization"] == "fp8" and tuple(info["weight_block_size"]) == (128, 128)
         quantized = _generate(engine)
-        target, draft = engine.runner.model, engine.scheduler.worker.draft.model
-        for model, name in ((target, DOWN), (draft, MTP_UP)):
+        assert engine.scheduler.worker.draft is not None  # the MTP layer drafts
+        for name in quantized_names:
             reference = weight_dequant(*weight_quant(tensors[name], 128), 128)
-            assert torch.equal(hf_tensor(model, name), reference), name
+            assert torch.equal(engine.updater.tensor(name), reference), name
             assert not torch.equal(reference, tensors[name])
-        for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
-            assert torch.equal(hf_tensor(target, name), tensors[name]), name
-        assert torch.equal(
-            hf_tensor(draft, "model.mtp_layers.0.input_proj.weight"),
-            tensors["model.mtp_layers.0.input_proj.weight"],
-        )
+        for name in kept:
+            assert torch.equal(engine.updater.tensor(name), tensors[name]), name
     with Engine(model_path=release, random_seed=0, **MTP) as engine:
         assert engine.get_server_info()["quantization"] == "fp8"
         assert _generate(engine) == quantized
