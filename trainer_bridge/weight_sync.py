@@ -4,11 +4,11 @@ Three paths, as in slime: `tensor` (colocated: per-dtype flattened buckets passe
 through the engine's call; the engine also accepts CUDA IPC handles, which this pusher does not
 send yet), `distributed` (disaggregated: the trainer is rank 0 of a group
 with every engine and broadcasts each tensor) and `disk` (a Hugging Face checkpoint the engines
-load). Into FP8 engines (--quantization fp8) the `tensor` path sends the quantized linears in
-FP8 with their block scales, as slime does; the other paths send them unquantized and the engine
-quantizes them. The target's and the MTP layers' tensors travel together (MTP names route to the
-draft in the engine). Engines are anything with `spec_engine.Engine`'s update methods: an in-process
-Engine, or a Ray actor wrapper with the same names.
+load). Into FP8 engines (--quantization fp8) the `tensor` and `distributed` paths send the
+quantized linears in FP8 with their block scales, as slime does; `disk` writes them unquantized
+and the engine quantizes them. The target's and the MTP layers' tensors travel together (MTP
+names route to the draft in the engine). Engines are anything with `spec_engine.Engine`'s update
+methods: an in-process Engine, or a Ray actor wrapper with the same names.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from spec_engine.weights import fp8
 from spec_engine.weights.fp8 import is_scale_name
 from spec_engine.weights.loader import tensor_checksum
 from spec_engine.weights.transport import FlattenedBucket, serialize_shared
-from spec_engine.weights.updater import DRAFT_PREFIX
+from spec_engine.weights.updater import DRAFT_PREFIX, as_wire
 from trainer_bridge.megatron_compat import free_port
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class WeightPusher:
             self._push_disk(tensors, version)
         else:
             pending: Optional[list[tuple[str, torch.Tensor]]] = None
-            block = self._fp8_block() if mode == "tensor" else None
+            block = self._fp8_block()
             outgoing = self._outgoing(named_tensors, block, sent)
             for bucket in buckets(outgoing, self.cfg.update_weight_buffer_size):
                 # Each bucket goes out once the next is known, so the last one carries the version.
@@ -262,7 +262,7 @@ class WeightPusher:
             for e in self.engines
         ]
         for _, tensor in bucket:
-            group.broadcast(tensor.contiguous(), 0).wait()
+            group.broadcast(as_wire(tensor.contiguous()), 0).wait()
         for call in calls:
             call.result()
 

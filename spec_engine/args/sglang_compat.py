@@ -130,7 +130,7 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     # Kernels and compilation
     "enable_torch_compile": _noop(False, _NO_COMPILE),
     "torch_compile_max_bs": _noop(32, _NO_COMPILE, int),
-    "torchao_config": _refuse("", "specrl runs unquantized weights only"),
+    "torchao_config": _refuse("", "specrl quantizes to block FP8 only (--quantization fp8)"),
     "sampling_backend": _noop(
         None, "specrl samples with its own torch sampler (exact, seeded per request)"
     ),

@@ -266,7 +266,7 @@ class WeightUpdater:
             for name, dtype, shape in zip(names, dtypes, shapes)
         ]
         for _, tensor in buffers:
-            group.broadcast(tensor, 0).wait()
+            group.broadcast(as_wire(tensor), 0).wait()
         return self.apply(buffers)
 
     # ---------------------------------------------------------------- checksums and memory
@@ -360,6 +360,14 @@ def _check_finite(name: str, tensor: torch.Tensor) -> None:
             f"weight {name!r} has non-finite values (NaN or Inf); nothing was updated — check "
             "the trainer's weights before pushing them"
         )
+
+
+def as_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What a broadcast moves of `tensor`: FP8 as its bytes (uint8, a view), since gloo has no
+    FP8 type ("Invalid scalar type"); anything else as it is."""
+    if tensor.is_floating_point() and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def parse_shape(name: str, shape) -> tuple[int, ...]:

@@ -150,13 +150,26 @@ def test_updates_equal_a_fresh_fp8_load(pair, mode, tmp_path):
         assert _generate(engine) == expected
     finally:
         engine.shutdown()
-    if mode == "tensor":  # FP8 linears with their scales (a quarter of their float32 bytes)
+    if mode != "disk":  # FP8 linears with their scales (a quarter of their float32 bytes)
         sent = 0
         for name, t in tensors.items():
             q = quantize(t, DEFAULT_BLOCK) if name.endswith("proj.weight") else None
             fp8 = q is not None and "input_proj" not in name
             sent += t.numel() + q[1].numel() * 4 if fp8 else t.numel() * 4
         assert stats["bytes"] == sent < 0.5 * sum(t.numel() * 4 for t in tensors.values())
+
+
+def test_unquantized_updates_are_quantized_on_the_way_in(pair):
+    """float32 weights sent straight to an FP8 engine (not by the pusher, which quantizes them)
+    land as a fresh FP8 load of them; --check-weight-update-equal's comparison holds."""
+    old, new = pair
+    tensors = load_file(os.path.join(new, "model.safetensors"))
+    with Engine(model_path=old, random_seed=0, quantization="fp8", **MTP) as engine:
+        engine.update_weights_from_tensor(list(tensors.items()))
+        assert _generate(engine) == _fresh(new)
+        pusher = WeightPusher([engine], WeightSyncConfig(check_weight_update_equal=True))
+        pusher.verify(tensors)
+        pusher.close()
 
 
 def test_an_external_draft_takes_its_updates_as_sent(pair, make_model, tmp_path):
