@@ -264,9 +264,13 @@ class EngineControl(EngineReports):
     def post_process_weights(
         self, restore_weights_before_load: bool = False, post_process_quantization: bool = False
     ) -> dict[str, Any]:
-        """slime's hook around updates of quantized (compressed-tensors) weights: specrl holds
-        unquantized weights, so there is nothing to restore or re-quantize."""
-        return {"success": True, "message": "unquantized weights: nothing to post-process"}
+        """slime's hook around updates of quantized (compressed-tensors) weights: specrl's
+        weights are unquantized, or FP8 (--quantization fp8) quantized as each update arrives,
+        so there is nothing to restore or re-quantize afterwards."""
+        return {
+            "success": True,
+            "message": "weights quantized as they arrive: nothing to post-process",
+        }
 
     def destroy_weights_update_group(
         self, group_name: str = "weight_update_group"

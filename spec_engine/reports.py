@@ -60,6 +60,9 @@ class EngineReports:
             "max_total_num_tokens": self.runner.max_total_tokens,
             "max_req_input_len": min(self.context_len, self.runner.max_total_tokens) - 1,
             "weight_version": self.weight_version,
+            # The FP8 block of --quantization fp8 (None: unquantized): what a trainer checking
+            # its pushes (--check-weight-update-equal) quantizes its weights with.
+            "weight_block_size": self.runner.model.config.weight_block_size,
             "internal_states": [self._call(self._internal_state)],
         }
 
@@ -199,7 +202,8 @@ class EngineReports:
         (success false, HTTP 400, naming the tensors that differ); "checksum" reports SHA-256
         per tensor as SGLang's "ranks" / "per_engine_checksum". Tensors whose name contains an
         entry of skip_tensor_list are neither reset nor compared. allow_quant_error is accepted:
-        the weights are unquantized, so the comparison is exact."""
+        the comparison is exact (an FP8 engine's snapshot and update hold the same quantized
+        values)."""
         if action not in WEIGHTS_CHECKER_ACTIONS:
             raise ValueError(
                 f"weights_checker action must be one of {', '.join(WEIGHTS_CHECKER_ACTIONS)}, "

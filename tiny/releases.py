@@ -24,29 +24,9 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
-# The linears the FP8 releases quantize: attention (Llama-style and MLA) and MLP projections.
-QUANTIZED_LINEARS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "q_a_proj",
-    "q_b_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
 # Tensors the release keeps in float32 (DeepSeek-V3's router correction bias).
 FLOAT32_SUFFIXES = ("e_score_correction_bias",)
 _WEIGHT_FILES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
-
-
-def is_quantized(name: str) -> bool:
-    """Whether the FP8 release stores tensor `name` in FP8 (a linear's weight, not its bias)."""
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in QUANTIZED_LINEARS
 
 
 def to_fp8_release(src: str, out: str, block: tuple[int, int] = (128, 128), shards: int = 2) -> str:
@@ -54,12 +34,12 @@ def to_fp8_release(src: str, out: str, block: tuple[int, int] = (128, 128), shar
     layout with `weight_block_size` `block`; tokenizer and other files copied."""
     import torch
 
-    from spec_engine.weights.fp8 import BlockFP8, quantize, scale_name
+    from spec_engine.weights.fp8 import BlockFP8, is_quantized_linear, quantize, scale_name
     from spec_engine.weights.loader import iterate_checkpoint
 
     tensors: dict[str, Any] = {}
     for name, t in iterate_checkpoint(src):
-        if is_quantized(name):
+        if is_quantized_linear(name):
             tensors[name], tensors[scale_name(name)] = quantize(t, block)
         elif t.is_floating_point():
             keep = name.endswith(FLOAT32_SUFFIXES)

@@ -4,9 +4,11 @@ Three paths, as in slime: `tensor` (colocated: per-dtype flattened buckets passe
 through the engine's call; the engine also accepts CUDA IPC handles, which this pusher does not
 send yet), `distributed` (disaggregated: the trainer is rank 0 of a group
 with every engine and broadcasts each tensor) and `disk` (a Hugging Face checkpoint the engines
-load). The target's and the MTP layers' tensors travel together (MTP names route to the draft in
-the engine). Engines are anything with `spec_engine.Engine`'s update methods: an in-process
-Engine, or a Ray actor wrapper with the same names.
+load). Into FP8 engines (--quantization fp8) the `tensor` and `distributed` paths send the
+quantized linears in FP8 with their block scales, as slime does; `disk` writes them unquantized
+and the engine quantizes them. The target's and the MTP layers' tensors travel together (MTP
+names route to the draft in the engine). Engines are anything with `spec_engine.Engine`'s update
+methods: an in-process Engine, or a Ray actor wrapper with the same names.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from spec_engine.dtypes import DTYPES
+from spec_engine.weights import fp8
+from spec_engine.weights.fp8 import is_scale_name
 from spec_engine.weights.loader import tensor_checksum
 from spec_engine.weights.transport import FlattenedBucket, serialize_shared
+from spec_engine.weights.updater import DRAFT_PREFIX, as_wire
 from trainer_bridge.megatron_compat import free_port
 
 logger = logging.getLogger(__name__)
@@ -92,7 +97,8 @@ def buckets(
     size = 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > max_bytes:
+        # An FP8 weight's block scales travel in its bucket: the engine dequantizes them together.
+        if bucket and size + nbytes > max_bytes and not is_scale_name(name):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
@@ -122,6 +128,7 @@ class WeightPusher:
         self.group_name = f"{GROUP_NAME}_{uuid.uuid4().hex[:8]}"
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)) + 1)
         self._last_disk_version: Optional[str] = None
+        self._block: Optional[tuple[Optional[tuple[int, int]]]] = None  # asked once, see _fp8_block
 
     def push(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str
@@ -138,17 +145,15 @@ class WeightPusher:
             self._push_disk(tensors, version)
         else:
             pending: Optional[list[tuple[str, torch.Tensor]]] = None
-            for bucket in buckets(
-                ((n, t.detach()) for n, t in named_tensors), self.cfg.update_weight_buffer_size
-            ):
+            block = self._fp8_block()
+            outgoing = self._outgoing(named_tensors, block, sent)
+            for bucket in buckets(outgoing, self.cfg.update_weight_buffer_size):
                 # Each bucket goes out once the next is known, so the last one carries the version.
                 if pending is not None:
                     self._push_bucket(pending, None)
                 pending = bucket
                 count += 1
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-                if self.cfg.check_weight_update_equal:
-                    sent.update((n, t.cpu()) for n, t in bucket)
             if pending is None:
                 raise ValueError("no weights to push")
             self._push_bucket(pending, version)
@@ -157,11 +162,51 @@ class WeightPusher:
         seconds = time.perf_counter() - start
         return {"bytes": float(nbytes), "seconds": seconds, "buckets": float(count)}
 
+    def _outgoing(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        block: Optional[tuple[int, int]],
+        sent: dict[str, torch.Tensor],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors as they travel: into FP8 engines (`block`) each quantized linear of the
+        target and its MTP layers as float8_e4m3fn with its float32 `weight_scale_inv`, as slime
+        sends them (half of BF16's bytes); the rest as given. `sent` keeps what was given, for
+        --check-weight-update-equal."""
+        for name, tensor in named_tensors:
+            tensor = tensor.detach()
+            if self.cfg.check_weight_update_equal:
+                sent[name] = tensor.cpu()
+            # An external draft (`draft.` names) stays unquantized.
+            if (
+                block is not None
+                and fp8.quantized_weight(name, tensor)
+                and not name.startswith(DRAFT_PREFIX)
+            ):
+                weight, scale = fp8.quantize(tensor, block)
+                yield name, weight
+                yield fp8.scale_name(name), scale
+            else:
+                yield name, tensor
+
+    def _fp8_block(self) -> Optional[tuple[int, int]]:
+        """The FP8 block every engine serves its weights in (None: unquantized engines, or
+        engines that differ, which then quantize what they get themselves)."""
+        if self._block is None:
+            blocks = {
+                tuple(b) if b else None
+                for b in (e.get_server_info().get("weight_block_size") for e in self.engines)
+            }
+            self._block = (blocks.pop() if len(blocks) == 1 else None,)
+        return self._block[0]
+
     def verify(self, sent: dict[str, torch.Tensor]) -> None:
         """Every engine's checksum of every sent tensor must equal the sent tensor's, in the
-        engine's dtype; raise naming the engine and tensors otherwise."""
+        engine's dtype (for an FP8 engine: its quantized linears quantized, as the engine holds
+        them); raise naming the engine and tensors otherwise."""
         for i, engine in enumerate(self.engines):
-            dtype = DTYPES[engine.get_server_info()["dtype"]]
+            info = engine.get_server_info()
+            dtype = DTYPES[info["dtype"]]
+            block = tuple(info["weight_block_size"]) if info.get("weight_block_size") else None
             # Every tensor the engine uses; ones it takes but never uses (MTP layers past the
             # draft's, or all of them without speculation) have no checksum to compare.
             got = engine.get_weights_checksum()
@@ -171,8 +216,7 @@ class WeightPusher:
                     f"--check-weight-update-equal: engine {i} uses none of the {len(sent)} tensors "
                     "sent"
                 )
-            # Integer tensors (an EAGLE-3 draft's d2t) keep their dtype in the engine.
-            held = {n: sent[n].to(dtype) if sent[n].is_floating_point() else sent[n] for n in used}
+            held = {n: _as_held(n, sent[n], dtype, block) for n in used}
             bad = [n for n in used if got[n] != tensor_checksum(held[n])]
             if bad:
                 raise RuntimeError(
@@ -218,7 +262,7 @@ class WeightPusher:
             for e in self.engines
         ]
         for _, tensor in bucket:
-            group.broadcast(tensor.contiguous(), 0).wait()
+            group.broadcast(as_wire(tensor.contiguous()), 0).wait()
         for call in calls:
             call.result()
 
@@ -283,6 +327,17 @@ class WeightPusher:
     def close(self) -> None:
         self._group = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _as_held(
+    name: str, tensor: torch.Tensor, dtype: torch.dtype, block: Optional[tuple[int, int]]
+) -> torch.Tensor:
+    """A sent tensor as an engine of `dtype` (FP8 with `block`) holds it."""
+    if not tensor.is_floating_point():
+        return tensor  # integer tensors (an EAGLE-3 draft's d2t) keep their dtype
+    if block is not None and not name.startswith(DRAFT_PREFIX):
+        tensor = fp8.served(name, tensor, block)
+    return tensor.to(dtype)
 
 
 class RayEngine:

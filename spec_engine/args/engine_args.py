@@ -80,6 +80,14 @@ class EngineArgs:
         "bfloat16) on CUDA.",
         choices=DTYPE_CHOICES,
     )
+    quantization: Optional[str] = _opt(
+        None,
+        "fp8: serve block-FP8 weights (the linears of attention and MLPs as float8_e4m3fn with a "
+        "scale per 128x128 block, DeepSeek-V3's release format), quantized at load and on every "
+        "weight update; a block-FP8 checkpoint implies it with its own block size. On CPU the "
+        "engine holds the dequantized FP8 values (docs/checkpoints.md).",
+        unset="the checkpoint's quantization_config (none: unquantized)",
+    )
     device: str = _opt(
         "auto", "Device to run on. auto: CUDA when available, else CPU.", choices=DEVICE_CHOICES
     )

@@ -86,6 +86,7 @@ def check_choices(args: Any) -> None:
         ATTENTION_BACKENDS + SGLANG_ATTENTION_BACKENDS,
         allow_none=True,
     )
+    check_quantization(args.quantization)
     check_choice("schedule_policy", args.schedule_policy, SCHEDULE_POLICIES)
     check_choice("log_level", args.log_level, LOG_LEVELS)
     check_choice("speculative_on_collapse", args.speculative_on_collapse, ON_COLLAPSE_CHOICES)
@@ -103,6 +104,16 @@ def check_sizes(args: Any) -> None:
     chunk = args.chunked_prefill_size
     if chunk is not None and chunk != -1 and chunk <= 0:
         raise ValueError(f"--chunked-prefill-size must be positive or -1 (disabled), got {chunk}")
+
+
+def check_quantization(method: Optional[str]) -> None:
+    """--quantization: block FP8 only (SGLang's other methods are refused, naming what to use)."""
+    if method is not None and method != "fp8":
+        raise ValueError(
+            f"--quantization {method!r} is not supported: specrl serves block-FP8 weights only "
+            "(--quantization fp8, or a block-FP8 checkpoint such as DeepSeek-V3's release without "
+            "the flag); for other methods serve the unquantized BF16 checkpoint"
+        )
 
 
 def check_choice(name: str, value: Any, choices: tuple, allow_none: bool = False) -> None:

@@ -30,6 +30,7 @@ from spec_engine.args.spec_checks import check_multi_layer_eagle
 from spec_engine.attention import flashinfer_installed
 from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.registry import model_class, multi_layer_mtp
+from spec_engine.weights.fp8 import DEFAULT_BLOCK
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ def resolve_engine_config(args: EngineArgs, cuda_available: bool) -> EngineConfi
             f"--model-path is a {target.architecture} draft; pass it as "
             "--speculative-draft-model-path and give the target model as --model-path"
         )
+    target, args = resolve_quantization(target, args)
     args = resolve_auto(
         args,
         cuda_available=cuda_available,
@@ -117,6 +119,17 @@ def resolve_engine_config(args: EngineArgs, cuda_available: bool) -> EngineConfi
         args.model_path
     )
     return EngineConfig(args, target, context_len, extra, kind, draft, path, capture, self_draft)
+
+
+def resolve_quantization(target: ModelConfig, args: EngineArgs) -> tuple[ModelConfig, EngineArgs]:
+    """The FP8 block the engine serves the target (and its MTP layers) in: the checkpoint's
+    weight_block_size, else with --quantization fp8 DeepSeek-V3's 128 x 128; --quantization
+    resolved to fp8 whenever there is one (SGLang reads it off the checkpoint too)."""
+    block = target.weight_block_size
+    if block is None and args.quantization == "fp8":
+        block = DEFAULT_BLOCK
+        target = dataclasses.replace(target, weight_block_size=block)
+    return target, dataclasses.replace(args, quantization="fp8" if block else None)
 
 
 def context_length(model_config: ModelConfig, args: EngineArgs) -> int:

@@ -80,13 +80,9 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     "kv_cache_dtype": _refuse(
         "auto", "the KV cache has the model's dtype (--dtype); fp8 KV caches are not implemented"
     ),
-    "quantization": _refuse(
-        None,
-        "quantizing at load is not implemented; a block-FP8 checkpoint (DeepSeek-V3's release, "
-        "quantization_config quant_method fp8) loads without this flag, dequantized "
-        "(docs/checkpoints.md)",
+    "quantization_param_path": _refuse(
+        None, "specrl reads no KV-cache scales (the KV cache has the model's dtype)"
     ),
-    "quantization_param_path": _refuse(None, "specrl runs unquantized weights only"),
     "json_model_override_args": _refuse(
         "{}", "edit the checkpoint's config.json instead (the trainer reads the same file)"
     ),
@@ -134,7 +130,7 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     # Kernels and compilation
     "enable_torch_compile": _noop(False, _NO_COMPILE),
     "torch_compile_max_bs": _noop(32, _NO_COMPILE, int),
-    "torchao_config": _refuse("", "specrl runs unquantized weights only"),
+    "torchao_config": _refuse("", "specrl quantizes to block FP8 only (--quantization fp8)"),
     "sampling_backend": _noop(
         None, "specrl samples with its own torch sampler (exact, seeded per request)"
     ),

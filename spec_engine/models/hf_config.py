@@ -127,8 +127,9 @@ class ModelConfig:
     moe: Optional[MoEConfig] = None
     # MLA models (DeepSeek-V3): the KV cache holds one latent "head" of mla.cache_dim per token.
     mla: Optional[MLAConfig] = None
-    # Block-FP8 checkpoints (quantization_config quant_method fp8): the block of one weight scale.
-    # How the weights are stored, not the architecture: the loader dequantizes them.
+    # Block FP8 (a checkpoint's quantization_config quant_method fp8, or --quantization fp8):
+    # the block of one weight scale; the engine holds its quantized linears' FP8 values
+    # (weights/fp8.py). How the weights are stored, not the architecture.
     weight_block_size: Optional[tuple[int, int]] = field(default=None, compare=False)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 

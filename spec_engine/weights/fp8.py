@@ -17,6 +17,13 @@ The loader (weights/loader.py) runs every tensor of such a checkpoint through
 `dequantized_tensors` and its metadata through `dequantized_metadata`, so models, the engine's
 weight checks and the trainer see an ordinary checkpoint under the same names. `quantize` is the
 blockwise cast that writes the format (DeepSeek's `weight_quant`).
+
+An FP8 engine (`--quantization fp8`, or any block-FP8 checkpoint) serves the weights such a
+release holds: `is_quantized_linear` names them (the linears of attention and of the MLPs, as
+DeepSeek's release and SGLang's Fp8LinearMethod/Fp8MoEMethod quantize them: not embeddings,
+heads, norms, routers or a next-n layer's eh_proj), and `fake_quantized` puts every such weight
+that arrives unquantized (a BF16/float32 checkpoint, a trainer's update) through `quantize` and
+`dequantize`, so the engine holds the values an FP8 GEMM computes with (up to its accumulation).
 """
 
 from __future__ import annotations
@@ -37,6 +44,23 @@ SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 # safetensors' name for float8_e4m3fn, and torch's (pytorch_model.bin metadata), upper-cased.
 _FP8_DTYPE_NAMES = ("F8_E4M3", "FLOAT8_E4M3FN")
 _OTHER_FP8 = ("F8_E5M2", "FLOAT8_E5M2", "FLOAT8_E4M3FNUZ", "FLOAT8_E5M2FNUZ")
+# What --quantization fp8 quantizes a BF16/float32 checkpoint with: DeepSeek-V3's release block.
+DEFAULT_BLOCK = (128, 128)
+# The linears the FP8 releases quantize: attention (Llama-style and MLA) and MLP projections
+# (dense, routed and shared experts alike).
+QUANTIZED_LINEARS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 _AS_BF16 = "dequantize the checkpoint to BF16 first (DeepSeek's inference/fp8_cast_bf16.py)"
 
 
@@ -163,6 +187,55 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (blocks / scale.view(grid[0], 1, grid[1], 1)).clamp(-FP8_MAX, FP8_MAX)
     return q.to(FP8_DTYPE).view(padded)[:rows, :cols].contiguous(), scale
+
+
+def is_quantized_linear(name: str) -> bool:
+    """Whether an FP8 release stores Hugging Face tensor `name` in FP8 (a quantized linear's
+    weight, not its bias)."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in QUANTIZED_LINEARS
+
+
+def fake_quantize(weight: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 values of `weight` after a blockwise FP8 round trip: what an FP8 engine holds."""
+    return dequantize(*quantize(weight, block), block)
+
+
+def served(name: str, tensor: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Tensor `name` as an FP8 engine holds it: a quantized linear's weight (is_quantized_linear)
+    through `fake_quantize`, anything else as given."""
+    return fake_quantize(tensor, block) if quantized_weight(name, tensor) else tensor
+
+
+def quantized_weight(name: str, tensor: torch.Tensor) -> bool:
+    """Whether an FP8 engine holds tensor `name` quantized (a quantized linear's 2-D weight)."""
+    return is_quantized_linear(name) and tensor.is_floating_point() and tensor.dim() == 2
+
+
+def fake_quantized(
+    tensors: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors` as an FP8 engine takes them (see `served`)."""
+    for name, tensor in tensors:
+        yield name, served(name, tensor, block)
+
+
+def dequantized_update(
+    tensors: list[tuple[str, torch.Tensor]], block: Optional[tuple[int, int]]
+) -> tuple[list[tuple[str, torch.Tensor]], set[str]]:
+    """A weight update's tensors with FP8 weights sent with their `*_scale_inv` (a trainer that
+    quantizes before sending, as slime does) dequantized; and the names of those, whose values
+    are FP8 values already. An engine without FP8 weights (`block` None) is refused them."""
+    if not any(is_scale_name(n) or t.dtype == FP8_DTYPE for n, t in tensors):
+        return tensors, set()
+    if block is None:
+        raise ValueError(
+            "FP8 weights or block scales were sent to an engine that serves unquantized weights; "
+            "send BF16/float32 weights, or start the engine with --quantization fp8"
+        )
+    scales = {n: t for n, t in tensors if is_scale_name(n)}
+    out = list(dequantized_tensors(tensors, scales, BlockFP8(block)))
+    return out, {n for n, t in tensors if t.dtype == FP8_DTYPE}
 
 
 def dequantized_metadata(

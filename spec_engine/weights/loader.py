@@ -1,5 +1,6 @@
 """Loading weights: read Hugging Face checkpoints (safetensors or pytorch_model.bin; block-FP8
-ones dequantized as they are read, weights/fp8.py) and copy named tensors into a model.
+ones dequantized as they are read, weights/fp8.py) and copy named tensors into a model (an FP8
+engine's quantized linears fake-quantized when the checkpoint holds them unquantized).
 
 A model describes the Hugging Face names it takes with `hf_weight_spec()`: for each name the
 parameter it lands in, the row range inside a fused parameter, and the expected shape. Loading
@@ -263,7 +264,16 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
     check_weights(
         model, (m for m in checkpoint_metadata(model_path) if keep(m[0])), require_all=True
     )
-    copy_weights(model, iterate_checkpoint(model_path, keep))
+    tensors = iterate_checkpoint(model_path, keep)
+    block = fp8_block(model)
+    if block is not None and fp8.read_block_fp8(model_path) is None:
+        tensors = fp8.fake_quantized(tensors, block)  # --quantization fp8 on a BF16 checkpoint
+    copy_weights(model, tensors)
+
+
+def fp8_block(model: nn.Module) -> Optional[tuple[int, int]]:
+    """The FP8 block a model serves its quantized linears in (None: unquantized)."""
+    return getattr(getattr(model, "config", None), "weight_block_size", None)
 
 
 def check_weights(

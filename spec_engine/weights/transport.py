@@ -82,6 +82,7 @@ class FlattenedBucket:
                     tuple(int(d) for d in m["shape"]),
                     int(m["start_idx"]),
                     int(m["end_idx"]),
+                    _dtype(m.get("dtype")),
                 )
                 for m in data["metadata"]
             ]
@@ -101,10 +102,16 @@ class FlattenedBucket:
         return cls(flat, metadata)
 
     def to_dict(self) -> dict:
+        """The bucket as plain data. An FP8 bucket travels as its bytes (uint8, each entry
+        naming its dtype): torch cannot unpickle float8 tensors pickled plainly (as Ray does)."""
+        flat, dtype = self.flat, None
+        if flat.is_floating_point() and flat.element_size() == 1:
+            flat, dtype = flat.view(torch.uint8), str(flat.dtype).removeprefix("torch.")
         return {
-            "flattened_tensor": self.flat,
+            "flattened_tensor": flat,
             "metadata": [
                 {"name": m.name, "shape": list(m.shape), "start_idx": m.start, "end_idx": m.end}
+                | ({"dtype": dtype} if dtype else {})
                 for m in self.metadata
             ],
         }
@@ -142,6 +149,16 @@ class FlattenedBucket:
                 )
             out.append((m.name, flat.view(m.shape)))
         return out
+
+
+def _dtype(name: Any) -> Optional[torch.dtype]:
+    """A bucket entry's dtype by torch's name ("float8_e4m3fn"); None when not given."""
+    if name is None:
+        return None
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"bucket entry dtype {name!r} is not a torch dtype name")
+    return dtype
 
 
 def materialize(value) -> torch.Tensor:

@@ -7,7 +7,9 @@ draft (EAGLE, EAGLE-3, STANDALONE) is addressed with a `draft.` prefix on its ow
 names (e.g. `draft.fc.weight`), or with `component="draft"` on disk updates. EAGLE-2 and MTP
 drafts use the target's embedding and head tensors themselves, so a target update reaches them;
 derived copies (CPU-packed weights, the FR-Spec head, EAGLE-3's id map) are rebuilt after every
-update. Every tensor of a request is checked (known name, shape, dtype) before any is copied: a
+update. An FP8 engine (weights/fp8.py) quantizes the target's and MTP layers' quantized linears
+as they arrive unquantized, and dequantizes FP8 weights sent with their `*_scale_inv` scales.
+Every tensor of a request is checked (known name, shape, dtype) before any is copied: a
 bad request leaves all weights as they were.
 """
 
@@ -23,10 +25,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from spec_engine.weights import fp8
 from spec_engine.weights.loader import (
     check_weights,
     checkpoint_metadata,
     copy_weights,
+    fp8_block,
     hf_tensor,
     is_ignored,
     iterate_checkpoint,
@@ -92,19 +96,35 @@ class WeightUpdater:
             return draft.model, name
         return None, name  # an MTP layer no draft step uses
 
+    def _fp8_block(self, model: nn.Module) -> Optional[tuple[int, int]]:
+        """The FP8 block updates of `model` are quantized in: the target's and its MTP layers';
+        an external draft's updates are taken as sent (the trainer sends it unquantized)."""
+        draft = self.draft
+        if draft is not None and draft.external and model is draft.model:
+            return None
+        return fp8_block(model)
+
     def apply(self, named_tensors: Iterable[tuple[str, object]]) -> int:
         """Check every tensor, then copy all of them; returns the bytes received."""
         groups: dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor]]]] = {}
         received = 0
+        pairs = []
         for name, value in named_tensors:
             if not isinstance(name, str):
                 raise ValueError(f"weight names must be strings, got {name!r}")
             tensor = materialize(value)
             received += tensor.numel() * tensor.element_size()
+            pairs.append((name, tensor))
+        pairs, exact = fp8.dequantized_update(pairs, fp8_block(self.target))
+        for name, tensor in pairs:
             if is_ignored(name):
                 continue
             model, local = self._route(name)
             if model is not None:
+                # An FP8 engine quantizes what arrives unquantized (what arrived in FP8 is exact).
+                block = self._fp8_block(model)
+                if block is not None and name not in exact:
+                    tensor = fp8.served(local, tensor, block)
                 groups.setdefault(id(model), (model, []))[1].append((local, tensor))
         for model, items in groups.values():
             check_weights(model, ((n, tuple(t.shape), t.dtype) for n, t in items))
@@ -149,11 +169,15 @@ class WeightUpdater:
             if not is_ignored(name) and routes[name][0] is not None:
                 _check_finite(name, tensor)
         received = 0
+        quantize = fp8.read_block_fp8(model_path) is None  # an FP8 checkpoint's values are exact
         for name, tensor in iterate_checkpoint(model_path):
             if is_ignored(name):
                 continue
             model, local = routes[name]
             if model is not None:
+                block = self._fp8_block(model)
+                if block is not None and quantize:
+                    tensor = fp8.served(local, tensor, block)
                 copy_weights(
                     model, [(local, tensor)], refresh=False
                 )  # one pass over the files, one refresh
@@ -242,7 +266,7 @@ class WeightUpdater:
             for name, dtype, shape in zip(names, dtypes, shapes)
         ]
         for _, tensor in buffers:
-            group.broadcast(tensor, 0).wait()
+            group.broadcast(as_wire(tensor), 0).wait()
         return self.apply(buffers)
 
     # ---------------------------------------------------------------- checksums and memory
@@ -336,6 +360,14 @@ def _check_finite(name: str, tensor: torch.Tensor) -> None:
             f"weight {name!r} has non-finite values (NaN or Inf); nothing was updated — check "
             "the trainer's weights before pushing them"
         )
+
+
+def as_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What a broadcast moves of `tensor`: FP8 as its bytes (uint8, a view), since gloo has no
+    FP8 type ("Invalid scalar type"); anything else as it is."""
+    if tensor.is_floating_point() and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def parse_shape(name: str, shape) -> tuple[int, ...]:

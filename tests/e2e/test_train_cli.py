@@ -104,8 +104,10 @@ def test_sglang_prefixes_and_compat_flags_as_slime_passes_them():
     engine = args.options.engine
     assert engine.mem_fraction_static == 0.5 and engine.attention_backend == "fa3"
     assert engine.sglang_options == {"enable_torch_compile": True}
-    with pytest.raises(SystemExit, match="--sglang-quantization 'fp8' is not supported"):
-        parse_args([*REQUIRED, "--sglang-quantization", "fp8"])
+    fp8 = parse_args([*REQUIRED, "--sglang-quantization", "fp8"]).options.engine
+    assert fp8.quantization == "fp8" and fp8.sglang_options == {}
+    with pytest.raises(SystemExit, match="quantization 'awq' is not supported.*quantization fp8"):
+        parse_args([*REQUIRED, "--sglang-quantization", "awq"])
 
 
 def test_train_refuses_a_missing_required_flag(capsys):

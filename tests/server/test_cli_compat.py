@@ -141,7 +141,7 @@ def test_compat_flags_are_logged_once_or_refused_with_the_alternative(llama_path
     assert len(lines) == 3 and any("--enable-torch-compile True" in x for x in lines), lines
     for argv, needle in (
         (["--tp-size", "2"], "--tp-size 2 is not supported: an engine runs on one device"),
-        (["--quantization", "fp8"], "quantizing at load is not implemented"),
+        (["--quantization", "awq"], "specrl serves block-FP8 weights only (--quantization fp8"),
         (["--kv-cache-dtype", "fp8_e5m2"], "fp8 KV caches are not implemented"),
         (["--speculative-draft-model-revision", "main"], "--speculative-draft-model-path"),
         (["--allow-auto-truncate"], "shorten it client-side"),
