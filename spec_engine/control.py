@@ -1,6 +1,7 @@
 """The engine's control API: weight updates, memory release, pause and profiling, with
 SGLang's request fields (io_struct's UpdateWeights*/InitWeightsUpdateGroup/... ReqInput).
-Engine inherits it; every call runs on the scheduler thread between steps (`_call`). A field
+Engine inherits it; every call runs on the scheduler thread between steps (`_call`; on every
+rank of a tensor-parallel engine what changes its state: `_call_command`). A field
 SGLang has that specrl does not act on is accepted at its neutral value and refused otherwise
 with the reason. SGLang's extra fields come after the original parameters, which callers may
 pass by position. The wrappers (HTTP routes, the rollout's Ray actor) are generated from
@@ -40,6 +41,7 @@ class EngineControl(EngineReports):
         serialized_named_tensors: SGLang's form from a process on this machine, one
         MultiprocessingSerializer string per tensor-parallel rank (one here), whose tensors are
         shared, not copied (CUDA IPC; see weights.transport.serialize_shared)."""
+        self._one_rank_only("update_weights_from_tensor")
         if disable_draft_model:
             raise ValueError(
                 "disable_draft_model: specrl updates the draft with the target (an MTP draft "
@@ -83,6 +85,7 @@ class EngineControl(EngineReports):
         """Join the trainer's process group (the trainer is rank 0) for
         update_weights_from_distributed. backend: "nccl" (SGLang's default, on CUDA) or
         "gloo"; unset, the engine's device decides."""
+        self._one_rank_only("init_weights_update_group")
         if backend is None:
             backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
         self._call(
@@ -109,6 +112,7 @@ class EngineControl(EngineReports):
     ) -> dict[str, Any]:
         """Receive one broadcast per named tensor from the group's rank 0, then load them
         (dtypes as torch dtypes or their names, "bfloat16"; load_format as SGLang: None)."""
+        self._one_rank_only("update_weights_from_distributed")
         if load_format is not None:
             raise ValueError(
                 f"load_format {load_format!r} is not supported for distributed updates; send "
@@ -142,7 +146,8 @@ class EngineControl(EngineReports):
         (the files present decide). keep_pause leaves generation paused after the update
         (continue_generation resumes it); recapture_cuda_graph captures the graphs again
         (never needed: updates copy into the tensors the graphs read); token_step (the trainer's
-        step) is accepted as a label SGLang keeps and specrl has no use for."""
+        step) is accepted as a label SGLang keeps and specrl has no use for. At --tp-size > 1
+        every rank reads and checks its blocks, and none copies unless all checks pass."""
         if load_format not in (None, "auto", "safetensors", "pt"):
             raise ValueError(
                 f"load_format {load_format!r} is not supported; specrl reads safetensors and "
@@ -159,6 +164,30 @@ class EngineControl(EngineReports):
                 "checkpoint is loaded)"
             )
 
+        # A Command: every rank of a tensor-parallel engine loads its blocks.
+        return self._call_command(
+            "_update_from_disk",
+            model_path,
+            component,
+            recapture_cuda_graph,
+            keep_pause,
+            flush_cache,
+            weight_version,
+            abort_all_requests,
+            torch_empty_cache,
+        ) | {"num_paused_requests": 0}
+
+    def _update_from_disk(
+        self,
+        model_path: str,
+        component: str,
+        recapture_cuda_graph: bool,
+        keep_pause: bool,
+        flush_cache: bool,
+        weight_version: Optional[str],
+        abort_all_requests: bool,
+        torch_empty_cache: bool,
+    ) -> dict[str, Any]:
         def load() -> int:
             received = self.updater.from_disk(model_path, component)
             if recapture_cuda_graph:
@@ -167,9 +196,9 @@ class EngineControl(EngineReports):
                 self.memory.pause("in_place")
             return received
 
-        return self._update_weights(
+        return self._apply_update(
             load, flush_cache, weight_version, abort_all_requests, torch_empty_cache
-        ) | {"num_paused_requests": 0}
+        )
 
     def _update_weights(
         self,
@@ -179,32 +208,45 @@ class EngineControl(EngineReports):
         abort_all_requests: bool = False,
         torch_empty_cache: bool = False,
     ) -> dict[str, Any]:
-        def run() -> dict[str, Any]:
-            self.memory.require_weights()
-            if abort_all_requests:
-                self.scheduler.abort_all("aborted for a weight update (abort_all_requests)")
-            start = time.perf_counter()
-            received = load()
-            self.scheduler.weights_changed(flush=flush_cache)
-            if weight_version is not None:
-                self.weight_version = weight_version
-            self.scheduler.policy.weights_updated(self.weight_version)
-            if torch_empty_cache:
-                _empty_device_cache(self.runner.device)
-            seconds = time.perf_counter() - start
-            return {
-                "success": True,
-                "message": f"weights updated: {received} bytes in {seconds:.3f} s",
-                "bytes": received,
-                "seconds": seconds,
-                "weight_version": self.weight_version,
-            }
+        return self._call(
+            lambda: self._apply_update(
+                load, flush_cache, weight_version, abort_all_requests, torch_empty_cache
+            )
+        )
 
-        return self._call(run)
+    def _apply_update(
+        self,
+        load: Callable[[], int],
+        flush_cache: bool,
+        weight_version: Optional[str],
+        abort_all_requests: bool,
+        torch_empty_cache: bool,
+    ) -> dict[str, Any]:
+        """Run `load` between steps, then what every update does (on the scheduler thread)."""
+        self.memory.require_weights()
+        if abort_all_requests:
+            self.scheduler.abort_all("aborted for a weight update (abort_all_requests)")
+        start = time.perf_counter()
+        received = load()
+        self.scheduler.weights_changed(flush=flush_cache)
+        if weight_version is not None:
+            self.weight_version = weight_version
+        self.scheduler.policy.weights_updated(self.weight_version)
+        if torch_empty_cache:
+            _empty_device_cache(self.runner.device)
+        seconds = time.perf_counter() - start
+        return {
+            "success": True,
+            "message": f"weights updated: {received} bytes in {seconds:.3f} s",
+            "bytes": received,
+            "seconds": seconds,
+            "weight_version": self.weight_version,
+        }
 
     def get_weights_checksum(self, names: Optional[list[str]] = None) -> dict[str, str]:
         """SHA-256 of each named tensor as the engine holds it (see
         weights.loader.tensor_checksum)."""
+        self._one_rank_only("get_weights_checksum")
 
         def checksums() -> dict[str, str]:
             self.memory.require_weights()
@@ -215,30 +257,30 @@ class EngineControl(EngineReports):
     def pause_generation(self, mode: str = "abort") -> dict[str, str]:
         """Stop generating: abort (end requests), retract (re-queue them) or in_place (keep
         them)."""
-        self._call(lambda: self.memory.pause(mode))
+        self._call_command("memory.pause", mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     def continue_generation(self, torch_empty_cache: bool = True) -> dict[str, str]:
-        def run() -> None:
-            if torch_empty_cache:
-                _empty_device_cache(self.runner.device)
-            self.memory.unpause()
-
-        self._call(run)
+        self._call_command("_continue_generation", torch_empty_cache)
         return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _continue_generation(self, torch_empty_cache: bool) -> None:
+        if torch_empty_cache:
+            _empty_device_cache(self.runner.device)
+        self.memory.unpause()
 
     def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
         """Free weights and/or the KV cache (tags "weights", "kv_cache", "cuda_graph"; all by
         default) until resume_memory_occupation; generation waits meanwhile."""
-        self._call(lambda: self.memory.release(tags))
+        self._call_command("memory.release", tags)
 
     def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
-        self._call(lambda: self.memory.resume(tags))
+        self._call_command("memory.resume", tags)
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache. Refused (False) while requests are queued or running, unless
         paused."""
-        return self._call(self.memory.flush_cache)
+        return self._call_command("memory.flush_cache")
 
     def update_weight_version(
         self, new_version: str, abort_all_requests: bool = True
@@ -247,19 +289,18 @@ class EngineControl(EngineReports):
         flight unless abort_all_requests is false)."""
         if not isinstance(new_version, str) or not new_version:
             raise ValueError(f"new_version must be a non-empty string, got {new_version!r}")
-
-        def run() -> None:
-            if abort_all_requests:
-                self.scheduler.abort_all("aborted by update_weight_version")
-            self.weight_version = new_version
-            self.scheduler.policy.relabel(new_version)
-
-        self._call(run)
+        self._call_command("_relabel", new_version, abort_all_requests)
         return {
             "success": True,
             "message": f"Weight version updated to {new_version}",
             "new_version": new_version,
         }
+
+    def _relabel(self, new_version: str, abort_all_requests: bool) -> None:
+        if abort_all_requests:
+            self.scheduler.abort_all("aborted by update_weight_version")
+        self.weight_version = new_version
+        self.scheduler.policy.relabel(new_version)
 
     def post_process_weights(
         self, restore_weights_before_load: bool = False, post_process_quantization: bool = False
@@ -271,6 +312,7 @@ class EngineControl(EngineReports):
     def destroy_weights_update_group(
         self, group_name: str = "weight_update_group"
     ) -> dict[str, Any]:
+        self._one_rank_only("destroy_weights_update_group")
         self._call(lambda: self.updater.destroy_group(group_name))
         return {"success": True, "message": f"left weight update group {group_name!r}"}
 
@@ -286,7 +328,8 @@ class EngineControl(EngineReports):
     ) -> dict[str, Any]:
         """Start torch.profiler on the scheduler thread; stop_profile writes a Chrome trace to
         output_dir (SGLANG_TORCH_PROFILER_DIR, else /tmp). num_steps/start_step/profile_by_stage
-        are accepted as SGLang's and not used: the trace spans start to stop."""
+        are accepted as SGLang's and not used: the trace spans start to stop. A tensor-parallel
+        engine profiles rank 0."""
         return self._call(
             lambda: self._profiler_ctl.start(output_dir, activities, with_stack, record_shapes)
         )

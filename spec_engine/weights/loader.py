@@ -22,6 +22,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from spec_engine.weights.shard import Shard
+
 # Names some checkpoints carry that are derived, not learned; skipped without error.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -54,6 +56,9 @@ class WeightSlot:
     rows: Optional[tuple[int, int]] = None  # row range inside a fused parameter
     optional: bool = False  # may be absent from a checkpoint (tied head)
     integer: bool = False  # an index table (EAGLE-3's d2t), not a float weight
+    # Tensor parallelism: the block of the checkpoint tensor this rank copies into `rows`
+    # (weights.shard); None: all of it.
+    shard: Optional[Shard] = None
 
 
 def weight_spec(model: nn.Module) -> dict[str, WeightSlot]:
@@ -165,14 +170,24 @@ def _open_safetensors(path: str) -> Iterator[Any]:
         raise ValueError(f"could not read the weights file {path!r}: {e}") from None
 
 
-def iterate_checkpoint(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_checkpoint(
+    model_path: str, shards: Optional[dict[str, Shard]] = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint; a name in `shards` (a tensor-parallel rank's blocks)
+    read as that block alone from safetensors (whole from a memory-mapped .bin, narrowed at the
+    copy)."""
+    shards = shards or {}
     for path in checkpoint_files(model_path):
         if path.endswith(".bin"):
             yield from _read_bin(path).items()
             continue
         with _open_safetensors(path) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                shard = shards.get(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, shard.read(f.get_slice(name))
 
 
 def checkpoint_metadata(model_path: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
@@ -220,7 +235,8 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
     check_weights(
         model, (m for m in checkpoint_metadata(model_path) if keep(m[0])), require_all=True
     )
-    copy_weights(model, ((n, t) for n, t in iterate_checkpoint(model_path) if keep(n)))
+    shards = {n: s.shard for n, s in spec.items() if s.shard is not None}
+    copy_weights(model, ((n, t) for n, t in iterate_checkpoint(model_path, shards) if keep(n)))
 
 
 def check_weights(
@@ -272,6 +288,8 @@ def copy_weights(
                 continue
             target = params[slot.param]
             touched_storages.add(target.untyped_storage().data_ptr())
+            if slot.shard is not None:
+                tensor = slot.shard.take(tensor)
             if slot.rows is not None:
                 target = target[slot.rows[0] : slot.rows[1]]
             target.copy_(tensor)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import datetime
 import difflib
 import logging
-from collections.abc import Iterable
-from typing import Optional, Protocol
+from collections.abc import Callable, Iterable
+from typing import Optional, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from spec_engine.distributed.parallel_state import SINGLE, TPGroup
 from spec_engine.weights.loader import (
     check_weights,
     checkpoint_metadata,
@@ -35,9 +36,11 @@ from spec_engine.weights.loader import (
     tensor_checksum,
     weight_spec,
 )
+from spec_engine.weights.shard import Shard
 from spec_engine.weights.transport import materialize
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DRAFT_PREFIX = "draft."
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -60,11 +63,18 @@ class WeightUpdater:
     """Updates of the target model (on `device`) and of the draft, if there is one."""
 
     def __init__(
-        self, target: nn.Module, device: torch.device, draft: Optional[DraftWeights] = None
+        self,
+        target: nn.Module,
+        device: torch.device,
+        draft: Optional[DraftWeights] = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
+        """`tp`: the tensor-parallel group the target is a shard of (disk updates check on
+        every rank before any rank copies)."""
         self.target = target
         self.device = device
         self.draft = draft
+        self.tp = tp
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._backup: Optional[list[tuple[nn.Parameter, torch.Tensor]]] = None
 
@@ -124,7 +134,32 @@ class WeightUpdater:
 
     def from_disk(self, model_path: str, component: str = "target") -> int:
         """Load a whole Hugging Face checkpoint into the target (its MTP layers into an MTP
-        draft) or, with component="draft", into the external draft."""
+        draft) or, with component="draft", into the external draft. A tensor-parallel rank
+        reads its blocks alone, and copies only once every rank has checked its part."""
+        routes, models, shards = self._on_every_rank(
+            lambda: self._check_disk(model_path, component)
+        )
+        received = 0
+        for name, tensor in iterate_checkpoint(model_path, shards):
+            if is_ignored(name):
+                continue
+            model, local = routes[name]
+            if model is not None:
+                copy_weights(
+                    model, [(local, tensor)], refresh=False
+                )  # one pass over the files, one refresh
+            received += tensor.numel() * tensor.element_size()
+        for model in models.values():
+            refresh_derived(model)
+        if self.draft is not None:
+            self.draft.refresh()
+        return received
+
+    def _check_disk(
+        self, model_path: str, component: str
+    ) -> tuple[dict[str, tuple[Optional[nn.Module], str]], dict[int, nn.Module], dict[str, Shard]]:
+        """Check a checkpoint before a disk update: (each name's model and name there, the
+        models updated, this rank's blocks of the split tensors)."""
         meta = [m for m in checkpoint_metadata(model_path) if not is_ignored(m[0])]
         if component == "draft":
             if self.draft is None or not self.draft.external:
@@ -143,26 +178,31 @@ class WeightUpdater:
                 [(routes[n][1], s, d) for n, s, d in meta if routes[n][0] is model],
                 require_all=True,
             )
+        shards = {
+            name: weight_spec(model)[local].shard
+            for name, (model, local) in routes.items()
+            if model is not None and weight_spec(model)[local].shard is not None
+        }
         # A pass over the files before the first copy: a NaN found half-way would leave the
         # model half-updated.
-        for name, tensor in iterate_checkpoint(model_path):
+        for name, tensor in iterate_checkpoint(model_path, shards):
             if not is_ignored(name) and routes[name][0] is not None:
                 _check_finite(name, tensor)
-        received = 0
-        for name, tensor in iterate_checkpoint(model_path):
-            if is_ignored(name):
-                continue
-            model, local = routes[name]
-            if model is not None:
-                copy_weights(
-                    model, [(local, tensor)], refresh=False
-                )  # one pass over the files, one refresh
-            received += tensor.numel() * tensor.element_size()
-        for model in models.values():
-            refresh_derived(model)
-        if self.draft is not None:
-            self.draft.refresh()
-        return received
+        return routes, models, shards
+
+    def _on_every_rank(self, check: Callable[[], T]) -> T:
+        """`check()` on this rank; under tensor parallelism every rank learns whether any
+        rank's check failed, and all of them raise it (naming that rank), so none copies."""
+        if self.tp.size == 1:
+            return check()
+        try:
+            result, error = check(), None
+        except Exception as e:  # every rank must reach the gather below
+            result, error = None, str(e)
+        for rank, failed in enumerate(self.tp.gather_objects(error)):
+            if failed is not None:
+                raise ValueError(f"{failed} (tensor-parallel rank {rank}; no rank updated)")
+        return result
 
     # ---------------------------------------------------------------- distributed
 
