@@ -11,20 +11,18 @@ import os
 import shutil
 import threading
 import time
-from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 
 from spec_engine import Engine
 from spec_engine.distributed.launch import RankFailed, Ranks
-from spec_engine.distributed.parallel_state import connect
 from spec_engine.distributed.token_check import TokenCheck, TokenMismatch
 from spec_engine.weights.loader import checkpoint_files
 from tests.conftest import FAMILIES
-from tests.support.tp_ranks import fail_on_rank_1
+from tests.support.tp_ranks import Sampled, fail_on_rank_1, sample_9_for_request_b
 from tiny.checkpoints import add_mimo_mtp
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
@@ -126,38 +124,19 @@ def test_each_rank_reads_only_its_shard(make_model, monkeypatch):
     assert torch.equal(params["model.embed_tokens.weight"], embed[embed.shape[0] // 2 :])
 
 
-class _Fixed:
-    """A worker stand-in whose steps sample `tokens`."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens = tokens
-
-    def decode(self, reqs):
-        return type("Result", (), {"tokens": self.tokens})()
-
-
 def test_debug_tp_check_tokens_fails_a_step_where_ranks_disagree():
-    """Two gloo ranks (threads of this process) whose workers sample differently in request
-    "b": both raise, naming the request, the tokens and the rank."""
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-    reqs = [type("R", (), {"input": type("I", (), {"rid": rid})()})() for rid in "ab"]
-    errors: dict[int, str] = {}
-
-    def rank(r: int) -> None:
-        group = connect(store, r, 2, torch.device("cpu"), timedelta(seconds=30))
-        checked = TokenCheck(_Fixed([7, 8 + r]), group)
-        try:
-            checked.decode(reqs)
-        except TokenMismatch as e:
-            errors[r] = str(e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert set(errors) == {0, 1}
-    assert "request 'b' got 8 on rank 0 and 9 on rank 1" in errors[0]
+    """Rank 1 (spawned) samples another token for request "b" than rank 0: both ranks' checks
+    raise, naming the request, the tokens and the rank."""
+    reqs = [SimpleNamespace(input=SimpleNamespace(rid=rid)) for rid in "ab"]
+    ranks = Ranks(sample_9_for_request_b, reqs, 2, torch.device("cpu"))
+    try:
+        group = ranks.connect()
+        ranks.wait_ready()
+        with pytest.raises(TokenMismatch, match="request 'b' got 8 on rank 0 and 9 on rank 1"):
+            TokenCheck(Sampled([7, 8]), group).decode(reqs)
+    finally:
+        ranks.stop(timeout_s=30)
+    assert ranks.procs[0].exitcode == 0  # rank 1's check raised as well
 
 
 @pytest.mark.parametrize(
