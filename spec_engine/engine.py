@@ -12,6 +12,7 @@ scheduler loop (engine_loop: rank 0 broadcasts the commands it receives every it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -74,9 +75,10 @@ class Engine(EngineControl, SchedulerLoop):
                 args.dist_timeout,
             )
         try:
-            if self._ranks is not None:
-                tp = self._ranks.connect()
-            self._build(config, tp)
+            with _on_base_gpu(args):
+                if self._ranks is not None:
+                    tp = self._ranks.connect()
+                self._build(config, tp)
             if self._ranks is not None:
                 self._ranks.wait_ready()
         except BaseException as e:
@@ -349,6 +351,14 @@ def _resolve_config(engine_args: Optional[EngineArgs], kwargs: dict[str, Any]) -
     for line in check_sglang_options(args.sglang_options):
         logger.warning(line)
     return resolve_engine_config(args, cuda_available=torch.cuda.is_available())
+
+
+def _on_base_gpu(args: EngineArgs) -> contextlib.AbstractContextManager:
+    """Build rank 0 on GPU --base-gpu-id (SGLang's gpu_id for rank 0; rank r is on
+    --base-gpu-id + r): its "cuda" tensors, and the scheduler thread's device (_cuda_index)."""
+    if args.device == "cuda" and (args.tp_size > 1 or args.base_gpu_id):
+        return torch.cuda.device(args.base_gpu_id)
+    return contextlib.nullcontext()
 
 
 def _serve_rank(config: EngineConfig, tp: TPGroup, ready: Callable[[], None]) -> None:

@@ -300,7 +300,11 @@ class EngineArgs:
         "HOST:PORT where rank 0 serves the ranks' rendezvous store.",
         unset="a free port on 127.0.0.1",
     )
-    base_gpu_id: int = _opt(0, "On CUDA, the GPU of rank 0; rank r runs on base_gpu_id + r.")
+    base_gpu_id: int = _opt(
+        0,
+        "On CUDA, the GPU of rank 0 (of the only rank at --tp-size 1); rank r runs on "
+        "base_gpu_id + r.",
+    )
     dist_timeout: Optional[int] = _opt(
         None, "Seconds a collective between the ranks may wait (auto: torch's 1800)."
     )

@@ -155,6 +155,23 @@ def test_what_tp_does_not_run_is_refused_before_any_rank_starts(kwargs, match, l
         Engine(model_path=llama_path, **args)
 
 
+def test_cuda_ranks_need_their_gpus_and_eager_forwards(llama_path, monkeypatch):
+    """On CUDA (the check alone, with the machine's GPU count faked): rank r needs GPU
+    --base-gpu-id + r, and graphs are refused at tp > 1."""
+    from spec_engine.args.tp_checks import check_tensor_parallel
+    from spec_engine.models.hf_config import ModelConfig
+
+    target = ModelConfig.from_pretrained(llama_path)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cuda = dict(device="cuda", tp_size=2, base_gpu_id=0, speculative_algorithm=None)
+    with pytest.raises(ValueError, match="CUDA graphs .* add --disable-cuda-graph"):
+        check_tensor_parallel(SimpleNamespace(**cuda, disable_cuda_graph=False), target)
+    check_tensor_parallel(SimpleNamespace(**cuda, disable_cuda_graph=True), target)
+    late = SimpleNamespace(**dict(cuda, base_gpu_id=1), disable_cuda_graph=True)
+    with pytest.raises(ValueError, match="base-gpu-id 1 needs GPUs 1..2, and this machine has 2"):
+        check_tensor_parallel(late, target)
+
+
 def test_moe_at_tp2_is_refused(make_model):
     path = make_model(**FAMILIES["glm4_moe_no_qk_norm"])
     with pytest.raises(ValueError, match="--tp-size 2: .* has MoE layers.*run it at --tp-size 1"):
