@@ -20,6 +20,7 @@ from safetensors import safe_open
 from spec_engine import Engine
 from spec_engine.distributed.launch import RankFailed, Ranks
 from spec_engine.distributed.token_check import TokenCheck, TokenMismatch
+from spec_engine.engine_loop import HEARTBEAT_S
 from spec_engine.weights.loader import checkpoint_files
 from tests.conftest import FAMILIES
 from tests.support.tp_ranks import Sampled, fail_on_rank_1, sample_9_for_request_b
@@ -247,6 +248,19 @@ def test_a_dead_rank_fails_requests_in_flight_within_seconds(make_model):
         assert "tensor-parallel rank 1 (pid" in done["error"]
         assert "exited with code -9" in done["error"]
         with pytest.raises(RuntimeError, match="engine is shut down: tensor-parallel rank 1"):
+            engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})
+    finally:
+        engine.shutdown()
+
+
+def test_a_rank_that_dies_while_the_engine_is_idle_is_noticed(make_model):
+    """Rank 0's idle heartbeat (an empty broadcast every HEARTBEAT_S) finds the dead rank
+    before any request comes: the next call is refused, naming it."""
+    engine = Engine(model_path=make_model(**MODELS["qwen2"]), tp_size=2, **ENGINE)
+    try:
+        engine._ranks.procs[0].kill()
+        time.sleep(HEARTBEAT_S + 1.5)
+        with pytest.raises(RuntimeError, match="engine is shut down: tensor-parallel rank 1 .pid"):
             engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})
     finally:
         engine.shutdown()
