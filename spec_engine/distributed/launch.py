@@ -119,7 +119,10 @@ class Ranks:
             for rank, p in enumerate(self.procs, start=1):
                 if p.exitcode is not None and rank not in self._ready:
                     raise RankFailed(
-                        f"tensor-parallel rank {rank} exited with code {p.exitcode} while starting"
+                        f"tensor-parallel rank {rank} exited with code {p.exitcode} while "
+                        "starting, before it could report why (its output says; a script "
+                        "that starts a tensor-parallel engine needs an `if __name__ == "
+                        "'__main__':` guard, as every multiprocessing spawn does)"
                     ) from None
             return
         if error is not None:
