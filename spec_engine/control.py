@@ -39,8 +39,9 @@ class EngineControl(EngineReports):
         load_format="flattened_bucket" FlattenedBucket objects / their dicts (one per dtype).
         Tensors may also be torch.multiprocessing reduce_tensor handles (CUDA IPC). Or, instead,
         serialized_named_tensors: SGLang's form from a process on this machine, one
-        MultiprocessingSerializer string per tensor-parallel rank (one here), whose tensors are
-        shared, not copied (CUDA IPC; see weights.transport.serialize_shared)."""
+        MultiprocessingSerializer string per tensor-parallel rank (one: refused at --tp-size
+        > 1), whose tensors are shared, not copied (CUDA IPC; see
+        weights.transport.serialize_shared)."""
         self._one_rank_only("update_weights_from_tensor")
         if disable_draft_model:
             raise ValueError(

@@ -56,9 +56,9 @@ class EngineReports:
 
     def get_server_info(self) -> dict[str, Any]:
         """SGLang's server info: the server args at top level (specrl's, and SGLang's own with
-        the values this engine runs at: tp_size 1, ...; the API key left out), what SGLang's
-        scheduler adds (status, max_total_num_tokens, max_req_input_len), the weight version,
-        and the scheduler's state in internal_states."""
+        the values this engine runs at: its tp_size, dp_size 1, ...; the API key left out), what
+        SGLang's scheduler adds (status, max_total_num_tokens, max_req_input_len), the weight
+        version, and the scheduler's state in internal_states."""
         sglang = {name: flag.default for name, flag in SGLANG_FLAGS.items()}
         args = {k: v for k, v in self.args.to_dict().items() if k != "api_key"}
         return {
