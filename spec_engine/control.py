@@ -17,6 +17,7 @@ import torch
 
 from spec_engine.reports import EngineReports
 from spec_engine.weights.formats import FLATTENED_BUCKET, named_tensor_pairs
+from spec_engine.weights.transport import materialize
 
 
 class EngineControl(EngineReports):
@@ -42,7 +43,6 @@ class EngineControl(EngineReports):
         MultiprocessingSerializer string per tensor-parallel rank (one: refused at --tp-size
         > 1), whose tensors are shared, not copied (CUDA IPC; see
         weights.transport.serialize_shared)."""
-        self._one_rank_only("update_weights_from_tensor")
         if disable_draft_model:
             raise ValueError(
                 "disable_draft_model: specrl updates the draft with the target (an MTP draft "
@@ -57,6 +57,12 @@ class EngineControl(EngineReports):
         if serialized_named_tensors is not None:
             if named_tensors is not None:
                 raise ValueError("give named_tensors or serialized_named_tensors, not both")
+            if self.args.tp_size > 1:
+                raise ValueError(
+                    f"serialized_named_tensors at --tp-size {self.args.tp_size}: not supported "
+                    "yet (one entry per rank); send named_tensors, which rank 0 sends to every "
+                    "rank, or update from disk"
+                )
             entries = serialized_named_tensors
             if not isinstance(entries, list) or len(entries) != 1:
                 count = len(entries) if isinstance(entries, list) else type(entries).__name__
@@ -66,7 +72,34 @@ class EngineControl(EngineReports):
                 )
             shared = entries[0]
         items = named_tensor_pairs(named_tensors, load_format, shared)
+        if self.args.tp_size > 1:
+            # Every rank takes its blocks of the whole tensors, broadcast from here (host copies).
+            whole = [(name, materialize(value).cpu()) for name, value in items]
+            return self._call_command(
+                "_update_from_tensors",
+                whole,
+                flush_cache,
+                weight_version,
+                abort_all_requests,
+                torch_empty_cache,
+            )
         return self._update_weights(
+            lambda: self.updater.apply(items),
+            flush_cache,
+            weight_version,
+            abort_all_requests,
+            torch_empty_cache,
+        )
+
+    def _update_from_tensors(
+        self,
+        items: list[tuple[str, Any]],
+        flush_cache: bool,
+        weight_version: Optional[str],
+        abort_all_requests: bool,
+        torch_empty_cache: bool,
+    ) -> dict[str, Any]:
+        return self._apply_update(
             lambda: self.updater.apply(items),
             flush_cache,
             weight_version,

@@ -103,7 +103,19 @@ class WeightUpdater:
         return None, name  # an MTP layer no draft step uses
 
     def apply(self, named_tensors: Iterable[tuple[str, object]]) -> int:
-        """Check every tensor, then copy all of them; returns the bytes received."""
+        """Check every tensor, then copy all of them (a tensor-parallel rank its blocks, once
+        every rank's checks passed); returns the bytes received."""
+        groups, received = self._on_every_rank(lambda: self._check_tensors(named_tensors))
+        for model, items in groups.values():
+            copy_weights(model, items)
+        if self.draft is not None:
+            self.draft.refresh()
+        return received
+
+    def _check_tensors(
+        self, named_tensors: Iterable[tuple[str, object]]
+    ) -> tuple[dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor]]]], int]:
+        """The tensors of an update by the model they update, all checked; and their bytes."""
         groups: dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor]]]] = {}
         received = 0
         for name, value in named_tensors:
@@ -124,11 +136,7 @@ class WeightUpdater:
         if self.draft is not None:
             draft_items = groups.get(id(self.draft.model), (None, []))[1]
             self.draft.check_update(dict(draft_items))
-        for model, items in groups.values():
-            copy_weights(model, items)
-        if self.draft is not None:
-            self.draft.refresh()
-        return received
+        return groups, received
 
     # ---------------------------------------------------------------- disk
 

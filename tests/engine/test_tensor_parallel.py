@@ -192,7 +192,8 @@ def test_a_rank_that_fails_to_start_is_named():
 def test_disk_updates_reach_every_rank_and_a_bad_one_changes_none(make_model, tmp_path):
     """update_weights_from_disk at tp 2: every rank loads its blocks and decodes as tp 1 on the
     new weights; a checkpoint whose only NaN lies in rank 1's block (a column of a row-parallel
-    down_proj) is refused on both ranks, naming rank 1, and rank 0 keeps its old weights too."""
+    down_proj) is refused on both ranks, naming rank 1, and rank 0 keeps its old weights too.
+    update_weights_from_tensor brings the old weights back on every rank."""
     from safetensors.torch import load_file, save_file
 
     old, new = make_model(**MODELS["qwen2"]), make_model(**dict(MODELS["qwen2"], seed=3))
@@ -211,6 +212,10 @@ def test_disk_updates_reach_every_rank_and_a_bad_one_changes_none(make_model, tm
         assert [o["output_ids"] for o in kept] == before
         assert engine.update_weights_from_disk(new, weight_version="v2")["success"]
         after = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        # From tensors (rank 0 sends the whole tensors, each rank takes its blocks): back to old.
+        engine.update_weights_from_tensor(list(load_file(f"{old}/model.safetensors").items()))
+        back = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in back] == before
     expected = _generate(new, 1)
     assert [o["output_ids"] for o in after] == [o["output_ids"] for o in expected]
     assert after[0]["meta_info"]["weight_version"] == "v2"
@@ -224,8 +229,8 @@ def test_a_dead_rank_fails_requests_in_flight_within_seconds(make_model):
     path = make_model(**MODELS["qwen2"])
     engine = Engine(model_path=path, tp_size=2, **dict(ENGINE, max_total_tokens=2048))
     try:
-        with pytest.raises(ValueError, match="update_weights_from_tensor is not supported at --tp"):
-            engine.update_weights_from_tensor([])
+        with pytest.raises(ValueError, match="get_weights_checksum is not supported at --tp"):
+            engine.get_weights_checksum()
         done: dict[str, object] = {}
         started = threading.Event()
 
