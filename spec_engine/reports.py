@@ -45,13 +45,13 @@ class EngineReports:
 
     def _one_rank_only(self, what: str) -> None:
         """Refuse `what` on a tensor-parallel engine: each rank holds a shard of the weights,
-        and reading or replacing them across ranks is not built yet."""
+        and `what` across ranks is not built yet."""
         if self.args.tp_size > 1:
             raise ValueError(
                 f"{what} is not supported at --tp-size {self.args.tp_size} yet (each rank holds "
-                "a shard of the weights; updates from tensors or a distributed group, checksums "
-                "and weight reads across ranks are not built): update from disk "
-                "(update_weights_from_disk), or run the engine at tp_size 1"
+                "a shard of the weights; updates from a distributed group, checksums and weight "
+                "reads across ranks are not built): update from disk or from named_tensors, or "
+                "run the engine at tp_size 1"
             )
 
     def get_server_info(self) -> dict[str, Any]:
