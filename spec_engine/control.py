@@ -57,18 +57,23 @@ class EngineControl(EngineReports):
         if serialized_named_tensors is not None:
             if named_tensors is not None:
                 raise ValueError("give named_tensors or serialized_named_tensors, not both")
-            if self.args.tp_size > 1:
-                raise ValueError(
-                    f"serialized_named_tensors at --tp-size {self.args.tp_size}: not supported "
-                    "yet (one entry per rank); send named_tensors, which rank 0 sends to every "
-                    "rank, or update from disk"
-                )
             entries = serialized_named_tensors
-            if not isinstance(entries, list) or len(entries) != 1:
+            ranks = self.args.tp_size
+            if not isinstance(entries, list) or len(entries) != ranks:
                 count = len(entries) if isinstance(entries, list) else type(entries).__name__
                 raise ValueError(
                     "serialized_named_tensors must hold one entry per tensor-parallel rank of the "
-                    f"engine, and specrl engines have one; got {count}"
+                    f"engine, and this engine has {ranks}; got {count}"
+                )
+            if ranks > 1:  # SGLang's way: rank r opens entry r (made for its device)
+                return self._call_command(
+                    "_update_from_serialized",
+                    entries,
+                    load_format,
+                    flush_cache,
+                    weight_version,
+                    abort_all_requests,
+                    torch_empty_cache,
                 )
             shared = entries[0]
         items = named_tensor_pairs(named_tensors, load_format, shared)
@@ -105,6 +110,24 @@ class EngineControl(EngineReports):
             weight_version,
             abort_all_requests,
             torch_empty_cache,
+        )
+
+    def _update_from_serialized(
+        self,
+        entries: list[Union[str, bytes]],
+        load_format: Optional[str],
+        flush_cache: bool,
+        weight_version: Optional[str],
+        abort_all_requests: bool,
+        torch_empty_cache: bool,
+    ) -> dict[str, Any]:
+        def load() -> int:
+            mine = entries[self.tp.rank]
+            items = self.updater.on_every_rank(lambda: named_tensor_pairs(None, load_format, mine))
+            return self.updater.apply(items)
+
+        return self._apply_update(
+            load, flush_cache, weight_version, abort_all_requests, torch_empty_cache
         )
 
     def init_weights_update_group(

@@ -105,7 +105,7 @@ class WeightUpdater:
     def apply(self, named_tensors: Iterable[tuple[str, object]]) -> int:
         """Check every tensor, then copy all of them (a tensor-parallel rank its blocks, once
         every rank's checks passed); returns the bytes received."""
-        groups, received = self._on_every_rank(lambda: self._check_tensors(named_tensors))
+        groups, received = self.on_every_rank(lambda: self._check_tensors(named_tensors))
         for model, items in groups.values():
             copy_weights(model, items)
         if self.draft is not None:
@@ -144,9 +144,7 @@ class WeightUpdater:
         """Load a whole Hugging Face checkpoint into the target (its MTP layers into an MTP
         draft) or, with component="draft", into the external draft. A tensor-parallel rank
         reads its blocks alone, and copies only once every rank has checked its part."""
-        routes, models, shards = self._on_every_rank(
-            lambda: self._check_disk(model_path, component)
-        )
+        routes, models, shards = self.on_every_rank(lambda: self._check_disk(model_path, component))
         received = 0
         for name, tensor in iterate_checkpoint(model_path, shards):
             if is_ignored(name):
@@ -198,7 +196,7 @@ class WeightUpdater:
                 _check_finite(name, tensor)
         return routes, models, shards
 
-    def _on_every_rank(self, check: Callable[[], T]) -> T:
+    def on_every_rank(self, check: Callable[[], T]) -> T:
         """`check()` on this rank; under tensor parallelism every rank learns whether any
         rank's check failed, and all of them raise it (naming that rank), so none copies."""
         if self.tp.size == 1:

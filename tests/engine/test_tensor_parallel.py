@@ -22,6 +22,7 @@ from spec_engine.distributed.launch import RankFailed, Ranks
 from spec_engine.distributed.token_check import TokenCheck, TokenMismatch
 from spec_engine.engine_loop import HEARTBEAT_S
 from spec_engine.weights.loader import checkpoint_files
+from spec_engine.weights.transport import serialize_shared
 from tests.conftest import FAMILIES
 from tests.support.tp_ranks import Sampled, fail_on_rank_1, sample_9_for_request_b
 from tiny.checkpoints import add_mimo_mtp
@@ -193,7 +194,8 @@ def test_disk_updates_reach_every_rank_and_a_bad_one_changes_none(make_model, tm
     """update_weights_from_disk at tp 2: every rank loads its blocks and decodes as tp 1 on the
     new weights; a checkpoint whose only NaN lies in rank 1's block (a column of a row-parallel
     down_proj) is refused on both ranks, naming rank 1, and rank 0 keeps its old weights too.
-    update_weights_from_tensor brings the old weights back on every rank."""
+    update_weights_from_tensor brings the old weights back on every rank, and SGLang's
+    serialized_named_tensors (one entry per rank) the new ones."""
     from safetensors.torch import load_file, save_file
 
     old, new = make_model(**MODELS["qwen2"]), make_model(**dict(MODELS["qwen2"], seed=3))
@@ -216,6 +218,14 @@ def test_disk_updates_reach_every_rank_and_a_bad_one_changes_none(make_model, tm
         engine.update_weights_from_tensor(list(load_file(f"{old}/model.safetensors").items()))
         back = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert [o["output_ids"] for o in back] == before
+        # SGLang's serialized form, one entry per rank (shared memory here), to new again.
+        shared = list(load_file(f"{new}/model.safetensors").items())
+        entries = [serialize_shared(shared) for _ in range(2)]
+        with pytest.raises(ValueError, match="one entry per tensor-parallel rank .* has 2; got 1"):
+            engine.update_weights_from_tensor(serialized_named_tensors=entries[:1])
+        engine.update_weights_from_tensor(serialized_named_tensors=entries)
+        again = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in again] == [o["output_ids"] for o in after]
     expected = _generate(new, 1)
     assert [o["output_ids"] for o in after] == [o["output_ids"] for o in expected]
     assert after[0]["meta_info"]["weight_version"] == "v2"
