@@ -40,9 +40,9 @@ class EngineControl(EngineReports):
         load_format="flattened_bucket" FlattenedBucket objects / their dicts (one per dtype).
         Tensors may also be torch.multiprocessing reduce_tensor handles (CUDA IPC). Or, instead,
         serialized_named_tensors: SGLang's form from a process on this machine, one
-        MultiprocessingSerializer string per tensor-parallel rank (one: refused at --tp-size
-        > 1), whose tensors are shared, not copied (CUDA IPC; see
-        weights.transport.serialize_shared)."""
+        MultiprocessingSerializer string per tensor-parallel rank (rank r opens entry r), whose
+        tensors are shared, not copied (CUDA IPC; see weights.transport.serialize_shared). At
+        --tp-size > 1 every rank takes its blocks, once every rank's checks passed."""
         if disable_draft_model:
             raise ValueError(
                 "disable_draft_model: specrl updates the draft with the target (an MTP draft "

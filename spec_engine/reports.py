@@ -50,7 +50,7 @@ class EngineReports:
             raise ValueError(
                 f"{what} is not supported at --tp-size {self.args.tp_size} yet (each rank holds "
                 "a shard of the weights; updates from a distributed group, checksums and weight "
-                "reads across ranks are not built): update from disk or from named_tensors, or "
+                "reads across ranks are not built): update from disk or from tensors, or "
                 "run the engine at tp_size 1"
             )
 
