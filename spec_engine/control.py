@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
 from spec_engine.reports import EngineReports
 from spec_engine.weights.formats import FLATTENED_BUCKET, named_tensor_pairs
 from spec_engine.weights.transport import materialize
+
+
+class AfterUpdate(NamedTuple):
+    """What every weight update does once the weights are in (SGLang's request fields)."""
+
+    flush_cache: bool
+    weight_version: Optional[str]
+    abort_all_requests: bool
+    torch_empty_cache: bool
 
 
 class EngineControl(EngineReports):
@@ -53,6 +62,7 @@ class EngineControl(EngineReports):
                 f"load_format must be null or 'flattened_bucket', got {load_format!r} (specrl "
                 "loads Hugging Face-named tensors; 'direct' parameter names are not supported)"
             )
+        after = AfterUpdate(flush_cache, weight_version, abort_all_requests, torch_empty_cache)
         shared = None
         if serialized_named_tensors is not None:
             if named_tensors is not None:
@@ -66,69 +76,35 @@ class EngineControl(EngineReports):
                     f"engine, and this engine has {ranks}; got {count}"
                 )
             if ranks > 1:  # SGLang's way: rank r opens entry r (made for its device)
-                return self._call_command(
-                    "_update_from_serialized",
-                    entries,
-                    load_format,
-                    flush_cache,
-                    weight_version,
-                    abort_all_requests,
-                    torch_empty_cache,
-                )
+                return self._call_command("_update_from_tensors", None, entries, load_format, after)
             shared = entries[0]
         items = named_tensor_pairs(named_tensors, load_format, shared)
         if self.args.tp_size > 1:
             # Every rank takes its blocks of the whole tensors, broadcast from here (host copies).
             whole = [(name, materialize(value).cpu()) for name, value in items]
-            return self._call_command(
-                "_update_from_tensors",
-                whole,
-                flush_cache,
-                weight_version,
-                abort_all_requests,
-                torch_empty_cache,
-            )
-        return self._update_weights(
-            lambda: self.updater.apply(items),
-            flush_cache,
-            weight_version,
-            abort_all_requests,
-            torch_empty_cache,
-        )
+            return self._call_command("_update_from_tensors", whole, None, None, after)
+        return self._update_weights(lambda: self.updater.apply(items), after)
 
     def _update_from_tensors(
         self,
-        items: list[tuple[str, Any]],
-        flush_cache: bool,
-        weight_version: Optional[str],
-        abort_all_requests: bool,
-        torch_empty_cache: bool,
-    ) -> dict[str, Any]:
-        return self._apply_update(
-            lambda: self.updater.apply(items),
-            flush_cache,
-            weight_version,
-            abort_all_requests,
-            torch_empty_cache,
-        )
-
-    def _update_from_serialized(
-        self,
-        entries: list[Union[str, bytes]],
+        items: Optional[list[tuple[str, Any]]],
+        entries: Optional[list[Union[str, bytes]]],
         load_format: Optional[str],
-        flush_cache: bool,
-        weight_version: Optional[str],
-        abort_all_requests: bool,
-        torch_empty_cache: bool,
+        after: AfterUpdate,
     ) -> dict[str, Any]:
-        def load() -> int:
-            mine = entries[self.tp.rank]
-            items = self.updater.on_every_rank(lambda: named_tensor_pairs(None, load_format, mine))
-            return self.updater.apply(items)
+        """A tensor update on every rank: of `items` (whole tensors), or of this rank's entry of
+        `entries` (serialized_named_tensors)."""
 
-        return self._apply_update(
-            load, flush_cache, weight_version, abort_all_requests, torch_empty_cache
-        )
+        def load() -> int:
+            pairs = items
+            if entries is not None:
+                mine = entries[self.tp.rank]
+                pairs = self.updater.on_every_rank(
+                    lambda: named_tensor_pairs(None, load_format, mine)
+                )
+            return self.updater.apply(pairs)
+
+        return self._apply_update(load, after)
 
     def init_weights_update_group(
         self,
@@ -177,10 +153,7 @@ class EngineControl(EngineReports):
             )
         return self._update_weights(
             lambda: self.updater.from_distributed(names, dtypes, shapes, group_name),
-            flush_cache,
-            weight_version,
-            abort_all_requests,
-            torch_empty_cache,
+            AfterUpdate(flush_cache, weight_version, abort_all_requests, torch_empty_cache),
         )
 
     def update_weights_from_disk(
@@ -222,16 +195,9 @@ class EngineControl(EngineReports):
             )
 
         # A Command: every rank of a tensor-parallel engine loads its blocks.
+        after = AfterUpdate(flush_cache, weight_version, abort_all_requests, torch_empty_cache)
         return self._call_command(
-            "_update_from_disk",
-            model_path,
-            component,
-            recapture_cuda_graph,
-            keep_pause,
-            flush_cache,
-            weight_version,
-            abort_all_requests,
-            torch_empty_cache,
+            "_update_from_disk", model_path, component, recapture_cuda_graph, keep_pause, after
         ) | {"num_paused_requests": 0}
 
     def _update_from_disk(
@@ -240,10 +206,7 @@ class EngineControl(EngineReports):
         component: str,
         recapture_cuda_graph: bool,
         keep_pause: bool,
-        flush_cache: bool,
-        weight_version: Optional[str],
-        abort_all_requests: bool,
-        torch_empty_cache: bool,
+        after: AfterUpdate,
     ) -> dict[str, Any]:
         def load() -> int:
             received = self.updater.from_disk(model_path, component)
@@ -253,43 +216,23 @@ class EngineControl(EngineReports):
                 self.memory.pause("in_place")
             return received
 
-        return self._apply_update(
-            load, flush_cache, weight_version, abort_all_requests, torch_empty_cache
-        )
+        return self._apply_update(load, after)
 
-    def _update_weights(
-        self,
-        load: Callable[[], int],
-        flush_cache: bool,
-        weight_version: Optional[str],
-        abort_all_requests: bool = False,
-        torch_empty_cache: bool = False,
-    ) -> dict[str, Any]:
-        return self._call(
-            lambda: self._apply_update(
-                load, flush_cache, weight_version, abort_all_requests, torch_empty_cache
-            )
-        )
+    def _update_weights(self, load: Callable[[], int], after: AfterUpdate) -> dict[str, Any]:
+        return self._call(lambda: self._apply_update(load, after))
 
-    def _apply_update(
-        self,
-        load: Callable[[], int],
-        flush_cache: bool,
-        weight_version: Optional[str],
-        abort_all_requests: bool,
-        torch_empty_cache: bool,
-    ) -> dict[str, Any]:
+    def _apply_update(self, load: Callable[[], int], after: AfterUpdate) -> dict[str, Any]:
         """Run `load` between steps, then what every update does (on the scheduler thread)."""
         self.memory.require_weights()
-        if abort_all_requests:
+        if after.abort_all_requests:
             self.scheduler.abort_all("aborted for a weight update (abort_all_requests)")
         start = time.perf_counter()
         received = load()
-        self.scheduler.weights_changed(flush=flush_cache)
-        if weight_version is not None:
-            self.weight_version = weight_version
+        self.scheduler.weights_changed(flush=after.flush_cache)
+        if after.weight_version is not None:
+            self.weight_version = after.weight_version
         self.scheduler.policy.weights_updated(self.weight_version)
-        if torch_empty_cache:
+        if after.torch_empty_cache:
             _empty_device_cache(self.runner.device)
         seconds = time.perf_counter() - start
         return {
