@@ -3,15 +3,18 @@
 The scheduler runs in one background thread; every call from the outside (generate, abort,
 flush) is posted to it through a queue, and outputs come back through per-call channels, so
 the sync API, the async API and the HTTP server share one code path.
+
+At --tp-size N the engine is N ranks (SGLang's SPMD scheduler): this process is rank 0 and
+spawns the others (distributed.launch), each holding its shard of the model and running the same
+scheduler loop (engine_loop: rank 0 broadcasts the commands it receives every iteration).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import dataclasses
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Optional, Union
@@ -19,6 +22,7 @@ from typing import Any, Optional, Union
 import torch
 
 from spec_engine.args.engine_args import EngineArgs, split_sglang_options
+from spec_engine.args.engine_checks import split_address
 from spec_engine.args.resolve import EngineConfig, resolve_engine_config
 from spec_engine.args.sglang_compat import check_sglang_options
 from spec_engine.control import EngineControl
@@ -35,10 +39,15 @@ from spec_engine.core.inputs import (
 from spec_engine.core.memory import MemoryController
 from spec_engine.core.outputs import Delivery, RequestOutput
 from spec_engine.core.profiling import Profiler
-from spec_engine.core.request import Req
+from spec_engine.core.request import Req, ReqInput
 from spec_engine.core.scheduler import Scheduler
 from spec_engine.core.stats import RequestStats
 from spec_engine.core.tokenizer import load_tokenizer
+from spec_engine.distributed.broadcast import broadcast_pyobj
+from spec_engine.distributed.launch import RankFailed, Ranks
+from spec_engine.distributed.parallel_state import SINGLE, TPGroup
+from spec_engine.distributed.token_check import TokenCheck
+from spec_engine.engine_loop import STOP, SchedulerLoop
 from spec_engine.mem.radix_cache import RadixCache
 from spec_engine.runner.model_runner import ModelRunner
 from spec_engine.speculative.factory import create_policy, create_worker
@@ -46,15 +55,56 @@ from spec_engine.weights.updater import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
-_STOP = object()
 
-
-class Engine(EngineControl):
+class Engine(EngineControl, SchedulerLoop):
     """Generation engine: `Engine(model_path=..., **engine_args)`; see EngineArgs for options."""
 
     def __init__(self, engine_args: Optional[EngineArgs] = None, **kwargs: Any) -> None:
-        self.config = _resolve_config(engine_args, kwargs)
-        self.args = args = self.config.args
+        config = _resolve_config(engine_args, kwargs)
+        args = config.args
+        self._ranks: Optional[Ranks] = None
+        tp = SINGLE
+        if args.tp_size > 1:
+            self._ranks = Ranks(
+                _serve_rank,
+                config,
+                args.tp_size,
+                torch.device(args.device),
+                split_address(args.dist_init_addr),
+                args.base_gpu_id,
+                args.dist_timeout,
+            )
+        try:
+            with _on_base_gpu(args):
+                if self._ranks is not None:
+                    tp = self._ranks.connect()
+                self._build(config, tp)
+            if self._ranks is not None:
+                self._ranks.wait_ready()
+        except BaseException as e:
+            if self._ranks is None:
+                raise
+            # A collective that failed on this rank: another rank died; say which and why.
+            why = self._ranks.failure() if isinstance(e, torch.distributed.DistError) else None
+            self._ranks.stop(timeout_s=0.0)
+            if why is not None:
+                raise RankFailed(why) from e
+            raise
+        self._start_scheduler_thread()
+
+    @classmethod
+    def _rank(cls, config: EngineConfig, tp: TPGroup) -> Engine:
+        """Rank `tp.rank` > 0 of an engine: built as rank 0 is, serving rank 0's commands
+        (`_loop` in its process's main thread)."""
+        engine = cls.__new__(cls)
+        engine._ranks = None
+        engine._build(config, tp)
+        return engine
+
+    def _build(self, config: EngineConfig, tp: TPGroup) -> None:
+        self.config = config
+        self.tp = tp
+        self.args = args = config.args
         self.model_config = self.config.target
         self.context_len = self.config.context_len
         self.tokenizer = (
@@ -69,7 +119,7 @@ class Engine(EngineControl):
         decode_tail = (
             (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
         )
-        self.runner = ModelRunner(self.config)
+        self.runner = ModelRunner(self.config, tp)
         tree_cache = RadixCache(
             self.runner.allocator,
             self.runner.req_to_token_pool,
@@ -80,12 +130,15 @@ class Engine(EngineControl):
         )
         worker = create_worker(self.config, self.runner, tree_cache.alloc_slots, eos_ids)
         policy = create_policy(args, worker)
+        checked = TokenCheck(worker, tp) if tp.size > 1 and args.debug_tp_check_tokens else worker
         self.scheduler = Scheduler(
-            args, worker, policy, tree_cache, eos_ids, decode_tail, self.runner.routing
+            args, checked, policy, tree_cache, eos_ids, decode_tail, self.runner.routing
         )
+        if tp.size > 1:
+            self.scheduler.rank0_value = lambda value: broadcast_pyobj([value], tp)[0]
         self.inputs = self._request_builder(worker.decode_headroom())
         draft = getattr(worker, "draft", None)
-        self.updater = WeightUpdater(self.runner.model, self.runner.device, draft)
+        self.updater = WeightUpdater(self.runner.model, self.runner.device, draft, tp)
         self.memory = MemoryController(
             self.scheduler, [self.runner] + ([draft] if draft is not None else []), self.updater
         )
@@ -93,7 +146,14 @@ class Engine(EngineControl):
         self.stats = RequestStats(log_requests=args.log_requests)
         self._weight_snapshot: Optional[dict[str, str]] = None
         self._profiler_ctl = Profiler()
-        self._start_scheduler_thread()
+        self._lock = threading.Lock()
+        self._submitted: dict[str, Req] = {}  # built, with their callbacks, not yet added
+        device = self.runner.device
+        self._cuda_index: Optional[int] = (
+            (device.index if device.index is not None else torch.cuda.current_device())
+            if device.type == "cuda"
+            else None
+        )
 
     def _request_builder(self, kv_headroom: int) -> RequestBuilder:
         """What checks and builds requests, with this engine's limits."""
@@ -111,23 +171,6 @@ class Engine(EngineControl):
             ),
             routing_refusal(self.model_config.moe is not None, args.enable_return_routed_experts),
         )
-
-    def _start_scheduler_thread(self) -> None:
-        """The thread that runs the scheduler and every command posted to it (see _loop)."""
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._inflight: set[str] = set()  # rids of requests not finished yet
-        self._closed = False
-        device = self.runner.device
-        self._cuda_index: Optional[int] = (
-            (device.index if device.index is not None else torch.cuda.current_device())
-            if device.type == "cuda"
-            else None
-        )
-        self._thread = threading.Thread(
-            target=self._loop, name="spec-engine-scheduler", daemon=True
-        )
-        self._thread.start()
 
     # ------------------------------------------------------------ generation
 
@@ -215,18 +258,22 @@ class Engine(EngineControl):
             raise ValueError("abort_request needs a rid, or abort_all=True")
         if not self._closed:  # after shutdown every request has been aborted already
             if abort_all:
-                self._post(lambda: self.scheduler.abort_all(message))
+                self._post_command("scheduler.abort_all", message)
             else:
-                self._post(lambda: self.scheduler.abort(rid, message))
+                self._post_command("scheduler.abort", rid, message)
 
     def shutdown(self) -> None:
-        """Abort whatever is in flight and stop the scheduler thread."""
+        """Abort whatever is in flight and stop the scheduler thread (and the other ranks)."""
         with self._lock:
-            if self._closed:
-                return
+            running = not self._closed
             self._closed = True
-            self._inbox.put(_STOP)
-        self._thread.join(timeout=30)
+            if running:
+                self._inbox.put((STOP, None))
+        if running:
+            self._thread.join(timeout=30)
+        if self._ranks is not None:
+            self._ranks.stop()
+            self._ranks = None
 
     def __enter__(self) -> Engine:
         return self
@@ -238,7 +285,7 @@ class Engine(EngineControl):
 
     def _make_requests(self, obj: GenerateReqInput) -> tuple[list[Req], bool]:
         if self._closed:
-            raise RuntimeError("engine is shut down")
+            raise RuntimeError(self._closed_message())
         return self.inputs.build(obj)
 
     def _submit(self, built: tuple[list[Req], bool], channel: Channel) -> Collector:
@@ -253,14 +300,10 @@ class Engine(EngineControl):
                     "unique rid (or none)"
                 )
             self._inflight.update(rids)
+            self._submitted.update(zip(rids, reqs))
         for index, req in enumerate(reqs):
             req.on_output = self._make_callback(index, channel)
-
-        def add() -> None:
-            for req in reqs:
-                self.scheduler.add_request(req)
-
-        self._post(add)
+        self._post_command("_add_requests", tuple(req.input for req in reqs))
         outputs = [RequestOutput(req, self.tokenizer) for req in reqs]
         return Collector(outputs, single, channel, self.abort_request)
 
@@ -282,64 +325,17 @@ class Engine(EngineControl):
                 with self._lock:
                     self._inflight.discard(req.input.rid)
             if not delivered and not finished and not self._closed:
-                self._post(lambda: self.scheduler.abort(req.input.rid, "the caller went away"))
+                self._post_command("scheduler.abort", req.input.rid, "the caller went away")
 
         return on_output
 
-    # ------------------------------------------------------------ scheduler thread
-
-    def _post(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run fn on the scheduler thread between steps; its result comes back in the future."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("engine is shut down")
-            self._inbox.put((fn, future))
-        return future
-
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        return self._post(fn).result()
-
-    def _loop(self) -> None:
-        if self._cuda_index is not None:
-            # This thread's CUDA calls (IPC handles of colocated pushes among them) must target
-            # the engine's device, not the thread's default device 0.
-            torch.cuda.set_device(self._cuda_index)
-        while True:
-            try:
-                if not self._run_commands():
-                    return
-                if self._can_step():
-                    self.scheduler.step()
-            except Exception as e:
-                logger.exception("engine step failed; failing the requests in flight")
-                try:
-                    self.scheduler.fail_all(f"engine error: {e!r}")
-                except Exception:  # keep the thread alive: callers poll it
-                    logger.exception("failing the requests in flight failed too")
-
-    def _can_step(self) -> bool:
-        return self.memory.generation_allowed and self.scheduler.has_work()
-
-    def _run_commands(self) -> bool:
-        """Run queued commands (waiting for one when idle); False once shut down."""
-        try:
-            item = self._inbox.get(block=not self._can_step())
-        except queue.Empty:
-            return True
-        while True:
-            if item is _STOP:
-                self.scheduler.abort_all("engine shut down")
-                return False
-            fn, future = item
-            try:
-                future.set_result(fn())
-            except Exception as e:  # handed to the caller through the future
-                future.set_exception(e)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
+    def _add_requests(self, inputs: tuple[ReqInput, ...]) -> None:
+        """Queue requests (a Command): rank 0's as it built them, with their callbacks; the
+        other ranks' from what rank 0 broadcast."""
+        for inp in inputs:
+            with self._lock:
+                req = self._submitted.pop(inp.rid, None)
+            self.scheduler.add_request(req if req is not None else Req(inp))
 
 
 def _resolve_config(engine_args: Optional[EngineArgs], kwargs: dict[str, Any]) -> EngineConfig:
@@ -355,3 +351,23 @@ def _resolve_config(engine_args: Optional[EngineArgs], kwargs: dict[str, Any]) -
     for line in check_sglang_options(args.sglang_options):
         logger.warning(line)
     return resolve_engine_config(args, cuda_available=torch.cuda.is_available())
+
+
+def _on_base_gpu(args: EngineArgs) -> contextlib.AbstractContextManager:
+    """Build rank 0 on GPU --base-gpu-id (SGLang's gpu_id for rank 0; rank r is on
+    --base-gpu-id + r): its "cuda" tensors, and the scheduler thread's device (_cuda_index)."""
+    if args.device == "cuda" and (args.tp_size > 1 or args.base_gpu_id):
+        return torch.cuda.device(args.base_gpu_id)
+    return contextlib.nullcontext()
+
+
+def _serve_rank(config: EngineConfig, tp: TPGroup, ready: Callable[[], None]) -> None:
+    """A spawned rank's life (distributed.launch): build its engine, report ready, then run the
+    scheduler loop on rank 0's commands until rank 0 stops it."""
+    logging.basicConfig(
+        level=config.args.log_level.upper(),
+        format=f"[%(asctime)s TP{tp.rank} %(name)s] %(message)s",
+    )
+    engine = Engine._rank(config, tp)
+    ready()
+    engine._loop()

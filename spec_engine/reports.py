@@ -43,11 +43,22 @@ class EngineReports:
     """Needs Engine's _call, args, scheduler, memory, updater, runner, stats, context_len,
     model_config, tokenizer and weight_version."""
 
+    def _one_rank_only(self, what: str) -> None:
+        """Refuse `what` on a tensor-parallel engine: each rank holds a shard of the weights,
+        and `what` across ranks is not built yet."""
+        if self.args.tp_size > 1:
+            raise ValueError(
+                f"{what} is not supported at --tp-size {self.args.tp_size} yet (each rank holds "
+                "a shard of the weights; updates from a distributed group, checksums and weight "
+                "reads across ranks are not built): update from disk or from tensors, or "
+                "run the engine at tp_size 1"
+            )
+
     def get_server_info(self) -> dict[str, Any]:
         """SGLang's server info: the server args at top level (specrl's, and SGLang's own with
-        the values this engine runs at: tp_size 1, ...; the API key left out), what SGLang's
-        scheduler adds (status, max_total_num_tokens, max_req_input_len), the weight version,
-        and the scheduler's state in internal_states."""
+        the values this engine runs at: its tp_size, dp_size 1, ...; the API key left out), what
+        SGLang's scheduler adds (status, max_total_num_tokens, max_req_input_len), the weight
+        version, and the scheduler's state in internal_states."""
         sglang = {name: flag.default for name, flag in SGLANG_FLAGS.items()}
         args = {k: v for k, v in self.args.to_dict().items() if k != "api_key"}
         return {
@@ -180,6 +191,7 @@ class EngineReports:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` values of a weight, flattened, as the engine holds it."""
+        self._one_rank_only("get_weights_by_name")
         if truncate_size < 0:
             raise ValueError(f"truncate_size must be >= 0, got {truncate_size}")
 
@@ -209,6 +221,7 @@ class EngineReports:
                 f"weights_checker action must be one of {', '.join(WEIGHTS_CHECKER_ACTIONS)}, "
                 f"got {action!r}"
             )
+        self._one_rank_only("weights_checker")
         skip = skip_tensor_list or []
 
         def checked(checksums: dict[str, str]) -> dict[str, str]:

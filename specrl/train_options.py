@@ -46,10 +46,12 @@ LAUNCHER_OWNED = {
     "skip_server_warmup": "the launcher",
     "weight_version": "the launcher (it counts weight updates)",
     "skip_tokenizer_init": "the launcher (rewards need text)",
+    "tp_size": "--rollout-num-gpus-per-engine",
+    "dist_init_addr": "the launcher (engines are placed by Ray)",
+    "base_gpu_id": "the launcher (engines are placed by Ray)",
 }
 # SGLang flags specrl's engine does not have, and what does their job here.
 SGLANG_ONLY = {
-    "tp_size": "--rollout-num-gpus-per-engine",
     "enable_memory_saver": "--colocate",
     "dp_size": "--rollout-num-gpus (one engine per device)",
 }

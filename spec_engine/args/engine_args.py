@@ -295,6 +295,33 @@ class EngineArgs:
         "At startup, run every captured size with a padded batch and compare with eager; refuse to "
         "start on a mismatch, naming the size and mode.",
     )
+    # Tensor parallelism (SGLang's flags; multi-node engines: --nnodes, refused for now)
+    tp_size: int = _opt(
+        1,
+        "Tensor-parallel ranks of the engine: this process is rank 0 and starts the others (on "
+        "CUDA one GPU each from --base-gpu-id; on the CPU, processes sharing this host). Dense "
+        "Llama, Qwen2, Qwen3 and MiMo targets without speculative decoding.",
+        aliases=("tensor-parallel-size",),
+    )
+    dist_init_addr: Optional[str] = _opt(
+        None,
+        "HOST:PORT where rank 0 serves the ranks' rendezvous store.",
+        unset="a free port on 127.0.0.1",
+    )
+    base_gpu_id: int = _opt(
+        0,
+        "On CUDA, the GPU of rank 0 (of the only rank at --tp-size 1); rank r runs on "
+        "base_gpu_id + r.",
+    )
+    dist_timeout: Optional[int] = _opt(
+        None, "Seconds a collective between the ranks may wait (auto: torch's 1800)."
+    )
+    debug_tp_check_tokens: bool = _opt(
+        False,
+        "At --tp-size > 1, compare every rank's sampled tokens after each step and fail the "
+        "requests in flight, naming the request and ranks, when they differ (one gather per "
+        "step). specrl's flag; SGLang's SYNC_TOKEN_IDS_ACROSS_TP instead makes them agree.",
+    )
     # Weights
     weight_version: str = _opt(
         "default", "Version label of the loaded weights, reported in every response's meta_info."

@@ -74,6 +74,26 @@ def check_engine_args(args: Any) -> None:
         )
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    check_parallelism(args)
+
+
+def check_parallelism(args: Any) -> None:
+    """--tp-size and its rendezvous flags (what the model allows: args.tp_checks)."""
+    check_positive("tp_size", args.tp_size)
+    check_positive("dist_timeout", args.dist_timeout, allow_none=True)
+    if args.base_gpu_id < 0:
+        raise ValueError(f"--base-gpu-id must be >= 0, got {args.base_gpu_id}")
+    split_address(args.dist_init_addr)
+
+
+def split_address(addr: Optional[str]) -> tuple[str, int]:
+    """SGLang's --dist-init-addr "HOST:PORT" (None: loopback, a free port)."""
+    if addr is None:
+        return "127.0.0.1", 0
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
+    return host, int(port)
 
 
 def check_choices(args: Any) -> None:

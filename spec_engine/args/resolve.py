@@ -27,6 +27,7 @@ from spec_engine.args.engine_args import (
     EngineArgs,
 )
 from spec_engine.args.spec_checks import check_multi_layer_eagle
+from spec_engine.args.tp_checks import check_tensor_parallel
 from spec_engine.attention import flashinfer_installed
 from spec_engine.models.hf_config import ModelConfig
 from spec_engine.models.registry import model_class, multi_layer_mtp
@@ -103,6 +104,7 @@ def resolve_engine_config(args: EngineArgs, cuda_available: bool) -> EngineConfi
     path = args.speculative_draft_model_path
     draft = ModelConfig.from_pretrained(path) if path is not None else None
     args = resolve_speculative(args, target, draft, context_len)
+    check_tensor_parallel(args, target)
     extra = speculative_positions(args)
     rope_rows = max(target.max_position_embeddings, context_len) + extra
     target = dataclasses.replace(target, rope_max_positions=rope_rows)

@@ -36,12 +36,20 @@ def _refuse(default: Any, reason: str, type: Any = str) -> SGLangFlag:
 
 _NO_HUB = "specrl loads local checkpoint directories only (no model hub downloads)"
 _ONE_DEVICE = (
-    "an engine runs on one device; for more throughput run more engines (scripts/train.py "
-    "--rollout-num-gpus, or several servers behind a router)"
+    "an engine runs its ranks by tensor parallelism only (--tp-size); for more throughput run "
+    "more engines (scripts/train.py --rollout-num-gpus, or several servers behind a router)"
+)
+_ONE_NODE = (
+    "an engine's ranks run on one machine for now (--tp-size ranks started by rank 0 there); "
+    "multi-node engines are not built yet"
 )
 _NO_MOE = (
-    "specrl's MoE layers (GLM-4.5) run their experts in one module on one device: no expert "
-    "parallelism or fused MoE kernels"
+    "specrl's MoE layers (GLM-4.5, DeepSeek-V3) run their experts in one module at --tp-size 1: "
+    "no expert parallelism or fused MoE kernels yet"
+)
+_TORCH_COLLECTIVES = (
+    "tensor-parallel collectives are torch.distributed's (NCCL on CUDA, gloo on the CPU); no "
+    "custom all-reduce or peer-to-peer copies"
 )
 _NO_MLA = (
     "specrl runs MLA (DeepSeek-V3) one way: absorbed, over the latent KV cache, with "
@@ -104,16 +112,12 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
         False, "draft weights are kept across release_memory_occupation without it"
     ),
     # Parallelism
-    "tp_size": _refuse(1, _ONE_DEVICE, int),
     "dp_size": _refuse(1, _ONE_DEVICE, int),
     "pp_size": _refuse(1, _ONE_DEVICE, int),
-    "ep_size": _refuse(1, _ONE_DEVICE, int),
-    "nnodes": _refuse(1, _ONE_DEVICE, int),
-    "node_rank": _refuse(0, _ONE_DEVICE, int),
-    "dist_init_addr": _refuse(None, _ONE_DEVICE),
-    "dist_timeout": _noop(None, "an engine starts no process group of its own", int),
-    "base_gpu_id": _refuse(0, "pick the GPU with CUDA_VISIBLE_DEVICES", int),
-    "gpu_id_step": _refuse(1, "pick the GPU with CUDA_VISIBLE_DEVICES", int),
+    "ep_size": _refuse(1, _NO_MOE, int),
+    "nnodes": _refuse(1, _ONE_NODE, int),
+    "node_rank": _refuse(0, _ONE_NODE, int),
+    "gpu_id_step": _refuse(1, "rank r runs on GPU --base-gpu-id + r", int),
     "load_balance_method": _noop("round_robin", "one engine per server: nothing to balance"),
     "enable_dp_attention": _refuse(False, _ONE_DEVICE),
     "enable_dp_lm_head": _refuse(False, _ONE_DEVICE),
@@ -124,9 +128,9 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     "speculative_moe_runner_backend": _noop(None, _NO_MOE),
     "n_share_experts_fusion": _noop(0, _NO_MOE, int),
     "disable_shared_experts_fusion": _noop(False, _NO_MOE),
-    "enable_nccl_nvls": _noop(False, "an engine runs no collectives (one device)"),
-    "disable_custom_all_reduce": _noop(False, "an engine runs no all-reduce (one device)"),
-    "enable_p2p_check": _noop(False, "an engine runs no peer-to-peer copies (one device)"),
+    "enable_nccl_nvls": _noop(False, _TORCH_COLLECTIVES),
+    "disable_custom_all_reduce": _noop(False, _TORCH_COLLECTIVES),
+    "enable_p2p_check": _noop(False, _TORCH_COLLECTIVES),
     # Kernels and compilation
     "enable_torch_compile": _noop(False, _NO_COMPILE),
     "torch_compile_max_bs": _noop(32, _NO_COMPILE, int),

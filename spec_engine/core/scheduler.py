@@ -51,6 +51,9 @@ class Scheduler:
             self.kv, eos_token_ids, decode_tail, args.stream_interval, routing
         )
         self.running: list[Req] = []
+        # A value measured in this process (a step's cost), as rank 0 measured it: every rank of
+        # a tensor-parallel engine then decides alike (the engine sets it; identity at one rank).
+        self.rank0_value: Callable[[StepCost], StepCost] = lambda value: value
         # The prefill batch being run: admitted, but not yet running (needed if the step fails).
         self.prefilling: list[Req] = []
         self.last_gen_throughput = 0.0
@@ -85,7 +88,8 @@ class Scheduler:
         # None: the worker's configured decode (a plain worker's one shape).
         depth = () if group.depth is None else (group.depth,)
         result = self.worker.decode(group.reqs, *depth)
-        cost = StepCost(time.perf_counter() - began, began - start)  # the tokens are on the host
+        # The tokens are on the host: the time is the step's.
+        cost = self.rank0_value(StepCost(time.perf_counter() - began, began - start))
         emitted = self.outputs.process(group.reqs, result)
         self._drop_finished()
         self.policy.observe(group, result, emitted, cost)

@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms; MiMo's trunk).
 
 Model code only: takes (input_ids, positions, forward batch), returns hidden states. KV storage
-and scheduling live elsewhere; attention goes through the batch's backend.
+and scheduling live elsewhere; attention goes through the batch's backend. Built inside
+distributed.parallel_state.use_tp_group, it is this rank's part of a tensor-parallel model
+(heads, MLP features and vocabulary split; the weight spec says which block of each checkpoint
+tensor the rank takes).
 """
 
 from __future__ import annotations
@@ -12,15 +15,22 @@ from typing import Optional
 import torch
 from torch import nn
 
+from spec_engine.distributed.parallel_state import SINGLE, TPGroup, get_tp_group
+from spec_engine.distributed.partition import attention_heads, vocab_range
 from spec_engine.forward_batch import ForwardBatch
 from spec_engine.layers import batch_invariant as bi
 from spec_engine.layers.attention import Attention
-from spec_engine.layers.linear import Linear
+from spec_engine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from spec_engine.layers.norm import RMSNorm
 from spec_engine.layers.rotary import RotaryEmbedding
-from spec_engine.layers.vocab import Embedding
+from spec_engine.layers.vocab import Embedding, ParallelLMHead
 from spec_engine.models.hf_config import ModelConfig
 from spec_engine.weights.loader import WeightSlot
+from spec_engine.weights.shard import Shard, block
 
 
 def make_rotary(config: ModelConfig) -> RotaryEmbedding:
@@ -39,15 +49,23 @@ class LlamaAttention(nn.Module):
         in_features: Optional[int] = None,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
-            in_features or config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        self.qkv_proj = QKVParallelLinear(
+            in_features or config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        # This rank's heads (all of them at one rank).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.heads.q, self.qkv_proj.heads.kv
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=config.o_bias,
+            what="num_attention_heads * head_dim",
+        )
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -76,11 +94,14 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=config.mlp_bias, what="intermediate_size"
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.intermediate_size = self.gate_up_proj.output_sizes[0]  # this rank's features
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, bias=config.mlp_bias, what="intermediate_size"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -178,8 +199,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, capture_layers: Sequence[int] = ()) -> None:
         super().__init__()
         self.config = config
+        self.tp = get_tp_group()
         self.model = self.model_cls(config, capture_layers)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
     @staticmethod
@@ -221,11 +243,14 @@ class LlamaForCausalLM(nn.Module):
         """Every Hugging Face tensor name this model takes, and where it lands."""
         c = self.config
         h = c.hidden_size
+        vocab = vocab_slot(c.vocab_size, self.tp)
         spec = {
-            "model.embed_tokens.weight": WeightSlot("model.embed_tokens.weight", (c.vocab_size, h)),
+            "model.embed_tokens.weight": WeightSlot(
+                "model.embed_tokens.weight", (c.vocab_size, h), **vocab
+            ),
             "model.norm.weight": WeightSlot("model.norm.weight", (h,)),
             "lm_head.weight": WeightSlot(
-                "lm_head.weight", (c.vocab_size, h), optional=c.tie_word_embeddings
+                "lm_head.weight", (c.vocab_size, h), optional=c.tie_word_embeddings, **vocab
             ),
         }
         for i in range(c.num_hidden_layers):
@@ -243,11 +268,19 @@ class LlamaForCausalLM(nn.Module):
     def layer_weight_spec(self, layer_id: int) -> dict[str, WeightSlot]:
         """Slots of decoder layer `layer_id` (a family with other layers overrides this)."""
         prefix = f"model.layers.{layer_id}."
-        return decoder_layer_spec(self.config, prefix, prefix)
+        return decoder_layer_spec(self.config, prefix, prefix, tp=self.tp)
 
     def mtp_weight_spec(self, index: int) -> dict[str, WeightSlot]:
         """Checkpoint names and shapes of MTP layer `index` (MiMo's `model.mtp_layers.*`)."""
         return mtp_layer_spec(self.config, index, "")
+
+
+def vocab_slot(vocab_size: int, tp: TPGroup) -> dict:
+    """A vocabulary-parallel tensor's rows and shard for this rank (none at one rank)."""
+    if tp.size == 1:
+        return {}
+    r = vocab_range(vocab_size, tp.rank, tp.size)
+    return {"rows": (0, r.rows), "shard": Shard(0, r.start, r.rows)}
 
 
 def decoder_layer_spec(
@@ -257,35 +290,43 @@ def decoder_layer_spec(
     attn_in: Optional[int] = None,
     input_norm: bool = True,
     dense_mlp: bool = True,
+    tp: TPGroup = SINGLE,
 ) -> dict[str, WeightSlot]:
     """Weight slots of one decoder layer: Hugging Face names under `src`, parameters under `dst`
-    (without the MLP's when `dense_mlp` is False: a MoE layer adds its own)."""
+    (without the MLP's when `dense_mlp` is False: a MoE layer adds its own); rank `tp.rank`'s
+    heads and MLP features of them under tensor parallelism."""
     q = c.num_attention_heads * c.head_dim
     kv = c.num_key_value_heads * c.head_dim
     h = c.hidden_size
     d_in = attn_in or h
     attn, mlp = dst + "self_attn.", dst + "mlp."
+    heads = attention_heads(c.num_attention_heads, c.num_key_value_heads, tp.rank, tp.size)
+    q_l, kv_l = heads.q * c.head_dim, heads.kv * c.head_dim  # this rank's block of each
     spec: dict[str, WeightSlot] = {}
-    for name, rows in (
-        ("q_proj", (0, q)),
-        ("k_proj", (q, q + kv)),
-        ("v_proj", (q + kv, q + 2 * kv)),
+    for name, full, rows, index in (
+        ("q_proj", q, (0, q_l), tp.rank),
+        ("k_proj", kv, (q_l, q_l + kv_l), heads.kv_index),
+        ("v_proj", kv, (q_l + kv_l, q_l + 2 * kv_l), heads.kv_index),
     ):
+        shard = block(0, index, rows[1] - rows[0]) if tp.size > 1 else None
         spec[f"{src}self_attn.{name}.weight"] = WeightSlot(
-            attn + "qkv_proj.weight", (rows[1] - rows[0], d_in), rows
+            attn + "qkv_proj.weight", (full, d_in), rows, shard=shard
         )
         if c.qkv_bias:
             spec[f"{src}self_attn.{name}.bias"] = WeightSlot(
-                attn + "qkv_proj.bias", (rows[1] - rows[0],), rows
+                attn + "qkv_proj.bias", (full,), rows, shard=shard
             )
-    spec[f"{src}self_attn.o_proj.weight"] = WeightSlot(attn + "o_proj.weight", (h, q))
+    o_shard = block(1, tp.rank, q_l) if tp.size > 1 else None
+    spec[f"{src}self_attn.o_proj.weight"] = WeightSlot(
+        attn + "o_proj.weight", (h, q), shard=o_shard
+    )
     if c.o_bias:
         spec[f"{src}self_attn.o_proj.bias"] = WeightSlot(attn + "o_proj.bias", (h,))
     if c.qk_norm:
         spec[f"{src}self_attn.q_norm.weight"] = WeightSlot(attn + "q_norm.weight", (c.head_dim,))
         spec[f"{src}self_attn.k_norm.weight"] = WeightSlot(attn + "k_norm.weight", (c.head_dim,))
     if dense_mlp:
-        spec.update(dense_mlp_spec(c, f"{src}mlp.", mlp))
+        spec.update(dense_mlp_spec(c, f"{src}mlp.", mlp, tp))
     if input_norm:
         spec[f"{src}input_layernorm.weight"] = WeightSlot(dst + "input_layernorm.weight", (h,))
     spec[f"{src}post_attention_layernorm.weight"] = WeightSlot(
@@ -294,15 +335,25 @@ def decoder_layer_spec(
     return spec
 
 
-def dense_mlp_spec(c: ModelConfig, src: str, dst: str) -> dict[str, WeightSlot]:
-    """Slots of a SwiGLU MLP (gate/up fused into gate_up_proj): names under `src`, params `dst`."""
+def dense_mlp_spec(
+    c: ModelConfig, src: str, dst: str, tp: TPGroup = SINGLE
+) -> dict[str, WeightSlot]:
+    """Slots of a SwiGLU MLP (gate/up fused into gate_up_proj): names under `src`, params `dst`;
+    rank `tp.rank`'s block of the intermediate features under tensor parallelism."""
     h, inter = c.hidden_size, c.intermediate_size
+    local = inter // tp.size  # the layer refuses a size that does not divide
+    column = block(0, tp.rank, local) if tp.size > 1 else None
     spec: dict[str, WeightSlot] = {}
-    for name, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
-        spec[f"{src}{name}.weight"] = WeightSlot(dst + "gate_up_proj.weight", (inter, h), rows)
+    for name, rows in (("gate_proj", (0, local)), ("up_proj", (local, 2 * local))):
+        spec[f"{src}{name}.weight"] = WeightSlot(
+            dst + "gate_up_proj.weight", (inter, h), rows, shard=column
+        )
         if c.mlp_bias:
-            spec[f"{src}{name}.bias"] = WeightSlot(dst + "gate_up_proj.bias", (inter,), rows)
-    spec[f"{src}down_proj.weight"] = WeightSlot(dst + "down_proj.weight", (h, inter))
+            spec[f"{src}{name}.bias"] = WeightSlot(
+                dst + "gate_up_proj.bias", (inter,), rows, shard=column
+            )
+    row = block(1, tp.rank, local) if tp.size > 1 else None
+    spec[f"{src}down_proj.weight"] = WeightSlot(dst + "down_proj.weight", (h, inter), shard=row)
     if c.mlp_bias:
         spec[f"{src}down_proj.bias"] = WeightSlot(dst + "down_proj.bias", (h,))
     return spec

@@ -1,7 +1,11 @@
-"""ModelRunner: the target model with its KV pool, slot allocator and request-to-token table."""
+"""ModelRunner: the target model with its KV pool, slot allocator and request-to-token table.
+
+Under tensor parallelism each rank's runner holds its shard of the model and a KV pool of its
+own KV heads; the pool's size in tokens is what every rank can hold (the smallest)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import NamedTuple, Optional
@@ -10,6 +14,8 @@ import torch
 
 from spec_engine.args.resolve import EngineConfig
 from spec_engine.args.spec_shapes import spec_shapes
+from spec_engine.distributed.parallel_state import SINGLE, TPGroup, use_tp_group
+from spec_engine.distributed.partition import attention_heads
 from spec_engine.dtypes import DTYPES
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.norm import use_fused_rmsnorm
@@ -36,27 +42,30 @@ class ModelRunner(RunnerBase):
     """The target. Its request-to-token rows reach `config.extra_positions` past the context
     length: speculative tokens are verified beyond a request's last position before they are cut."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup = SINGLE) -> None:
         args = config.args
         device, dtype = torch.device(args.device), DTYPES[args.dtype]
         self.context_len = config.context_len
         self.max_running_requests = args.max_running_requests
-        model = build_model(
-            model_class(config.target),
-            config.target,
-            dtype,
-            device,
-            args.model_path,
-            capture_layers=config.capture_layers,
-        )
+        self.tp = tp
+        with use_tp_group(tp):
+            model = build_model(
+                model_class(config.target),
+                config.target,
+                dtype,
+                device,
+                args.model_path,
+                capture_layers=config.capture_layers,
+            )
         if (
             device.type == "cuda"
             and args.attention_backend == "flashinfer"
             and not args.enable_deterministic_inference
         ):
             use_fused_rmsnorm(model)
-        self.max_total_tokens = kv_pool_tokens(config, model, dtype)
-        target = config.target
+        # The target as this rank runs it: its heads (all of them at one rank).
+        target = rank_config(config.target, tp)
+        self.max_total_tokens = tp.min(kv_pool_tokens(config, model, dtype, target, tp.size))
         kv_pool = new_kv_pool(
             target, self.max_total_tokens, args.page_size, target.num_hidden_layers, dtype, device
         )
@@ -209,14 +218,32 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in params.values())
 
 
-def kv_pool_tokens(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype) -> int:
+def rank_config(target: ModelConfig, tp: TPGroup) -> ModelConfig:
+    """`target` with this rank's attention heads (what its KV pool and attention backend hold)."""
+    if tp.size == 1:
+        return target
+    heads = attention_heads(
+        target.num_attention_heads, target.num_key_value_heads, tp.rank, tp.size
+    )
+    return dataclasses.replace(target, num_attention_heads=heads.q, num_key_value_heads=heads.kv)
+
+
+def kv_pool_tokens(
+    config: EngineConfig,
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    target: Optional[ModelConfig] = None,
+    ranks_per_host: int = 1,
+) -> int:
     """KV pool size: --max-total-tokens, else what --mem-fraction-static leaves after the weights
-    (never more than every running request at full context), in whole pages."""
+    (never more than every running request at full context), in whole pages. `target`: the
+    model as this rank holds it (its KV heads); on the CPU the `ranks_per_host` ranks of one
+    engine share the host's memory fraction."""
     args, page = config.args, config.args.page_size
     if args.max_total_tokens is not None:
         tokens = args.max_total_tokens
     else:
-        target: ModelConfig = config.target
+        target = target or config.target
         per_token = (
             target.kv_elements_per_token
             * torch.tensor([], dtype=dtype, device="cpu").element_size()
@@ -227,7 +254,8 @@ def kv_pool_tokens(config: EngineConfig, model: torch.nn.Module, dtype: torch.dt
             budget = free - total * (1.0 - args.mem_fraction_static)
         else:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            budget = total * args.mem_fraction_static - model_weight_bytes(model)
+            share = total * args.mem_fraction_static / ranks_per_host
+            budget = share - model_weight_bytes(model)
         tokens = int(budget // per_token)
         tokens = min(tokens, args.max_running_requests * config.context_len)
     tokens = tokens // page * page

@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from spec_engine.weights import fp8
+from spec_engine.weights.shard import Shard
 
 # Names some checkpoints carry that are derived, not learned; skipped without error.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -57,6 +58,9 @@ class WeightSlot:
     rows: Optional[tuple[int, int]] = None  # row range inside a fused parameter
     optional: bool = False  # may be absent from a checkpoint (tied head)
     integer: bool = False  # an index table (EAGLE-3's d2t), not a float weight
+    # Tensor parallelism: the block of the checkpoint tensor this rank copies into `rows`
+    # (weights.shard); None: all of it.
+    shard: Optional[Shard] = None
 
 
 def weight_spec(model: nn.Module) -> dict[str, WeightSlot]:
@@ -169,17 +173,23 @@ def _open_safetensors(path: str) -> Iterator[Any]:
 
 
 def iterate_checkpoint(
-    model_path: str, only: Optional[Callable[[str], bool]] = None
+    model_path: str,
+    only: Optional[Callable[[str], bool]] = None,
+    shards: Optional[dict[str, Shard]] = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor in the checkpoint (those whose names `only` accepts: the
     others are not read), as models take them: a block-FP8 checkpoint's weights dequantized to
-    float32 and its scales left out (weights/fp8.py)."""
+    float32 and its scales left out (weights/fp8.py); a name in `shards` (a tensor-parallel
+    rank's blocks) read as that block alone from safetensors (whole from a memory-mapped .bin,
+    narrowed at the copy)."""
     fmt = fp8.read_block_fp8(model_path)
     if fmt is None:
-        for name, tensor in _stored_tensors(model_path, only):
+        for name, tensor in _stored_tensors(model_path, only, shards):
             fp8.refuse_unquantized_fp8(name, str(tensor.dtype))
             yield name, tensor
         return
+    if shards:  # refused before any rank starts (args/tp_checks.py); a block needs its scales
+        raise ValueError(f"{model_path!r} is block-FP8: tensor-parallel shards of it are not read")
 
     def wanted_scale(name: str) -> bool:
         return fp8.is_scale_name(name) and (only is None or only(fp8.weight_name(name)))
@@ -189,17 +199,26 @@ def iterate_checkpoint(
 
 
 def _stored_tensors(
-    model_path: str, only: Optional[Callable[[str], bool]] = None
+    model_path: str,
+    only: Optional[Callable[[str], bool]] = None,
+    shards: Optional[dict[str, Shard]] = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors as stored (those whose names `only` accepts)."""
+    """The checkpoint's tensors as stored (those whose names `only` accepts; those in `shards`
+    as the rank's block)."""
+    shards = shards or {}
     for path in checkpoint_files(model_path):
         if path.endswith(".bin"):
             yield from ((n, t) for n, t in _read_bin(path).items() if only is None or only(n))
             continue
         with _open_safetensors(path) as f:
             for name in f.keys():
-                if only is None or only(name):
+                if only is not None and not only(name):
+                    continue
+                shard = shards.get(name)
+                if shard is None:
                     yield name, f.get_tensor(name)
+                else:
+                    yield name, shard.read(f.get_slice(name))
 
 
 def checkpoint_metadata(
@@ -264,7 +283,8 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
     check_weights(
         model, (m for m in checkpoint_metadata(model_path) if keep(m[0])), require_all=True
     )
-    tensors = iterate_checkpoint(model_path, keep)
+    shards = {n: s.shard for n, s in spec.items() if s.shard is not None}
+    tensors = iterate_checkpoint(model_path, keep, shards)
     block = fp8_block(model)
     if block is not None and fp8.read_block_fp8(model_path) is None:
         tensors = fp8.fake_quantized(tensors, block)  # --quantization fp8 on a BF16 checkpoint
@@ -325,6 +345,8 @@ def copy_weights(
                 continue
             target = params[slot.param]
             touched_storages.add(target.untyped_storage().data_ptr())
+            if slot.shard is not None:
+                tensor = slot.shard.take(tensor)
             if slot.rows is not None:
                 target = target[slot.rows[0] : slot.rows[1]]
             target.copy_(tensor)

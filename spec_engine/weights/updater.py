@@ -18,13 +18,14 @@ from __future__ import annotations
 import datetime
 import difflib
 import logging
-from collections.abc import Iterable
-from typing import Optional, Protocol
+from collections.abc import Callable, Iterable
+from typing import Optional, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from spec_engine.distributed.parallel_state import SINGLE, TPGroup
 from spec_engine.weights import fp8
 from spec_engine.weights.loader import (
     check_weights,
@@ -39,9 +40,11 @@ from spec_engine.weights.loader import (
     tensor_checksum,
     weight_spec,
 )
+from spec_engine.weights.shard import Shard
 from spec_engine.weights.transport import materialize
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DRAFT_PREFIX = "draft."
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -64,11 +67,18 @@ class WeightUpdater:
     """Updates of the target model (on `device`) and of the draft, if there is one."""
 
     def __init__(
-        self, target: nn.Module, device: torch.device, draft: Optional[DraftWeights] = None
+        self,
+        target: nn.Module,
+        device: torch.device,
+        draft: Optional[DraftWeights] = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
+        """`tp`: the tensor-parallel group the target is a shard of (disk updates check on
+        every rank before any rank copies)."""
         self.target = target
         self.device = device
         self.draft = draft
+        self.tp = tp
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._backup: Optional[list[tuple[nn.Parameter, torch.Tensor]]] = None
 
@@ -105,7 +115,20 @@ class WeightUpdater:
         return fp8_block(model)
 
     def apply(self, named_tensors: Iterable[tuple[str, object]]) -> int:
-        """Check every tensor, then copy all of them; returns the bytes received."""
+        """Check every tensor, then copy all of them (a tensor-parallel rank its blocks, once
+        every rank's checks passed); returns the bytes received."""
+        groups, received = self.on_every_rank(lambda: self._check_tensors(named_tensors))
+        for model, items in groups.values():
+            copy_weights(model, items)
+        if self.draft is not None:
+            self.draft.refresh()
+        return received
+
+    def _check_tensors(
+        self, named_tensors: Iterable[tuple[str, object]]
+    ) -> tuple[dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor]]]], int]:
+        """The tensors of an update by the model they update, all checked (an FP8 engine's
+        quantized as it serves them); and their bytes."""
         groups: dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor]]]] = {}
         received = 0
         pairs = []
@@ -134,17 +157,40 @@ class WeightUpdater:
         if self.draft is not None:
             draft_items = groups.get(id(self.draft.model), (None, []))[1]
             self.draft.check_update(dict(draft_items))
-        for model, items in groups.values():
-            copy_weights(model, items)
-        if self.draft is not None:
-            self.draft.refresh()
-        return received
+        return groups, received
 
     # ---------------------------------------------------------------- disk
 
     def from_disk(self, model_path: str, component: str = "target") -> int:
         """Load a whole Hugging Face checkpoint into the target (its MTP layers into an MTP
-        draft) or, with component="draft", into the external draft."""
+        draft) or, with component="draft", into the external draft. A tensor-parallel rank
+        reads its blocks alone, and copies only once every rank has checked its part."""
+        routes, models, shards = self.on_every_rank(lambda: self._check_disk(model_path, component))
+        received = 0
+        quantize = fp8.read_block_fp8(model_path) is None  # an FP8 checkpoint's values are exact
+        for name, tensor in iterate_checkpoint(model_path, shards=shards):
+            if is_ignored(name):
+                continue
+            model, local = routes[name]
+            if model is not None:
+                block = self._fp8_block(model)
+                if block is not None and quantize:
+                    tensor = fp8.served(local, tensor, block)
+                copy_weights(
+                    model, [(local, tensor)], refresh=False
+                )  # one pass over the files, one refresh
+            received += tensor.numel() * tensor.element_size()
+        for model in models.values():
+            refresh_derived(model)
+        if self.draft is not None:
+            self.draft.refresh()
+        return received
+
+    def _check_disk(
+        self, model_path: str, component: str
+    ) -> tuple[dict[str, tuple[Optional[nn.Module], str]], dict[int, nn.Module], dict[str, Shard]]:
+        """Check a checkpoint before a disk update: (each name's model and name there, the
+        models updated, this rank's blocks of the split tensors)."""
         meta = [m for m in checkpoint_metadata(model_path) if not is_ignored(m[0])]
         if component == "draft":
             if self.draft is None or not self.draft.external:
@@ -163,30 +209,31 @@ class WeightUpdater:
                 [(routes[n][1], s, d) for n, s, d in meta if routes[n][0] is model],
                 require_all=True,
             )
+        shards = {
+            name: weight_spec(model)[local].shard
+            for name, (model, local) in routes.items()
+            if model is not None and weight_spec(model)[local].shard is not None
+        }
         # A pass over the files before the first copy: a NaN found half-way would leave the
         # model half-updated.
-        for name, tensor in iterate_checkpoint(model_path):
+        for name, tensor in iterate_checkpoint(model_path, shards=shards):
             if not is_ignored(name) and routes[name][0] is not None:
                 _check_finite(name, tensor)
-        received = 0
-        quantize = fp8.read_block_fp8(model_path) is None  # an FP8 checkpoint's values are exact
-        for name, tensor in iterate_checkpoint(model_path):
-            if is_ignored(name):
-                continue
-            model, local = routes[name]
-            if model is not None:
-                block = self._fp8_block(model)
-                if block is not None and quantize:
-                    tensor = fp8.served(local, tensor, block)
-                copy_weights(
-                    model, [(local, tensor)], refresh=False
-                )  # one pass over the files, one refresh
-            received += tensor.numel() * tensor.element_size()
-        for model in models.values():
-            refresh_derived(model)
-        if self.draft is not None:
-            self.draft.refresh()
-        return received
+        return routes, models, shards
+
+    def on_every_rank(self, check: Callable[[], T]) -> T:
+        """`check()` on this rank; under tensor parallelism every rank learns whether any
+        rank's check failed, and all of them raise it (naming that rank), so none copies."""
+        if self.tp.size == 1:
+            return check()
+        try:
+            result, error = check(), None
+        except Exception as e:  # every rank must reach the gather below
+            result, error = None, str(e)
+        for rank, failed in enumerate(self.tp.gather_objects(error)):
+            if failed is not None:
+                raise ValueError(f"{failed} (tensor-parallel rank {rank}; no rank updated)")
+        return result
 
     # ---------------------------------------------------------------- distributed
 

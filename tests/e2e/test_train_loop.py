@@ -264,6 +264,7 @@ def test_a_failing_shutdown_step_never_hides_the_error_that_ended_the_run(caplog
             "--sglang-model-path is set by the launcher; use --hf-checkpoint",
         ),
         (["--sglang-random-seed", "3"], "use --seed"),
+        (["--sglang-tp-size", "2"], "set by the launcher; use --rollout-num-gpus-per-engine"),
         (["--sglang-speculative-num-stpes", "3"], "did you mean --sglang-speculative-num-steps"),
         (["--sglang-speculative-num", "3"], "ambiguous engine flag --sglang-speculative-num"),
     ],

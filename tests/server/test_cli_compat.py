@@ -133,14 +133,14 @@ def test_compat_flags_are_logged_once_or_refused_with_the_alternative(llama_path
             enable_torch_compile=True,
             torch_compile_max_bs=2,
             trust_remote_code=True,
-            tp_size=1,  # SGLang's default: nothing to say
+            ep_size=1,  # SGLang's default: nothing to say
             skip_server_warmup=True,
         ):
             pass
     lines = [r.getMessage() for r in caplog.records if "has no effect in specrl" in r.getMessage()]
     assert len(lines) == 3 and any("--enable-torch-compile True" in x for x in lines), lines
     for argv, needle in (
-        (["--tp-size", "2"], "--tp-size 2 is not supported: an engine runs on one device"),
+        (["--nnodes", "2"], "--nnodes 2 is not supported: an engine's ranks run on one machine"),
         (["--quantization", "awq"], "specrl serves block-FP8 weights only (--quantization fp8"),
         (["--kv-cache-dtype", "fp8_e5m2"], "fp8 KV caches are not implemented"),
         (["--speculative-draft-model-revision", "main"], "--speculative-draft-model-path"),

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,54 +13,18 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from tests.support.server_process import served  # noqa: E402 (needs httpx)
+from trainer_bridge.megatron_compat import free_port  # noqa: E402
+
 CONTEXT = 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(make_model):
     path = make_model("llama", max_position_embeddings=CONTEXT)
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "spec_engine.launch_server",
-            "--model-path",
-            path,
-            "--port",
-            str(port),
-            "--random-seed",
-            "0",
-            "--max-total-tokens",
-            "2048",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{proc.stdout.read().decode()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not come up")
-    yield url, path
-    proc.terminate()
-    proc.wait(timeout=30)
+    flags = ["--model-path", path, "--random-seed", "0", "--max-total-tokens", "2048"]
+    with served(flags + ["--log-level", "warning"], free_port()) as url:
+        yield url, path
 
 
 @pytest.fixture(scope="module")

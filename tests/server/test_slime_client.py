@@ -7,9 +7,6 @@ runs it; oracles: transformers and a fresh engine."""
 from __future__ import annotations
 
 import base64
-import socket
-import subprocess
-import sys
 import threading
 import time
 from array import array
@@ -24,13 +21,10 @@ from tiny.checkpoints import add_mimo_mtp
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from tests.support.server_process import served  # noqa: E402 (needs httpx)
+from trainer_bridge.megatron_compat import free_port  # noqa: E402
+
 PROMPT = "copy: a b c"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +43,9 @@ def trunk(mimo):
 
 @pytest.fixture(scope="module")
 def server(mimo):
-    port = free_port()
     cmd = [
-        sys.executable,
-        "-m",
-        "spec_engine.launch_server",
         "--model-path",
         mimo,
-        "--port",
-        str(port),
         "--random-seed",
         "0",
         "--max-total-tokens",
@@ -75,24 +63,8 @@ def server(mimo):
         "--log-level",
         "warning",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{proc.stdout.read().decode()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError("server did not start")
-        time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    with served(cmd, free_port()) as url:
+        yield url
 
 
 def post(url: str, path: str, body: dict[str, Any], timeout: float = 60) -> dict[str, Any]:

@@ -1,0 +1,52 @@
+"""What --tp-size > 1 runs today, checked against the model and the other flags once they are
+resolved: dense Llama, Qwen2, Qwen3 and MiMo targets, unquantized, plain decoding, eager
+forwards on CUDA (their emulated graphs on the CPU). Each refusal names what works instead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from spec_engine.distributed.partition import attention_heads, divide
+from spec_engine.models.hf_config import ModelConfig
+
+
+def check_tensor_parallel(args: Any, target: ModelConfig) -> None:
+    """Refuse a --tp-size the model or the other flags cannot run at (ValueError)."""
+    n = args.tp_size
+    if n == 1:
+        return
+    flag = f"--tp-size {n}"
+    if target.moe is not None or target.mla is not None:
+        raise ValueError(
+            f"{flag}: {target.architecture} has MoE{' and MLA' if target.mla else ''} layers, "
+            "whose experts and latent attention are not split across ranks yet; run it at "
+            "--tp-size 1 (dense Llama, Qwen2, Qwen3 and MiMo models run at --tp-size > 1)"
+        )
+    if args.speculative_algorithm is not None:
+        raise ValueError(
+            f"{flag}: speculative decoding ({args.speculative_algorithm}) runs at --tp-size 1 "
+            "for now; drop --speculative-algorithm to decode plainly over the ranks"
+        )
+    if target.weight_block_size is not None:
+        raise ValueError(
+            f"{flag}: block-FP8 weights (an FP8 checkpoint or --quantization fp8) are not split "
+            "across ranks yet (a rank's block of a weight needs its block scales); serve them at "
+            "--tp-size 1, or the BF16 checkpoint at --tp-size > 1"
+        )
+    attention_heads(target.num_attention_heads, target.num_key_value_heads, 0, n)
+    divide(target.intermediate_size, n, "intermediate_size")
+    if args.device == "cuda":
+        if not args.disable_cuda_graph:
+            raise ValueError(
+                f"{flag}: CUDA graphs are not captured with the collectives inside yet; add "
+                "--disable-cuda-graph (the ranks then run eagerly)"
+            )
+        gpus = torch.cuda.device_count()
+        last = args.base_gpu_id + n - 1
+        if last >= gpus:
+            raise ValueError(
+                f"{flag} from --base-gpu-id {args.base_gpu_id} needs GPUs "
+                f"{args.base_gpu_id}..{last}, and this machine has {gpus}"
+            )

@@ -1,0 +1,189 @@
+"""The ranks an engine starts beside its own.
+
+Rank 0 stays in the caller's process: it keeps the Engine API and runs the scheduler thread.
+Ranks 1..N-1 are processes it spawns (as SGLang's Engine spawns its scheduler processes), each
+running the same engine on its shard and the same scheduler loop on what rank 0 broadcasts.
+Rank 0 serves the engine's TCPStore (on `--dist-init-addr`, else a free loopback port); each
+rank checks in on it before the process groups form, so a rank that dies while starting is
+reported by number with its traceback instead of leaving the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from spec_engine.distributed.parallel_state import TPGroup, connect
+
+logger = logging.getLogger(__name__)
+
+# A rank's target: target(payload, group, ready) builds its engine, calls ready(), then serves.
+RankTarget = Callable[[Any, TPGroup, Callable[[], None]], None]
+_POLL_S = 0.05
+
+
+class RankFailed(RuntimeError):
+    """A rank of the engine failed while starting (the message names it)."""
+
+
+def rank_device(device: torch.device, base_gpu_id: int, rank: int) -> torch.device:
+    """Rank `rank`'s device: GPU base_gpu_id + rank on CUDA (SGLang's gpu_id), else the CPU."""
+    return torch.device("cuda", base_gpu_id + rank) if device.type == "cuda" else device
+
+
+class Ranks:
+    """Ranks 1..size-1 of one engine, spawned; `connect()` gives rank 0's group."""
+
+    def __init__(
+        self,
+        target: RankTarget,
+        payload: Any,
+        size: int,
+        device: torch.device,
+        address: tuple[str, int] = ("127.0.0.1", 0),
+        base_gpu_id: int = 0,
+        timeout_s: Optional[int] = None,
+    ) -> None:
+        """`address`: where rank 0 serves the store (port 0: a free one)."""
+        host, port = address
+        self.size, self.device, self.base_gpu_id = size, device, base_gpu_id
+        self.timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        self.store = dist.TCPStore(
+            host,
+            port,
+            size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=self.timeout or timedelta(minutes=30),
+        )
+        ctx = multiprocessing.get_context("spawn")
+        self._messages = ctx.Queue()
+        threads = max(1, (os.cpu_count() or 1) // size)
+        self.procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(target, payload, rank, size, host, self.store.port, device.type),
+                kwargs=dict(
+                    base_gpu_id=base_gpu_id,
+                    timeout=self.timeout,
+                    threads=threads,
+                    messages=self._messages,
+                ),
+                name=f"spec-engine-tp{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for p in self.procs:
+            p.start()
+        self._ready: set[int] = set()
+
+    def connect(self) -> TPGroup:
+        """Rank 0's group, once every rank has checked in on the store."""
+        for rank in range(1, self.size):
+            while not self.store.check([f"joined/{rank}"]):
+                self._raise_if_failed()
+                time.sleep(_POLL_S)
+        return connect(self.store, 0, self.size, self.device, self.timeout)
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has built its engine; a rank's failure raises, naming it."""
+        while len(self._ready) < self.size - 1:
+            self._raise_if_failed(wait=_POLL_S)
+
+    def failure(self, grace_s: float = 5.0) -> Optional[str]:
+        """Why a rank failed (its traceback, or its exit code), if one did within `grace_s`."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                self._raise_if_failed(wait=_POLL_S)
+            except RankFailed as e:
+                return str(e)
+            if time.monotonic() > deadline:
+                return None
+
+    def _raise_if_failed(self, wait: float = 0.0) -> None:
+        try:
+            rank, error = self._messages.get(timeout=wait) if wait else self._messages.get_nowait()
+        except queue.Empty:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None and rank not in self._ready:
+                    raise RankFailed(
+                        f"tensor-parallel rank {rank} exited with code {p.exitcode} while "
+                        "starting, before it could report why (its output says; a script "
+                        "that starts a tensor-parallel engine needs an `if __name__ == "
+                        "'__main__':` guard, as every multiprocessing spawn does)"
+                    ) from None
+            return
+        if error is not None:
+            raise RankFailed(f"tensor-parallel rank {rank} failed to start:\n{error}")
+        self._ready.add(rank)
+
+    def dead_rank(self, grace_s: float = 2.0) -> Optional[str]:
+        """Which rank has died, by number, pid and exit code, waiting up to `grace_s` for one
+        whose connections broke to be reaped; None if every rank lives."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None:
+                    return (
+                        f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                    )
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(_POLL_S)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Wait for the ranks to exit (rank 0 has told them to), then end the ones that did not."""
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                logger.warning("tensor-parallel rank process %s did not exit; killing it", p.name)
+                p.kill()
+                p.join(5)
+        self._messages.close()
+
+
+def _rank_main(
+    target: RankTarget,
+    payload: Any,
+    rank: int,
+    size: int,
+    host: str,
+    port: int,
+    device_type: str,
+    *,
+    base_gpu_id: int,
+    timeout: Optional[timedelta],
+    threads: int,
+    messages: Any,
+) -> None:
+    """A spawned rank: join the store and the groups, then run `target`; any failure goes to
+    rank 0 with its traceback."""
+    try:
+        device = rank_device(torch.device(device_type), base_gpu_id, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(threads)
+        store = dist.TCPStore(
+            host, port, size, is_master=False, timeout=timeout or timedelta(minutes=30)
+        )
+        store.set(f"joined/{rank}", "1")
+        group = connect(store, rank, size, device, timeout)
+        target(payload, group, lambda: messages.put((rank, None)))
+    except BaseException:
+        messages.put((rank, traceback.format_exc()))
+        raise SystemExit(1) from None
