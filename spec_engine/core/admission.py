@@ -17,6 +17,7 @@ max_new_tokens) and starts over when a decode step had to retract requests.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -58,6 +59,8 @@ class Admission:
         self.new_token_ratio = self.init_ratio
         self.waiting: deque[Req] = deque()
         self.chunked: Optional[Req] = None
+        # --schedule-policy random: SGLang shuffles the queue before every prefill.
+        self.shuffle = random.Random(args.random_seed) if args.schedule_policy == "random" else None
 
     # ------------------------------------------------------------ the queue
 
@@ -109,6 +112,10 @@ class Admission:
         )
         if self.chunked is not None and not self._next_chunk(self.chunked, batch):
             return batch.reqs
+        if self.shuffle is not None:
+            queue = list(self.waiting)
+            self.shuffle.shuffle(queue)
+            self.waiting = deque(queue)
         admitted = self._admit(batch, running)
         if admitted:
             taken = set(map(id, admitted))

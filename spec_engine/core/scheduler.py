@@ -25,6 +25,10 @@ from spec_engine.core.worker import ModelWorker
 from spec_engine.layers.routing_capture import RoutingCapture
 from spec_engine.mem.radix_cache import RadixCache
 
+# SGLang's finish_reason message for a queued request aborted by request (its tokenizer manager's
+# default for an abort the scheduler answers from the waiting queue).
+WAITING_QUEUE_ABORT = "Abort in waiting queue"
+
 
 class Scheduler:
     """Owns the running requests. Whether generation may run at all (pause, released memory) is
@@ -121,14 +125,14 @@ class Scheduler:
         requests hold stays theirs, but is never shared again)."""
         self.kv.weights_changed(flush)
 
-    def abort(self, rid: str, message: str = "aborted by request") -> int:
+    def abort(self, rid: str, message: Optional[str] = None) -> int:
         """Abort every request with this rid (or whose n-sample parent has it); returns how many."""
         victims = [r for r in self._all_reqs() if r.input.rid == rid or r.input.parent_rid == rid]
         for req in victims:
             self._finish_abort(req, message)
         return len(victims)
 
-    def abort_all(self, message: str) -> None:
+    def abort_all(self, message: Optional[str] = None) -> None:
         for req in list(self._all_reqs()):
             self._finish_abort(req, message)
 
@@ -172,7 +176,13 @@ class Scheduler:
         three sum to the total."""
         return self.kv.memory_report(self.active_reqs())
 
-    def _finish_abort(self, req: Req, message: str) -> None:
+    def _finish_abort(self, req: Req, message: Optional[str]) -> None:
+        """End `req` with finish_reason abort; `message` None is an abort by request, worded as
+        SGLang words it: a queued request (retracted ones too, with their output so far) gets
+        "Abort in waiting queue"."""
+        if message is None:
+            queued = any(r is req for r in self.admission.waiting)
+            message = WAITING_QUEUE_ABORT if queued else "aborted by request"
         req.finished_reason = {"type": "abort", "message": message}
         if req.req_pool_idx is not None:
             self.kv.release(req)

@@ -231,7 +231,7 @@ async def _stream_chat(
     def choice(i: int, delta: str, finish: Optional[str], new: Optional[dict] = None) -> dict:
         return {
             "index": i,
-            "delta": {"content": delta} if delta else {},
+            "delta": _delta(None, delta or None),
             "logprobs": None if new is None else _chat_logprobs(engine, new),
             "finish_reason": finish,
         }
@@ -239,7 +239,7 @@ async def _stream_chat(
     first = [
         {
             "index": i,
-            "delta": {"role": "assistant", "content": ""},
+            "delta": _delta("assistant", ""),
             "logprobs": None,
             "finish_reason": None,
         }
@@ -249,6 +249,12 @@ async def _stream_chat(
         _stream_events(stream, base, choice, _include_usage(req), req.n, first),
         media_type="text/event-stream",
     )
+
+
+def _delta(role: Optional[str], content: Optional[str]) -> dict:
+    """A chat chunk's delta as SGLang serializes its DeltaMessage: every key, null when empty
+    (specrl parses no reasoning or tool calls, so those two are always null)."""
+    return {"role": role, "content": content, "reasoning_content": None, "tool_calls": None}
 
 
 def _include_usage(req: Any) -> bool:
