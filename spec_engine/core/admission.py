@@ -18,6 +18,7 @@ max_new_tokens) and starts over when a decode step had to retract requests.
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -65,10 +66,14 @@ class Admission:
     # ------------------------------------------------------------ the queue
 
     def add(self, req: Req) -> None:
+        req.wait_queue_entry_time = time.perf_counter()
         self.waiting.append(req)
 
     def requeue(self, reqs: list[Req]) -> None:
         """Back to the head of the queue, in this order (retracted requests)."""
+        now = time.perf_counter()
+        for req in reqs:
+            req.wait_queue_entry_time = now
         self.waiting.extendleft(reversed(reqs))
 
     def take_chunked(self) -> Optional[Req]:
@@ -156,6 +161,7 @@ class Admission:
             if not self.chunking and extend > batch.budget and batch.reqs:
                 break
             self.kv.admit(req, match)
+            req.forward_entry_time = req.forward_entry_time or time.perf_counter()
             req.extend_len = n
             batch.room -= need
             batch.budget -= n

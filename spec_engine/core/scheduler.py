@@ -21,6 +21,7 @@ from spec_engine.core.policy import DecodeGroup, DecodePolicy, StepCost
 from spec_engine.core.req_kv import RequestKV
 from spec_engine.core.request import Req
 from spec_engine.core.retraction import Retraction
+from spec_engine.core.timeouts import RequestTimeouts
 from spec_engine.core.worker import ModelWorker
 from spec_engine.layers.routing_capture import RoutingCapture
 from spec_engine.mem.radix_cache import RadixCache
@@ -54,6 +55,7 @@ class Scheduler:
         self.outputs = OutputProcessor(
             self.kv, eos_token_ids, decode_tail, args.stream_interval, routing
         )
+        self.timeouts = RequestTimeouts.from_env()
         self.running: list[Req] = []
         # The prefill batch being run: admitted, but not yet running (needed if the step fails).
         self.prefilling: list[Req] = []
@@ -63,6 +65,9 @@ class Scheduler:
 
     def step(self) -> None:
         """One prefill of what admission takes, else one decode of every running request."""
+        now = time.perf_counter()
+        for req, message in self.timeouts.expired(self.admission.waiting, self.active_reqs(), now):
+            self._finish_abort(req, message, self.timeouts.status_code)
         batch = self.admission.schedule(self.running)
         if batch:
             self._prefill(batch)
@@ -176,7 +181,9 @@ class Scheduler:
         three sum to the total."""
         return self.kv.memory_report(self.active_reqs())
 
-    def _finish_abort(self, req: Req, message: Optional[str]) -> None:
+    def _finish_abort(
+        self, req: Req, message: Optional[str], status_code: Optional[int] = None
+    ) -> None:
         """End `req` with finish_reason abort; `message` None is an abort by request, worded as
         SGLang words it: a queued request (retracted ones too, with their output so far) gets
         "Abort in waiting queue"."""
@@ -184,6 +191,8 @@ class Scheduler:
             queued = any(r is req for r in self.admission.waiting)
             message = WAITING_QUEUE_ABORT if queued else "aborted by request"
         req.finished_reason = {"type": "abort", "message": message}
+        if status_code is not None:
+            req.finished_reason["status_code"] = status_code
         if req.req_pool_idx is not None:
             self.kv.release(req)
         self.admission.remove(req)

@@ -10,6 +10,7 @@ import inspect
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable
+from http import HTTPStatus
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -143,6 +144,17 @@ def _add_error_responses(app: FastAPI) -> None:
     async def enginefailure_response(request: Request, exc: EngineFailure):
         # The engine failed this request (its step raised, or it produced non-finite values):
         # a 500 that says so, never a misleading 400.
+        if exc.status_code != 500:  # a request timeout: SGLang's HTTPException body
+            return JSONResponse(
+                {
+                    "object": "error",
+                    "message": str(exc),
+                    "type": HTTPStatus(exc.status_code).phrase,
+                    "param": None,
+                    "code": exc.status_code,
+                },
+                status_code=exc.status_code,
+            )
         return error_response(str(exc), request, 500)
 
     @app.exception_handler(RequestValidationError)

@@ -9,11 +9,14 @@ engine's own non-streamed outputs and SGLang's messages and field names as writt
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
 from spec_engine import Engine
 from spec_engine.args.sglang_compat import check_sglang_options
+from spec_engine.core.request import Req, ReqInput
+from spec_engine.core.timeouts import RequestTimeouts
 from spec_engine.launch_server import build_parser
 from spec_engine.server.http_server import create_app
 
@@ -158,3 +161,57 @@ def test_tokenizer_worker_num_one_is_accepted_more_refused():
         check_sglang_options({"tokenizer_worker_num": 2})
     with pytest.raises(ValueError, match="--stream-output True .*incremental-streaming-output"):
         check_sglang_options({"stream_output": True})
+
+
+def test_a_request_queued_past_sglang_queued_timeout_ms_is_a_503(paths):
+    """SGLang's test_abort.py TestAbortWithQueueTimeout: 1 ms of queueing allowed, one request
+    running at a time, two sent together: exactly one is refused with SGLang's 503 body."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SGLANG_QUEUED_TIMEOUT_MS", "1")
+        engine = Engine(model_path=paths[0], random_seed=0, max_total_tokens=2048, **ENGINE)
+    with engine:
+        client = testclient.TestClient(create_app(engine))
+        body = {"input_ids": [5, 6, 7], "sampling_params": LONG}
+        results = []
+        threads = [
+            threading.Thread(target=lambda: results.append(client.post("/generate", json=body)))
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert sorted(r.status_code for r in results) == [200, 503]
+        refused = next(r.json() for r in results if r.status_code == 503)
+        assert refused["object"] == "error" and refused["code"] == 503
+        assert refused["message"] == "Request waiting timeout reached."
+
+
+def test_request_timeouts_read_sglangs_variables():
+    def req(waited: float, ran: float) -> Req:
+        r = Req(input=ReqInput(rid="r", origin_input_ids=(1,), sampling_params=None, seed=0))
+        r.wait_queue_entry_time, r.forward_entry_time = waited, ran
+        return r
+
+    assert RequestTimeouts.from_env({}) == RequestTimeouts(-1.0, -1.0, 503)
+    timeouts = RequestTimeouts.from_env(
+        {"SGLANG_QUEUED_TIMEOUT_MS": "1500", "SGLANG_REQ_RUNNING_TIMEOUT": "2"}
+    )
+    assert timeouts == RequestTimeouts(1.5, 2.0, 503)
+    # The new name wins over the old one; the status code is SGLang's variable.
+    assert RequestTimeouts.from_env(
+        {
+            "SGLANG_REQ_WAITING_TIMEOUT": "3",
+            "SGLANG_QUEUED_TIMEOUT_MS": "1",
+            "SGLANG_TIMED_OUT_REQUEST_STATUS_CODE": "504",
+        }
+    ) == RequestTimeouts(3.0, -1.0, 504)
+    queued, fresh, running = req(1.0, 0.0), req(9.0, 0.0), req(1.0, 7.0)
+    recent, never_ran = req(1.0, 8.3), req(1.0, 0.0)  # ran 1.7 s (< 2); not yet run
+    expired = timeouts.expired([queued, fresh], [running, recent, never_ran], now=10.0)
+    assert [(r is queued, r is running, m) for r, m in expired] == [
+        (True, False, "Request waiting timeout reached."),
+        (False, True, "Request running timeout reached."),
+    ]
+    with pytest.raises(ValueError, match="SGLANG_REQ_RUNNING_TIMEOUT='soon' is not a number"):
+        RequestTimeouts.from_env({"SGLANG_REQ_RUNNING_TIMEOUT": "soon"})
