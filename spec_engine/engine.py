@@ -251,8 +251,8 @@ class Engine(EngineControl):
             taken = [r for r in rids if r in self._inflight]
             if taken or len(set(rids)) < len(rids):
                 raise ValueError(
-                    f"Duplicate request ID detected: {(taken or rids)[0]} (a request with this "
-                    "rid is in flight); give each request a unique rid (or none)"
+                    f"Duplicate request ID detected: {(taken or rids)[0]} (in flight, or twice "
+                    "in this batch); give each request a unique rid (or none)"
                 )
             self._inflight.update(rids)
         for index, req in enumerate(reqs):
