@@ -210,6 +210,8 @@ class EngineControl(EngineReports):
     ) -> dict[str, Any]:
         def load() -> int:
             received = self.updater.from_disk(model_path, component)
+            if component == "target":  # get_model_info names it from now on, as SGLang does
+                self.model_path = model_path
             if recapture_cuda_graph:
                 self.memory.recapture_graphs()
             if keep_pause:

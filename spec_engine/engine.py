@@ -143,6 +143,7 @@ class Engine(EngineControl, SchedulerLoop):
             self.scheduler, [self.runner] + ([draft] if draft is not None else []), self.updater
         )
         self.weight_version = args.weight_version
+        self.model_path = args.model_path  # the target's checkpoint: updates from disk change it
         self.stats = RequestStats(log_requests=args.log_requests)
         self._weight_snapshot: Optional[dict[str, str]] = None
         self._profiler_ctl = Profiler()
@@ -250,10 +251,11 @@ class Engine(EngineControl, SchedulerLoop):
         self,
         rid: Optional[str] = None,
         abort_all: bool = False,
-        message: str = "aborted by request",
+        message: Optional[str] = None,
     ) -> None:
         """Abort a request (or all n samples of one) by rid, or every request with abort_all;
-        each finishes with finish_reason abort and its output so far."""
+        each finishes with finish_reason abort and its output so far (message None: SGLang's
+        "Abort in waiting queue" for a queued request, "aborted by request" for a running one)."""
         if rid is None and not abort_all:
             raise ValueError("abort_request needs a rid, or abort_all=True")
         if not self._closed:  # after shutdown every request has been aborted already
@@ -296,8 +298,8 @@ class Engine(EngineControl, SchedulerLoop):
             taken = [r for r in rids if r in self._inflight]
             if taken or len(set(rids)) < len(rids):
                 raise ValueError(
-                    f"rid {(taken or rids)[0]!r} is already in flight; give each request a "
-                    "unique rid (or none)"
+                    f"Duplicate request ID detected: {(taken or rids)[0]} (in flight, or twice "
+                    "in this batch); give each request a unique rid (or none)"
                 )
             self._inflight.update(rids)
             self._submitted.update(zip(rids, reqs))

@@ -163,7 +163,7 @@ class EngineReports:
 
     def get_model_info(self) -> dict[str, Any]:
         return {
-            "model_path": self.args.model_path,
+            "model_path": self.model_path,
             "tokenizer_path": None if self.tokenizer is None else self.args.tokenizer_path,
             "is_generation": True,
             "architecture": self.model_config.architecture,

@@ -146,7 +146,10 @@ class EngineArgs:
     )
     max_prefill_tokens: int = _opt(16384, "Maximum prompt tokens in one prefill batch.")
     schedule_policy: str = _opt(
-        "fcfs", "Order in which waiting requests are admitted.", choices=SCHEDULE_POLICIES
+        "fcfs",
+        "Order in which waiting requests are admitted: fcfs (arrival order) or random (SGLang's: "
+        "the queue is shuffled before each prefill, seeded by --random-seed).",
+        choices=SCHEDULE_POLICIES,
     )
     schedule_conservativeness: float = _opt(
         1.0,
@@ -171,6 +174,11 @@ class EngineArgs:
         "random).",
     )
     stream_interval: int = _opt(1, "Stream an update every N generated tokens.")
+    incremental_streaming_output: bool = _opt(
+        False,
+        "SGLang's flag: /generate streams disjoint segments (each chunk's text, output_ids and "
+        "output log-probs are the new ones only) instead of the output so far.",
+    )
     # Speculative decoding
     speculative_algorithm: Optional[str] = _opt(
         None,

@@ -37,7 +37,7 @@ SGLANG_ATTENTION_BACKENDS = (
     "hybrid_linear_attn",
     "nsa",
 )
-SCHEDULE_POLICIES = ("fcfs",)
+SCHEDULE_POLICIES = ("fcfs", "random")  # SGLang's cache-agnostic ones
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ON_COLLAPSE_CHOICES = ("warn", "disable")  # spec_engine.speculative.accept_alarm's modes
 # Options that must be positive integers when given (None: auto).

@@ -186,8 +186,14 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     "num_continuous_decode_steps": _refuse(
         1, "the scheduler checks for new requests after every decode step", int
     ),
-    "stream_output": _noop(
-        False, "streamed outputs are cumulative, as SGLang's default; there is no delta mode"
+    "stream_output": _refuse(
+        False, "SGLang's older name of --incremental-streaming-output; use that flag"
+    ),
+    "tokenizer_worker_num": _refuse(
+        1,
+        "a specrl server tokenizes with one tokenizer in its own process (long prompts off the "
+        "event loop); for more tokenizing throughput run more servers behind a router",
+        int,
     ),
     "allow_auto_truncate": _refuse(
         False, "a prompt longer than the context is refused with a 400; shorten it client-side"

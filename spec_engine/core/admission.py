@@ -17,6 +17,8 @@ max_new_tokens) and starts over when a decode step had to retract requests.
 
 from __future__ import annotations
 
+import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -58,14 +60,20 @@ class Admission:
         self.new_token_ratio = self.init_ratio
         self.waiting: deque[Req] = deque()
         self.chunked: Optional[Req] = None
+        # --schedule-policy random: SGLang shuffles the queue before every prefill.
+        self.shuffle = random.Random(args.random_seed) if args.schedule_policy == "random" else None
 
     # ------------------------------------------------------------ the queue
 
     def add(self, req: Req) -> None:
+        req.wait_queue_entry_time = time.perf_counter()
         self.waiting.append(req)
 
     def requeue(self, reqs: list[Req]) -> None:
         """Back to the head of the queue, in this order (retracted requests)."""
+        now = time.perf_counter()
+        for req in reqs:
+            req.wait_queue_entry_time = now
         self.waiting.extendleft(reversed(reqs))
 
     def take_chunked(self) -> Optional[Req]:
@@ -109,6 +117,10 @@ class Admission:
         )
         if self.chunked is not None and not self._next_chunk(self.chunked, batch):
             return batch.reqs
+        if self.shuffle is not None:
+            queue = list(self.waiting)
+            self.shuffle.shuffle(queue)
+            self.waiting = deque(queue)
         admitted = self._admit(batch, running)
         if admitted:
             taken = set(map(id, admitted))
@@ -149,6 +161,7 @@ class Admission:
             if not self.chunking and extend > batch.budget and batch.reqs:
                 break
             self.kv.admit(req, match)
+            req.forward_entry_time = req.forward_entry_time or time.perf_counter()
             req.extend_len = n
             batch.room -= need
             batch.budget -= n

@@ -21,7 +21,12 @@ logger = logging.getLogger(__name__)
 
 
 class EngineFailure(RuntimeError):
-    """The engine failed a request (a 500 over HTTP, with this message)."""
+    """The engine failed a request: HTTP `status_code` (500, or 503 for SGLang's request
+    timeouts) with this message."""
+
+    def __init__(self, message: str, status_code: int = 500) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 @dataclass
@@ -157,6 +162,8 @@ class RequestOutput:
         finite."""
         fr = self.last.finish_reason
         if fr is not None and fr.get("status_code", 200) >= 500:
+            if fr["status_code"] != 500:  # SGLang's timeouts: its message, its status code
+                raise EngineFailure(fr["message"], fr["status_code"])
             raise EngineFailure(f"request {self.req.input.rid} failed: {fr['message']}")
         if not all(math.isfinite(lp) for lp in self.logprobs):
             logger.error("request %s: non-finite log-probs from the model", self.req.input.rid)

@@ -60,6 +60,10 @@ class Req:
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     finished_reason: Optional[dict[str, Any]] = None
+    # When it last entered the waiting queue and when it first ran (perf_counter; 0: not yet):
+    # what SGLang's request timeouts measure (core.timeouts).
+    wait_queue_entry_time: float = 0.0
+    forward_entry_time: float = 0.0
     # With return_routed_experts, set at the finish: [tokens, layers, top_k] int32 on the CPU.
     routed_experts: Optional[torch.Tensor] = None
     # KV state: positions [0, kv_len) have KV at req_to_token[req_pool_idx, :kv_len];

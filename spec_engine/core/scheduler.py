@@ -21,9 +21,14 @@ from spec_engine.core.policy import DecodeGroup, DecodePolicy, StepCost
 from spec_engine.core.req_kv import RequestKV
 from spec_engine.core.request import Req
 from spec_engine.core.retraction import Retraction
+from spec_engine.core.timeouts import RequestTimeouts
 from spec_engine.core.worker import ModelWorker
 from spec_engine.layers.routing_capture import RoutingCapture
 from spec_engine.mem.radix_cache import RadixCache
+
+# SGLang's finish_reason message for a queued request aborted by request (its tokenizer manager's
+# default for an abort the scheduler answers from the waiting queue).
+WAITING_QUEUE_ABORT = "Abort in waiting queue"
 
 
 class Scheduler:
@@ -50,6 +55,7 @@ class Scheduler:
         self.outputs = OutputProcessor(
             self.kv, eos_token_ids, decode_tail, args.stream_interval, routing
         )
+        self.timeouts = RequestTimeouts.from_env()
         self.running: list[Req] = []
         # A value measured in this process (a step's cost), as rank 0 measured it: every rank of
         # a tensor-parallel engine then decides alike (the engine sets it; identity at one rank).
@@ -62,6 +68,9 @@ class Scheduler:
 
     def step(self) -> None:
         """One prefill of what admission takes, else one decode of every running request."""
+        now = time.perf_counter()
+        for req, message in self.timeouts.expired(self.admission.waiting, self.active_reqs(), now):
+            self._finish_abort(req, message, self.timeouts.status_code)
         batch = self.admission.schedule(self.running)
         if batch:
             self._prefill(batch)
@@ -125,14 +134,14 @@ class Scheduler:
         requests hold stays theirs, but is never shared again)."""
         self.kv.weights_changed(flush)
 
-    def abort(self, rid: str, message: str = "aborted by request") -> int:
+    def abort(self, rid: str, message: Optional[str] = None) -> int:
         """Abort every request with this rid (or whose n-sample parent has it); returns how many."""
         victims = [r for r in self._all_reqs() if r.input.rid == rid or r.input.parent_rid == rid]
         for req in victims:
             self._finish_abort(req, message)
         return len(victims)
 
-    def abort_all(self, message: str) -> None:
+    def abort_all(self, message: Optional[str] = None) -> None:
         for req in list(self._all_reqs()):
             self._finish_abort(req, message)
 
@@ -176,8 +185,18 @@ class Scheduler:
         three sum to the total."""
         return self.kv.memory_report(self.active_reqs())
 
-    def _finish_abort(self, req: Req, message: str) -> None:
+    def _finish_abort(
+        self, req: Req, message: Optional[str], status_code: Optional[int] = None
+    ) -> None:
+        """End `req` with finish_reason abort; `message` None is an abort by request, worded as
+        SGLang words it: a queued request (retracted ones too, with their output so far) gets
+        "Abort in waiting queue"."""
+        if message is None:
+            queued = any(r is req for r in self.admission.waiting)
+            message = WAITING_QUEUE_ABORT if queued else "aborted by request"
         req.finished_reason = {"type": "abort", "message": message}
+        if status_code is not None:
+            req.finished_reason["status_code"] = status_code
         if req.req_pool_idx is not None:
             self.kv.release(req)
         self.admission.remove(req)

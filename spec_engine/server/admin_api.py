@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -131,18 +131,31 @@ def _add_token_routes(app: FastAPI, engine: Engine) -> None:
         batch = isinstance(tokens, list) and bool(tokens) and isinstance(tokens[0], list)
         rows = tokens if batch else [tokens]
         vocab = engine.model_config.vocab_size
-        if not isinstance(tokens, list) or not all(
-            isinstance(row, list)
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in row)
-            for row in rows
-        ):
+        bad = _bad_token(tokens, rows, vocab)
+        if bad is not None:
             raise BadRequest(
-                f"tokens must be a list of token ids in [0, {vocab}), or a list of such lists"
+                f"tokens must be a list of token ids in [0, {vocab}), or a list of such lists "
+                f"(got {bad:.80})"
             )
         texts = await asyncio.to_thread(
             lambda: [tokenizer.decode(row, skip_special_tokens=skip) for row in rows]
         )
         return {"text": texts if batch else texts[0]}
+
+
+def _bad_token(tokens: Any, rows: list, vocab: int) -> Optional[str]:
+    """The first entry of /detokenize's `tokens` that is no token id (or the malformed value),
+    as its repr; None when all are ids. (SGLang answers an id such as -1 with a 500: see
+    docs/sglang_compat.md.)"""
+    if not isinstance(tokens, list):
+        return repr(tokens)
+    for row in rows:
+        if not isinstance(row, list):
+            return repr(row)
+        for t in row:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                return repr(t)
+    return None
 
 
 def _add_metrics_route(app: FastAPI, engine: Engine) -> None:

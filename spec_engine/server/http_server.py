@@ -10,6 +10,7 @@ import inspect
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable
+from http import HTTPStatus
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -85,6 +86,9 @@ _GENERATE_NEUTRAL = {
     ),
 }
 HEALTH_TIMEOUT_S = 60.0
+# Control routes whose failure SGLang answers with its result body, success false, and a 400
+# (http_server.update_weights_from_disk), not with an error object.
+_FAILS_WITH_SUCCESS_FALSE = {"update_weights_from_disk"}
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -140,6 +144,17 @@ def _add_error_responses(app: FastAPI) -> None:
     async def enginefailure_response(request: Request, exc: EngineFailure):
         # The engine failed this request (its step raised, or it produced non-finite values):
         # a 500 that says so, never a misleading 400.
+        if exc.status_code != 500:  # a request timeout: SGLang's HTTPException body
+            return JSONResponse(
+                {
+                    "object": "error",
+                    "message": str(exc),
+                    "type": HTTPStatus(exc.status_code).phrase,
+                    "param": None,
+                    "code": exc.status_code,
+                },
+                status_code=exc.status_code,
+            )
         return error_response(str(exc), request, 500)
 
     @app.exception_handler(RequestValidationError)
@@ -197,8 +212,8 @@ def _add_native_routes(app: FastAPI, engine: Engine) -> None:
             raise BadRequest(f"abort_all must be true or false, got {abort_all!r}")
         if not abort_all and not isinstance(rid, str):
             raise BadRequest("abort_request needs a string 'rid', or 'abort_all': true")
-        message = body.get("abort_message") or "aborted by request"
-        engine.abort_request(rid, abort_all=abort_all, message=str(message))
+        message = body.get("abort_message")  # None: SGLang's wording (see Scheduler.abort)
+        engine.abort_request(rid, abort_all=abort_all, message=str(message) if message else None)
         return Response(status_code=200)
 
 
@@ -209,10 +224,13 @@ def _add_generate_route(app: FastAPI, engine: Engine) -> None:
         kwargs, with_text = _generate_arguments(body)
         if body.get("stream", False):
             stream = await engine.async_generate(stream=True, **kwargs)
+            segments = IncrementalSegments() if engine.args.incremental_streaming_output else None
 
             async def events() -> AsyncIterator[str]:
                 try:
                     async for out in stream:
+                        if segments is not None:
+                            out = segments.cut(out)
                         yield sse(_logprob_text(engine, out, with_text))
                 except Exception as e:  # the status line is sent already: report in-band
                     yield sse({"error": {"message": str(e)}})
@@ -276,7 +294,14 @@ def _add_control_route(app: FastAPI, engine: Engine, control: ControlMethod) -> 
             inspect.signature(method).bind(**body)
         except TypeError as e:  # a required field is missing
             raise BadRequest(str(e)) from None
-        result = await asyncio.to_thread(method, **body)
+        try:
+            result = await asyncio.to_thread(method, **body)
+        except ValueError as e:
+            if control.name not in _FAILS_WITH_SUCCESS_FALSE:
+                raise
+            return JSONResponse(
+                {"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400
+            )
         if not isinstance(result, dict):
             return {"success": True}
         # SGLang answers a failed check (weights_checker compare) with its body and a 400.
@@ -297,6 +322,30 @@ def control_fields(method: Callable[..., Any]) -> tuple[str, ...]:
 
 
 # -------------------------------------------------------------------- helpers
+
+
+class IncrementalSegments:
+    """--incremental-streaming-output: each streamed chunk cut down to what is new since the
+    previous chunk of its request (SGLang's tokenizer manager: text, output_ids and the output
+    log-prob lists as deltas; everything else in meta_info as it is)."""
+
+    _META_KEYS = ("output_token_logprobs", "output_top_logprobs")
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[int, int]] = {}  # batch index -> (text chars, output ids)
+
+    def cut(self, out: dict) -> dict:
+        chars, ids = self._sent.get(out.get("index", 0), (0, 0))
+        text, output_ids = out.get("text"), out["output_ids"]
+        self._sent[out.get("index", 0)] = (len(text or ""), len(output_ids))
+        meta = dict(out["meta_info"])
+        for key in self._META_KEYS:
+            if key in meta:
+                meta[key] = meta[key][ids:]
+        cut = {**out, "output_ids": output_ids[ids:], "meta_info": meta}
+        if text is not None:
+            cut["text"] = text[chars:]
+        return cut
 
 
 def _logprob_text(engine: Engine, out: dict, with_text: bool) -> dict:

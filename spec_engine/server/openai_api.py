@@ -16,6 +16,7 @@ from spec_engine.engine import Engine
 from spec_engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from spec_engine.server.requests import (
     BadRequest,
+    error_response,
     json_body,
     parse_model,
     sse,
@@ -36,6 +37,25 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
     async def chat_completions(request: Request):
         req = parse_model(ChatCompletionRequest, await json_body(request))
         return await _chat_completions(engine, model_name, req, request)
+
+    # SGLang's endpoints specrl does not serve: a 404 that says so, in OpenAI's error shape (the
+    # openai client's NotFoundError then carries the reason), not a bare "Not Found".
+    for path, what in _NOT_SERVED.items():
+
+        async def not_served(request: Request, what: str = what):
+            return error_response(what, request, 404)
+
+        app.api_route(path, methods=["GET", "POST", "DELETE"])(not_served)
+
+
+_NOT_SERVED = {
+    "/v1/responses": "specrl does not serve SGLang's Responses API (/v1/responses); use "
+    "/v1/chat/completions",
+    "/v1/responses/{response_id}": "specrl does not serve SGLang's Responses API "
+    "(/v1/responses); use /v1/chat/completions",
+    "/v1/score": "specrl does not serve SGLang's /v1/score; score items with /generate "
+    "(return_logprob, logprob_start_len, max_new_tokens 0)",
+}
 
 
 def _add_model_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
@@ -231,7 +251,7 @@ async def _stream_chat(
     def choice(i: int, delta: str, finish: Optional[str], new: Optional[dict] = None) -> dict:
         return {
             "index": i,
-            "delta": {"content": delta} if delta else {},
+            "delta": _delta(None, delta or None),
             "logprobs": None if new is None else _chat_logprobs(engine, new),
             "finish_reason": finish,
         }
@@ -239,7 +259,7 @@ async def _stream_chat(
     first = [
         {
             "index": i,
-            "delta": {"role": "assistant", "content": ""},
+            "delta": _delta("assistant", ""),
             "logprobs": None,
             "finish_reason": None,
         }
@@ -249,6 +269,12 @@ async def _stream_chat(
         _stream_events(stream, base, choice, _include_usage(req), req.n, first),
         media_type="text/event-stream",
     )
+
+
+def _delta(role: Optional[str], content: Optional[str]) -> dict:
+    """A chat chunk's delta as SGLang serializes its DeltaMessage: every key, null when empty
+    (specrl parses no reasoning or tool calls, so those two are always null)."""
+    return {"role": role, "content": content, "reasoning_content": None, "tool_calls": None}
 
 
 def _include_usage(req: Any) -> bool:

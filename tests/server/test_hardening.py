@@ -178,7 +178,7 @@ def test_a_rid_in_flight_cannot_be_reused(path):
             input_ids=[5, 6], sampling_params={"max_new_tokens": 50}, rid="a", stream=True
         )
         next(stream)
-        with pytest.raises(ValueError, match="rid 'a' is already in flight"):
+        with pytest.raises(ValueError, match="Duplicate request ID detected: a "):
             engine.generate(input_ids=[5, 6], rid="a")
         list(stream)
         assert engine.generate(input_ids=[5, 6], rid="a", sampling_params={"max_new_tokens": 2})

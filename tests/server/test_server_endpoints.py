@@ -61,7 +61,7 @@ def test_weights_by_name_version_and_checker(served, path):
     r = client.post("/destroy_weights_update_group", json={"group_name": "nope"})
     assert r.status_code == 400 and "no weight update group 'nope'" in r.json()["error"]["message"]
     r = client.post("/update_weights_from_disk", json={"model_path": path, "load_format": "gguf"})
-    assert r.status_code == 400 and "gguf" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["success"] is False and "gguf" in r.json()["message"]
 
 
 def test_release_and_resume_in_slimes_order(served):
