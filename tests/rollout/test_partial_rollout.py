@@ -310,10 +310,12 @@ def test_the_tail_runs_from_the_first_to_the_last_finished_response(
 
 class CountingEngine:
     """Reports as its running requests those inside async_generate, and lets one of them finish
-    after each report: the polls see 4, 3, 2, 1."""
+    after each report: the polls see 4, 3, 2, 1. Its first poll, and any while it holds none,
+    fail (a poll never fails the rollout) and count nothing."""
 
     def __init__(self) -> None:
         self.held: list[asyncio.Event] = []
+        self.polls = 0
 
     async def async_generate(self, input_ids, sampling_params, **kwargs):
         release = asyncio.Event()
@@ -323,13 +325,16 @@ class CountingEngine:
         return output([7, 8], [-0.5, -0.5], " bc", "stop", "0")
 
     async def get_load(self, include=None):
+        self.polls += 1
+        if self.polls == 1 or not self.held:
+            raise RuntimeError("no load to report")
         running = len(self.held)
-        if self.held:
-            self.held[0].set()
+        self.held[0].set()
         return {"loads": [{"num_running_reqs": running}]}
 
     def abort_request(self, rid: str) -> None:
-        pass
+        for release in self.held:  # an aborted request ends
+            release.set()
 
 
 def test_the_engines_batch_size_is_polled_while_the_batch_fills(tokenizer, tmp_path):
@@ -338,7 +343,8 @@ def test_the_engines_batch_size_is_polled_while_the_batch_fills(tokenizer, tmp_p
     args = partial_args(data, over_sampling_batch_size=2, partial_rollout=False)
     manager = RolloutManager(args, [CountingEngine()], tokenizer)
     manager.batch_size_poll_interval = 0.01
-    _, metrics = manager.generate(0)
+    # the polls let the requests finish: a poller that stopped would hang the rollout
+    _, metrics = asyncio.run(asyncio.wait_for(manager.agenerate(0), timeout=10))
     assert manager.batch_size_trace.running == [[4], [3], [2], [1]]
     times = manager.batch_size_trace.times
     assert len(times) == 4 and times == sorted(times) and times[0] >= 0.01
