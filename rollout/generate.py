@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Optional
@@ -187,6 +188,8 @@ async def generate_group(
                 f"{result!r:.200}; it must return the Sample with its status set from the finish "
                 "reason"
             )
+        if result.status in (Status.COMPLETED, Status.TRUNCATED):
+            result.finish_time = time.monotonic()
         return result
 
     tasks = [asyncio.ensure_future(one(s)) for s in group]

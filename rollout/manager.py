@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from rollout.config import RolloutArgs
 from rollout.data_source import DataSource
+from rollout.engine_load import POLL_INTERVAL_S, BatchSizeTrace
 from rollout.filters import load_filter
 from rollout.generate import generate, generate_group, group_is_complete, sampling_params_from_args
 from rollout.loader import call_maybe_async, load_function, run_sync
@@ -91,6 +92,10 @@ class RolloutManager:
         self.on_group_kept: Optional[Callable[[int, int], None]] = None
         self.next_sample_index = 0
         self._eval_sources: dict[str, DataSource] = {}
+        # The engines' running requests over the last rollout (the built-in one), polled every
+        # batch_size_poll_interval seconds while it filled its batch.
+        self.batch_size_trace = BatchSizeTrace()
+        self.batch_size_poll_interval = POLL_INTERVAL_S
 
     # ------------------------------------------------------------ rollouts
 
@@ -106,8 +111,9 @@ class RolloutManager:
         (aborted leftovers and groups that finished after the batch was full: dropped, or with
         --partial-rollout kept for the next rollout); with --partial-rollout also
         rollout/partial_samples_ratio, the share of the rollout's samples begun in an earlier
-        one."""
+        one; perf/engine_batch_size/{mean,max} (rollout.engine_load.BatchSizeTrace)."""
         start = time.perf_counter()
+        self.batch_size_trace = BatchSizeTrace()
         if self.rollout_fn is not None:
             groups = await call_maybe_async(self.rollout_fn, self.fn_args, rollout_id, self)
             _check_groups(groups, "--rollout-function-path")
@@ -115,6 +121,7 @@ class RolloutManager:
         groups, stats = await self._generate_filtered(rollout_id)
         metrics = rollout_metrics(groups, time.perf_counter() - start, stats.pop("response_tokens"))
         metrics.update({f"rollout/{k}": float(v) for k, v in stats.items()})
+        metrics.update(self.batch_size_trace.metrics())
         if self.args.partial_rollout:
             samples = [s for g in groups for s in g]
             begun_earlier = sum("start_rollout_id" in s.metadata for s in samples)
@@ -129,6 +136,10 @@ class RolloutManager:
         # aborting leftovers touches this rollout's requests only
         fill = _Fill(rid_prefix=f"rollout-{uuid.uuid4().hex[:8]}-")
         params = sampling_params_from_args(args)
+        trace = self.batch_size_trace
+        poller = asyncio.ensure_future(
+            trace.poll(lambda: router.engines, self.batch_size_poll_interval)
+        )
         try:
             while len(fill.kept) < args.rollout_batch_size:
                 self._top_up(fill, params, router, data_source)
@@ -138,10 +149,12 @@ class RolloutManager:
                 self._sort_finished(fill, done)
         except BaseException:
             fill.stopping = True
+            await trace.stop(poller)
             # the first error is the one to report
             await self._abort(fill.pending, fill.rid_prefix, raise_errors=False)
             raise
         fill.stopping = True
+        await trace.stop(poller)  # the batch is full: what runs now is aborted
         leftovers = await self._abort(fill.pending, fill.rid_prefix, raise_errors=True)
         fill.stats["response_tokens"] += sum(s.response_length for g in leftovers for s in g)
         fill.leftover = sorted(fill.leftover + leftovers, key=lambda g: g[0].group_index)
@@ -156,6 +169,7 @@ class RolloutManager:
         for sample in (s for g in groups for s in g):
             if sample.response_length and "start_rollout_id" not in sample.metadata:
                 sample.metadata["start_rollout_id"] = rollout_id
+            sample.finish_time = None  # finished in this rollout, not in the one that trains it
         data_source.add_samples(groups)
         if groups:
             logger.info("kept %d partial groups for the next rollout", len(groups))

@@ -24,10 +24,17 @@ def rollout_metrics(
     accepted / drafted tokens (both absent when no sample verified); spec_accept_alarm is 1.0
     when the engine's acceptance alarm was up for any sample's weights. All are absent without
     speculative decoding.
+
+    perf/rollout_tail_time is the long tail: seconds from the first to the last finished response
+    among the kept samples that finished in this rollout (Sample.finish_time; absent when none
+    did).
     """
     samples = [s for group in groups for s in group]
     metrics = sample_metrics(samples, "rollout")
     metrics.update(spec_metrics(samples))
+    finished = [s.finish_time for s in samples if s.finish_time is not None]
+    if finished:
+        metrics["perf/rollout_tail_time"] = max(finished) - min(finished)
     tokens = sum(s.response_length for s in samples) if response_tokens is None else response_tokens
     metrics["perf/rollout_time"] = rollout_time
     metrics["perf/tokens_per_s"] = tokens / rollout_time if rollout_time > 0 else 0.0
@@ -52,6 +59,32 @@ def sample_metrics(samples: list[Sample], prefix: str) -> dict[str, float]:
     if rewards:
         metrics[f"{prefix}/raw_reward"] = statistics.fmean(rewards)
     return metrics
+
+
+def staleness_metrics(groups: list[list[Sample]], trained_version: int) -> dict[str, float]:
+    """rollout/weight_version_lag/{mean,max}: how stale the trained tokens are, in weight
+    versions: `trained_version` (the policy the trainer updates) less the version that generated
+    each response token that enters the loss (loss_mask 1; Sample.token_weight_versions). 0 under
+    synchronous training; above 0 for the earlier tokens of samples --partial-rollout continued,
+    unless --mask-offpolicy-in-partial-rollout masks them. Samples without per-token versions
+    (a custom generate function may not record them) are left out; absent when no token is
+    left, or a version is not an integer (engines labelled other than by the launcher)."""
+    lags = []
+    for sample in (s for group in groups for s in group):
+        versions = sample.token_weight_versions
+        if versions is None:
+            continue
+        mask = sample.loss_mask or [1] * len(versions)
+        try:
+            lags += [trained_version - int(v) for v, m in zip(versions, mask) if m]
+        except ValueError:
+            return {}
+    if not lags:
+        return {}
+    return {
+        "rollout/weight_version_lag/mean": statistics.fmean(lags),
+        "rollout/weight_version_lag/max": float(max(lags)),
+    }
 
 
 def spec_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -155,6 +188,13 @@ class MetricsLogger:
         if self._tb_writer is not None:
             for key, value in values.items():
                 self._tb_writer.add_scalar(key, value, step)
+
+    def log_series(self, step: int, name: str, series: dict[str, list]) -> None:
+        """A time series of one step (e.g. BatchSizeTrace.to_dict()) as a line of
+        `output_dir/{name}.jsonl`, appended as metrics.jsonl is: readers take each step's last
+        line (specrl.plots.read_metrics)."""
+        with open(os.path.join(self.output_dir, f"{name}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "rollout_id": step, **series}) + "\n")
 
     def close(self) -> None:
         self._file.close()

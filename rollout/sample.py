@@ -47,7 +47,8 @@ class Sample:
     the response, in order; `token_weight_versions` the version of each response token (None
     when a custom generate function does not record it). A sample continued by
     --partial-rollout has several of each, and `metadata["start_rollout_id"]` (slime's) names
-    the rollout it started in."""
+    the rollout it started in. `finish_time` (time.monotonic()) is when the response finished,
+    set by the rollout that finished it (None in a later one: perf/rollout_tail_time)."""
 
     group_index: Optional[int] = None
     index: Optional[int] = None
@@ -64,6 +65,7 @@ class Sample:
     weight_versions: list[str] = field(default_factory=list)
     token_weight_versions: Optional[list[str]] = None
     spec_info: Optional[dict[str, float]] = None
+    finish_time: Optional[float] = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

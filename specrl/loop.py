@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
 from rollout.engine_group import EngineGroup
 from rollout.manager import Groups, RolloutManager
-from rollout.metrics import MetricsLogger, rollout_metrics
+from rollout.metrics import MetricsLogger, rollout_metrics, staleness_metrics
 from rollout.router import EngineDied
 from spec_engine.models.hf_config import ModelConfig
 from specrl import checkpoint as run_checkpoint
@@ -35,7 +35,7 @@ from specrl.console import quiet_known_noise, setup_logging
 from specrl.fault_tolerance import EngineRestarter, EngineRestartsExhausted, fatal_message
 from specrl.health import HealthMonitor
 from specrl.placement import Placements, create_placements, init_ray
-from specrl.plots import write_run_plots
+from specrl.plots import BATCH_SIZE_SERIES, write_run_plots
 from specrl.progress import RolloutProgress
 from specrl.summary import rollout_line, summarize
 from specrl.train_batch import to_train_batch
@@ -87,6 +87,10 @@ def train(args: argparse.Namespace, resume: Resume | None = None) -> str:
         for rollout_id in range(run.start_rollout_id, args.num_rollout):
             metrics = rollout_step(run, rollout_id)
             metrics_log.log(rollout_id, metrics)
+            if run.manager.batch_size_trace.times:  # plotted by specrl.plots
+                metrics_log.log_series(
+                    rollout_id, BATCH_SIZE_SERIES, run.manager.batch_size_trace.to_dict()
+                )
             logger.info(rollout_line(rollout_id, args.num_rollout, metrics))
         return metrics_log.path
 
@@ -215,6 +219,8 @@ def rollout_step(run: Run, rollout_id: int) -> Metrics:
     faults_before = fault_counts(run)
     groups, metrics = generate(run, rollout_id)
     metrics["rollout/weight_version"] = run.weight_version  # the weights that generated it
+    if args.load_debug_rollout_data is None:  # a loaded rollout's versions are another run's
+        metrics.update(staleness_metrics(groups, run.weight_version))
     if run.trainer is not None:
         metrics.update(train_step(run, groups))
         if run.engines.actors:

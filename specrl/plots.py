@@ -9,7 +9,15 @@ import os
 COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 WIDTH, HEIGHT, PAD = 640, 360, 48
 # What every run plots: the reward and the speculative accept length per rollout.
-RUN_PLOTS = {"rollout/raw_reward": "reward.svg", "rollout/spec_accept_length": "accept_length.svg"}
+RUN_PLOTS = {
+    "rollout/raw_reward": "reward.svg",
+    "rollout/spec_accept_length": "accept_length.svg",
+    "perf/rollout_tail_time": "tail_time.svg",
+}
+# The engines' running requests over each rollout (rollout.engine_load.BatchSizeTrace), saved
+# next to metrics.jsonl as {BATCH_SIZE_SERIES}.jsonl and plotted against the seconds into the
+# rollout for its first, middle and last rollouts.
+BATCH_SIZE_SERIES = "engine_batch_size"
 
 Series = list[tuple[int, float]]
 
@@ -82,4 +90,24 @@ def write_run_plots(metrics_path: str, out_dir: str) -> list[str]:
             with open(path, "w") as f:
                 f.write(svg({run: series}, metric))
             written.append(path)
+    series_path = os.path.join(os.path.dirname(metrics_path), f"{BATCH_SIZE_SERIES}.jsonl")
+    if os.path.exists(series_path):
+        path = os.path.join(out_dir, f"{BATCH_SIZE_SERIES}.svg")
+        with open(path, "w") as f:
+            f.write(batch_size_svg(read_metrics(series_path)))
+        written.append(path)
     return written
+
+
+def batch_size_svg(rollouts: list[dict]) -> str:
+    """The running requests of an engine (the mean over the engines that answered a poll)
+    against the seconds into the rollout, for the first, middle and last of `rollouts`."""
+    picked = {r["rollout_id"]: r for r in (rollouts[0], rollouts[len(rollouts) // 2], rollouts[-1])}
+    series = {}
+    for rollout_id, r in sorted(picked.items()):
+        points = []
+        for t, counts in zip(r["time"], r["running_reqs"]):
+            answered = [n for n in counts if n is not None]
+            points.append((t, sum(answered) / len(answered)))
+        series[f"rollout {rollout_id}"] = points
+    return svg(series, "engine batch size (running requests)", x_label="seconds into the rollout")

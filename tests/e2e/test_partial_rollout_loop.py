@@ -4,9 +4,12 @@ pushed, their earlier tokens masked, and every group is trained once."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from rollout.debug_data import load_debug_rollout_data
+from specrl.plots import read_metrics
 from tests.e2e.test_train_loop import base_args, metrics, run
 
 pytest.importorskip("ray")
@@ -38,6 +41,10 @@ def test_the_loop_continues_left_over_groups_under_the_new_weights(rl_task, tmp_
         samples = [s for g in groups for s in g]
         begun_earlier = [s for s in samples if "start_rollout_id" in s.metadata]
         assert row["rollout/partial_samples_ratio"] == len(begun_earlier) / len(samples)
+        # the masked tokens of older weights are not trained: none is stale
+        trained = sum(sum(s.loss_mask) for s in samples)
+        lag = row.get("rollout/weight_version_lag/max")
+        assert lag == (0.0 if trained else None) == row.get("rollout/weight_version_lag/mean")
         for s in samples:
             versions = s.token_weight_versions
             assert len(versions) == s.response_length <= 24
@@ -48,5 +55,14 @@ def test_the_loop_continues_left_over_groups_under_the_new_weights(rl_task, tmp_
             assert set(versions) <= set(s.weight_versions)
             continued += str(rollout_id) in versions and versions[0] != str(rollout_id)
     assert continued > 0, "no response was continued under new weights; the test proves nothing"
+    # The engine's running requests, polled through its Ray actor: at most the 6 groups of 4
+    # in flight; saved per rollout next to metrics.jsonl, and plotted.
+    polled = read_metrics(os.path.join(out, "engine_batch_size.jsonl"))
+    assert polled, "no rollout lasted a poll; the test proves nothing"
+    for trace in polled:
+        counts = [n for [n] in trace["running_reqs"]]
+        assert rows[trace["rollout_id"]]["perf/engine_batch_size/max"] == max(counts) <= 24
+    assert max(n for trace in polled for [n] in trace["running_reqs"]) > 0, polled
+    assert os.path.exists(os.path.join(out, "plots", "engine_batch_size.svg"))
     trained = [g[0].group_index for groups in rollouts for g in groups]
     assert len(trained) == len(set(trained)) == 2 * NUM_ROLLOUT

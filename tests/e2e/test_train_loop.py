@@ -138,6 +138,9 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, rl_loop_
         ):
             assert r[key] is not None, key
         assert abs(r["train/tis"] - 1.0) < 1e-3  # trainer and engine log-probs agree
+        # synchronous: every trained token is of the weights being trained
+        assert r["rollout/weight_version_lag/mean"] == r["rollout/weight_version_lag/max"] == 0
+        assert 0 <= r["perf/rollout_tail_time"] < r["perf/rollout_time"]
     assert all(os.path.exists(saved.format(rollout_id=i)) for i in range(NUM_ROLLOUT))
     # The run explains itself: a closing summary read back from metrics.jsonl, and its plots.
     summary = proc.stdout[proc.stdout.index(f"run summary ({NUM_ROLLOUT} rollouts)") :]

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from rollout import RolloutArgs, RolloutManager, Sample, Status
 from rollout.generate import fill_from_output, generate
+from rollout.metrics import staleness_metrics
 from rollout.tiny_task import write_tiny_task
 from spec_engine import Engine
 from tests.rollout.test_rollout import make_args
@@ -64,6 +65,7 @@ def test_partial_groups_are_continued_and_every_group_is_trained_once(
     manager = RolloutManager(args, [engine], tokenizer)
     trained: list[int] = []  # group indices, in the order they were trained
     continued = 0  # samples continued from a partial response
+    stale_max = 0  # the most stale token trained
     for rollout_id in range(NUM_ROLLOUTS):
         if rollout_id == 2:  # resumed from a checkpoint in the middle: the buffer goes along
             before = manager
@@ -71,7 +73,7 @@ def test_partial_groups_are_continued_and_every_group_is_trained_once(
             assert manager.data_source.buffer == before.data_source.buffer != []
             assert manager.next_sample_index == before.next_sample_index
         # The trainer's new weights: every rollout under a new version.
-        version = f"v{rollout_id}"
+        version = str(rollout_id)
         engine.update_weight_version(version)
         carried = {s.index: copy.deepcopy(s) for g in manager.data_source.buffer for s in g}
         groups, metrics = manager.generate(rollout_id)
@@ -110,6 +112,21 @@ def test_partial_groups_are_continued_and_every_group_is_trained_once(
             assert s.loss_mask == (on_policy if mask else [1] * s.response_length)
         begun_earlier = sum("start_rollout_id" in s.metadata for s in samples)
         assert metrics["rollout/partial_samples_ratio"] == begun_earlier / len(samples)
+        # Staleness, by hand: the rollout's weights less each trained token's. The oldest token
+        # of a continued sample is from the rollout it began in.
+        lags = [
+            rollout_id - int(v)
+            for s in samples
+            for v, m in zip(s.token_weight_versions, s.loss_mask)
+            if m == 1
+        ]
+        begun = [rollout_id - s.metadata.get("start_rollout_id", rollout_id) for s in samples]
+        oldest = 0 if mask else max(begun)
+        assert staleness_metrics(groups, rollout_id) == {
+            "rollout/weight_version_lag/mean": sum(lags) / len(lags),
+            "rollout/weight_version_lag/max": float(oldest),
+        }
+        stale_max = max(stale_max, oldest)
         assert metrics["rollout/groups_leftover"] == len(manager.data_source.buffer) == 4
         # perf/tokens_per_s counts each token in the rollout that generated it
         now = samples + [s for g in manager.data_source.buffer for s in g]
@@ -119,6 +136,8 @@ def test_partial_groups_are_continued_and_every_group_is_trained_once(
         tokens = metrics["perf/tokens_per_s"] * metrics["perf/rollout_time"]
         assert tokens == pytest.approx(generated)
     assert continued > 0, "no rollout continued a partial response; the test proves nothing"
+    # --mask-offpolicy-in-partial-rollout trains no token of older weights
+    assert (stale_max == 0) if mask else (stale_max > 0)
     # Nothing lost or duplicated: every group made is trained once or still waits in the buffer.
     waiting = [g[0].group_index for g in manager.data_source.buffer]
     assert len(trained) == len(set(trained)) == 2 * NUM_ROLLOUTS
@@ -133,8 +152,13 @@ def test_without_partial_rollout_leftovers_are_dropped(engine, tokenizer, tmp_pa
     data = str(tmp_path / "task.jsonl")
     write_tiny_task(data, tokenizer, n=16)
     manager = RolloutManager(partial_args(data, partial_rollout=False), [engine], tokenizer)
+    manager.batch_size_poll_interval = 0.01
     groups, metrics = manager.generate(0)
     assert metrics["rollout/groups_leftover"] == 4 and manager.data_source.buffer == []
+    # the real engine's running requests: at most the 6 groups of 2 in flight
+    polled = manager.batch_size_trace.running
+    assert polled and all(0 <= n <= 12 for [n] in polled) and max(polled)[0] > 0
+    assert metrics["perf/engine_batch_size/max"] == max(polled)[0]
     assert "rollout/partial_samples_ratio" not in metrics
     groups, _ = manager.generate(1)
     assert min(g[0].group_index for g in groups) >= 6  # new prompts only
@@ -195,6 +219,7 @@ def test_groups_finished_after_the_batch_is_full_are_trained_next_without_a_requ
     # the two buffered groups first, finished and scored already; two new ones made with them
     assert [g[0].group_index for g in groups] == [2, 3] and handle.requests == 12 + 4
     assert metrics["rollout/partial_samples_ratio"] == 1.0
+    assert "perf/rollout_tail_time" not in metrics  # they finished in rollout 0: no tail here
     assert all(s.reward == 1.0 and s.response == " bc" for g in groups for s in g)
     assert all(s.metadata["scored"] == 1 for g in groups for s in g)  # not scored again
 
@@ -239,3 +264,89 @@ def test_a_continued_sample_at_the_length_limit_ends_truncated_without_a_request
 def test_partial_rollout_flags_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RolloutArgs(rollout_batch_size=1, **kwargs)
+
+
+class Clock:
+    """time.monotonic for rollout.generate: the time a test engine says its request finished."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class ScheduledEngine:
+    """Each request finishes at the time `finish_at` gives for its sample (by sampling seed:
+    the sample index with --rollout-seed 0), on `clock`."""
+
+    def __init__(self, clock: Clock, finish_at: dict[int, float]) -> None:
+        self.clock, self.finish_at = clock, finish_at
+
+    async def async_generate(self, input_ids, sampling_params, **kwargs):
+        await asyncio.sleep(0)  # every request in flight before any finishes
+        self.clock.now = self.finish_at[sampling_params["sampling_seed"]]
+        return output([7, 8], [-0.5, -0.5], " bc", "stop", "0")
+
+    def abort_request(self, rid: str) -> None:
+        pass
+
+
+def test_the_tail_runs_from_the_first_to_the_last_finished_response(
+    tokenizer, tmp_path, monkeypatch
+):
+    data = str(tmp_path / "task.jsonl")
+    write_tiny_task(data, tokenizer, n=16)
+    clock = Clock()
+    monkeypatch.setattr("rollout.generate.time", clock)
+    # two groups of two samples (indices 0-3), finishing at these times: the tail is 7.5 - 3.0
+    finish_at = {0: 5.0, 1: 7.5, 2: 3.0, 3: 4.25}
+    args = partial_args(data, rollout_seed=0, over_sampling_batch_size=2, partial_rollout=False)
+    manager = RolloutManager(args, [ScheduledEngine(clock, finish_at)], tokenizer)
+    groups, metrics = manager.generate(0)
+    assert [s.finish_time for g in groups for s in g] == [5.0, 7.5, 3.0, 4.25]
+    assert metrics["perf/rollout_tail_time"] == 7.5 - 3.0
+
+
+class CountingEngine:
+    """Reports as its running requests those inside async_generate, and lets one of them finish
+    after each report: the polls see 4, 3, 2, 1. Its first poll, and any while it holds none,
+    fail (a poll never fails the rollout) and count nothing."""
+
+    def __init__(self) -> None:
+        self.held: list[asyncio.Event] = []
+        self.polls = 0
+
+    async def async_generate(self, input_ids, sampling_params, **kwargs):
+        release = asyncio.Event()
+        self.held.append(release)
+        await release.wait()
+        self.held.remove(release)
+        return output([7, 8], [-0.5, -0.5], " bc", "stop", "0")
+
+    async def get_load(self, include=None):
+        self.polls += 1
+        if self.polls == 1 or not self.held:
+            raise RuntimeError("no load to report")
+        running = len(self.held)
+        self.held[0].set()
+        return {"loads": [{"num_running_reqs": running}]}
+
+    def abort_request(self, rid: str) -> None:
+        for release in self.held:  # an aborted request ends
+            release.set()
+
+
+def test_the_engines_batch_size_is_polled_while_the_batch_fills(tokenizer, tmp_path):
+    data = str(tmp_path / "task.jsonl")
+    write_tiny_task(data, tokenizer, n=16)
+    args = partial_args(data, over_sampling_batch_size=2, partial_rollout=False)
+    manager = RolloutManager(args, [CountingEngine()], tokenizer)
+    manager.batch_size_poll_interval = 0.01
+    # the polls let the requests finish: a poller that stopped would hang the rollout
+    _, metrics = asyncio.run(asyncio.wait_for(manager.agenerate(0), timeout=10))
+    assert manager.batch_size_trace.running == [[4], [3], [2], [1]]
+    times = manager.batch_size_trace.times
+    assert len(times) == 4 and times == sorted(times) and times[0] >= 0.01
+    assert metrics["perf/engine_batch_size/mean"] == 2.5
+    assert metrics["perf/engine_batch_size/max"] == 4.0

@@ -17,7 +17,7 @@ from rollout.data_source import DataSource
 from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
 from rollout.filters import check_reward_nonzero_std, load_filter
 from rollout.loader import load_function
-from rollout.metrics import MetricsLogger, rollout_metrics
+from rollout.metrics import MetricsLogger, rollout_metrics, staleness_metrics
 from rollout.rewards import load_reward_fn, score
 from rollout.rewards.boxed_math import answers_match, boxed_math_rm, extract_boxed
 from rollout.rewards.exact_match import exact_match_rm
@@ -484,6 +484,23 @@ def test_rollout_metrics_values():
     assert m["perf/rollout_time"] == 2.0 and m["perf/tokens_per_s"] == 10.0
     plain = rollout_metrics([[make_sample()]], rollout_time=1.0)
     assert "rollout/spec_accept_length" not in plain and plain["perf/tokens_per_s"] == 2.0
+
+
+def test_staleness_counts_the_trained_tokens_only():
+    def sample(versions, mask):
+        return make_sample(
+            response_length=len(mask), token_weight_versions=versions, loss_mask=mask
+        )
+
+    # trained at version 3: lags 2, (2, masked), 1, 0
+    old = sample(["1", "1", "2", "3"], [1, 0, 1, 1])
+    unrecorded = sample(None, [1, 1])  # a custom generate function's: left out
+    assert staleness_metrics([[old, unrecorded]], 3) == {
+        "rollout/weight_version_lag/mean": 1.0,
+        "rollout/weight_version_lag/max": 2.0,
+    }
+    assert staleness_metrics([[sample(["default"], [1])]], 3) == {}  # not the launcher's versions
+    assert staleness_metrics([[sample(["1"], [0])]], 3) == {}  # nothing trained
 
 
 def test_metrics_logger_jsonl_and_wandb(tmp_path, monkeypatch):
