@@ -221,9 +221,10 @@ class WeightUpdater:
                 _check_finite(name, tensor)
         return routes, models, shards
 
-    def on_every_rank(self, check: Callable[[], T]) -> T:
+    def on_every_rank(self, check: Callable[[], T], done: str = "updated") -> T:
         """`check()` on this rank; under tensor parallelism every rank learns whether any
-        rank's check failed, and all of them raise it (naming that rank), so none copies."""
+        rank's check failed, and all of them raise it (naming that rank), so none copies
+        (`done`: what the error says no rank did)."""
         if self.tp.size == 1:
             return check()
         try:
@@ -232,7 +233,7 @@ class WeightUpdater:
             result, error = None, str(e)
         for rank, failed in enumerate(self.tp.gather_objects(error)):
             if failed is not None:
-                raise ValueError(f"{failed} (tensor-parallel rank {rank}; no rank updated)")
+                raise ValueError(f"{failed} (tensor-parallel rank {rank}; no rank {done})")
         return result
 
     # ---------------------------------------------------------------- distributed
@@ -246,32 +247,41 @@ class WeightUpdater:
         group_name: str,
         backend: str = "gloo",
     ) -> None:
-        """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0)."""
+        """Join the trainer's broadcast group (the trainer is rank 0) as rank `rank_offset` +
+        this engine rank (SGLang's and slime's numbering: an engine of N ranks takes N places
+        from `rank_offset`). Every rank of the engine calls this; unless all of them joined,
+        all of them raise."""
         if group_name in self.groups:
             raise ValueError(f"weight update group {group_name!r} exists already")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if backend == "nccl" and self.device.type != "cuda":
             raise ValueError("backend 'nccl' needs CUDA; use backend 'gloo' on CPU")
-        if not 0 < rank_offset < world_size:
+        last = world_size - self.tp.size
+        if not 0 < rank_offset <= last:
             raise ValueError(
-                f"rank_offset must be in 1..world_size-1 (the trainer is rank 0), got {rank_offset}"
+                f"rank_offset must be in 1..{last} (the trainer is rank 0, and this engine's "
+                f"{self.tp.size} rank(s) take ranks rank_offset..rank_offset+{self.tp.size - 1} "
+                f"of world_size {world_size}), got {rank_offset}"
             )
-        store = dist.PrefixStore(
-            group_name,
-            dist.TCPStore(
-                master_address,
-                master_port,
-                world_size,
-                is_master=False,
-                timeout=GROUP_CONNECT_TIMEOUT,
-            ),
-        )
-        if backend == "gloo":
-            group = dist.ProcessGroupGloo(store, rank_offset, world_size, GROUP_TIMEOUT)
-        else:
-            group = dist.ProcessGroupNCCL(store, rank_offset, world_size)
-        self.groups[group_name] = group
+        rank = rank_offset + self.tp.rank
+
+        def join() -> dist.ProcessGroup:
+            store = dist.PrefixStore(
+                group_name,
+                dist.TCPStore(
+                    master_address,
+                    master_port,
+                    world_size,
+                    is_master=False,
+                    timeout=GROUP_CONNECT_TIMEOUT,
+                ),
+            )
+            if backend == "gloo":
+                return dist.ProcessGroupGloo(store, rank, world_size, GROUP_TIMEOUT)
+            return dist.ProcessGroupNCCL(store, rank, world_size)
+
+        self.groups[group_name] = self.on_every_rank(join, "kept the group")
 
     def destroy_group(self, group_name: str) -> None:
         """Leave a weight update group (SGLang's destroy_weights_update_group)."""
@@ -320,7 +330,8 @@ class WeightUpdater:
 
     def checksums(self, names: Optional[list[str]] = None) -> dict[str, str]:
         """SHA-256 per tensor, in the engine's dtype, of the target and draft (see
-        tensor_checksum)."""
+        tensor_checksum); under tensor parallelism of the whole tensors, gathered (every rank
+        calls this)."""
         if names is not None and (
             not isinstance(names, list) or not all(isinstance(n, str) for n in names)
         ):
@@ -330,20 +341,44 @@ class WeightUpdater:
         unknown = [n for n in wanted if n not in every]
         if unknown:
             raise ValueError(f"no weights named {unknown[:5]}")
-        return {n: tensor_checksum(hf_tensor(*every[n])) for n in wanted}
+        return {n: tensor_checksum(t) for n, t in self._whole(wanted, every).items()}
 
     def names(self) -> list[str]:
         """Every weight's Hugging Face name (`draft.`-prefixed for an external draft)."""
         return list(self._named_weights())
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One weight by its Hugging Face name (`draft.`-prefixed for an external draft)."""
+        """One weight by its Hugging Face name (`draft.`-prefixed for an external draft), whole:
+        under tensor parallelism gathered from the ranks (every rank calls this)."""
         every = self._named_weights()
         if name not in every:
             close = difflib.get_close_matches(name, list(every), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"no weight named {name!r}{hint}")
-        return hf_tensor(*every[name])
+        return self._whole([name], every)[name]
+
+    def _whole(
+        self, names: list[str], every: dict[str, tuple[nn.Module, str]]
+    ) -> dict[str, torch.Tensor]:
+        """The named tensors whole: a tensor-parallel rank's blocks of the split ones are
+        gathered (one collective for all of them, host copies) and put where each rank's shard
+        says; the others are the same on every rank and this rank's."""
+        held = {n: hf_tensor(*every[n]) for n in names}
+        if self.tp.size == 1:
+            return held
+        slots = {n: weight_spec(every[n][0])[every[n][1]] for n in names}
+        split = [n for n in names if slots[n].shard is not None]
+        ranks = self.tp.gather_objects(
+            {n: (slots[n].shard, held[n].to("cpu", copy=True)) for n in split}
+        )
+        for n in split:
+            whole = torch.empty(slots[n].shape, dtype=held[n].dtype, device="cpu")
+            # Replicated KV heads come from several ranks, the same values each time.
+            for blocks in ranks:
+                shard, part = blocks[n]
+                whole.narrow(shard.dim, shard.start, shard.length).copy_(part)
+            held[n] = whole
+        return held
 
     def fill_weights(self, value: float) -> None:
         """Overwrite every floating-point weight with `value` (slime's weights_checker
