@@ -40,8 +40,8 @@ WEIGHTS_CHECKER_ACTIONS = ("snapshot", "reset_tensors", "compare", "checksum")
 
 
 class EngineReports:
-    """Needs Engine's _call, _call_command, args, scheduler, memory, updater, runner, stats, context_len,
-    model_config, tokenizer and weight_version."""
+    """Needs Engine's _call, _call_command, args, scheduler, memory, updater, runner, stats,
+    context_len, model_config, tokenizer and weight_version."""
 
     def get_server_info(self) -> dict[str, Any]:
         """SGLang's server info: the server args at top level (specrl's, and SGLang's own with
