@@ -32,8 +32,8 @@ from spec_engine.dtypes import DTYPES
 from spec_engine.weights import fp8
 from spec_engine.weights.fp8 import is_scale_name
 from spec_engine.weights.loader import tensor_checksum
-from spec_engine.weights.transport import FlattenedBucket, serialize_shared
-from spec_engine.weights.updater import DRAFT_PREFIX, as_wire
+from spec_engine.weights.transport import FlattenedBucket, as_wire, serialize_shared
+from spec_engine.weights.updater import DRAFT_PREFIX
 from trainer_bridge.megatron_compat import free_port
 
 logger = logging.getLogger(__name__)

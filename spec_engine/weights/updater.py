@@ -41,7 +41,7 @@ from spec_engine.weights.loader import (
     weight_spec,
 )
 from spec_engine.weights.shard import Shard
-from spec_engine.weights.transport import materialize
+from spec_engine.weights.transport import as_wire, materialize, parse_dtype, parse_shape
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -299,7 +299,10 @@ class WeightUpdater:
         """Receive one broadcast per tensor from rank 0 of the group, then apply them.
 
         Everything announced is received even if it will be refused, so the trainer's
-        broadcasts never hang; the check happens before anything is copied.
+        broadcasts never hang; the check happens before anything is copied. Under tensor
+        parallelism every rank receives the whole tensors (each is a member of the group) and
+        the ranks agree after each stage, so a rank that failed alone leaves no other waiting
+        in a collective.
         """
         group = self.groups.get(group_name)
         if group is None:
@@ -318,13 +321,23 @@ class WeightUpdater:
         )
         # Every buffer is made before the first broadcast: failing half-way would leave the
         # trainer's remaining broadcasts to be taken by the next update.
-        buffers = [
-            (name, torch.empty(parse_shape(name, shape), dtype=parse_dtype(dtype), device=device))
-            for name, dtype, shape in zip(names, dtypes, shapes)
-        ]
-        for _, tensor in buffers:
-            group.broadcast(as_wire(tensor), 0).wait()
-        return self.apply(buffers)
+        buffers = self.on_every_rank(
+            lambda: [
+                (
+                    name,
+                    torch.empty(parse_shape(name, shape), dtype=parse_dtype(dtype), device=device),
+                )
+                for name, dtype, shape in zip(names, dtypes, shapes)
+            ],
+            "received anything",
+        )
+
+        def receive() -> list[tuple[str, torch.Tensor]]:
+            for _, tensor in buffers:
+                group.broadcast(as_wire(tensor), 0).wait()
+            return buffers
+
+        return self.apply(self.on_every_rank(receive))
 
     # ---------------------------------------------------------------- checksums and memory
 
@@ -444,24 +457,6 @@ def _check_finite(name: str, tensor: torch.Tensor) -> None:
         )
 
 
-def as_wire(tensor: torch.Tensor) -> torch.Tensor:
-    """What a broadcast moves of `tensor`: FP8 as its bytes (uint8, a view), since gloo has no
-    FP8 type ("Invalid scalar type"); anything else as it is."""
-    if tensor.is_floating_point() and tensor.element_size() == 1:
-        return tensor.view(torch.uint8)
-    return tensor
-
-
-def parse_shape(name: str, shape) -> tuple[int, ...]:
-    if not isinstance(shape, (list, tuple)) or not all(
-        isinstance(d, int) and d >= 0 for d in shape
-    ):
-        raise ValueError(
-            f"weight {name!r}: shape must be a list of non-negative integers, got {shape!r}"
-        )
-    return tuple(shape)
-
-
 def _check_one_value_per_slot(model: nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
     """Two names landing in one place (a tied embedding and head) must carry equal values."""
     spec = weight_spec(model)
@@ -479,12 +474,3 @@ def _check_one_value_per_slot(model: nn.Module, items: list[tuple[str, torch.Ten
                 "sent with different values; send one of them"
             )
         seen[key] = (name, tensor)
-
-
-def parse_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name such as 'bfloat16'")
-    return value
