@@ -17,7 +17,7 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -123,20 +123,32 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_decode_flags(parser, batch_sizes=[1, 8, 32, 64], input_len=128, output_len=128, repeats=2)
+    return parser.parse_args(argv)
+
+
+def add_decode_flags(
+    parser: argparse.ArgumentParser,
+    batch_sizes: list[int],
+    input_len: int,
+    output_len: int,
+    repeats: int,
+) -> None:
+    """The flags of a decode-throughput benchmark (`decode_tok_s` and `random_llama` read
+    them), with these defaults."""
     parser.add_argument(
         "--model-path", help="checkpoint to use; default: build a random Llama (see --hidden-size)"
     )
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=batch_sizes)
+    parser.add_argument("--input-len", type=int, default=input_len)
+    parser.add_argument("--output-len", type=int, default=output_len)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--json", help="also write the results to this JSON file")
-    return parser.parse_args(argv)
 
 
 def random_llama(args: argparse.Namespace) -> str:
@@ -166,16 +178,29 @@ def report(results: list[dict], params: int, args: argparse.Namespace) -> None:
         f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
         f"input {args.input_len}, output {args.output_len}, best of {args.repeats}"
     )
-    print("| batch | spec_engine decode tok/s | transformers decode tok/s | speedup |")
-    print("|---:|---:|---:|---:|")
-    for r in results:
-        print(
-            f"| {r['batch']} | {r['spec_engine_tok_s']} | {r['transformers_tok_s']} | "
-            f"{r['speedup']}x |"
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"params": params, "args": vars(args), "results": results}, f, indent=2)
+    print_table(
+        ["batch", "spec_engine decode tok/s", "transformers decode tok/s", "speedup"],
+        [
+            [r["batch"], r["spec_engine_tok_s"], r["transformers_tok_s"], f"{r['speedup']}x"]
+            for r in results
+        ],
+    )
+    write_json(args.json, {"params": params, "args": vars(args), "results": results})
+
+
+def print_table(header: list[str], rows: list[list[Any]]) -> None:
+    """A Markdown table, numbers right-aligned."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---:|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(v) for v in row) + " |")
+
+
+def write_json(path: Optional[str], data: dict) -> None:
+    """`data` to `path` (the --json flag), if given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
 
 
 if __name__ == "__main__":

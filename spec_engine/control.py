@@ -116,19 +116,29 @@ class EngineControl(EngineReports):
         backend: Optional[str] = None,
     ) -> dict[str, Any]:
         """Join the trainer's process group (the trainer is rank 0) for
-        update_weights_from_distributed. backend: "nccl" (SGLang's default, on CUDA) or
-        "gloo"; unset, the engine's device decides."""
-        self._one_rank_only("init_weights_update_group")
+        update_weights_from_distributed: engine rank r as rank `rank_offset` + r (SGLang's and
+        slime's numbering; world_size counts every engine rank). backend: "nccl" (SGLang's
+        default, on CUDA) or "gloo"; unset, the engine's device decides."""
         if backend is None:
             backend = "nccl" if self.runner.device.type == "cuda" else "gloo"
-        self._call(
-            lambda: self.updater.init_group(
-                master_address, master_port, rank_offset, world_size, group_name, backend
-            )
+        self._call_command(
+            "updater.init_group",
+            master_address,
+            master_port,
+            rank_offset,
+            world_size,
+            group_name,
+            backend,
+        )
+        ranks = self.args.tp_size
+        where = (
+            f"rank {rank_offset}"
+            if ranks == 1
+            else f"ranks {rank_offset}..{rank_offset + ranks - 1}"
         )
         return {
             "success": True,
-            "message": f"joined {group_name!r} ({backend}) as rank {rank_offset} of {world_size}",
+            "message": f"joined {group_name!r} ({backend}) as {where} of {world_size}",
         }
 
     def update_weights_from_distributed(
@@ -144,16 +154,24 @@ class EngineControl(EngineReports):
         torch_empty_cache: bool = False,
     ) -> dict[str, Any]:
         """Receive one broadcast per named tensor from the group's rank 0, then load them
-        (dtypes as torch dtypes or their names, "bfloat16"; load_format as SGLang: None)."""
-        self._one_rank_only("update_weights_from_distributed")
+        (dtypes as torch dtypes or their names, "bfloat16"; load_format as SGLang: None). At
+        --tp-size > 1 every rank receives the whole tensors and takes its blocks, once every
+        rank's checks passed."""
         if load_format is not None:
             raise ValueError(
                 f"load_format {load_format!r} is not supported for distributed updates; send "
                 "null (the tensors are broadcast as they are)"
             )
-        return self._update_weights(
-            lambda: self.updater.from_distributed(names, dtypes, shapes, group_name),
-            AfterUpdate(flush_cache, weight_version, abort_all_requests, torch_empty_cache),
+        after = AfterUpdate(flush_cache, weight_version, abort_all_requests, torch_empty_cache)
+        return self._call_command(
+            "_update_from_distributed", names, dtypes, shapes, group_name, after
+        )
+
+    def _update_from_distributed(
+        self, names: list[str], dtypes: list, shapes: list, group_name: str, after: AfterUpdate
+    ) -> dict[str, Any]:
+        return self._apply_update(
+            lambda: self.updater.from_distributed(names, dtypes, shapes, group_name), after
         )
 
     def update_weights_from_disk(
@@ -247,14 +265,12 @@ class EngineControl(EngineReports):
 
     def get_weights_checksum(self, names: Optional[list[str]] = None) -> dict[str, str]:
         """SHA-256 of each named tensor as the engine holds it (see
-        weights.loader.tensor_checksum)."""
-        self._one_rank_only("get_weights_checksum")
+        weights.loader.tensor_checksum); at --tp-size > 1 of the whole tensor, gathered."""
+        return self._call_command("_checksums", names)
 
-        def checksums() -> dict[str, str]:
-            self.memory.require_weights()
-            return self.updater.checksums(names)
-
-        return self._call(checksums)
+    def _checksums(self, names: Optional[list[str]]) -> dict[str, str]:
+        self.memory.require_weights()
+        return self.updater.checksums(names)
 
     def pause_generation(self, mode: str = "abort") -> dict[str, str]:
         """Stop generating: abort (end requests), retract (re-queue them) or in_place (keep
@@ -318,8 +334,7 @@ class EngineControl(EngineReports):
     def destroy_weights_update_group(
         self, group_name: str = "weight_update_group"
     ) -> dict[str, Any]:
-        self._one_rank_only("destroy_weights_update_group")
-        self._call(lambda: self.updater.destroy_group(group_name))
+        self._call_command("updater.destroy_group", group_name)
         return {"success": True, "message": f"left weight update group {group_name!r}"}
 
     def start_profile(

@@ -40,19 +40,8 @@ WEIGHTS_CHECKER_ACTIONS = ("snapshot", "reset_tensors", "compare", "checksum")
 
 
 class EngineReports:
-    """Needs Engine's _call, args, scheduler, memory, updater, runner, stats, context_len,
-    model_config, tokenizer and weight_version."""
-
-    def _one_rank_only(self, what: str) -> None:
-        """Refuse `what` on a tensor-parallel engine: each rank holds a shard of the weights,
-        and `what` across ranks is not built yet."""
-        if self.args.tp_size > 1:
-            raise ValueError(
-                f"{what} is not supported at --tp-size {self.args.tp_size} yet (each rank holds "
-                "a shard of the weights; updates from a distributed group, checksums and weight "
-                "reads across ranks are not built): update from disk or from tensors, or "
-                "run the engine at tp_size 1"
-            )
+    """Needs Engine's _call, _call_command, args, scheduler, memory, updater, runner, stats,
+    context_len, model_config, tokenizer and weight_version."""
 
     def get_server_info(self) -> dict[str, Any]:
         """SGLang's server info: the server args at top level (specrl's, and SGLang's own with
@@ -190,17 +179,16 @@ class EngineReports:
         return self._call(reason)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        """The first `truncate_size` values of a weight, flattened, as the engine holds it."""
-        self._one_rank_only("get_weights_by_name")
+        """The first `truncate_size` values of a weight, flattened, as the engine holds it (at
+        --tp-size > 1 the whole tensor, gathered from the ranks, as SGLang's)."""
         if truncate_size < 0:
             raise ValueError(f"truncate_size must be >= 0, got {truncate_size}")
+        return self._call_command("_weights_by_name", name, truncate_size)
 
-        def read() -> list:
-            self.memory.require_weights()
-            tensor = self.updater.tensor(name)
-            return tensor.reshape(-1)[:truncate_size].float().tolist()
-
-        return self._call(read)
+    def _weights_by_name(self, name: str, truncate_size: int) -> list:
+        self.memory.require_weights()
+        tensor = self.updater.tensor(name)
+        return tensor.reshape(-1)[:truncate_size].float().tolist()
 
     def weights_checker(
         self,
@@ -215,48 +203,48 @@ class EngineReports:
         per tensor as SGLang's "ranks" / "per_engine_checksum". Tensors whose name contains an
         entry of skip_tensor_list are neither reset nor compared. allow_quant_error is accepted:
         the comparison is exact (an FP8 engine's snapshot and update hold the same quantized
-        values)."""
+        values). At --tp-size > 1 every rank runs it and the checksums are of the whole
+        tensors, gathered (one entry in "ranks", for the engine)."""
         if action not in WEIGHTS_CHECKER_ACTIONS:
             raise ValueError(
                 f"weights_checker action must be one of {', '.join(WEIGHTS_CHECKER_ACTIONS)}, "
                 f"got {action!r}"
             )
-        self._one_rank_only("weights_checker")
-        skip = skip_tensor_list or []
+        return self._call_command("_check_weights", action, skip_tensor_list or [])
+
+    def _check_weights(self, action: str, skip: list[str]) -> dict[str, Any]:
+        """weights_checker's `action` on this rank (the collectives inside run on every rank)."""
 
         def checked(checksums: dict[str, str]) -> dict[str, str]:
             return {n: c for n, c in checksums.items() if not any(p in n for p in skip)}
 
-        def run() -> dict[str, Any]:
-            self.memory.require_weights()
-            if action == "snapshot":
-                self._weight_snapshot = checked(self.updater.checksums(None))
-                return {"success": True, "message": f"{len(self._weight_snapshot)} weights"}
-            if action == "reset_tensors":
-                kept = [
-                    (n, self.updater.tensor(n).clone())
-                    for n in self.updater.names()
-                    if any(p in n for p in skip)
-                ]
-                self.updater.fill_weights(float("nan"))
-                self.updater.apply(kept)
-                self.scheduler.weights_changed(flush=True)
-                return {"success": True, "message": f"weights reset to NaN ({len(kept)} kept)"}
-            current = checked(self.updater.checksums(None))
-            if action == "checksum":
-                return _checksum_report(current)
-            if self._weight_snapshot is None:
-                raise ValueError("weights_checker compare needs a snapshot first")
-            differ = sorted(k for k, v in current.items() if self._weight_snapshot.get(k) != v)
-            if differ:
-                return {
-                    "success": False,
-                    "message": f"check tensor equality failed: {len(differ)} weights differ "
-                    f"from the snapshot: {differ[:10]}",
-                }
-            return {"success": True, "message": f"{len(current)} weights equal the snapshot"}
-
-        return self._call(run)
+        self.memory.require_weights()
+        if action == "snapshot":
+            self._weight_snapshot = checked(self.updater.checksums(None))
+            return {"success": True, "message": f"{len(self._weight_snapshot)} weights"}
+        if action == "reset_tensors":
+            kept = [
+                (n, self.updater.tensor(n).clone())
+                for n in self.updater.names()
+                if any(p in n for p in skip)
+            ]
+            self.updater.fill_weights(float("nan"))
+            self.updater.apply(kept)
+            self.scheduler.weights_changed(flush=True)
+            return {"success": True, "message": f"weights reset to NaN ({len(kept)} kept)"}
+        current = checked(self.updater.checksums(None))
+        if action == "checksum":
+            return _checksum_report(current)
+        if self._weight_snapshot is None:
+            raise ValueError("weights_checker compare needs a snapshot first")
+        differ = sorted(k for k, v in current.items() if self._weight_snapshot.get(k) != v)
+        if differ:
+            return {
+                "success": False,
+                "message": f"check tensor equality failed: {len(differ)} weights differ "
+                f"from the snapshot: {differ[:10]}",
+            }
+        return {"success": True, "message": f"{len(current)} weights equal the snapshot"}
 
 
 def _num_running(s: Scheduler) -> int:

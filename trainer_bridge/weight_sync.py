@@ -32,8 +32,8 @@ from spec_engine.dtypes import DTYPES
 from spec_engine.weights import fp8
 from spec_engine.weights.fp8 import is_scale_name
 from spec_engine.weights.loader import tensor_checksum
-from spec_engine.weights.transport import FlattenedBucket, serialize_shared
-from spec_engine.weights.updater import DRAFT_PREFIX, as_wire
+from spec_engine.weights.transport import FlattenedBucket, as_wire, serialize_shared
+from spec_engine.weights.updater import DRAFT_PREFIX
 from trainer_bridge.megatron_compat import free_port
 
 logger = logging.getLogger(__name__)
@@ -280,7 +280,10 @@ class WeightPusher:
         if self._group is None:
             # MASTER_ADDR: this trainer's address as the engines see it (Ray sets it per node).
             address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port()
-            world = len(self.engines) + 1
+            # slime's numbering: engine i's N ranks take N places after those of engines < i.
+            sizes = [e.get_server_info().get("tp_size", 1) for e in self.engines]
+            offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+            world = 1 + sum(sizes)
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             name = self.group_name
             store = dist.PrefixStore(
@@ -296,9 +299,9 @@ class WeightPusher:
             )
             joins = [
                 self._pool.submit(
-                    e.init_weights_update_group, address, port, i + 1, world, name, backend
+                    e.init_weights_update_group, address, port, offset, world, name, backend
                 )
-                for i, e in enumerate(self.engines)
+                for e, offset in zip(self.engines, offsets)
             ]
             make = self._pool.submit(
                 lambda: (

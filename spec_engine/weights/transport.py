@@ -1,5 +1,6 @@
 """Moving weights between processes: flattened buckets (one transfer per dtype), tensors shared
-by another process (CUDA IPC / shared-memory handles), and base64 text for HTTP.
+by another process (CUDA IPC / shared-memory handles), base64 text for HTTP, and the tensors
+of a torch.distributed broadcast (announced by dtype and shape names; FP8 moved as bytes).
 
 update_weights_from_tensor's serialized_named_tensors entries are read in two forms:
 SGLang's MultiprocessingSerializer (base64 of a ForkingPickler pickle: tensors shared, not
@@ -327,3 +328,30 @@ class _SharedTensorUnpickler(pickle.Unpickler):
                 "allowed in serialized_named_tensors"
             )
         return super().find_class(module, name)
+
+
+def as_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What a broadcast moves of `tensor`: FP8 as its bytes (uint8, a view), since gloo has no
+    FP8 type ("Invalid scalar type"); anything else as it is."""
+    if tensor.is_floating_point() and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
+
+
+def parse_shape(name: str, shape) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or not all(
+        isinstance(d, int) and d >= 0 for d in shape
+    ):
+        raise ValueError(
+            f"weight {name!r}: shape must be a list of non-negative integers, got {shape!r}"
+        )
+    return tuple(shape)
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name such as 'bfloat16'")
+    return value

@@ -41,7 +41,7 @@ from spec_engine.weights.loader import (
     weight_spec,
 )
 from spec_engine.weights.shard import Shard
-from spec_engine.weights.transport import materialize
+from spec_engine.weights.transport import as_wire, materialize, parse_dtype, parse_shape
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -221,9 +221,10 @@ class WeightUpdater:
                 _check_finite(name, tensor)
         return routes, models, shards
 
-    def on_every_rank(self, check: Callable[[], T]) -> T:
+    def on_every_rank(self, check: Callable[[], T], done: str = "updated") -> T:
         """`check()` on this rank; under tensor parallelism every rank learns whether any
-        rank's check failed, and all of them raise it (naming that rank), so none copies."""
+        rank's check failed, and all of them raise it (naming that rank), so none copies
+        (`done`: what the error says no rank did)."""
         if self.tp.size == 1:
             return check()
         try:
@@ -232,7 +233,7 @@ class WeightUpdater:
             result, error = None, str(e)
         for rank, failed in enumerate(self.tp.gather_objects(error)):
             if failed is not None:
-                raise ValueError(f"{failed} (tensor-parallel rank {rank}; no rank updated)")
+                raise ValueError(f"{failed} (tensor-parallel rank {rank}; no rank {done})")
         return result
 
     # ---------------------------------------------------------------- distributed
@@ -246,32 +247,41 @@ class WeightUpdater:
         group_name: str,
         backend: str = "gloo",
     ) -> None:
-        """Join the trainer's broadcast group as rank `rank_offset` (the trainer is rank 0)."""
+        """Join the trainer's broadcast group (the trainer is rank 0) as rank `rank_offset` +
+        this engine rank (SGLang's and slime's numbering: an engine of N ranks takes N places
+        from `rank_offset`). Every rank of the engine calls this; unless all of them joined,
+        all of them raise."""
         if group_name in self.groups:
             raise ValueError(f"weight update group {group_name!r} exists already")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if backend == "nccl" and self.device.type != "cuda":
             raise ValueError("backend 'nccl' needs CUDA; use backend 'gloo' on CPU")
-        if not 0 < rank_offset < world_size:
+        last = world_size - self.tp.size
+        if not 0 < rank_offset <= last:
             raise ValueError(
-                f"rank_offset must be in 1..world_size-1 (the trainer is rank 0), got {rank_offset}"
+                f"rank_offset must be in 1..{last} (the trainer is rank 0, and this engine's "
+                f"{self.tp.size} rank(s) take ranks rank_offset..rank_offset+{self.tp.size - 1} "
+                f"of world_size {world_size}), got {rank_offset}"
             )
-        store = dist.PrefixStore(
-            group_name,
-            dist.TCPStore(
-                master_address,
-                master_port,
-                world_size,
-                is_master=False,
-                timeout=GROUP_CONNECT_TIMEOUT,
-            ),
-        )
-        if backend == "gloo":
-            group = dist.ProcessGroupGloo(store, rank_offset, world_size, GROUP_TIMEOUT)
-        else:
-            group = dist.ProcessGroupNCCL(store, rank_offset, world_size)
-        self.groups[group_name] = group
+        rank = rank_offset + self.tp.rank
+
+        def join() -> dist.ProcessGroup:
+            store = dist.PrefixStore(
+                group_name,
+                dist.TCPStore(
+                    master_address,
+                    master_port,
+                    world_size,
+                    is_master=False,
+                    timeout=GROUP_CONNECT_TIMEOUT,
+                ),
+            )
+            if backend == "gloo":
+                return dist.ProcessGroupGloo(store, rank, world_size, GROUP_TIMEOUT)
+            return dist.ProcessGroupNCCL(store, rank, world_size)
+
+        self.groups[group_name] = self.on_every_rank(join, "kept the group")
 
     def destroy_group(self, group_name: str) -> None:
         """Leave a weight update group (SGLang's destroy_weights_update_group)."""
@@ -289,7 +299,10 @@ class WeightUpdater:
         """Receive one broadcast per tensor from rank 0 of the group, then apply them.
 
         Everything announced is received even if it will be refused, so the trainer's
-        broadcasts never hang; the check happens before anything is copied.
+        broadcasts never hang; the check happens before anything is copied. Under tensor
+        parallelism every rank receives the whole tensors (each is a member of the group) and
+        the ranks agree after each stage, so a rank that failed alone leaves no other waiting
+        in a collective.
         """
         group = self.groups.get(group_name)
         if group is None:
@@ -308,19 +321,30 @@ class WeightUpdater:
         )
         # Every buffer is made before the first broadcast: failing half-way would leave the
         # trainer's remaining broadcasts to be taken by the next update.
-        buffers = [
-            (name, torch.empty(parse_shape(name, shape), dtype=parse_dtype(dtype), device=device))
-            for name, dtype, shape in zip(names, dtypes, shapes)
-        ]
-        for _, tensor in buffers:
-            group.broadcast(as_wire(tensor), 0).wait()
-        return self.apply(buffers)
+        buffers = self.on_every_rank(
+            lambda: [
+                (
+                    name,
+                    torch.empty(parse_shape(name, shape), dtype=parse_dtype(dtype), device=device),
+                )
+                for name, dtype, shape in zip(names, dtypes, shapes)
+            ],
+            "received anything",
+        )
+
+        def receive() -> list[tuple[str, torch.Tensor]]:
+            for _, tensor in buffers:
+                group.broadcast(as_wire(tensor), 0).wait()
+            return buffers
+
+        return self.apply(self.on_every_rank(receive))
 
     # ---------------------------------------------------------------- checksums and memory
 
     def checksums(self, names: Optional[list[str]] = None) -> dict[str, str]:
         """SHA-256 per tensor, in the engine's dtype, of the target and draft (see
-        tensor_checksum)."""
+        tensor_checksum); under tensor parallelism of the whole tensors, gathered (every rank
+        calls this)."""
         if names is not None and (
             not isinstance(names, list) or not all(isinstance(n, str) for n in names)
         ):
@@ -330,20 +354,44 @@ class WeightUpdater:
         unknown = [n for n in wanted if n not in every]
         if unknown:
             raise ValueError(f"no weights named {unknown[:5]}")
-        return {n: tensor_checksum(hf_tensor(*every[n])) for n in wanted}
+        return {n: tensor_checksum(t) for n, t in self._whole(wanted, every).items()}
 
     def names(self) -> list[str]:
         """Every weight's Hugging Face name (`draft.`-prefixed for an external draft)."""
         return list(self._named_weights())
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One weight by its Hugging Face name (`draft.`-prefixed for an external draft)."""
+        """One weight by its Hugging Face name (`draft.`-prefixed for an external draft), whole:
+        under tensor parallelism gathered from the ranks (every rank calls this)."""
         every = self._named_weights()
         if name not in every:
             close = difflib.get_close_matches(name, list(every), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"no weight named {name!r}{hint}")
-        return hf_tensor(*every[name])
+        return self._whole([name], every)[name]
+
+    def _whole(
+        self, names: list[str], every: dict[str, tuple[nn.Module, str]]
+    ) -> dict[str, torch.Tensor]:
+        """The named tensors whole: a tensor-parallel rank's blocks of the split ones are
+        gathered (one collective for all of them, host copies) and put where each rank's shard
+        says; the others are the same on every rank and this rank's."""
+        held = {n: hf_tensor(*every[n]) for n in names}
+        if self.tp.size == 1:
+            return held
+        slots = {n: weight_spec(every[n][0])[every[n][1]] for n in names}
+        split = [n for n in names if slots[n].shard is not None]
+        ranks = self.tp.gather_objects(
+            {n: (slots[n].shard, held[n].to("cpu", copy=True)) for n in split}
+        )
+        for n in split:
+            whole = torch.empty(slots[n].shape, dtype=held[n].dtype, device="cpu")
+            # Replicated KV heads come from several ranks, the same values each time.
+            for blocks in ranks:
+                shard, part = blocks[n]
+                whole.narrow(shard.dim, shard.start, shard.length).copy_(part)
+            held[n] = whole
+        return held
 
     def fill_weights(self, value: float) -> None:
         """Overwrite every floating-point weight with `value` (slime's weights_checker
@@ -409,24 +457,6 @@ def _check_finite(name: str, tensor: torch.Tensor) -> None:
         )
 
 
-def as_wire(tensor: torch.Tensor) -> torch.Tensor:
-    """What a broadcast moves of `tensor`: FP8 as its bytes (uint8, a view), since gloo has no
-    FP8 type ("Invalid scalar type"); anything else as it is."""
-    if tensor.is_floating_point() and tensor.element_size() == 1:
-        return tensor.view(torch.uint8)
-    return tensor
-
-
-def parse_shape(name: str, shape) -> tuple[int, ...]:
-    if not isinstance(shape, (list, tuple)) or not all(
-        isinstance(d, int) and d >= 0 for d in shape
-    ):
-        raise ValueError(
-            f"weight {name!r}: shape must be a list of non-negative integers, got {shape!r}"
-        )
-    return tuple(shape)
-
-
 def _check_one_value_per_slot(model: nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
     """Two names landing in one place (a tied embedding and head) must carry equal values."""
     spec = weight_spec(model)
@@ -444,12 +474,3 @@ def _check_one_value_per_slot(model: nn.Module, items: list[tuple[str, torch.Ten
                 "sent with different values; send one of them"
             )
         seen[key] = (name, tensor)
-
-
-def parse_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use a torch dtype name such as 'bfloat16'")
-    return value

@@ -240,8 +240,6 @@ def test_a_dead_rank_fails_requests_in_flight_within_seconds(make_model):
     path = make_model(**MODELS["qwen2"])
     engine = Engine(model_path=path, tp_size=2, **dict(ENGINE, max_total_tokens=2048))
     try:
-        with pytest.raises(ValueError, match="get_weights_checksum is not supported at --tp"):
-            engine.get_weights_checksum()
         done: dict[str, object] = {}
         started = threading.Event()
 

@@ -118,3 +118,23 @@ def test_bad_config_is_refused():
         ValueError, match="--weight-sync-mode must be one of tensor, distributed, disk"
     ):
         WeightSyncConfig(weight_sync_mode="nccl")
+
+
+def test_distributed_push_numbers_multi_rank_engines_as_slime(make_model):
+    """A tp-1 and a tp-2 engine in one group of 4 (the trainer, then each engine's ranks from
+    its rank_offset: 1, then 2..3); the push lands on every rank, as the checksums gathered
+    from the ranks confirm (--check-weight-update-equal)."""
+    old, new = make_model("qwen2", seed=31), make_model("qwen2", seed=32)
+    small = dict(skip_tokenizer_init=True, max_total_tokens=256, log_level="warning")
+    with Engine(model_path=new, **small) as fresh:
+        expected = outputs(fresh)
+    engines = [Engine(model_path=old, tp_size=size, **small) for size in (1, 2)]
+    try:
+        cfg = WeightSyncConfig(weight_sync_mode="distributed", check_weight_update_equal=True)
+        pusher = WeightPusher(engines, cfg)
+        pusher.push(tensors_of(new).items(), version="step-1")
+        assert [outputs(e) for e in engines] == [expected, expected]
+        pusher.close()
+    finally:
+        for engine in engines:
+            engine.shutdown()
