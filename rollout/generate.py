@@ -120,13 +120,15 @@ async def generate(
             "--use-rollout-routing-replay records the routing of a response generated in one "
             "request; it cannot continue a partial one: drop --partial-rollout"
         )
-    max_new_tokens = sampling_params["max_new_tokens"] - sample.response_length
-    if max_new_tokens <= 0:  # continued with the most tokens a response may have already
-        sample.status = Status.TRUNCATED
-        return sample
+    limit = sampling_params.get("max_new_tokens")  # absent: the engine's default
+    if sample.response_length and limit is not None:
+        if limit <= sample.response_length:  # continued with the most tokens it may have
+            sample.status = Status.TRUNCATED
+            return sample
+        sampling_params = {**sampling_params, "max_new_tokens": limit - sample.response_length}
     output = await engine.async_generate(
         input_ids=list(sample.tokens),
-        sampling_params={**sampling_params, "max_new_tokens": max_new_tokens},
+        sampling_params=sampling_params,
         return_logprob=True,
         **({"return_routed_experts": True} if replay else {}),
     )

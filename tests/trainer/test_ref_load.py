@@ -5,6 +5,7 @@ checkpoint or a Hugging Face checkpoint; resolved and checked before anything st
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -210,7 +211,7 @@ def test_ref_load_reads_slimes_torch_dist_checkpoint(models, tmp_path):
 
 
 def test_a_torch_dist_checkpoint_without_mtp_layers_keeps_the_hf_checkpoints(
-    make_model, tmp_path, caplog
+    make_model, tmp_path, caplog, monkeypatch
 ):
     """slime's converter run without --mtp-num-layers: a MiMo policy started from (and
     referenced to) it takes the trunk from the checkpoint, bit for bit as the plain model reads
@@ -237,16 +238,26 @@ def test_a_torch_dist_checkpoint_without_mtp_layers_keeps_the_hf_checkpoints(
         if k.startswith("mtp.") and isinstance(v, torch.Tensor)
     }
     destroy_model_parallel()
-    with caplog.at_level("WARNING", logger="trainer_bridge.checkpoint"):
-        started = actor(mimo, directory)
-    assert "holds no MTP layers" in caplog.text
-    assert started.compute_log_probs(batch()) == want
-    assert started.compute_log_probs(batch(), reference=True) == want
-    mtp = {
-        k: v
-        for k, v in started.gpt.state_dict().items()
-        if k.startswith("mtp.") and isinstance(v, torch.Tensor)
-    }
-    assert hf_mtp and mtp.keys() == hf_mtp.keys()
-    assert all(torch.equal(v, hf_mtp[k]) for k, v in mtp.items())
-    destroy_model_parallel()
+    # Listen on the module's own logger: a library's logging.config call earlier in the suite
+    # may have disabled the loggers that existed then.
+    load_logger = logging.getLogger("trainer_bridge.checkpoint.load")
+    monkeypatch.setattr(load_logger, "disabled", False)
+    load_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="trainer_bridge.checkpoint"):
+            started = actor(mimo, directory)
+    finally:
+        load_logger.removeHandler(caplog.handler)
+    try:
+        assert "holds no MTP layers" in caplog.text
+        assert started.compute_log_probs(batch()) == want
+        assert started.compute_log_probs(batch(), reference=True) == want
+        mtp = {
+            k: v
+            for k, v in started.gpt.state_dict().items()
+            if k.startswith("mtp.") and isinstance(v, torch.Tensor)
+        }
+        assert hf_mtp and mtp.keys() == hf_mtp.keys()
+        assert all(torch.equal(v, hf_mtp[k]) for k, v in mtp.items())
+    finally:  # the next test initializes its own model parallel state
+        destroy_model_parallel()
