@@ -4,12 +4,21 @@ forwards on CUDA (their emulated graphs on the CPU). Each refusal names what wor
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from spec_engine.distributed.partition import attention_heads, divide
 from spec_engine.models.hf_config import ModelConfig
+
+# core/timeouts.py's variables (read here by name: args/ does not import core/).
+_TIMEOUT_VARIABLES = (
+    "SGLANG_REQ_WAITING_TIMEOUT",
+    "SGLANG_QUEUED_TIMEOUT_MS",
+    "SGLANG_REQ_RUNNING_TIMEOUT",
+    "SGLANG_FORWARD_TIMEOUT_MS",
+)
 
 
 def check_tensor_parallel(args: Any, target: ModelConfig) -> None:
@@ -34,6 +43,14 @@ def check_tensor_parallel(args: Any, target: ModelConfig) -> None:
             f"{flag}: block-FP8 weights (an FP8 checkpoint or --quantization fp8) are not split "
             "across ranks yet (a rank's block of a weight needs its block scales); serve them at "
             "--tp-size 1, or the BF16 checkpoint at --tp-size > 1"
+        )
+    timeouts = [name for name in _TIMEOUT_VARIABLES if os.environ.get(name)]
+    if timeouts:
+        raise ValueError(
+            f"{flag}: {', '.join(timeouts)} set: SGLANG_REQ_WAITING_TIMEOUT / "
+            "SGLANG_REQ_RUNNING_TIMEOUT (and their older names) are decided on each "
+            "rank's own clock, and ranks must abort the same requests; unset them at --tp-size > "
+            "1 (abort late requests with /abort_request instead)"
         )
     attention_heads(target.num_attention_heads, target.num_key_value_heads, 0, n)
     divide(target.intermediate_size, n, "intermediate_size")

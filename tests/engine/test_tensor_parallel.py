@@ -175,6 +175,14 @@ def test_cuda_ranks_need_their_gpus_and_eager_forwards(llama_path, monkeypatch):
         check_tensor_parallel(late, target)
 
 
+@pytest.mark.parametrize("name", ["SGLANG_REQ_WAITING_TIMEOUT", "SGLANG_QUEUED_TIMEOUT_MS"])
+def test_request_timeouts_are_refused_at_tp2(name, llama_path, monkeypatch):
+    """Each rank would decide a timeout on its own clock, and the ranks must agree."""
+    monkeypatch.setenv(name, "5")
+    with pytest.raises(ValueError, match=f"--tp-size 2: {name} set: .* unset them"):
+        Engine(model_path=llama_path, tp_size=2, **ENGINE)
+
+
 def test_moe_at_tp2_is_refused(make_model):
     path = make_model(**FAMILIES["glm4_moe_no_qk_norm"])
     with pytest.raises(ValueError, match="--tp-size 2: .* has MoE layers.*run it at --tp-size 1"):
