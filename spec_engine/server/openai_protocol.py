@@ -143,6 +143,7 @@ class ResponsesRequest(_Strict):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None  # accepted: usage is always in the last event
     store: bool = True
     background: bool = False
     previous_response_id: Optional[str] = None

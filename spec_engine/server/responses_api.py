@@ -262,15 +262,16 @@ class _Run:
             yield event("response.content_part.done", **where, part=_text_part(text))
             item = _message(self.item_id, text)
             yield event("response.output_item.done", output_index=0, item=item)
-        response = self.finish(out)
-        kind = {"incomplete": "response.incomplete", "failed": "response.failed"}
-        yield event(kind.get(response["status"], "response.completed"), response=response)
+        # SGLang ends every stream so (the openai client's get_final_response() waits for it).
+        yield event("response.completed", response=self.finish(out))
 
     def finish(self, out: dict) -> dict:
         """The finished response from the engine's output, stored when the request asks."""
         meta = out["meta_info"]
-        reason = (meta["finish_reason"] or {}).get("type")
-        status = {"length": "incomplete", "abort": "cancelled"}.get(reason, "completed")
+        # SGLang's status is "completed" at a stop and at max_output_tokens alike (its own test
+        # asserts incomplete_details null); an aborted request says so.
+        aborted = (meta["finish_reason"] or {}).get("type") == "abort"
+        status = "cancelled" if aborted else "completed"
         text = out["text"] or ""
         output = [_message(self.item_id, text)] if text else []
         prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
@@ -280,6 +281,10 @@ class _Run:
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion,
+            # The chat names too: SGLang's releases differ in which shape they return, and its
+            # own server test reads usage.prompt_tokens.
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
         }
         response = self.response(status, output, usage)
         if self.req.store or self.req.background:
@@ -303,9 +308,7 @@ class _Run:
             "tool_choice": req.tool_choice,
             "tools": [],
             "error": None,
-            "incomplete_details": (
-                {"reason": "max_output_tokens"} if status == "incomplete" else None
-            ),
+            "incomplete_details": None,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "previous_response_id": req.previous_response_id,

@@ -127,8 +127,10 @@ def test_responses_answer_as_transformers_and_continue_a_stored_conversation(ser
     text, prompt_len, out_len = _greedy_text(hf, path, tok, messages, 8)
     assert first.id.startswith("resp_") and first.object == "response"
     assert first.output_text == text and first.output[0].role == "assistant"
-    assert first.status == ("incomplete" if out_len == 8 else "completed")
+    # SGLang's status at max_output_tokens too, and both usage shapes its releases return.
+    assert first.status == "completed" and first.incomplete_details is None
     assert first.usage.input_tokens == prompt_len and first.usage.output_tokens == out_len
+    assert first.usage.prompt_tokens == prompt_len and first.usage.completion_tokens == out_len
     assert first.usage.total_tokens == prompt_len + out_len
     assert first.instructions == "Be brief." and first.max_output_tokens == 8
     assert oai.responses.retrieve(first.id).output_text == text
@@ -160,10 +162,13 @@ def test_responses_answer_as_transformers_and_continue_a_stored_conversation(ser
 
 
 def test_responses_stream_sglangs_events(served):
+    """Through the openai client's stream helper, as SGLang's test_response_stream reads it."""
     _, _, oai = served
     args = dict(model="m", input="Tell a story.", max_output_tokens=10, temperature=0)
     whole = oai.responses.create(**args)
-    events = list(oai.responses.create(**args, stream=True))
+    with oai.responses.stream(**args) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
     kinds = [e.type for e in events]
     assert kinds[:5] == [
         "response.created",
@@ -172,15 +177,14 @@ def test_responses_stream_sglangs_events(served):
         "response.content_part.added",
         "response.output_text.delta",
     ]
-    assert kinds[-4:-1] == [
+    assert kinds[-4:] == [
         "response.output_text.done",
         "response.content_part.done",
         "response.output_item.done",
+        "response.completed",
     ]
-    assert kinds[-1] == f"response.{'incomplete' if whole.status == 'incomplete' else 'completed'}"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
-    final = events[-1].response
     assert "".join(deltas) == events[-4].text == final.output_text == whole.output_text
     assert final.usage.output_tokens == whole.usage.output_tokens
     assert events[2].item.id == final.output[0].id == events[-2].item.id
