@@ -35,6 +35,8 @@ from spec_engine.server.requests import (
     sse,
     unless_disconnected,
 )
+from spec_engine.server.responses_api import add_responses_routes
+from spec_engine.server.score_api import add_score_route
 from spec_engine.version import __version__
 from spec_engine.weights.formats import tensors_from_text
 
@@ -103,6 +105,8 @@ def create_app(engine: Engine) -> FastAPI:
             _add_control_route(app, engine, method)
     add_admin_routes(app, engine)
     add_openai_routes(app, engine)
+    add_responses_routes(app, engine)
+    add_score_route(app, engine)
     return app
 
 

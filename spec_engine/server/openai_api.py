@@ -16,7 +16,6 @@ from spec_engine.engine import Engine
 from spec_engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from spec_engine.server.requests import (
     BadRequest,
-    error_response,
     json_body,
     parse_model,
     sse,
@@ -37,25 +36,6 @@ def add_openai_routes(app: FastAPI, engine: Engine) -> None:
     async def chat_completions(request: Request):
         req = parse_model(ChatCompletionRequest, await json_body(request))
         return await _chat_completions(engine, model_name, req, request)
-
-    # SGLang's endpoints specrl does not serve: a 404 that says so, in OpenAI's error shape (the
-    # openai client's NotFoundError then carries the reason), not a bare "Not Found".
-    for path, what in _NOT_SERVED.items():
-
-        async def not_served(request: Request, what: str = what):
-            return error_response(what, request, 404)
-
-        app.api_route(path, methods=["GET", "POST", "DELETE"])(not_served)
-
-
-_NOT_SERVED = {
-    "/v1/responses": "specrl does not serve SGLang's Responses API (/v1/responses); use "
-    "/v1/chat/completions",
-    "/v1/responses/{response_id}": "specrl does not serve SGLang's Responses API "
-    "(/v1/responses); use /v1/chat/completions",
-    "/v1/score": "specrl does not serve SGLang's /v1/score; score items with /generate "
-    "(return_logprob, logprob_start_len, max_new_tokens 0)",
-}
 
 
 def _add_model_routes(app: FastAPI, engine: Engine, model_name: str) -> None:
@@ -225,17 +205,24 @@ def _chat_input_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
         tools=bool(req.tools),
         tool_choice=req.tool_choice not in (None, "none"),
     )
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    return chat_input_ids(engine, messages, req.chat_template_kwargs)
+
+
+def chat_input_ids(
+    engine: Engine, messages: list[dict[str, str]], template_kwargs: Optional[dict[str, Any]]
+) -> list[int]:
+    """Chat messages through the model's chat template, as token ids."""
     if engine.tokenizer is None or engine.tokenizer.chat_template is None:
         raise BadRequest(
             "this model has no chat template; pass --chat-template or use /v1/completions"
         )
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         text = engine.tokenizer.apply_chat_template(
             messages,
             tokenize=False,
             add_generation_prompt=True,
-            **(req.chat_template_kwargs or {}),
+            **(template_kwargs or {}),
         )
     except (jinja2.TemplateError, TypeError, ValueError) as e:
         raise BadRequest(f"the chat template could not render these messages: {e}") from None

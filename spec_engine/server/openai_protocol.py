@@ -108,3 +108,67 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class ScoringRequest(_Strict):
+    """SGLang's /v1/score body (protocol.py ScoringRequest): the probability of each label token
+    right after query + item, per item."""
+
+    query: Optional[Union[str, list[int]]] = None
+    items: Optional[Union[str, list[str], list[list[int]]]] = None
+    label_token_ids: Optional[list[int]] = None
+    apply_softmax: bool = False
+    item_first: bool = False
+    model: Optional[str] = None
+    # SGLang fields specrl refuses at any other value (checked in score_api).
+    return_pooled_hidden_states: bool = False
+    embed_override_token_id: Optional[int] = None
+    query_embed_overrides: Optional[list[list[float]]] = None
+    item_embed_overrides: Optional[list[Optional[list[list[float]]]]] = None
+
+
+class ResponseReasoning(_Strict):
+    effort: Optional[str] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+
+class ResponsesRequest(_Strict):
+    """SGLang's /v1/responses body (protocol.py ResponsesRequest), the fields a text model without
+    tool or reasoning parsers can serve; what it cannot is refused in responses_api."""
+
+    input: Union[str, list[dict[str, Any]]]
+    model: Optional[str] = None
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None  # accepted: usage is always in the last event
+    store: bool = True
+    background: bool = False
+    previous_response_id: Optional[str] = None
+    metadata: Optional[dict[str, Any]] = None
+    user: Optional[str] = None
+    parallel_tool_calls: bool = True
+    tool_choice: Union[Literal["auto", "required", "none"], dict[str, Any]] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    text: Optional[dict[str, Any]] = None
+    reasoning: Optional[ResponseReasoning] = None
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = 0
+    truncation: Optional[Literal["auto", "disabled"]] = "disabled"
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] = "auto"
+    max_tool_calls: Optional[int] = None
+    # SGLang's extensions
+    request_id: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: Optional[Union[str, list[str]]] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    priority: int = 0
+    session_id: Optional[str] = None
+    extra_key: Optional[str] = None
+    cache_salt: Optional[str] = None

@@ -1,6 +1,7 @@
 """Property-based fuzz of the request bodies (hypothesis): whatever JSON a client sends to
-/generate and the OpenAI endpoints, the answer is a well-formed 2xx or 4xx (never a 500, never
-a hang), its JSON holds no NaN or Infinity, and the server keeps serving."""
+/generate, the OpenAI endpoints, /v1/score and /v1/responses, the answer is a well-formed 2xx or
+4xx (never a 500, never a hang), its JSON holds no NaN or Infinity, and the server keeps
+serving."""
 
 from __future__ import annotations
 
@@ -92,6 +93,52 @@ COMPLETION = st.fixed_dictionaries(
 )
 
 
+SCORE = st.fixed_dictionaries(
+    # The fields SGLang needs, in every body (their absence is tested in test_responses_score.py).
+    {
+        "query": st.one_of(st.text(max_size=12), SMALL_IDS, VALUES),
+        "items": st.one_of(
+            st.lists(st.text(max_size=6), max_size=3),
+            st.lists(SMALL_IDS, max_size=3),
+            st.text(max_size=8),
+            VALUES,
+        ),
+        "label_token_ids": st.one_of(SMALL_IDS, VALUES),
+    },
+    optional={"apply_softmax": VALUES, "item_first": VALUES, "model": VALUES},
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.one_of(st.sampled_from(["user", "assistant", "system", "developer"]), VALUES)},
+    optional={
+        "content": st.one_of(
+            st.text(max_size=10),
+            st.lists(
+                st.fixed_dictionaries({"type": st.text(max_size=11), "text": VALUES}), max_size=2
+            ),
+            VALUES,
+        ),
+        "type": st.one_of(st.just("message"), VALUES),
+    },
+)
+RESPONSES = st.fixed_dictionaries(
+    {},
+    optional={
+        "input": st.one_of(st.text(max_size=20), st.lists(MESSAGE, max_size=3), VALUES),
+        "instructions": st.one_of(st.text(max_size=10), VALUES),
+        "max_output_tokens": st.one_of(st.integers(-1, 6), VALUES),
+        "temperature": st.one_of(st.floats(0, 2), VALUES),
+        "top_p": st.one_of(st.floats(0, 1), VALUES),
+        "store": VALUES,
+        "previous_response_id": st.one_of(st.text(max_size=8), VALUES),
+        "tools": VALUES,
+        "text": VALUES,
+        "tool_choice": VALUES,
+        "stop": VALUES,
+        "metadata": VALUES,
+    },
+)
+
+
 @pytest.fixture(scope="module")
 def client(make_model):
     path = make_model("llama", max_position_embeddings=128)
@@ -127,6 +174,8 @@ def _finite(value) -> None:
 FUZZ = settings(
     max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
+# The scoring and responses endpoints share the request path fuzzed above: fewer examples.
+FUZZ_FEW = settings(FUZZ, max_examples=30)
 
 
 @FUZZ
@@ -141,6 +190,20 @@ def test_generate_answers_every_body_with_2xx_or_4xx(client, body):
 @given(body=COMPLETION)
 def test_completions_answer_every_body_with_2xx_or_4xx(client, body):
     check(client, "/v1/completions", body)
+
+
+@FUZZ_FEW
+@given(body=SCORE)
+def test_score_answers_every_body_with_2xx_or_4xx(client, body):
+    check(client, "/v1/score", body)
+
+
+@FUZZ_FEW
+@given(body=RESPONSES)
+def test_responses_answer_every_body_with_2xx_or_4xx(client, body):
+    if body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = 4
+    check(client, "/v1/responses", body)
 
 
 def test_still_serving_after_the_fuzz(client):

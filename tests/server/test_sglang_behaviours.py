@@ -228,19 +228,6 @@ def test_detokenize_of_an_id_outside_the_vocabulary_is_a_400(served):
     assert client.post("/detokenize", json={"tokens": [5]}).status_code == 200
 
 
-def test_apis_specrl_does_not_serve_say_so_through_the_openai_client(served):
-    """/v1/responses and /v1/score stay unserved (issue #47 items 2-4 are not done here), but a
-    client learns why: the openai client's NotFoundError carries the reason."""
-    import openai
-
-    _, client = served
-    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
-    with pytest.raises(openai.NotFoundError, match="does not serve SGLang's Responses API"):
-        oai.responses.create(model="any", input="hi")
-    r = client.post("/v1/score", json={"query": "a", "items": ["b"], "label_token_ids": [1]})
-    assert r.status_code == 404 and "/generate" in r.json()["message"]
-
-
 def test_skip_tokenizer_init_streams_incremental_output_ids(paths):
     """SGLang's test_skip_tokenizer_init.py with --incremental-streaming-output: ids in, each
     streamed chunk's output_ids the new ones only, no text."""
