@@ -25,6 +25,7 @@ from spec_engine.args.engine_args import EngineArgs, split_sglang_options
 from spec_engine.args.engine_checks import split_address
 from spec_engine.args.resolve import EngineConfig, resolve_engine_config
 from spec_engine.args.sglang_compat import check_sglang_options
+from spec_engine.constrained.grammar import create_grammar_backend
 from spec_engine.control import EngineControl
 from spec_engine.core.channel import Channel, Collector
 from spec_engine.core.inputs import (
@@ -136,7 +137,7 @@ class Engine(EngineControl, SchedulerLoop):
         )
         if tp.size > 1:
             self.scheduler.rank0_value = lambda value: broadcast_pyobj([value], tp)[0]
-        self.inputs = self._request_builder(worker.decode_headroom())
+        self.inputs = self._request_builder(worker.decode_headroom(), eos_ids)
         draft = getattr(worker, "draft", None)
         self.updater = WeightUpdater(self.runner.model, self.runner.device, draft, tp)
         self.memory = MemoryController(
@@ -156,9 +157,16 @@ class Engine(EngineControl, SchedulerLoop):
             else None
         )
 
-    def _request_builder(self, kv_headroom: int) -> RequestBuilder:
+    def _request_builder(self, kv_headroom: int, eos_ids: frozenset[int]) -> RequestBuilder:
         """What checks and builds requests, with this engine's limits."""
         args = self.args
+        grammars, grammar_refusal = create_grammar_backend(
+            args,
+            self.tokenizer,
+            self.model_config.vocab_size,
+            eos_ids,
+            self.tp.size,
+        )
         return RequestBuilder(
             self.tokenizer,
             self.model_config.vocab_size,
@@ -171,6 +179,8 @@ class Engine(EngineControl, SchedulerLoop):
                 args.max_request_prompts, args.max_request_samples, args.max_request_tokens
             ),
             routing_refusal(self.model_config.moe is not None, args.enable_return_routed_experts),
+            grammars,
+            grammar_refusal,
         )
 
     # ------------------------------------------------------------ generation

@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 
 from transformers import PreTrainedTokenizerBase
 
+from spec_engine.constrained.grammar import GrammarBackend, grammar_key
 from spec_engine.core.request import Req, ReqInput
 from spec_engine.core.sampling_params import SamplingParams
 from spec_engine.layers.sampler import derive_seed
@@ -104,8 +105,13 @@ class RequestBuilder:
         random_seed: int,
         limits: Optional[RequestLimits] = None,
         routing_refusal: Optional[str] = None,
+        grammars: Optional[GrammarBackend] = None,
+        grammar_refusal: Optional[str] = None,
     ) -> None:
         self.limits = limits or RequestLimits()
+        # Constrained decoding: what compiles grammars, or why the engine serves none.
+        self.grammars = grammars
+        self.grammar_refusal = grammar_refusal
         # Why return_routed_experts cannot be served (None: it can).
         self.routing_refusal = routing_refusal
         self.tokenizer = tokenizer
@@ -188,6 +194,9 @@ class RequestBuilder:
     ) -> list[Req]:
         """The n requests of one prompt, each with its seed."""
         want, top_num, start = logprobs
+        key = grammar_key(sp)
+        if key is not None and self.grammars is None:
+            raise ValueError(self.grammar_refusal or "constrained decoding is not available")
         reqs = []
         for i in range(sp.n):
             if sp.sampling_seed is not None:
@@ -211,7 +220,8 @@ class RequestBuilder:
                         stream=obj.stream,
                         return_routed_experts=obj.return_routed_experts,
                         routed_experts_start_len=obj.routed_experts_start_len,
-                    )
+                    ),
+                    grammar=None if key is None else self.grammars.grammar(key),
                 )
             )
         return reqs

@@ -221,7 +221,6 @@ async def _chat_completions(
 def _chat_input_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
     """The messages through the model's chat template, as token ids."""
     _refuse(
-        response_format=req.response_format not in (None, {"type": "text"}),
         tools=bool(req.tools),
         tool_choice=req.tool_choice not in (None, "none"),
     )

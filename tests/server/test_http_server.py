@@ -133,7 +133,7 @@ BAD_BODIES = [
     ({"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ({"text": "hi", "return_routed_experts": True}, "no MoE layers"),
     ({"text": "hi", "custom_logit_processor": "x"}, "does not execute code"),
-    ({"text": "hi", "sampling_params": {"json_schema": "{}"}}, "constrained decoding"),
+    ({"text": "hi", "sampling_params": {"json_schema": "{bad"}}, "Invalid grammar request"),
     ({"text": "hi", "sampling_params": {"max_new_tokens": CONTEXT + 10}}, "context length"),
     ({"input_ids": [5] * (CONTEXT + 1)}, "context length"),
     ({"text": ""}, "empty"),
