@@ -181,6 +181,7 @@ class Engine(EngineControl, SchedulerLoop):
             routing_refusal(self.model_config.moe is not None, args.enable_return_routed_experts),
             grammars,
             grammar_refusal,
+            args.enable_custom_logit_processor,
         )
 
     # ------------------------------------------------------------ generation
@@ -197,6 +198,7 @@ class Engine(EngineControl, SchedulerLoop):
         logprob_start_len: Union[int, list[int]] = -1,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
+        custom_logit_processor: Union[str, list[Optional[str]], None] = None,
     ) -> Union[dict, list[dict], Iterator[dict]]:
         """Generate for one prompt (returns a dict) or a batch (a list, n samples per prompt in a
         row). With return_logprob, logprob_start_len >= 0 also scores the prompt from there
@@ -205,6 +207,8 @@ class Engine(EngineControl, SchedulerLoop):
         return_routed_experts (with --enable-return-routed-experts, MoE models) adds SGLang's
         meta_info.routed_experts: base64 of int32 [prompt + output - 1 - routed_experts_start_len,
         num_hidden_layers, num_experts_per_tok], each token's experts (0 in dense layers).
+        custom_logit_processor (with --enable-custom-logit-processor): SGLang's
+        CustomLogitProcessor.to_str(), run on the request's logits with its custom_params.
 
         With stream=True returns an iterator of cumulative output dicts (batch items carry "index").
         """
@@ -219,6 +223,7 @@ class Engine(EngineControl, SchedulerLoop):
             stream=stream,
             return_routed_experts=return_routed_experts,
             routed_experts_start_len=routed_experts_start_len,
+            custom_logit_processor=custom_logit_processor,
         )
         collector = self._submit(self._make_requests(obj), Channel(self._thread.is_alive))
         return collector.stream() if stream else collector.wait()
@@ -235,6 +240,7 @@ class Engine(EngineControl, SchedulerLoop):
         logprob_start_len: Union[int, list[int]] = -1,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
+        custom_logit_processor: Union[str, list[Optional[str]], None] = None,
     ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """Async form of `generate`; with stream=True returns an async iterator."""
         obj = GenerateReqInput(
@@ -248,6 +254,7 @@ class Engine(EngineControl, SchedulerLoop):
             stream=stream,
             return_routed_experts=return_routed_experts,
             routed_experts_start_len=routed_experts_start_len,
+            custom_logit_processor=custom_logit_processor,
         )
         # Tokenizing a long prompt takes seconds: off the event loop, which serves other requests.
         built = await asyncio.to_thread(self._make_requests, obj)

@@ -360,6 +360,12 @@ class EngineArgs:
         "JSON schemas allow no whitespace beyond one space after ',' and ':' (SGLang's flag; by "
         "default any amount is allowed).",
     )
+    enable_custom_logit_processor: bool = _opt(
+        False,
+        "Let requests carry a custom logit processor (SGLang's CustomLogitProcessor.to_str()): "
+        "this runs the client's Python code inside the engine, so enable it only for trusted "
+        "clients.",
+    )
     enable_return_routed_experts: bool = _opt(
         False,
         "MoE models: record each token's top-k experts per layer, so requests may ask for them "

@@ -195,11 +195,6 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     "allow_auto_truncate": _refuse(
         False, "a prompt longer than the context is refused with a 400; shorten it client-side"
     ),
-    "enable_custom_logit_processor": _refuse(
-        False,
-        "custom logit processors are pickled Python code run inside the engine; specrl does not "
-        "execute code from requests",
-    ),
     "enable_hierarchical_cache": _refuse(False, _NO_HICACHE),
     "hicache_ratio": _noop(2.0, _NO_HICACHE),
     "warmups": _noop(None, "the server runs one warmup request (--skip-server-warmup skips it)"),

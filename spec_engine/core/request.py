@@ -37,6 +37,9 @@ class ReqInput:
     # this position on (SGLang's routed_experts_start_len).
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # --enable-custom-logit-processor: SGLang's CustomLogitProcessor.to_str() of the processor
+    # this request's logits go through (core.custom_logit_processor).
+    custom_logit_processor: Optional[str] = None
     created_time: float = field(default_factory=time.perf_counter)
 
 

@@ -48,6 +48,9 @@ class _SamplingFields(_Strict):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     response_format: Optional[dict[str, Any]] = None
+    # --enable-custom-logit-processor: SGLang's CustomLogitProcessor.to_str(), and its params.
+    custom_logit_processor: Optional[str] = None
+    custom_params: Optional[dict[str, Any]] = None
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         if max_new_tokens is not None and max_new_tokens < 1:
@@ -72,6 +75,7 @@ class _SamplingFields(_Strict):
             ("json_schema", "json_schema"),
             ("regex", "regex"),
             ("ebnf", "ebnf"),
+            ("custom_params", "custom_params"),
         ):
             value = getattr(self, src)
             if value is not None:

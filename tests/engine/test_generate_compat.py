@@ -452,7 +452,7 @@ def test_special_token_text_is_the_tokenizers(client, models, skip, spaces):
         ({"return_routed_experts": True}, "return_routed_experts: the model has no MoE layers"),
         (
             {"custom_logit_processor": "gASV"},
-            "custom_logit_processor: custom logit processors run pickled code",
+            "not configured to enable custom logit processor",
         ),
         ({"image_data": "x.png"}, "image_data: specrl serves text-only models"),
         ({"lora_path": "adapter"}, "lora_path"),

@@ -108,8 +108,12 @@ def test_bad_grammars_are_sglangs_400s(served, make_model):
             messages=[{"role": "user", "content": "x"}],
             response_format={"type": "grammar"},
         )
-    r = client.post("/generate", json={"text": "hi", "sampling_params": {"regex": "(yes|no)"}})
+    body = {"text": "hi", "return_logprob": True, "top_logprobs_num": 5}
+    r = client.post("/generate", json={**body, "sampling_params": {"regex": "(yes|no)"}})
     assert r.status_code == 200 and r.json()["text"] in ("yes", "no")
+    # Forbidden tokens among the top 5 have log-prob -inf: null, as SGLang's orjson writes it.
+    last = r.json()["meta_info"]["output_top_logprobs"][-1]
+    assert [lp for lp, _, _ in last][1:] == [None] * 4  # only EOS may end "yes" / "no"
     path = make_model("llama", max_position_embeddings=256, seed=11)
     with Engine(model_path=path, grammar_backend="none", max_total_tokens=1024) as engine:
         r = testclient.TestClient(create_app(engine)).post(

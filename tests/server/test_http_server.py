@@ -132,7 +132,7 @@ BAD_BODIES = [
     ({"text": "hi", "sampling_params": {"temprature": 0.5}}, "temprature"),
     ({"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ({"text": "hi", "return_routed_experts": True}, "no MoE layers"),
-    ({"text": "hi", "custom_logit_processor": "x"}, "does not execute code"),
+    ({"text": "hi", "custom_logit_processor": "x"}, "--enable-custom-logit-processor"),
     ({"text": "hi", "sampling_params": {"json_schema": "{bad"}}, "Invalid grammar request"),
     ({"text": "hi", "sampling_params": {"max_new_tokens": CONTEXT + 10}}, "context length"),
     ({"input_ids": [5] * (CONTEXT + 1)}, "context length"),
