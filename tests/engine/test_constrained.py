@@ -109,9 +109,12 @@ def test_bad_grammars_fail_as_in_sglang(target):
             engine.generate(input_ids=[5, 6], sampling_params={"regex": "a", "ebnf": EBNF})
         with pytest.raises(ValueError, match="structural tags are not supported"):
             engine.generate(input_ids=[5, 6], sampling_params={"structural_tag": "{}"})
-        # The engine still serves after the refusals.
-        out = engine.generate(input_ids=[5, 6], sampling_params={"regex": "(yes|no)"})
-        assert out["text"] in ("yes", "no")
+        # The engine still serves after the refusals; the grammar ends the output even when
+        # EOS is ignored (SGLang: the matcher terminated).
+        out = engine.generate(
+            input_ids=[5, 6], sampling_params={"regex": "(yes|no)", "ignore_eos": True}
+        )
+        assert out["text"] in ("yes", "no") and out["meta_info"]["finish_reason"]["type"] == "stop"
     with Engine(model_path=target, grammar_backend="none") as engine:
         with pytest.raises(ValueError, match="--grammar-backend none"):
             engine.generate(input_ids=[5, 6], sampling_params={"regex": "a+"})
@@ -159,13 +162,16 @@ SPECULATIVE = {
 _PLAIN: dict[str, list] = {}
 
 
-def _generate(path: str, **kwargs) -> list[dict]:
+def _generate(path: str, **kwargs) -> tuple[list[dict], list[dict]]:
+    """Greedy outputs, and sampled ones (temperature 1), for one prompt per constraint."""
     prompts = random_prompts(3, 2, 12, seed=4)
     params = [{"temperature": 0.0, "max_new_tokens": 48, **c} for c in CONSTRAINTS]
+    sampled = [{**p, "temperature": 1.0, "max_new_tokens": 64} for p in params]
     with Engine(
         model_path=path, random_seed=0, constrained_json_disable_any_whitespace=True, **kwargs
     ) as engine:
-        return engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        greedy = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        return greedy, engine.generate(input_ids=prompts, sampling_params=sampled)
 
 
 @pytest.mark.parametrize("name", list(SPECULATIVE))
@@ -177,8 +183,10 @@ def test_speculative_greedy_equals_plain_constrained(name, target, drafts):
         kwargs["speculative_draft_model_path"] = target if draft == "target" else drafts[draft]
     if path not in _PLAIN:
         _PLAIN[path] = _generate(path)
-    outs = _generate(path, **kwargs)
-    plain = _PLAIN[path]
+    outs, sampled = _generate(path, **kwargs)
+    plain = _PLAIN[path][0]
+    for out, constraint in zip(sampled, CONSTRAINTS):  # tree rejection sampling, masked
+        assert_parses(out, constraint)
     assert [o["output_ids"] for o in outs] == [p["output_ids"] for p in plain]
     for out, constraint in zip(outs, CONSTRAINTS):
         assert_parses(out, constraint)
