@@ -235,3 +235,22 @@ def test_tree_masks_equal_plain_masks_after_each_path(target):
     for node, (path, ok) in enumerate(zip(paths, reachable)):
         want = allowed_after(path) if ok else torch.ones(512, dtype=torch.bool)
         assert torch.equal(masked[node] == 0, want), node
+
+
+def test_engines_that_cannot_serve_grammars_say_why():
+    """--tp-size > 1 (each rank would hold its own matchers) and --skip-tokenizer-init (nothing
+    to compile against) refuse grammar requests with the reason; the backend otherwise."""
+    from types import SimpleNamespace
+
+    from spec_engine.constrained.grammar import NONE_BACKEND, create_grammar_backend
+
+    def reason(backend="xgrammar", tokenizer="a tokenizer", tp_size=1):
+        args = SimpleNamespace(
+            grammar_backend=backend, constrained_json_disable_any_whitespace=False
+        )
+        return create_grammar_backend(args, tokenizer, 512, frozenset({2}), tp_size)[1]
+
+    assert reason() is None
+    assert reason(backend="none") == NONE_BACKEND
+    assert "--skip-tokenizer-init" in reason(tokenizer=None)
+    assert "--tp-size 1" in reason(tp_size=2)
