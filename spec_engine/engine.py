@@ -25,6 +25,7 @@ from spec_engine.args.engine_args import EngineArgs, split_sglang_options
 from spec_engine.args.engine_checks import split_address
 from spec_engine.args.resolve import EngineConfig, resolve_engine_config
 from spec_engine.args.sglang_compat import check_sglang_options
+from spec_engine.constrained.grammar import create_grammar_backend
 from spec_engine.control import EngineControl
 from spec_engine.core.channel import Channel, Collector
 from spec_engine.core.inputs import (
@@ -136,7 +137,7 @@ class Engine(EngineControl, SchedulerLoop):
         )
         if tp.size > 1:
             self.scheduler.rank0_value = lambda value: broadcast_pyobj([value], tp)[0]
-        self.inputs = self._request_builder(worker.decode_headroom())
+        self.inputs = self._request_builder(worker.decode_headroom(), eos_ids)
         draft = getattr(worker, "draft", None)
         self.updater = WeightUpdater(self.runner.model, self.runner.device, draft, tp)
         self.memory = MemoryController(
@@ -156,9 +157,16 @@ class Engine(EngineControl, SchedulerLoop):
             else None
         )
 
-    def _request_builder(self, kv_headroom: int) -> RequestBuilder:
+    def _request_builder(self, kv_headroom: int, eos_ids: frozenset[int]) -> RequestBuilder:
         """What checks and builds requests, with this engine's limits."""
         args = self.args
+        grammars, grammar_refusal = create_grammar_backend(
+            args,
+            self.tokenizer,
+            self.model_config.vocab_size,
+            eos_ids,
+            self.tp.size,
+        )
         return RequestBuilder(
             self.tokenizer,
             self.model_config.vocab_size,
@@ -171,6 +179,9 @@ class Engine(EngineControl, SchedulerLoop):
                 args.max_request_prompts, args.max_request_samples, args.max_request_tokens
             ),
             routing_refusal(self.model_config.moe is not None, args.enable_return_routed_experts),
+            grammars,
+            grammar_refusal,
+            args.enable_custom_logit_processor,
         )
 
     # ------------------------------------------------------------ generation
@@ -187,6 +198,7 @@ class Engine(EngineControl, SchedulerLoop):
         logprob_start_len: Union[int, list[int]] = -1,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
+        custom_logit_processor: Union[str, list[Optional[str]], None] = None,
     ) -> Union[dict, list[dict], Iterator[dict]]:
         """Generate for one prompt (returns a dict) or a batch (a list, n samples per prompt in a
         row). With return_logprob, logprob_start_len >= 0 also scores the prompt from there
@@ -195,6 +207,8 @@ class Engine(EngineControl, SchedulerLoop):
         return_routed_experts (with --enable-return-routed-experts, MoE models) adds SGLang's
         meta_info.routed_experts: base64 of int32 [prompt + output - 1 - routed_experts_start_len,
         num_hidden_layers, num_experts_per_tok], each token's experts (0 in dense layers).
+        custom_logit_processor (with --enable-custom-logit-processor): SGLang's
+        CustomLogitProcessor.to_str(), run on the request's logits with its custom_params.
 
         With stream=True returns an iterator of cumulative output dicts (batch items carry "index").
         """
@@ -209,6 +223,7 @@ class Engine(EngineControl, SchedulerLoop):
             stream=stream,
             return_routed_experts=return_routed_experts,
             routed_experts_start_len=routed_experts_start_len,
+            custom_logit_processor=custom_logit_processor,
         )
         collector = self._submit(self._make_requests(obj), Channel(self._thread.is_alive))
         return collector.stream() if stream else collector.wait()
@@ -225,6 +240,7 @@ class Engine(EngineControl, SchedulerLoop):
         logprob_start_len: Union[int, list[int]] = -1,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
+        custom_logit_processor: Union[str, list[Optional[str]], None] = None,
     ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         """Async form of `generate`; with stream=True returns an async iterator."""
         obj = GenerateReqInput(
@@ -238,6 +254,7 @@ class Engine(EngineControl, SchedulerLoop):
             stream=stream,
             return_routed_experts=return_routed_experts,
             routed_experts_start_len=routed_experts_start_len,
+            custom_logit_processor=custom_logit_processor,
         )
         # Tokenizing a long prompt takes seconds: off the event loop, which serves other requests.
         built = await asyncio.to_thread(self._make_requests, obj)

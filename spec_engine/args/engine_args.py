@@ -22,6 +22,7 @@ from spec_engine.args.engine_checks import (
     ATTENTION_BACKENDS,
     DEVICE_CHOICES,
     DTYPE_CHOICES,
+    GRAMMAR_BACKENDS,
     LOG_LEVELS,
     ON_COLLAPSE_CHOICES,
     SCHEDULE_POLICIES,
@@ -346,6 +347,24 @@ class EngineArgs:
         False,
         "Check the logits of every step for NaN: log a warning and sample as if those logits "
         "were -1e5 (SGLang's behaviour).",
+    )
+    grammar_backend: str = _opt(
+        "xgrammar",
+        "What compiles the regex / json_schema / ebnf of constrained requests: xgrammar "
+        "(SGLang's default), or none to refuse them with a 400 (outlines and llguidance are "
+        "refused at launch).",
+        choices=GRAMMAR_BACKENDS,
+    )
+    constrained_json_disable_any_whitespace: bool = _opt(
+        False,
+        "JSON schemas allow no whitespace beyond one space after ',' and ':' (SGLang's flag; by "
+        "default any amount is allowed).",
+    )
+    enable_custom_logit_processor: bool = _opt(
+        False,
+        "Let requests carry a custom logit processor (SGLang's CustomLogitProcessor.to_str()): "
+        "this runs the client's Python code inside the engine, so enable it only for trusted "
+        "clients.",
     )
     enable_return_routed_experts: bool = _opt(
         False,

@@ -39,6 +39,8 @@ SGLANG_ATTENTION_BACKENDS = (
 )
 SCHEDULE_POLICIES = ("fcfs", "random")  # SGLang's cache-agnostic ones
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# SGLang's --grammar-backend choices; specrl compiles with xgrammar (SGLang's default) or none.
+GRAMMAR_BACKENDS = ("xgrammar", "outlines", "llguidance", "none")
 ON_COLLAPSE_CHOICES = ("warn", "disable")  # spec_engine.speculative.accept_alarm's modes
 # Options that must be positive integers when given (None: auto).
 POSITIVE_OR_AUTO = ("context_length", "max_total_tokens", "max_running_requests")
@@ -110,6 +112,13 @@ def check_choices(args: Any) -> None:
     check_choice("schedule_policy", args.schedule_policy, SCHEDULE_POLICIES)
     check_choice("log_level", args.log_level, LOG_LEVELS)
     check_choice("speculative_on_collapse", args.speculative_on_collapse, ON_COLLAPSE_CHOICES)
+    check_choice("grammar_backend", args.grammar_backend, GRAMMAR_BACKENDS)
+    if args.grammar_backend in ("outlines", "llguidance"):
+        raise ValueError(
+            f"--grammar-backend {args.grammar_backend} is not supported: specrl compiles "
+            "grammars with xgrammar (SGLang's default; it serves the same regex, json_schema and "
+            "ebnf requests); use --grammar-backend xgrammar, or none to refuse grammar requests"
+        )
 
 
 def check_sizes(args: Any) -> None:

@@ -60,9 +60,7 @@ _NO_COMPILE = (
     "specrl does not torch.compile its models; its CUDA graphs (--cuda-graph-bs, "
     "--cuda-graph-max-bs) already remove the launch overhead torch.compile targets"
 )
-_NO_GRAMMAR = (
-    "specrl has no constrained decoding; requests with regex / json_schema / ebnf get a 400"
-)
+_NO_OUTLINES = "outlines only; specrl compiles grammars with xgrammar (--grammar-backend)"
 _NO_LORA = "specrl serves no LoRA adapters; merge the adapter into the checkpoint"
 _NO_DISAGG = "specrl has no prefill/decode disaggregation"
 _NO_DEBUG_DUMP = "specrl has no tensor dump hooks"
@@ -138,9 +136,8 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     "sampling_backend": _noop(
         None, "specrl samples with its own torch sampler (exact, seeded per request)"
     ),
-    "grammar_backend": _noop(None, _NO_GRAMMAR),
-    "constrained_json_whitespace_pattern": _noop(None, _NO_GRAMMAR),
-    "disable_outlines_disk_cache": _noop(False, _NO_GRAMMAR),
+    "constrained_json_whitespace_pattern": _noop(None, _NO_OUTLINES),
+    "disable_outlines_disk_cache": _noop(False, _NO_OUTLINES),
     "speculative_attention_mode": _noop(
         "prefill",
         "the verify forward always runs the target's own backend with a tree mask (SGLang's "
@@ -197,11 +194,6 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     ),
     "allow_auto_truncate": _refuse(
         False, "a prompt longer than the context is refused with a 400; shorten it client-side"
-    ),
-    "enable_custom_logit_processor": _refuse(
-        False,
-        "custom logit processors are pickled Python code run inside the engine; specrl does not "
-        "execute code from requests",
     ),
     "enable_hierarchical_cache": _refuse(False, _NO_HICACHE),
     "hicache_ratio": _noop(2.0, _NO_HICACHE),

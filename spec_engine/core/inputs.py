@@ -9,6 +9,8 @@ from typing import Any, Optional, Union
 
 from transformers import PreTrainedTokenizerBase
 
+from spec_engine.constrained.grammar import GrammarBackend, grammar_key
+from spec_engine.core.custom_logit_processor import DISABLED, check_processor
 from spec_engine.core.request import Req, ReqInput
 from spec_engine.core.sampling_params import SamplingParams
 from spec_engine.layers.sampler import derive_seed
@@ -39,6 +41,8 @@ class GenerateReqInput:
     # routed_experts_start_len on.
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # SGLang's CustomLogitProcessor.to_str(), one for every prompt or one per prompt.
+    custom_logit_processor: Union[str, list[Optional[str]], None] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +108,16 @@ class RequestBuilder:
         random_seed: int,
         limits: Optional[RequestLimits] = None,
         routing_refusal: Optional[str] = None,
+        grammars: Optional[GrammarBackend] = None,
+        grammar_refusal: Optional[str] = None,
+        custom_logit_processors: bool = False,
     ) -> None:
         self.limits = limits or RequestLimits()
+        # Constrained decoding: what compiles grammars, or why the engine serves none.
+        self.grammars = grammars
+        self.grammar_refusal = grammar_refusal
+        # --enable-custom-logit-processor: requests may carry code to run on their logits.
+        self.custom_logit_processors = custom_logit_processors
         # Why return_routed_experts cannot be served (None: it can).
         self.routing_refusal = routing_refusal
         self.tokenizer = tokenizer
@@ -136,12 +148,25 @@ class RequestBuilder:
         rids = self._rids(obj.rid, len(ids_list))
         params = [self._check_request(ids, sp) for ids, sp in zip(ids_list, params)]
         self.limits.check(ids_list, params)
+        processors = self._processors(obj.custom_logit_processor, len(ids_list))
         reqs = [
             req
-            for ids, sp, rid, options in zip(ids_list, params, rids, logprobs)
-            for req in self._samples(obj, ids, sp, rid, options)
+            for ids, sp, rid, options, processor in zip(
+                ids_list, params, rids, logprobs, processors
+            )
+            for req in self._samples(obj, ids, sp, rid, options, processor)
         ]
         return reqs, single and len(reqs) == 1
+
+    def _processors(self, value: Any, count: int) -> list[Optional[str]]:
+        """Each prompt's custom logit processor, checked (SGLang's message when disabled)."""
+        processors = _per_prompt("custom_logit_processor", value, count)
+        for processor in processors:
+            if processor is not None:
+                if not self.custom_logit_processors:
+                    raise ValueError(DISABLED)
+                check_processor(processor)
+        return processors
 
     def _logprob_options(
         self, obj: GenerateReqInput, ids_list: list[list[int]]
@@ -185,9 +210,13 @@ class RequestBuilder:
         sp: SamplingParams,
         rid: str,
         logprobs: tuple[bool, int, int],
+        processor: Optional[str] = None,
     ) -> list[Req]:
         """The n requests of one prompt, each with its seed."""
         want, top_num, start = logprobs
+        key = grammar_key(sp)
+        if key is not None and self.grammars is None:
+            raise ValueError(self.grammar_refusal or "constrained decoding is not available")
         reqs = []
         for i in range(sp.n):
             if sp.sampling_seed is not None:
@@ -211,7 +240,9 @@ class RequestBuilder:
                         stream=obj.stream,
                         return_routed_experts=obj.return_routed_experts,
                         routed_experts_start_len=obj.routed_experts_start_len,
-                    )
+                        custom_logit_processor=processor,
+                    ),
+                    grammar=None if key is None else self.grammars.grammar(key),
                 )
             )
         return reqs

@@ -77,6 +77,14 @@ class OutputProcessor:
             logger.error("request %s failed: %s", req.input.rid, result.failed[i])
             req.finished_reason = {"type": "abort", "message": result.failed[i], "status_code": 500}
         for j, token in enumerate([] if req.finished else result.tokens[i]):
+            if req.grammar is not None and not req.grammar.accept_token(token):
+                # The masks allow only what the grammar accepts: a bug, not the client's error.
+                req.finished_reason = {
+                    "type": "abort",
+                    "message": f"the grammar does not allow token {token} emitted here",
+                    "status_code": 500,
+                }
+                break
             req.output_ids.append(token)
             if result.logprobs is not None:
                 req.output_logprobs.append(result.logprobs[i][j])

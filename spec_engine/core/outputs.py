@@ -180,8 +180,11 @@ class RequestOutput:
             "output_token_logprobs": [(lp, t, None) for lp, t in zip(self.logprobs, self.ids)]
         }
         if self.req.input.top_logprobs_num:
+            # A token a grammar or a custom processor forbids has log-prob -inf: null, as
+            # SGLang's orjson writes it (JSON has no infinity).
             meta["output_top_logprobs"] = [
-                [(lp, t, None) for lp, t in top] for top in self.top_logprobs
+                [(lp if math.isfinite(lp) else None, t, None) for lp, t in top]
+                for top in self.top_logprobs
             ]
         if d.input_logprobs is not None:
             meta.update(self._input_logprobs(d))

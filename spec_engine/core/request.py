@@ -37,6 +37,9 @@ class ReqInput:
     # this position on (SGLang's routed_experts_start_len).
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # --enable-custom-logit-processor: SGLang's CustomLogitProcessor.to_str() of the processor
+    # this request's logits go through (core.custom_logit_processor).
+    custom_logit_processor: Optional[str] = None
     created_time: float = field(default_factory=time.perf_counter)
 
 
@@ -92,6 +95,9 @@ class Req:
     # plainly since its KV was last in step, for the next speculative step to catch up on
     # (speculative/draft_lag.py); None when the draft is in step.
     draft_lag: Any = None
+    # Constrained decoding: the request's grammar matcher (constrained.grammar.Grammar), which
+    # has accepted every output token so far; None without regex / json_schema / ebnf.
+    grammar: Any = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -143,6 +149,10 @@ class Req:
         n_out = len(self.output_ids)
         if n_out >= self.max_new_tokens():
             self.finished_reason = {"type": "length", "length": n_out}
+            return
+        if self.grammar is not None and self.grammar.is_terminated():
+            # As in SGLang: the grammar accepted a stop token, the output is complete.
+            self.finished_reason = {"type": "stop", "matched": self.output_ids[-1]}
             return
         if n_out < sp.min_new_tokens:
             return

@@ -10,10 +10,10 @@ from typing import Any, Optional
 # SGLang keys specrl does not implement; accepted only at their neutral value so a client
 # that always sends them still works, refused otherwise (never silently ignored).
 _NEUTRAL_UNSUPPORTED = {
-    "json_schema": (None, "constrained decoding is not supported by specrl"),
-    "regex": (None, "constrained decoding is not supported by specrl"),
-    "ebnf": (None, "constrained decoding is not supported by specrl"),
-    "structural_tag": (None, "constrained decoding is not supported by specrl"),
+    "structural_tag": (
+        None,
+        "structural tags are not supported by specrl; constrain with json_schema, regex or ebnf",
+    ),
     "stop_regex": (None, "stop strings are matched literally; use stop"),
 }
 
@@ -45,6 +45,10 @@ class SamplingParams:
     # For SGLang's custom logit processors; specrl has none, and acts on slime's
     # {"return_top_p_token_ids": true} only (core.logits_processor.top_p_replay).
     custom_params: Optional[dict[str, Any]] = None
+    # Constrained decoding (spec_engine.constrained): at most one, each a string as in SGLang.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
 
     @classmethod
     def from_dict(cls, params: Optional[dict[str, Any]]) -> SamplingParams:
@@ -90,6 +94,26 @@ class SamplingParams:
                     f"sampling_params.{name} must be true or false, got {getattr(self, name)!r}"
                 )
         self._check_stops()
+        self._check_grammar()
+
+    def _check_grammar(self) -> None:
+        for name in ("json_schema", "regex", "ebnf"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(
+                    f"sampling_params.{name} must be a string (a JSON schema as JSON text, for "
+                    f"json_schema), got {value!r:.100}"
+                )
+        grammars = sum(getattr(self, n) is not None for n in ("json_schema", "regex", "ebnf"))
+        if grammars > 1:
+            raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
+        if grammars and self.min_new_tokens:
+            # Banning EOS could leave a grammar that must end now no token at all.
+            raise ValueError(
+                f"sampling_params.min_new_tokens ({self.min_new_tokens}) cannot be combined with "
+                "regex, json_schema or ebnf: the grammar decides where the output ends; leave "
+                "min_new_tokens at 0"
+            )
 
     def _check_numbers(self) -> None:
         """Token counts, the seed and the sampling knobs: types and ranges."""

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from spec_engine.constrained.mask import mask_rows
+from spec_engine.core.custom_logit_processor import apply_processors
 from spec_engine.core.logits_processor import (
     NONFINITE_LOGITS,
     nonfinite_rows,
@@ -203,6 +205,8 @@ class ModelWorker:
             for j in nonfinite_rows(logits):
                 result.failed[rows[j]] = NONFINITE_LOGITS
         logits = process_logits(logits, params, [r.output_ids for r in reqs])
+        logits = mask_rows(logits, [r.grammar for r in reqs])
+        logits = apply_processors(logits, reqs, [r.output_ids for r in reqs])
         sampled = self.sampler(
             logits, sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids)
         )

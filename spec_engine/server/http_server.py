@@ -53,16 +53,13 @@ _GENERATE_KEYS = {
     "log_metrics",
     "return_routed_experts",
     "routed_experts_start_len",
+    "custom_logit_processor",
 }
 # SGLang GenerateReqInput fields specrl has no use for: accepted at their neutral value (what
 # clients send by default), refused otherwise with the reason.
 _GENERATE_NEUTRAL = {
     "return_hidden_states": (False, "hidden states are not returned by specrl"),
     "return_entropy": (False, "entropies are not returned by specrl; use top_logprobs_num"),
-    "custom_logit_processor": (
-        None,
-        "custom logit processors run pickled code; specrl does not execute code from requests",
-    ),
     "input_embeds": (None, "specrl takes text or input_ids, not embeddings"),
     "positional_embed_overrides": (None, "specrl takes text or input_ids, not embeddings"),
     "image_data": (None, "specrl serves text-only models"),
@@ -275,6 +272,7 @@ def _generate_arguments(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         # null means the default, as SGLang's optional fields read it
         return_routed_experts=body.get("return_routed_experts") or False,
         routed_experts_start_len=body.get("routed_experts_start_len") or 0,
+        custom_logit_processor=body.get("custom_logit_processor"),
     )
     return kwargs, with_text
 

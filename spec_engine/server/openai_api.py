@@ -123,6 +123,7 @@ def _completion_arguments(req: CompletionRequest) -> tuple[dict[str, Any], list[
         return_logprob=req.logprobs is not None,
         top_logprobs_num=req.logprobs or 0,
         rid=req.rid,
+        custom_logit_processor=req.custom_logit_processor,
         # echo with logprobs scores the prompt too (OpenAI's first logprob is None).
         logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
     )
@@ -177,6 +178,7 @@ async def _chat_completions(
         return_logprob=req.logprobs,
         top_logprobs_num=top,
         rid=req.rid,
+        custom_logit_processor=req.custom_logit_processor,
     )
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
@@ -201,7 +203,6 @@ async def _chat_completions(
 def _chat_input_ids(engine: Engine, req: ChatCompletionRequest) -> list[int]:
     """The messages through the model's chat template, as token ids."""
     _refuse(
-        response_format=req.response_format not in (None, {"type": "text"}),
         tools=bool(req.tools),
         tool_choice=req.tool_choice not in (None, "none"),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,6 +43,14 @@ class _SamplingFields(_Strict):
 
     repetition_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
+    # Constrained decoding: SGLang's extra fields, and OpenAI's response_format.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
+    # --enable-custom-logit-processor: SGLang's CustomLogitProcessor.to_str(), and its params.
+    custom_logit_processor: Optional[str] = None
+    custom_params: Optional[dict[str, Any]] = None
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         if max_new_tokens is not None and max_new_tokens < 1:
@@ -63,11 +72,39 @@ class _SamplingFields(_Strict):
             ("stop_token_ids", "stop_token_ids"),
             ("no_stop_trim", "no_stop_trim"),
             ("seed", "sampling_seed"),
+            ("json_schema", "json_schema"),
+            ("regex", "regex"),
+            ("ebnf", "ebnf"),
+            ("custom_params", "custom_params"),
         ):
             value = getattr(self, src)
             if value is not None:
                 params[dst] = value
+        if self.response_format is not None:
+            params.update(response_format_params(self.response_format))
         return params
+
+
+def response_format_params(fmt: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's response_format as SGLang turns it into sampling params: json_object becomes
+    the schema {"type": "object"}, json_schema its schema as JSON text."""
+    kind = fmt.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError(
+                'response_format of type json_schema needs {"json_schema": {"name": ..., '
+                f'"schema": {{...}}}}}}, got {fmt!r:.200}'
+            )
+        return {"json_schema": json.dumps(spec["schema"])}
+    raise ValueError(
+        f"response_format type {kind!r} is not supported; use text, json_object or json_schema "
+        "(structural_tag is not served by specrl)"
+    )
 
 
 class CompletionRequest(_SamplingFields):
@@ -104,7 +141,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None

@@ -19,6 +19,8 @@ import torch
 
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.args.spec_shapes import SpecShape, spec_shapes
+from spec_engine.constrained.mask import mask_trees
+from spec_engine.core.custom_logit_processor import apply_processors_to_trees
 from spec_engine.core.logits_processor import (
     NONFINITE_LOGITS,
     nonfinite_rows,
@@ -194,6 +196,9 @@ class SpecWorker(ModelWorker):
         else:
             bad_rows = set(nonfinite_rows(logits))
         logits = _process_tree_logits(logits, reqs, trees)
+        parents, tokens = [t.parents for t in trees], [t.tokens for t in trees]
+        logits = mask_trees(logits, [r.grammar for r in reqs], parents, tokens)
+        logits = apply_processors_to_trees(logits, reqs, parents, tokens)
         banned = [
             [r.banned_tokens(self.eos_token_ids, d) for d in range(max(t.depths) + 1)]
             for r, t in zip(reqs, trees)

@@ -445,13 +445,14 @@ def test_special_token_text_is_the_tokenizers(client, models, skip, spaces):
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
-        ({"sampling_params": {"regex": "a+"}}, "sampling_params.regex: constrained decoding"),
-        ({"sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema: constrained"),
-        ({"sampling_params": {"ebnf": "root ::= x"}}, "sampling_params.ebnf: constrained"),
+        ({"sampling_params": {"regex": "([a"}}, "req.grammar_key=('regex', '([a')"),
+        ({"sampling_params": {"json_schema": "{bad"}}, "req.grammar_key=('json', '{bad')"),
+        ({"sampling_params": {"ebnf": "root ::= "}}, "req.grammar_key=('ebnf', 'root ::= ')"),
+        ({"sampling_params": {"regex": 1}}, "sampling_params.regex must be a string"),
         ({"return_routed_experts": True}, "return_routed_experts: the model has no MoE layers"),
         (
             {"custom_logit_processor": "gASV"},
-            "custom_logit_processor: custom logit processors run pickled code",
+            "not configured to enable custom logit processor",
         ),
         ({"image_data": "x.png"}, "image_data: specrl serves text-only models"),
         ({"lora_path": "adapter"}, "lora_path"),
