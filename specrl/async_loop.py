@@ -142,6 +142,7 @@ def train_async(args: argparse.Namespace, resume: Resume | None = None) -> str:
 
 
 def resumed_rollout(state: dict, rollout_id: int) -> Rollout:
+    """The checkpoint's rollout ahead, which must be the one the resumed run starts with."""
     rollout = Rollout.from_state(state)
     if rollout.rollout_id != rollout_id:
         raise SystemExit(
