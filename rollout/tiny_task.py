@@ -17,6 +17,15 @@ scripts/make_tiny_model.py with a bare policy gradient on the first token (4 pro
 samples, group-normalized rewards, Adam lr 3e-3): the mean reward went from ~5% to ~60% in 35
 steps. Pair it with --dynamic-sampling-filter-path rollout.filters.check_reward_nonzero_std
 early on, when most groups score all zeros.
+
+The long-tailed variant (`write_tiny_task(..., long_tail=True)`, `TASK=longtail` in
+scripts/run-tiny-cpu.sh): each prompt also carries a response length, `metadata.max_new_tokens`,
+drawn from a Pareto distribution (`long_tail_lengths`: scale 4, shape 1.2, capped at 64: half
+the prompts want at most 7 tokens, one in twelve 32 or more), and `long_tail_generate`
+(--custom-generate-function-path) generates each response up to its prompt's length. The reward
+is the same, so the runs learn alike; a rollout's time is set by its longest groups, the long
+tail that --partial-rollout, scripts/train_async.py and adaptive speculation attack
+(docs/benchmarks/long_tail_cpu.md).
 """
 
 from __future__ import annotations
@@ -28,9 +37,13 @@ import random
 import string
 from typing import Any, Optional
 
+from rollout.generate import generate
 from rollout.rewards.tiny import VARY
+from rollout.sample import Sample
 
 PROMPT_FORMAT = "copy: {letter}"
+# The long-tailed task's response lengths: Pareto(scale, shape), capped.
+LONG_TAIL_SCALE, LONG_TAIL_SHAPE, LONG_TAIL_MAX = 4, 1.2, 64
 
 
 def letter_shares(tokenizer: Any) -> dict[str, float]:
@@ -65,6 +78,7 @@ def write_tiny_task(
     num_letters: int = 4,
     seed: int = 0,
     drift_at: Optional[int] = None,
+    long_tail: bool = False,
 ) -> list[str]:
     """Write `n` prompts {"input": "copy: <letter>", "label": "<letter>"} as JSONL (labels
     cycle over the letters in a seeded random order); returns the letters used.
@@ -74,7 +88,11 @@ def write_tiny_task(
     response must also stop repeating itself (rollout.rewards.tiny), which the warm-up taught the
     policy to do, so the rewarded continuation changes mid-run and a draft that learned the
     first half's outputs goes stale. Read the file in order (no --rollout-shuffle) and the shift
-    comes at rollout drift_at / --rollout-batch-size."""
+    comes at rollout drift_at / --rollout-batch-size.
+
+    `long_tail`: each record also has {"metadata": {"max_new_tokens": L}}, L from
+    `long_tail_lengths`; generate with --custom-generate-function-path
+    rollout.tiny_task.long_tail_generate and --rollout-max-response-len >= LONG_TAIL_MAX."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if drift_at is not None and not 0 <= drift_at <= n:
@@ -82,10 +100,35 @@ def write_tiny_task(
     letters = tiny_task_letters(tokenizer, num_letters)
     labels = [letters[i % len(letters)] for i in range(n)]
     random.Random(seed).shuffle(labels)
+    lengths = long_tail_lengths(n, seed)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         for i, letter in enumerate(labels):
             rewarded = letter + VARY if drift_at is not None and i >= drift_at else letter
             record = {"input": PROMPT_FORMAT.format(letter=letter), "label": rewarded}
+            if long_tail:
+                record["metadata"] = {"max_new_tokens": lengths[i]}
             f.write(json.dumps(record) + "\n")
     return letters
+
+
+def long_tail_lengths(n: int, seed: int = 0) -> list[int]:
+    """`n` response lengths, most short and a few long: Pareto(LONG_TAIL_SCALE,
+    LONG_TAIL_SHAPE) rounded down, capped at LONG_TAIL_MAX."""
+    rng = random.Random(f"long-tail-{seed}")
+    draws = (LONG_TAIL_SCALE * rng.paretovariate(LONG_TAIL_SHAPE) for _ in range(n))
+    return [min(LONG_TAIL_MAX, int(x)) for x in draws]
+
+
+async def long_tail_generate(
+    args: Any, sample: Sample, sampling_params: dict[str, Any], engine: Any
+) -> Sample:
+    """The long-tailed task's --custom-generate-function-path: the default generate (partial
+    responses continued as it does), each response limited to its prompt's
+    metadata.max_new_tokens (and to --rollout-max-response-len)."""
+    limit = sample.metadata.get("max_new_tokens")
+    if limit is not None:
+        cap = sampling_params.get("max_new_tokens")
+        limit = limit if cap is None else min(limit, cap)
+        sampling_params = {**sampling_params, "max_new_tokens": limit}
+    return await generate(args, sample, sampling_params, engine)

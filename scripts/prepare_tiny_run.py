@@ -36,6 +36,12 @@ def main() -> None:
         help="The drift task: from this prompt on, the rewarded letter shifts to the next one "
         "(rollout.tiny_task.write_tiny_task).",
     )
+    parser.add_argument(
+        "--long-tail",
+        action="store_true",
+        help="The long-tailed task: each prompt also asks for a response length drawn from a "
+        "Pareto distribution (rollout.tiny_task.long_tail_lengths).",
+    )
     args = parser.parse_args()
     setup_logging()
     quiet_known_noise()
@@ -48,6 +54,7 @@ def main() -> None:
             drift_at=args.drift_at,
             model=args.model,
             warm_mtp=args.mtp_warmup,
+            long_tail=args.long_tail,
         )
     )
 

@@ -7,6 +7,11 @@
 #   TASK=drift runs the drift task: from prompt DRIFT_AT (default 60, i.e. rollout 16) on, a
 #   response must also stop repeating its first token, as the warm-up taught (the prompts are
 #   read in order), so the policy's continuations change (docs/benchmarks/drift_mtp_cpu.md).
+#   TASK=longtail runs the long-tailed task: each prompt asks for a response of its own length,
+#   Pareto-distributed (median 6 tokens, one in twelve 32 or more, capped at 64; rollout.tiny_task),
+#   so a rollout waits for its longest groups (docs/benchmarks/long_tail_cpu.md).
+#   LOOP=train_async runs scripts/train_async.py instead of scripts/train.py (rollout N+1 generated
+#   while the trainer trains on N).
 #   MODEL=deepseek-v3 runs a tiny DeepSeek-V3-shaped model (DeepseekV3ForCausalLM) instead of the
 #   MiMo-style one: MLA, a dense first layer then MoE (8 routed experts, top-2, one shared), and
 #   one next-n MTP layer, which drafts (EAGLE). The warm-up leaves that layer random, so online
@@ -34,7 +39,11 @@ esac
 case "$TASK" in
   copy) OUT=${OUT:-runs/tiny-cpu$SUFFIX}; TASK_FLAGS=(--rollout-shuffle) ;;
   drift) OUT=${OUT:-runs/tiny-cpu-drift$SUFFIX}; TASK_FLAGS=(); PREPARE_FLAGS+=(--drift-at "${DRIFT_AT:-60}") ;;
-  *) echo "TASK=$TASK: use copy (the default) or drift" >&2; exit 2 ;;
+  longtail)
+    OUT=${OUT:-runs/tiny-cpu-longtail$SUFFIX}; PREPARE_FLAGS+=(--long-tail)
+    TASK_FLAGS=(--rollout-shuffle --rollout-max-response-len 64
+      --custom-generate-function-path rollout.tiny_task.long_tail_generate) ;;
+  *) echo "TASK=$TASK: use copy (the default), drift or longtail" >&2; exit 2 ;;
 esac
 if [ ! -d "$OUT/assets/warm" ]; then
   python -m scripts.prepare_tiny_run --out "$OUT/assets" --steps 400 --model "$MODEL" "${PREPARE_FLAGS[@]}"
@@ -57,7 +66,11 @@ b(sys.argv[1] + '/eagle3', w, 3, draft_vocab_size=json.load(open(w + '/config.js
     if [ "${DRAFT_TRAINING:-1}" != 0 ]; then SPEC_FLAGS+=(--enable-draft-training); fi ;;
   *) echo "SPEC=${SPEC}: use mtp (the default) or eagle3" >&2; exit 2 ;;
 esac
-python -m scripts.train \
+case "${LOOP:=train}" in
+  train|train_async) ;;
+  *) echo "LOOP=$LOOP: use train (the default) or train_async" >&2; exit 2 ;;
+esac
+python -m "scripts.$LOOP" \
   --hf-checkpoint "$OUT/assets/warm" --output-dir "$OUT" --num-rollout 30 \
   --prompt-data "$OUT/assets/task.jsonl" --input-key input --label-key label --rm-type tiny \
   --rollout-batch-size 4 --n-samples-per-prompt 8 --rollout-max-response-len 4 "${TASK_FLAGS[@]}" \

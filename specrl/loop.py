@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from rollout.debug_data import load_debug_rollout_data, save_debug_rollout_data
 from rollout.engine_group import EngineGroup
+from rollout.engine_load import BatchSizeTrace
 from rollout.manager import Groups, RolloutManager
 from rollout.metrics import MetricsLogger, rollout_metrics, staleness_metrics
 from rollout.router import EngineDied
@@ -48,6 +49,8 @@ ExitHook = Callable[[type[BaseException] | None, BaseException | None, object], 
 logger = logging.getLogger("specrl.train")
 
 Metrics = dict[str, float]
+# The key of a checkpoint's rollout generated but not trained yet (scripts/train_async.py's).
+PENDING_ROLLOUT = "pending_rollout"
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Run:
     manager: RolloutManager
     progress: RolloutProgress
     weight_version: int = 0  # of the weights the engines hold
+    policy_version: int = 0  # of the policy's weights: the rollouts it has trained on
     start_rollout_id: int = 0
     wandb_run_id: str = ""
     restarter: EngineRestarter | None = None  # --use-fault-tolerance
@@ -77,22 +81,33 @@ def train(args: argparse.Namespace, resume: Resume | None = None) -> str:
         start = time.perf_counter()
         run = setup(args, resume, teardown)
         metrics_log = open_metrics_log(run, resume, teardown)
-        logger.info(
-            "ready in %.0f s; %d rollouts of %d prompts x %d samples",
-            time.perf_counter() - start,
-            args.num_rollout,
-            args.options.rollout.rollout_batch_size,
-            args.options.rollout.n_samples_per_prompt,
-        )
+        log_start(run, start)
         for rollout_id in range(run.start_rollout_id, args.num_rollout):
             metrics = rollout_step(run, rollout_id)
-            metrics_log.log(rollout_id, metrics)
-            if run.manager.batch_size_trace.times:  # plotted by specrl.plots
-                metrics_log.log_series(
-                    rollout_id, BATCH_SIZE_SERIES, run.manager.batch_size_trace.to_dict()
-                )
-            logger.info(rollout_line(rollout_id, args.num_rollout, metrics))
+            log_rollout(run, metrics_log, rollout_id, metrics, run.manager.batch_size_trace)
         return metrics_log.path
+
+
+def log_start(run: Run, start: float) -> None:
+    """The line that says the run is ready, and what it will run."""
+    rollout = run.args.options.rollout
+    logger.info(
+        "ready in %.0f s; %d rollouts of %d prompts x %d samples",
+        time.perf_counter() - start,
+        run.args.num_rollout,
+        rollout.rollout_batch_size,
+        rollout.n_samples_per_prompt,
+    )
+
+
+def log_rollout(
+    run: Run, metrics_log: MetricsLogger, rollout_id: int, metrics: Metrics, trace: BatchSizeTrace
+) -> None:
+    """A rollout's metrics line (and the engines' batch sizes it polled) and its stdout line."""
+    metrics_log.log(rollout_id, metrics)
+    if trace.times:  # plotted by specrl.plots
+        metrics_log.log_series(rollout_id, BATCH_SIZE_SERIES, trace.to_dict())
+    logger.info(rollout_line(rollout_id, run.args.num_rollout, metrics))
 
 
 def setup(args: argparse.Namespace, resume: Resume | None, teardown: contextlib.ExitStack) -> Run:
@@ -166,7 +181,7 @@ def resume_from(run: Run, resume: Resume) -> None:
     if run.trainer is not None:
         run.trainer.load_checkpoint(resume.directory)
     run.manager.load_state_dict(resume.state["rollout"])
-    run.weight_version = resume.state["weight_version"]
+    run.weight_version = run.policy_version = resume.state["weight_version"]
     run.wandb_run_id = resume.state["wandb_run_id"]
     run.start_rollout_id = resume.rollout_id + 1
 
@@ -218,23 +233,39 @@ def rollout_step(run: Run, rollout_id: int) -> Metrics:
     start = time.perf_counter()
     faults_before = fault_counts(run)
     groups, metrics = generate(run, rollout_id)
-    metrics["rollout/weight_version"] = run.weight_version  # the weights that generated it
-    if args.load_debug_rollout_data is None:  # a loaded rollout's versions are another run's
-        metrics.update(staleness_metrics(groups, run.weight_version))
+    metrics.update(version_metrics(run, groups, run.weight_version))
     if run.trainer is not None:
         metrics.update(train_step(run, groups))
         if run.engines.actors:
             metrics["perf/update_weights_time"] = update_weights(run)
         if is_due(args.save_interval, rollout_id, args.num_rollout):
-            save(args, run.trainer, rollout_id, run.weight_version, run.manager, run.wandb_run_id)
+            save(run, rollout_id)
     if run.engines.actors and is_due(args.options.rollout.eval_interval, rollout_id):
         metrics.update(evaluate(run, rollout_id))
-    if run.restarter is not None:  # this rollout's (and its evaluation's) restarts
-        restarts, redone = fault_counts(run)
-        metrics["rollout/engine_restarts"] = restarts - faults_before[0]
-        metrics["rollout/requests_redone"] = redone - faults_before[1]
+    metrics.update(fault_metrics(run, faults_before))
     metrics["perf/step_time"] = time.perf_counter() - start
     return metrics
+
+
+def version_metrics(run: Run, groups: Groups, generated_by: int) -> Metrics:
+    """The weight version that generated a rollout, and how stale its trained tokens are for
+    the policy about to train on them."""
+    metrics = {"rollout/weight_version": generated_by}
+    if run.args.load_debug_rollout_data is None:  # a loaded rollout's versions are another run's
+        metrics.update(staleness_metrics(groups, run.policy_version))
+    return metrics
+
+
+def fault_metrics(run: Run, before: tuple[int, int]) -> Metrics:
+    """The engine restarts and redone requests since `before` (none without
+    --use-fault-tolerance)."""
+    if run.restarter is None:
+        return {}
+    restarts, redone = fault_counts(run)
+    return {
+        "rollout/engine_restarts": restarts - before[0],
+        "rollout/requests_redone": redone - before[1],
+    }
 
 
 def generate(run: Run, rollout_id: int) -> tuple[Groups, Metrics]:
@@ -257,14 +288,16 @@ def train_step(run: Run, groups: Groups) -> Metrics:
     if run.args.colocate:
         run.engines.release_memory()
     metrics = run.trainer.train(to_train_batch(groups))
+    run.policy_version += 1
     if run.args.colocate:
         run.engines.resume_memory()
     return metrics
 
 
 def update_weights(run: Run) -> float:
-    """The trained policy pushed to every engine as the next weight version; the push's seconds."""
-    run.weight_version += 1
+    """The trained policy pushed to every engine, labelled with its version; the push's
+    seconds."""
+    run.weight_version = run.policy_version
     return push_weights(run, run.engines.actors)["seconds"]
 
 
@@ -289,18 +322,15 @@ def fault_counts(run: Run) -> tuple[int, int]:
     return run.restarter.used, run.manager.router.requests_redone
 
 
-def save(
-    args: argparse.Namespace,
-    trainer: TrainGroup,
-    rollout_id: int,
-    weight_version: int,
-    manager: RolloutManager,
-    wandb_run_id: str,
-) -> None:
-    """The --save checkpoint (policy, then the launcher's state, then the latest file) and the
-    --save-hf export of rollout `rollout_id`."""
+def save(run: Run, rollout_id: int, extra_state: dict | None = None) -> None:
+    """The --save checkpoint (policy, then the launcher's state with `extra_state`, then the
+    latest file) and the --save-hf export of rollout `rollout_id`."""
+    args, trainer = run.args, run.trainer
     if args.save:
-        state = run_checkpoint.new_run_state(weight_version, manager.state_dict(), wandb_run_id)
+        state = run_checkpoint.new_run_state(
+            run.policy_version, run.manager.state_dict(), run.wandb_run_id
+        )
+        state.update(extra_state or {})
         start = time.perf_counter()
         directory = run_checkpoint.save(
             args.save, rollout_id, lambda d: trainer.save_checkpoint(d, rollout_id), state
@@ -345,11 +375,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     """scripts/train.py: the flags checked before anything starts (--dry-run prints them and
     stops), the run, and its summary; a dead actor ends it with a message and a non-zero exit."""
     args = parse_args(argv)
+    if args.update_weights_interval != 1:
+        raise SystemExit(
+            f"error: --update-weights-interval {args.update_weights_interval}: scripts/train.py "
+            "pushes the weights after every step (as slime's train.py); the interval is for "
+            "scripts/train_async.py"
+        )
+    resume, resolved = resolve_run(args)
+    if resume is not None and resume.state.get(PENDING_ROLLOUT):
+        raise SystemExit(
+            f"error: --load {resume.directory} was saved by scripts/train_async.py with rollout "
+            f"{resume.rollout_id + 1} already generated; resume it with scripts/train_async.py "
+            "(scripts/train.py would skip that rollout's prompts)"
+        )
+    run_command(args, resume, resolved, train)
+
+
+def resolve_run(args: argparse.Namespace) -> tuple[Resume | None, list[str]]:
+    """The checkpoint to resume from, and the lines --dry-run prints about what was resolved."""
     resolved = check_checkpoints(args) + args.compat_notes
     setup_logging()
     resume = run_checkpoint.resolve(args, ModelConfig.load(args.hf_checkpoint).hf_config)
     if resume is not None:
         resolved.append(f"resume: {resume.directory} (rollout {resume.rollout_id})")
+    return resume, resolved
+
+
+def run_command(
+    args: argparse.Namespace,
+    resume: Resume | None,
+    resolved: list[str],
+    driver: Callable[[argparse.Namespace, Resume | None], str],
+) -> None:
+    """--dry-run's printout, or the run (`driver`: train, or the async loop's) and its summary;
+    a dead actor ends it with a message and a non-zero exit."""
     if args.dry_run:
         for options in args.options:
             print(options)
@@ -357,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     quiet_known_noise()
     try:
-        metrics_path = train(args, resume)
+        metrics_path = driver(args, resume)
     except (EngineDied, EngineRestartsExhausted, TrainerDied, RayActorError) as e:
         # An actor is gone (Ray has logged its story): say which, and where to resume from.
         logger.debug("the run ended on a dead actor", exc_info=True)

@@ -86,9 +86,11 @@ def prepare(
     drift_at: Optional[int] = None,
     model: str = "mimo",
     warm_mtp: bool = True,
+    long_tail: bool = False,
 ) -> str:
-    """Build the assets under `out`; returns the warmed-up checkpoint's path. `drift_at`: the
-    task's drift variant (rollout.tiny_task.write_tiny_task); the warm-up is the same. `model`:
+    """Build the assets under `out`; returns the warmed-up checkpoint's path. `drift_at`,
+    `long_tail`: the task's drift and long-tailed variants (rollout.tiny_task.write_tiny_task);
+    the warm-up is the same. `model`:
     a key of MODELS. `warm_mtp` False leaves the MTP layer as built (random, frozen during the
     warm-up), for online MTP training to teach from scratch."""
     from transformers import AutoTokenizer
@@ -105,7 +107,12 @@ def prepare(
     MODELS[model](base, seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
     letters = write_tiny_task(
-        os.path.join(out, "task.jsonl"), tokenizer, n=TASK_PROMPTS, seed=seed, drift_at=drift_at
+        os.path.join(out, "task.jsonl"),
+        tokenizer,
+        n=TASK_PROMPTS,
+        seed=seed,
+        drift_at=drift_at,
+        long_tail=long_tail,
     )
     args = TrainerArgs(
         hf_checkpoint=base,
