@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from spec_engine.core.readback import read_back
 from spec_engine.core.request import Req
 from spec_engine.layers.sampler import filtered_probs, inverse_cdf, request_uniform
 from spec_engine.speculative.tree import DraftTree
@@ -72,10 +73,14 @@ def verify_trees(
     banned: Sequence[Sequence[list[int]]],
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
-) -> list[Acceptance]:
+    flags: Optional[torch.Tensor] = None,
+) -> tuple[list[Acceptance], Optional[list[int]]]:
     """Walk each request's tree against the target logits ([sum of tree sizes, vocab], float32).
 
     banned[i][d]: tokens request i may not emit at depth d (EOS/stop ids before min_new_tokens).
+    `flags` (a [rows] tensor, the verify's NaN rows) are read back in the same copy as the
+    target's argmax, so a greedy step reads nothing else; returns the acceptances and the
+    flags' values (None without flags).
     """
     offsets, row_req = [], []
     for i, tree in enumerate(trees):
@@ -97,7 +102,7 @@ def verify_trees(
             torch.tensor(float("-inf"), device=logits.device),
         )
     greedy = [r.input.sampling_params.is_greedy for r in reqs]
-    argmax = masked.argmax(-1).tolist()
+    argmax, flag_values = read_back(masked.argmax(-1), flags)
     out: list[Optional[Acceptance]] = [
         _walk_greedy(tree, argmax, offsets[i]) if greedy[i] else None
         for i, tree in enumerate(trees)
@@ -109,7 +114,7 @@ def verify_trees(
         _walk_sampled(walks, probs, threshold_single, threshold_acc)
         for i, walk in zip(sampled, walks):
             out[i] = Acceptance(walk.path, walk.tokens, walk.rows)
-    return out
+    return out, flag_values
 
 
 def _walk_greedy(tree: DraftTree, argmax: list[int], offset: int) -> Acceptance:

@@ -129,10 +129,15 @@ def test_the_table_reads_and_writes_many_ranges_as_row_by_row():
     assert copy.req_to_token[1, :8].tolist() == list(range(100, 108))
     assert copy.req_to_token[2, 9:].tolist() == [108, 109, 110]
     assert copy.req_to_token[[0, 3, 4]].eq(0).all() and copy.req_to_token[2, :9].eq(0).all()
+    # The host mirror holds what the device table holds, read without a device read.
+    assert (copy.host == copy.req_to_token.numpy()).all()
+    assert copy.read_ranges_host([2, 1], [9, 2], [12, 4]).tolist() == [108, 109, 110, 102, 103]
     assert table.read_ranges([], [], []).shape == (0,)
     meta = ReqToTokenPool(5, 12, torch.device("meta"))  # stands in for CUDA: no device mixing
     assert meta.read_ranges(rows, starts, ends).device.type == "meta"
-    meta.write_ranges(rows, starts, ends, slots.to("meta"))
+    # Fresh slots come with their host values (mem.allocator.Slots): nothing is read back.
+    meta.write_ranges(rows, starts, ends, slots.to("meta"), slots.numpy())
+    assert meta.read_ranges_host(rows, starts, ends).tolist() == slots.tolist()
 
 
 def test_flashinfer_extend_plan_gathers_every_requests_slots(monkeypatch):

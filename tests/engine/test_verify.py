@@ -57,12 +57,21 @@ def test_each_sampled_walk_is_the_same_alone_as_in_its_batch():
                 logits[offset + tree.parents[node], tree.tokens[node]] += 3.0
             offset += tree.size
         thresholds = rng.choice([(1.0, 1.0), (0.3, 1.0), (1.0, 0.6)])
-        together = verify.verify_trees(logits, trees, reqs, [[]] * batch, *thresholds)
+        together = verify.verify_trees(logits, trees, reqs, [[]] * batch, *thresholds)[0]
+        # The engine's walk reads the step's NaN flags in the argmax's copy: same walks.
+        flags = torch.rand(sum(sizes), generator=g, device="cpu") < 0.2
+        walked, read = verify.verify_trees(
+            logits, trees, reqs, [[]] * batch, *thresholds, flags=flags
+        )
+        assert read == [int(f) for f in flags.tolist()]
+        assert [(w.path, w.tokens, w.rows) for w in walked] == [
+            (t.path, t.tokens, t.rows) for t in together
+        ]
         offset = 0
         for tree, req, got in zip(trees, reqs, together):
             alone = verify.verify_trees(
                 logits[offset : offset + tree.size], [tree], [req], [[]], *thresholds
-            )[0]
+            )[0][0]
             assert (got.path, got.tokens) == (alone.path, alone.tokens)
             assert got.rows == [offset + row for row in alone.rows]
             offset += tree.size
