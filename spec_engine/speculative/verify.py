@@ -60,6 +60,7 @@ def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) 
             torch.tensor(ks, device=device)[rows],
             torch.tensor(ps, device=device)[rows],
             torch.tensor(mins, device=device)[rows],
+            max(ks[row] for row in filtered),
         )
         dense = torch.zeros_like(probs[rows]).scatter_(1, ids, kept)
         probs[rows] = dense / dense.sum(-1, keepdim=True)
@@ -102,16 +103,18 @@ def verify_trees(
             torch.tensor(float("-inf"), device=logits.device),
         )
     greedy = [r.input.sampling_params.is_greedy for r in reqs]
-    argmax, flag_values = read_back(masked.argmax(-1), flags)
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    walks = [_SampledWalk(trees[i], offsets[i], reqs[i]) for i in sampled]
+    # Sampled walks' inputs are computed for every node up front, so that the step reads the
+    # argmax, the flags and the walks' inputs in one copy.
+    inputs = _walk_inputs(walks, target_probs(masked, reqs, row_req)) if walks else ()
+    argmax, flag_values, *walk_values = read_back(masked.argmax(-1), flags, *inputs)
     out: list[Optional[Acceptance]] = [
         _walk_greedy(tree, argmax, offsets[i]) if greedy[i] else None
         for i, tree in enumerate(trees)
     ]
-    sampled = [i for i, g in enumerate(greedy) if not g]
-    if sampled:
-        probs = target_probs(masked, reqs, row_req)
-        walks = [_SampledWalk(trees[i], offsets[i], reqs[i]) for i in sampled]
-        _walk_sampled(walks, probs, threshold_single, threshold_acc)
+    if walks:
+        _walk_host(walks, *walk_values, threshold_single, threshold_acc)
         for i, walk in zip(sampled, walks):
             out[i] = Acceptance(walk.path, walk.tokens, walk.rows)
     return out, flag_values
@@ -172,57 +175,65 @@ class _SampledWalk:
 def _walk_sampled(
     walks: list[_SampledWalk], probs: torch.Tensor, threshold_single: float, threshold_acc: float
 ) -> None:
-    """Every sampled request's tree walk. The children's target probabilities come to the
-    host in one copy, and the rejected nodes' residual draws run as one batch: a copy per
-    request and level made a GPU verify step wait on the host once per request and level."""
+    """Every sampled request's tree walk over the target's `probs`, in one read."""
+    _walk_host(walks, *read_back(*_walk_inputs(walks, probs)), threshold_single, threshold_acc)
+
+
+def _walk_inputs(
+    walks: list[_SampledWalk], probs: torch.Tensor
+) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """What the walks read, on the device, for every node at once (a read per request and level
+    made a GPU verify step wait on the host as often): each child's target probability at its
+    parent (node order, roots left out), and per node (walk after walk) whether its residual
+    (the target with its children removed) is empty and the token it draws: a walk stops at a
+    node whose children were all tried, and its uniform there is the node's depth's."""
     device = probs.device
-    pairs = [w.pairs() for w in walks]
-    flat = [pair for ps in pairs for pair in ps]
-    values: list[float] = []
-    if flat:
-        rows, toks = zip(*flat)
-        values = probs[
-            torch.tensor(rows, device=device), torch.tensor(toks, device=device)
-        ].tolist()
-    start = 0
-    for w, ps in zip(walks, pairs):
-        w.child_p = [0.0] + values[start : start + len(ps)]  # node 0, the root, has no parent
-        start += len(ps)
-    pending = walks
-    while pending:
-        for w in pending:
+    pairs = [pair for w in walks for pair in w.pairs()]
+    child_p = None
+    if pairs:
+        rows, toks = zip(*pairs)
+        child_p = probs[torch.tensor(rows, device=device), torch.tensor(toks, device=device)]
+    node_rows, uniforms, zero_rows, zero_toks = [], [], [], []
+    for w in walks:
+        for k, kids in enumerate(w.kids):
+            zero_rows.extend([len(node_rows)] * len(kids))
+            zero_toks.extend(w.tree.tokens[c] for c in kids)
+            node_rows.append(w.offset + k)
+            level = w.level + w.tree.depths[k]  # the walk's level once it stands at node k
+            uniforms.append(request_uniform(w.req.input.seed, level, RESIDUAL_STREAM))
+    residual = probs[torch.tensor(node_rows, device=device)]  # a copy
+    if zero_rows:
+        rows_t = torch.tensor(zero_rows, device=device)
+        residual[rows_t, torch.tensor(zero_toks, device=device)] = 0.0
+    empty = residual.sum(-1) <= 0
+    drawn = inverse_cdf(residual, torch.tensor(uniforms, dtype=torch.float64, device=device))
+    return child_p, empty, drawn
+
+
+def _walk_host(
+    walks: list[_SampledWalk],
+    child_p: Optional[list[float]],
+    empty: list[int],
+    drawn: list[int],
+    threshold_single: float,
+    threshold_acc: float,
+) -> None:
+    """The walks on the host from `_walk_inputs`' values: down while a child is accepted; at a
+    node with an empty residual (the children hold all the mass and u only passed their float
+    sum by rounding) the last child is accepted and the walk goes on; else the node's draw is
+    the emitted token."""
+    child_start = node_start = 0
+    for w in walks:
+        n = w.tree.size
+        w.child_p = [0.0] + (child_p or [])[child_start : child_start + n - 1]  # the root: none
+        child_start += n - 1
+        while True:
             w.descend(threshold_single, threshold_acc)
-        # The residual at each walk's last node: the target with the tried children removed.
-        residual = probs[torch.tensor([w.rows[-1] for w in pending], device=device)]  # a copy
-        zeroed = [(i, w.tree.tokens[k]) for i, w in enumerate(pending) for k in w.kids[w.node]]
-        if zeroed:
-            rows, toks = zip(*zeroed)
-            residual[torch.tensor(rows, device=device), torch.tensor(toks, device=device)] = 0.0
-        empty = (residual.sum(-1) <= 0).tolist()
-        # The children hold all the mass and u only passed their float sum by rounding: the
-        # last child is accepted and that walk goes on.
-        drawn = [i for i, e in enumerate(empty) if not e]
-        if drawn:
-            uniforms = torch.tensor(
-                [
-                    request_uniform(pending[i].req.input.seed, pending[i].level, RESIDUAL_STREAM)
-                    for i in drawn
-                ],
-                dtype=torch.float64,
-                device=device,
-            )
-            masses = (
-                residual
-                if len(drawn) == len(pending)
-                else residual[torch.tensor(drawn, device=device)]
-            )
-            for i, token in zip(drawn, inverse_cdf(masses, uniforms).tolist()):
-                pending[i].tokens.append(token)
-        for i, e in enumerate(empty):
-            if e:
-                w = pending[i]
-                w.accept(w.kids[w.node][-1])
-        pending = [pending[i] for i, e in enumerate(empty) if e]
+            if not empty[node_start + w.node]:
+                w.tokens.append(drawn[node_start + w.node])
+                break
+            w.accept(w.kids[w.node][-1])
+        node_start += n
 
 
 def emitted_logprobs(

@@ -45,8 +45,9 @@ def models(make_model, tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_decode_steps_read_the_host_at_most_once_plain_and_twice_speculative(models, name):
-    """Every decode step at batch 1, 32 and 128 (requests finishing included), greedy; a plain
-    engine also samples with log-probs and top log-probs, read in the same copy."""
+    """Every decode step at batch 1, 32 and 128 (requests finishing included), greedy and
+    sampled with top-k (sampled tree walks read with the verify's argmax); a plain engine's
+    sampled steps also return log-probs and top log-probs, read in the same copy."""
     target, kwargs = ALGORITHMS[name]
     kwargs = dict(kwargs)
     if "draft" in kwargs:
@@ -64,9 +65,9 @@ def test_decode_steps_read_the_host_at_most_once_plain_and_twice_speculative(mod
     ) as engine:
         for batch in BATCHES:
             prompts = random_prompts(batch, 3, 12, seed=batch)
-            runs = [dict(sampling_params=greedy)]
-            if name == "plain":
-                runs.append(dict(sampling_params=sampled, return_logprob=True, top_logprobs_num=2))
+            # Log-probs of a speculative step are read after its walk (not budgeted yet).
+            asked = dict(return_logprob=True, top_logprobs_num=2) if name == "plain" else {}
+            runs = [dict(sampling_params=greedy), dict(sampling_params=sampled, **asked)]
             for run in runs:
                 with StepReads(engine) as counted:
                     outs = engine.generate(input_ids=prompts, **run)
