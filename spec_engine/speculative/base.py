@@ -33,7 +33,7 @@ from spec_engine.core.worker import AllocFn, ModelWorker, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
 from spec_engine.speculative.tree import DraftTree
-from spec_engine.speculative.verify import Acceptance, emitted_logprobs, verify_trees
+from spec_engine.speculative.verify import Acceptance, LogprobAsk, verify_trees
 
 
 class StageTimes:
@@ -197,21 +197,17 @@ class SpecWorker(ModelWorker):
             for r, t in zip(reqs, trees)
         ]
         # The verify's read: the target's argmax and the NaN flags in one copy.
-        accepts, flag_values = verify_trees(
-            logits, trees, reqs, banned, self.threshold_single, self.threshold_acc, flags
+        asked = LogprobAsk(
+            [r.input.return_logprob for r in reqs], [r.input.top_logprobs_num for r in reqs]
+        )
+        accepts, flag_values, logprobs, top = verify_trees(
+            logits, trees, reqs, banned, self.threshold_single, self.threshold_acc, flags, asked
         )
         bad_rows: set[int] = set()
         if detect:
             warn_nan(flag_values)
         else:
             bad_rows = {row for row, bad in enumerate(flag_values) if bad}
-        logprobs, top = emitted_logprobs(
-            logits,
-            reqs,
-            accepts,
-            [r.input.return_logprob for r in reqs],
-            [r.input.top_logprobs_num for r in reqs],
-        )
         top_p_ids = _top_p_replay(logits, reqs, accepts, logprobs)  # renormalises logprobs
         result = StepResult(
             tokens=[a.tokens for a in accepts],

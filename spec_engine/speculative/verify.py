@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -35,6 +35,32 @@ class Acceptance:
     path: list[int]  # accepted nodes, root first
     tokens: list[int]  # emitted tokens: the accepted drafts, then the bonus token
     rows: list[int]  # verify row whose distribution produced each emitted token
+
+
+LogProbs = Optional[list[list[float]]]
+TopLogProbs = Optional[list[list[list[tuple[float, int]]]]]
+
+
+class Verified(NamedTuple):
+    """A verify step's results on the host: each request's acceptance, the step's flags' values
+    (None without flags) and the asked log-probs of the emitted tokens (None: none asked)."""
+
+    accepts: list[Acceptance]
+    flags: Optional[list[int]]
+    logprobs: LogProbs = None
+    top_logprobs: TopLogProbs = None
+
+
+@dataclass
+class LogprobAsk:
+    """Per request: whether it returns its tokens' log-probs, and how many top log-probs."""
+
+    want: Sequence[bool]
+    top_nums: Sequence[int]
+
+    @property
+    def anything(self) -> bool:
+        return any(self.want) or any(self.top_nums)
 
 
 def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) -> torch.Tensor:
@@ -75,13 +101,14 @@ def verify_trees(
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
     flags: Optional[torch.Tensor] = None,
-) -> tuple[list[Acceptance], Optional[list[int]]]:
+    asked: Optional[LogprobAsk] = None,
+) -> Verified:
     """Walk each request's tree against the target logits ([sum of tree sizes, vocab], float32).
 
     banned[i][d]: tokens request i may not emit at depth d (EOS/stop ids before min_new_tokens).
-    `flags` (a [rows] tensor, the verify's NaN rows) are read back in the same copy as the
-    target's argmax, so a greedy step reads nothing else; returns the acceptances and the
-    flags' values (None without flags).
+    One read brings back the target's argmax, `flags` (a [rows] tensor, the verify's NaN rows),
+    every sampled walk's inputs and, where `asked`, the log-probs of every token the step may
+    emit (the target's log-softmax at the request's temperature, and its top log-probs).
     """
     offsets, row_req = [], []
     for i, tree in enumerate(trees):
@@ -108,7 +135,15 @@ def verify_trees(
     # Sampled walks' inputs are computed for every node up front, so that the step reads the
     # argmax, the flags and the walks' inputs in one copy.
     inputs = _walk_inputs(walks, target_probs(masked, reqs, row_req)) if walks else ()
-    argmax, flag_values, *walk_values = read_back(masked.argmax(-1), flags, *inputs)
+    argmax_t = masked.argmax(-1)
+    scored = asked is not None and asked.anything
+    lp_inputs = (
+        _logprob_inputs(logits, reqs, row_req, argmax_t, walks, inputs, max(asked.top_nums))
+        if scored
+        else ()
+    )
+    argmax, flag_values, *values = read_back(argmax_t, flags, *inputs, *lp_inputs)
+    walk_values, lp_values = values[: len(inputs)], values[len(inputs) :]
     out: list[Optional[Acceptance]] = [
         _walk_greedy(tree, argmax, offsets[i]) if greedy[i] else None
         for i, tree in enumerate(trees)
@@ -117,7 +152,11 @@ def verify_trees(
         _walk_host(walks, *walk_values, threshold_single, threshold_acc)
         for i, walk in zip(sampled, walks):
             out[i] = Acceptance(walk.path, walk.tokens, walk.rows)
-    return out, flag_values
+    if not scored:
+        return Verified(out, flag_values)
+    return Verified(
+        out, flag_values, *emitted_logprobs(out, asked, argmax, walks, walk_values, lp_values)
+    )
 
 
 def _walk_greedy(tree: DraftTree, argmax: list[int], offset: int) -> Acceptance:
@@ -236,37 +275,69 @@ def _walk_host(
         node_start += n
 
 
-def emitted_logprobs(
+def _logprob_inputs(
     logits: torch.Tensor,
     reqs: Sequence[Req],
-    accepts: Sequence[Acceptance],
-    want: Sequence[bool],
-    top_nums: Sequence[int],
-) -> tuple[Optional[list[list[float]]], Optional[list[list[list[tuple[float, int]]]]]]:
-    """Target log-softmax at the request's temperature of every emitted token (and top-k)."""
-    if not any(want) and not any(top_nums):
-        return None, None
-    rows, temps, toks = [], [], []
-    for req, acc in zip(reqs, accepts):
-        rows.extend(acc.rows)
-        temps.extend([req.input.sampling_params.logit_scale] * len(acc.rows))
-        toks.extend(acc.tokens)
+    row_req: list[int],
+    argmax: torch.Tensor,
+    walks: list[_SampledWalk],
+    walk_inputs: tuple,
+    top: int,
+) -> tuple[
+    torch.Tensor,
+    Optional[torch.Tensor],
+    Optional[torch.Tensor],
+    Optional[torch.Tensor],
+    Optional[torch.Tensor],
+]:
+    """On the device, the log-probs of every token a step may emit, before the walks pick: each
+    row's argmax (greedy walks), each child's token at its parent's row and each node's residual
+    draw (sampled walks); with `top`, every row's top log-probs (values, ids)."""
     device = logits.device
-    logp = torch.log_softmax(
-        logits[torch.tensor(rows, device=device)] / torch.tensor(temps, device=device)[:, None], -1
+    temps = torch.tensor(
+        [reqs[i].input.sampling_params.logit_scale for i in row_req], device=device
     )
-    chosen = logp.gather(1, torch.tensor(toks, device=device)[:, None]).squeeze(1).tolist()
-    k = max(top_nums)
-    top = None
-    if k:
-        vals, ids = logp.topk(k, dim=-1)
-        top = list(zip(vals.tolist(), ids.tolist()))
-    lps, tops, start = [], [], 0
-    for acc, w, n in zip(accepts, want, top_nums):
-        end = start + len(acc.tokens)
-        lps.append(chosen[start:end] if w else [])
-        tops.append(
-            [list(zip(v[:n], i[:n])) for v, i in top[start:end]] if top is not None and n else []
+    logp = torch.log_softmax(logits / temps[:, None], -1)
+    at_argmax = logp.gather(1, argmax[:, None]).squeeze(1)
+    at_children = at_draws = None
+    pairs = [pair for w in walks for pair in w.pairs()]
+    if pairs:
+        rows, toks = zip(*pairs)
+        at_children = logp[torch.tensor(rows, device=device), torch.tensor(toks, device=device)]
+    if walks:
+        nodes = torch.tensor(
+            [w.offset + k for w in walks for k in range(w.tree.size)], device=device
         )
-        start = end
-    return (lps if any(want) else None), (tops if any(top_nums) else None)
+        at_draws = logp[nodes].gather(1, walk_inputs[2][:, None]).squeeze(1)
+    vals, ids = logp.topk(top, dim=-1) if top else (None, None)
+    return at_argmax, at_children, at_draws, vals, ids
+
+
+def emitted_logprobs(
+    accepts: Sequence[Acceptance],
+    asked: LogprobAsk,
+    argmax: list[int],
+    walks: list[_SampledWalk],
+    walk_values: list,
+    lp_values: list,
+) -> tuple[LogProbs, TopLogProbs]:
+    """Target log-softmax at the request's temperature of every emitted token (and top-k), from
+    `_logprob_inputs`' values: an emitted token is a row's argmax, a child's token at its parent's
+    row or a node's draw."""
+    at_argmax, at_children, at_draws, vals, ids = lp_values
+    value = {(row, token): v for row, (token, v) in enumerate(zip(argmax, at_argmax))}
+    if walks:
+        pairs = [pair for w in walks for pair in w.pairs()]
+        value.update(zip(pairs, at_children or []))
+        nodes = [w.offset + k for w in walks for k in range(w.tree.size)]
+        value.update(((row, token), v) for row, token, v in zip(nodes, walk_values[2], at_draws))
+    k = max(asked.top_nums)
+    lps, tops = [], []
+    for acc, w, n in zip(accepts, asked.want, asked.top_nums):
+        lps.append([value[(row, token)] for row, token in zip(acc.rows, acc.tokens)] if w else [])
+        tops.append(
+            [list(zip(vals[r * k : r * k + n], ids[r * k : r * k + n])) for r in acc.rows]
+            if n
+            else []
+        )
+    return (lps if any(asked.want) else None), (tops if any(asked.top_nums) else None)

@@ -45,9 +45,9 @@ def models(make_model, tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_decode_steps_read_the_host_at_most_once_plain_and_twice_speculative(models, name):
-    """Every decode step at batch 1, 32 and 128 (requests finishing included), greedy and
-    sampled with top-k (sampled tree walks read with the verify's argmax); a plain engine's
-    sampled steps also return log-probs and top log-probs, read in the same copy."""
+    """Every decode step at batch 1, 32 and 128 (requests finishing included), greedy, and
+    sampled with top-k returning log-probs and top log-probs (sampled tree walks and log-probs
+    are read in the verify's copy)."""
     target, kwargs = ALGORITHMS[name]
     kwargs = dict(kwargs)
     if "draft" in kwargs:
@@ -65,8 +65,7 @@ def test_decode_steps_read_the_host_at_most_once_plain_and_twice_speculative(mod
     ) as engine:
         for batch in BATCHES:
             prompts = random_prompts(batch, 3, 12, seed=batch)
-            # Log-probs of a speculative step are read after its walk (not budgeted yet).
-            asked = dict(return_logprob=True, top_logprobs_num=2) if name == "plain" else {}
+            asked = dict(return_logprob=True, top_logprobs_num=2)
             runs = [dict(sampling_params=greedy), dict(sampling_params=sampled, **asked)]
             for run in runs:
                 with StepReads(engine) as counted:

@@ -60,13 +60,27 @@ def test_each_sampled_walk_is_the_same_alone_as_in_its_batch():
         together = verify.verify_trees(logits, trees, reqs, [[]] * batch, *thresholds)[0]
         # The engine's walk reads the step's NaN flags in the argmax's copy: same walks.
         flags = torch.rand(sum(sizes), generator=g, device="cpu") < 0.2
-        walked, read = verify.verify_trees(
-            logits, trees, reqs, [[]] * batch, *thresholds, flags=flags
+        # The engine's walk reads the step's NaN flags and the emitted tokens' log-probs in the
+        # argmax's copy: the same walks, and log-probs as log_softmax of the emitted rows.
+        flags = torch.arange(sum(sizes), device="cpu") % 3 == 1
+        asked = verify.LogprobAsk([True] * batch, [2 * (i % 2) for i in range(batch)])
+        walked, read, logprobs, top = verify.verify_trees(
+            logits, trees, reqs, [[]] * batch, *thresholds, flags=flags, asked=asked
         )
         assert read == [int(f) for f in flags.tolist()]
         assert [(w.path, w.tokens, w.rows) for w in walked] == [
             (t.path, t.tokens, t.rows) for t in together
         ]
+        for acc, req, lps, tops, n in zip(
+            walked, reqs, logprobs, top or [[]] * batch, asked.top_nums
+        ):
+            temp = torch.tensor(req.input.sampling_params.logit_scale, device="cpu")
+            logp = torch.log_softmax(logits[acc.rows] / temp, -1)
+            assert lps == logp[range(len(acc.rows)), acc.tokens].tolist()
+            vals, ids = logp.topk(2, dim=-1)
+            assert tops == (
+                [list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())] if n else []
+            )
         offset = 0
         for tree, req, got in zip(trees, reqs, together):
             alone = verify.verify_trees(
