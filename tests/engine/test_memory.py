@@ -143,6 +143,7 @@ def test_the_table_reads_and_writes_many_ranges_as_row_by_row():
 def test_flashinfer_extend_plan_gathers_every_requests_slots(monkeypatch):
     """FlashInfer's extend plan (CUDA-only) with a stand-in module: the paged KV indices are
     each request's slots 0 .. kv_len - 1, gathered on the table's device."""
+    import dataclasses
     import importlib.util
     import sys
     import types
@@ -191,3 +192,12 @@ def test_flashinfer_extend_plan_gathers_every_requests_slots(monkeypatch):
             want = torch.cat([values[r, :n] for r, n in zip(rows, kv_lens)])
             assert torch.equal(indices, want)
             assert kv_indptr.tolist() == [0, 5, 6, 16] and qo_indptr.tolist() == [0, 2, 3, 6]
+        # The decode plan: the same slots, its indptr built on the host (FlashInfer reads it
+        # there) without reading the device's lengths back.
+        decode = dataclasses.replace(batch, mode=ForwardMode.DECODE, extend_seq_lens_cpu=None)
+        backend._plan_decode(wrapper, decode)
+        kv_indptr, indices = wrapper.args[0], wrapper.args[1]
+        assert kv_indptr.device == CPU and kv_indptr.tolist() == [0, 5, 6, 16]
+        assert indices.device == device and indices.dtype == torch.int32
+        if device == CPU:
+            assert torch.equal(indices, want)
