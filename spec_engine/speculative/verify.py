@@ -211,13 +211,6 @@ class _SampledWalk:
                 return
 
 
-def _walk_sampled(
-    walks: list[_SampledWalk], probs: torch.Tensor, threshold_single: float, threshold_acc: float
-) -> None:
-    """Every sampled request's tree walk over the target's `probs`, in one read."""
-    _walk_host(walks, *read_back(*_walk_inputs(walks, probs)), threshold_single, threshold_acc)
-
-
 def _walk_inputs(
     walks: list[_SampledWalk], probs: torch.Tensor
 ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:

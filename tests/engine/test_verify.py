@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
+from spec_engine.core.readback import read_back
 from spec_engine.speculative import verify
 from spec_engine.speculative.tree import DraftTree
 
@@ -109,7 +110,8 @@ def test_children_holding_all_the_mass_accept_the_last_child_and_the_walk_goes_o
         verify._SampledWalk(tree, 0, _req(random.Random(0), False, outputs=4)),
         verify._SampledWalk(tree, 3, _req(random.Random(1), False, outputs=9)),
     ]
-    verify._walk_sampled(walks, probs, threshold_single=1.0, threshold_acc=1.0)
+    values = read_back(*verify._walk_inputs(walks, probs))
+    verify._walk_host(walks, *values, threshold_single=1.0, threshold_acc=1.0)
     assert (walks[0].path, walks[0].tokens, walks[0].rows) == ([0, 2], [2, 3], [0, 2])
     assert walks[0].level == 5
     # Request 1: u = 1 - 2^-20 passes 0.1 + 0.1; the residual without tokens 1, 2 draws token 4.
