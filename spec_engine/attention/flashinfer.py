@@ -149,14 +149,20 @@ class FlashInferBackend(AttentionBackend):
             self._plan_extend(meta.wrapper, batch, always_mask=True)
 
     def _plan_decode(self, wrapper: Any, batch: ForwardBatch) -> None:
-        if batch.kv_indices is not None:
+        if batch.kv_indices is not None:  # draft tree rows: their lengths live on the device
             valid = batch.kv_mask
             indices = batch.kv_indices[valid]
+            lens = valid.sum(1)
         else:
-            width = max(batch.seq_lens_cpu)
-            valid = torch.arange(width, device=self.device)[None, :] < batch.seq_lens[:, None]
-            indices = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :width][valid]
-        lens = valid.sum(1)
+            # From the host's lengths: the indptr FlashInfer's plan reads on the host is already
+            # there, and the slots come in one gather of known size (no boolean-mask indexing,
+            # which waits for the device to learn its output size).
+            lens = torch.tensor(batch.seq_lens_cpu, dtype=torch.int32, device=torch.device("cpu"))
+            cols = range_positions([0] * len(lens), batch.seq_lens_cpu)
+            rows = batch.req_pool_indices.repeat_interleave(
+                batch.seq_lens, output_size=cols.numel()
+            )
+            indices = batch.req_to_token_pool.req_to_token[rows, cols.to(self.device)]
         wrapper.plan(
             _indptr(lens),
             indices.to(torch.int32),

@@ -63,23 +63,27 @@ NONFINITE_LOGITS = (
 )
 
 
-def nonfinite_rows(logits: torch.Tensor) -> list[int]:
-    """Rows holding NaN or +Inf (a broken forward; -Inf is a legitimate mask): one host sync."""
-    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
-    return bad.nonzero().flatten().tolist()
+def nonfinite_flags(logits: torch.Tensor) -> torch.Tensor:
+    """[R] bool on the device: rows holding NaN or +Inf (a broken forward; -Inf is a legitimate
+    mask). Read back with the step's tokens (core.readback), not on its own."""
+    return (torch.isnan(logits) | torch.isposinf(logits)).any(-1)
 
 
-def replace_nan(logits: torch.Tensor) -> torch.Tensor:
-    """--enable-nan-detection: NaN logits become -1e5, with a warning (SGLang's handling)."""
+def replace_nan(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """--enable-nan-detection: NaN logits become -1e5 (SGLang's handling), without a read;
+    returns them and the [R] flags of rows that held NaN, for `warn_nan` once they are read."""
     nan = torch.isnan(logits)
-    if not bool(nan.any()):
-        return logits
-    logger.warning(
-        "NaN in the logits of %d of %d rows; they are sampled as if those logits were -1e5",
-        int(nan.any(-1).sum()),
-        logits.shape[0],
-    )
-    return logits.masked_fill(nan, -1e5)
+    return logits.masked_fill(nan, -1e5), nan.any(-1)
+
+
+def warn_nan(flags: list[int]) -> None:
+    """The warning of `replace_nan`, from its flags read back."""
+    if any(flags):
+        logger.warning(
+            "NaN in the logits of %d of %d rows; they are sampled as if those logits were -1e5",
+            sum(flags),
+            len(flags),
+        )
 
 
 def top_p_replay(

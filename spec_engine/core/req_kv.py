@@ -98,7 +98,7 @@ class RequestKV:
         first_free = -(-req.seq_len // self.page_size) * self.page_size  # pages of kept tokens stay
         if first_free < req.kv_len:
             self.allocator.free(
-                self.req_to_token.read(req.req_pool_idx, req.kv_len, start=first_free)
+                self.req_to_token.read_host(req.req_pool_idx, req.kv_len, start=first_free)
             )
         req.kv_len = req.seq_len
 

@@ -21,19 +21,28 @@ from spec_engine.constrained.mask import mask_rows
 from spec_engine.core.custom_logit_processor import apply_processors
 from spec_engine.core.logits_processor import (
     NONFINITE_LOGITS,
-    nonfinite_rows,
+    nonfinite_flags,
     process_logits,
     replace_nan,
     top_p_replay,
     wants_top_p_replay,
+    warn_nan,
 )
+from spec_engine.core.readback import read_back
 from spec_engine.core.request import Req
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
-from spec_engine.layers.sampler import Sampler, SamplingBatch, request_uniform
+from spec_engine.layers.sampler import (
+    DrawnTokens,
+    SampleOutput,
+    Sampler,
+    SamplingBatch,
+    request_uniform,
+)
+from spec_engine.mem.allocator import Slots
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
 
 # alloc_kv(start_lens, end_lens, last_slots) -> slots; evicts cached prefixes when needed.
-AllocFn = Callable[[Sequence[int], Sequence[int], Sequence[int]], torch.Tensor]
+AllocFn = Callable[[Sequence[int], Sequence[int], Sequence[int]], Slots]
 
 
 @dataclass
@@ -181,35 +190,38 @@ class ModelWorker:
                 )
 
     def _alloc(self, reqs: Sequence[Req], starts: list[int], ends: list[int]) -> torch.Tensor:
+        """Slots for positions starts[i] .. ends[i] - 1 of each request, in its table row; the
+        device slots, request after request."""
         table = self.runner.req_to_token_pool
         last_slots = [0] * len(reqs)
-        if self.page_size > 1:
-            need_last = [i for i, s in enumerate(starts) if s % self.page_size]
-            if need_last:
-                rows = self._tensor([reqs[i].req_pool_idx for i in need_last])
-                cols = self._tensor([starts[i] - 1 for i in need_last])
-                for i, slot in zip(need_last, table.req_to_token[rows, cols].tolist()):
-                    last_slots[i] = slot
-        out_loc = self.alloc_kv(starts, ends, last_slots)
-        table.write_ranges([r.req_pool_idx for r in reqs], starts, ends, out_loc)
-        return out_loc
+        if self.page_size > 1:  # the slot before each unaligned start, from the host mirror
+            for i, s in enumerate(starts):
+                if s % self.page_size:
+                    last_slots[i] = int(table.host[reqs[i].req_pool_idx, s - 1])
+        slots = self.alloc_kv(starts, ends, last_slots)
+        table.write_ranges([r.req_pool_idx for r in reqs], starts, ends, slots.device, slots.host)
+        return slots.device
 
     def _sample_into(
         self, result: StepResult, logits: torch.Tensor, reqs: Sequence[Req], rows: Sequence[int]
     ) -> None:
         """Sample one token per logits row; row j belongs to request rows[j] of the result."""
         params = [r.input.sampling_params for r in reqs]
-        if self.runner.args.enable_nan_detection:
-            logits = replace_nan(logits)
-        else:
-            for j in nonfinite_rows(logits):
-                result.failed[rows[j]] = NONFINITE_LOGITS
+        detect = self.runner.args.enable_nan_detection
+        logits, flags = replace_nan(logits) if detect else (logits, nonfinite_flags(logits))
         logits = process_logits(logits, params, [r.output_ids for r in reqs])
         logits = mask_rows(logits, [r.grammar for r in reqs])
         logits = apply_processors(logits, reqs, [r.output_ids for r in reqs])
-        sampled = self.sampler(
+        drawn = self.sampler.draw(
             logits, sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids)
         )
+        # The step's one read: tokens, flags and asked log-probs together.
+        sampled, bad = read_sample(drawn, flags)
+        if detect:
+            warn_nan(bad)
+        else:
+            for j in (j for j, b in enumerate(bad) if b):
+                result.failed[rows[j]] = NONFINITE_LOGITS
         replay = [j for j, sp in enumerate(params) if wants_top_p_replay(sp)]
         if replay:
             result.top_p_ids = [[] for _ in result.tokens]
@@ -237,6 +249,18 @@ class ModelWorker:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def read_sample(drawn: DrawnTokens, flags: torch.Tensor) -> tuple[SampleOutput, list[int]]:
+    """The draws and a [B] flag tensor on the host in one read (core.readback)."""
+    tokens, bad, logprobs, values, ids = read_back(
+        drawn.token_ids, flags, drawn.logprobs, drawn.top_values, drawn.top_ids
+    )
+    top = None
+    if values is not None:
+        k = drawn.top_values.shape[-1]
+        top = [list(zip(values[r : r + k], ids[r : r + k])) for r in range(0, len(values), k)]
+    return SampleOutput(tokens, logprobs, top), bad
 
 
 def sampling_batch(
@@ -279,4 +303,5 @@ def sampling_batch(
         need_logprobs=any(r.input.return_logprob for r in reqs),
         top_logprobs_num=max((r.input.top_logprobs_num for r in reqs), default=0),
         banned=(rows(banned_rows), rows(banned_ids)) if banned_rows else None,
+        filter_k_max=max((ks[i] for i in filtered), default=None),
     )

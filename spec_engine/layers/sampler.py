@@ -51,6 +51,17 @@ class SamplingBatch:
     need_logprobs: bool
     top_logprobs_num: int
     banned: Optional[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) that may not be drawn
+    filter_k_max: Optional[int] = None  # the largest top-k of filter_rows, known on the host
+
+
+@dataclass
+class DrawnTokens:
+    """A step's draws on the device, before anything is read back."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: Optional[torch.Tensor]  # [B] float32 when asked
+    top_values: Optional[torch.Tensor]  # [B, top_logprobs_num] when asked
+    top_ids: Optional[torch.Tensor]
 
 
 @dataclass
@@ -61,15 +72,20 @@ class SampleOutput:
 
 
 def filtered_probs(
-    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+    probs: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    k_max: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply top-k, top-p, min-p to rows of probabilities.
 
     Returns (kept probabilities sorted descending, unnormalised, zero where filtered; their
-    token ids). Only the largest top-k across rows is sorted when every row has a top-k.
+    token ids). Only the largest top-k across rows is sorted when every row has a top-k
+    (`k_max`: that largest, when the caller knows it on the host; else it is read back).
     """
     vocab = probs.shape[-1]
-    k_max = int(top_ks.max())
+    k_max = int(top_ks.max()) if k_max is None else k_max
     if k_max < vocab:
         sorted_p, sorted_ids = probs.topk(k_max, dim=-1)
     else:
@@ -92,7 +108,23 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
-        """logits: [B, vocab] float32."""
+        """logits: [B, vocab] float32. The draws read back to the host."""
+        return self.read(self.draw(logits, batch))
+
+    @staticmethod
+    def read(drawn: DrawnTokens) -> SampleOutput:
+        """`drawn` on the host (reads per part; a step reads them with its flags in one copy:
+        core.readback.read_back)."""
+        top = None
+        if drawn.top_values is not None:
+            top = [
+                list(zip(v, i)) for v, i in zip(drawn.top_values.tolist(), drawn.top_ids.tolist())
+            ]
+        logprobs = drawn.logprobs.tolist() if drawn.logprobs is not None else None
+        return SampleOutput(drawn.token_ids.tolist(), logprobs, top)
+
+    def draw(self, logits: torch.Tensor, batch: SamplingBatch) -> DrawnTokens:
+        """The tokens (and asked log-probs) of logits [B, vocab] float32, on the device."""
         scaled = logits if batch.unit_temperature else logits / batch.temperatures[:, None]
         logp = None
         if not batch.all_greedy or batch.need_logprobs or batch.top_logprobs_num:
@@ -115,15 +147,18 @@ class Sampler:
             if batch.filter_rows is not None:
                 rows = batch.filter_rows
                 kept, ids = filtered_probs(
-                    probs[rows], batch.top_ks[rows], batch.top_ps[rows], batch.min_ps[rows]
+                    probs[rows],
+                    batch.top_ks[rows],
+                    batch.top_ps[rows],
+                    batch.min_ps[rows],
+                    batch.filter_k_max,
                 )
                 token_ids[rows] = ids.gather(
                     1, inverse_cdf(kept, batch.uniforms[rows])[:, None]
                 ).squeeze(1)
-        logprobs = top = None
+        logprobs = vals = ids = None
         if batch.need_logprobs:
-            logprobs = logp.gather(1, token_ids[:, None]).squeeze(1).tolist()
+            logprobs = logp.gather(1, token_ids[:, None]).squeeze(1)
         if batch.top_logprobs_num:
             vals, ids = logp.topk(batch.top_logprobs_num, dim=-1)
-            top = [list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())]
-        return SampleOutput(token_ids.tolist(), logprobs, top)
+        return DrawnTokens(token_ids, logprobs, vals, ids)

@@ -3,14 +3,26 @@
 Slots are grouped in pages of `page_size`; slot s belongs to page s // page_size, and a
 request's token at position p always sits at a slot with s % page_size == p % page_size, so a
 request fills its last page before taking a new one. Page 0 is the reserved dummy page.
+
+Slots are handed out on the host and the device at once (`Slots`): the host copy serves the
+bookkeeping (frees, the request-to-token table's host mirror), so a decode step never reads a
+device tensor back to learn which slots it holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
+import numpy as np
 import torch
+
+
+class Slots(NamedTuple):
+    """KV slots, the same values on the host (bookkeeping) and on the device (kernels)."""
+
+    host: np.ndarray  # int64
+    device: torch.Tensor  # int64
 
 
 class PageAllocator:
@@ -43,6 +55,13 @@ class PageAllocator:
     def alloc(
         self, start_lens: Sequence[int], end_lens: Sequence[int], last_slots: Sequence[int]
     ) -> Optional[torch.Tensor]:
+        """`alloc_slots`' device slots."""
+        slots = self.alloc_slots(start_lens, end_lens, last_slots)
+        return None if slots is None else slots.device
+
+    def alloc_slots(
+        self, start_lens: Sequence[int], end_lens: Sequence[int], last_slots: Sequence[int]
+    ) -> Optional[Slots]:
         """Slots for positions [start, end) of each request, concatenated; None if out of pages.
 
         `last_slots[i]` is the slot of position start-1 (ignored when start is page-aligned).
@@ -55,7 +74,7 @@ class PageAllocator:
             total = sum(end - start for start, end in zip(start_lens, end_lens))
             slots = self._free[len(self._free) - total :]
             del self._free[len(self._free) - total :]
-            return torch.tensor(slots, dtype=torch.int64, device=self.device)
+            return self._slots(slots)
         out: list[int] = []
         for start, end, last in zip(start_lens, end_lens, last_slots):
             pos = start
@@ -69,14 +88,21 @@ class PageAllocator:
                 n = min(p, end - pos)
                 out.extend(range(page * p, page * p + n))
                 pos += n
-        return torch.tensor(out, dtype=torch.int64, device=self.device)
+        return self._slots(out)
 
-    def free(self, slots: torch.Tensor) -> None:
+    def _slots(self, values: list[int]) -> Slots:
+        host = np.asarray(values, dtype=np.int64)
+        return Slots(host, torch.as_tensor(host, dtype=torch.int64, device=self.device))
+
+    def free(self, slots: Union[torch.Tensor, np.ndarray]) -> None:
         """Free the pages that hold `slots`; the slots must cover whole pages from page starts
-        (a request's tail page counts as whole: nobody else holds its unused slots)."""
-        if slots.numel() == 0:
+        (a request's tail page counts as whole: nobody else holds its unused slots). Host slots
+        (a numpy array) cost no read; a device tensor (a prefix-cache node's) is read back."""
+        if len(slots) == 0:
             return
+        if isinstance(slots, torch.Tensor):
+            slots = np.asarray(slots.tolist(), dtype=np.int64)
         if self.page_size == 1:
             self._free.extend(slots.tolist())
         else:
-            self._free.extend(torch.unique(slots // self.page_size).tolist())
+            self._free.extend(np.unique(slots // self.page_size).tolist())

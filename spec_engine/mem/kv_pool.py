@@ -1,9 +1,12 @@
-"""KV storage: the per-layer K/V slot buffers and the request-to-token table."""
+"""KV storage: the per-layer K/V slot buffers and the request-to-token table (with its host
+mirror)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -104,6 +107,12 @@ class ReqToTokenPool:
 
     Row `dummy_row` (after the `size` request rows) is never handed out and stays all zeros:
     padded batch rows read through it, so they see only the dummy slot 0.
+
+    `host` mirrors the table on the host, for bookkeeping (which slots to free, the last slot of
+    a page): reading the device table back would make a decode step wait for the device. Writes
+    pass their slots' host values where they have them (fresh allocations: mem.allocator.Slots);
+    others (a cached prefix's slots, at admission) are read back once. np.zeros: pages of the
+    mirror that no request reaches cost no memory.
     """
 
     def __init__(self, size: int, max_context_len: int, device: torch.device) -> None:
@@ -113,6 +122,7 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros(
             (size + 1, max_context_len), dtype=torch.int32, device=device
         )
+        self.host = np.zeros((size + 1, max_context_len), dtype=np.int32)
         self.reset()
 
     def reset(self) -> None:
@@ -132,42 +142,83 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._free_rows.append(row)
 
-    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.req_to_token[row, start : start + len(slots)] = slots.to(torch.int32)
+    def write(
+        self, row: int, start: int, slots: torch.Tensor, host: Optional[np.ndarray] = None
+    ) -> None:
+        """`slots` (with `host`, their values on the host; None: read them back) at positions
+        start, start + 1, ... of `row`."""
+        end = start + len(slots)
+        self.req_to_token[row, start:end] = slots.to(torch.int32)
+        self.host[row, start:end] = _host_values(slots, host)
 
     def read(self, row: int, end: int, start: int = 0) -> torch.Tensor:
         return self.req_to_token[row, start:end].to(torch.int64)
+
+    def read_host(self, row: int, end: int, start: int = 0) -> np.ndarray:
+        """`read` from the host mirror (int64), without a device read."""
+        return self.host[row, start:end].astype(np.int64)
 
     def read_ranges(
         self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]
     ) -> torch.Tensor:
         """`read` of many rows in one gather: the slots of positions starts[i] .. ends[i] - 1 of
         row rows[i], concatenated (per-row reads cost a kernel each: host time on a GPU)."""
-        index = self._cells(rows, starts, ends)
+        index = self._device_cells(*_cells(rows, starts, ends))
         return self.req_to_token[index[0], index[1]].to(torch.int64)
 
-    def write_ranges(
-        self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int], slots: torch.Tensor
-    ) -> None:
-        """`write` of many rows in one scatter: `slots` holds each range's slots in turn."""
-        index = self._cells(rows, starts, ends)
-        self.req_to_token[index[0], index[1]] = slots.to(torch.int32)
-
-    def _cells(
+    def read_ranges_host(
         self, rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]
-    ) -> torch.Tensor:
-        """[2, n] (row, position) of every cell of the ranges, built on the host, copied once."""
-        lens = _host([e - s for s, e in zip(starts, ends)])
-        cells = torch.stack((_host(rows).repeat_interleave(lens), range_positions(starts, ends)))
-        return cells.to(self.req_to_token.device)
+    ) -> np.ndarray:
+        """`read_ranges` from the host mirror (int64)."""
+        cell_rows, cell_cols = _cells(rows, starts, ends)
+        return self.host[cell_rows, cell_cols].astype(np.int64)
+
+    def write_ranges(
+        self,
+        rows: Sequence[int],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        slots: torch.Tensor,
+        host: Optional[np.ndarray] = None,
+    ) -> None:
+        """`write` of many rows in one scatter: `slots` (`host`: as for `write`) holds each
+        range's slots in turn."""
+        cells = _cells(rows, starts, ends)
+        index = self._device_cells(*cells)
+        self.req_to_token[index[0], index[1]] = slots.to(torch.int32)
+        self.host[cells] = _host_values(slots, host)
+
+    def _device_cells(self, cell_rows: np.ndarray, cell_cols: np.ndarray) -> torch.Tensor:
+        """[2, n] (row, position) of the cells, copied to the table's device once."""
+        return torch.as_tensor(np.stack((cell_rows, cell_cols)), device=torch.device("cpu")).to(
+            self.req_to_token.device
+        )
+
+
+def _cells(
+    rows: Sequence[int], starts: Sequence[int], ends: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(row, position) of every cell of the ranges, built on the host."""
+    starts_np = np.asarray(starts, dtype=np.int64)
+    lens = np.asarray(ends, dtype=np.int64) - starts_np
+    first = starts_np - (np.cumsum(lens) - lens)
+    cols = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(first, lens)
+    return np.repeat(np.asarray(rows, dtype=np.int64), lens), cols
+
+
+def _host_values(slots: torch.Tensor, host: Optional[np.ndarray]) -> np.ndarray:
+    """`host`, or the slots read back (one read, at admission: a cached prefix's slots)."""
+    return host if host is not None else np.asarray(slots.tolist(), dtype=np.int64)
 
 
 def range_positions(starts: Sequence[int], ends: Sequence[int]) -> torch.Tensor:
     """starts[0] .. ends[0] - 1, starts[1] .. ends[1] - 1, ... as one int64 tensor on the host
     (the positions of a batch's table cells, built without a kernel per request)."""
-    lens = _host([e - s for s, e in zip(starts, ends)])
+    sizes = [e - s for s, e in zip(starts, ends)]
+    lens = _host(sizes)
     first = _host(starts) - (lens.cumsum(0) - lens)
-    return torch.arange(int(lens.sum()), device="cpu") + first.repeat_interleave(lens)
+    total = sum(sizes)  # a Python sum: reading a tensor back is a sync on a device
+    return torch.arange(total, device="cpu") + first.repeat_interleave(lens, output_size=total)
 
 
 def _host(values: Sequence[int]) -> torch.Tensor:

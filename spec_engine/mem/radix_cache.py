@@ -24,7 +24,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from spec_engine.mem.allocator import PageAllocator
+from spec_engine.mem.allocator import PageAllocator, Slots
 from spec_engine.mem.kv_pool import ReqToTokenPool
 
 _EMPTY = torch.empty(0, dtype=torch.int64, device="cpu")  # moved to the pool's device on use
@@ -198,14 +198,14 @@ class RadixCache:
 
     def alloc_slots(
         self, starts: Sequence[int], ends: Sequence[int], last_slots: Sequence[int]
-    ) -> torch.Tensor:
+    ) -> Slots:
         """KV slots for positions [start, end) of each request (see PageAllocator.alloc),
         evicting cached prefixes when the free pages do not suffice."""
         page = self.page_size
         short = self.allocator.pages_needed(starts, ends) * page - self.allocator.available_size()
         if short > 0:
             self.evict(short)
-        slots = self.allocator.alloc(starts, ends, last_slots)
+        slots = self.allocator.alloc_slots(starts, ends, last_slots)
         if slots is None:
             raise RuntimeError(
                 "KV cache exhausted although the scheduler reserved room; this is a bug"
@@ -225,7 +225,8 @@ class RadixCache:
         tokens = req.fill_ids[: aligned + self.key_shift]
         slots = self.req_to_token.read(req.req_pool_idx, aligned)
         already = self.insert(self.keyed(tokens), slots)
-        self.allocator.free(slots[req.prefix_len : already])
+        host = self.req_to_token.read_host(req.req_pool_idx, aligned)
+        self.allocator.free(host[req.prefix_len : already])
         new_slots, node = self.match_prefix(tokens)
         assert len(new_slots) == aligned, "radix cache lost a just-inserted prefix"
         self.req_to_token.write(req.req_pool_idx, req.prefix_len, new_slots[req.prefix_len :])
@@ -240,19 +241,20 @@ class RadixCache:
         With `insert` False (stale KV) nothing new enters the tree; `upto`: no position from
         there on does (a draft model's KV is missing there)."""
         row = req.req_pool_idx
-        slots = self.req_to_token.read(row, req.kv_len)
+        # Frees from the table's host mirror (no read); the tree keeps device slots.
+        host = self.req_to_token.read_host(row, req.kv_len)
         if self.disable:
-            self.allocator.free(slots)
+            self.allocator.free(host)
         elif not insert:
-            self.allocator.free(slots[req.prefix_len :])
+            self.allocator.free(host[req.prefix_len :])
             self.dec_lock_ref(req.last_node)
         else:
             limit = self._cacheable(req) if upto is None else min(self._cacheable(req), upto)
             aligned = max(limit // self.page_size * self.page_size, req.prefix_len)
             tokens = req.fill_ids[: aligned + self.key_shift]
-            already = self.insert(self.keyed(tokens), slots[:aligned])
-            self.allocator.free(slots[req.prefix_len : already])
-            self.allocator.free(slots[aligned:])
+            already = self.insert(self.keyed(tokens), self.req_to_token.read(row, aligned))
+            self.allocator.free(host[req.prefix_len : already])
+            self.allocator.free(host[aligned:])
             self.dec_lock_ref(req.last_node)
         self.req_to_token.free(row)
         req.req_pool_idx, req.last_node, req.prefix_len, req.kv_len = None, None, 0, 0

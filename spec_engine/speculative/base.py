@@ -23,18 +23,19 @@ from spec_engine.constrained.mask import mask_trees
 from spec_engine.core.custom_logit_processor import apply_processors_to_trees
 from spec_engine.core.logits_processor import (
     NONFINITE_LOGITS,
-    nonfinite_rows,
+    nonfinite_flags,
     process_logits,
     replace_nan,
     top_p_replay,
     wants_top_p_replay,
+    warn_nan,
 )
 from spec_engine.core.request import Req
 from spec_engine.core.worker import AllocFn, ModelWorker, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
 from spec_engine.speculative.tree import DraftTree
-from spec_engine.speculative.verify import Acceptance, emitted_logprobs, verify_trees
+from spec_engine.speculative.verify import Acceptance, LogprobAsk, verify_trees
 
 
 class StageTimes:
@@ -190,11 +191,8 @@ class SpecWorker(ModelWorker):
     ) -> tuple[StepResult, list[Acceptance]]:
         """Accept each tree's longest path the target agrees with (tree rejection sampling at the
         requests' sampling parameters), with the emitted tokens' log-probs."""
-        bad_rows: set[int] = set()
-        if self.runner.args.enable_nan_detection:
-            logits = replace_nan(logits)
-        else:
-            bad_rows = set(nonfinite_rows(logits))
+        detect = self.runner.args.enable_nan_detection
+        logits, flags = replace_nan(logits) if detect else (logits, nonfinite_flags(logits))
         logits = _process_tree_logits(logits, reqs, trees)
         parents, tokens = [t.parents for t in trees], [t.tokens for t in trees]
         logits = mask_trees(logits, [r.grammar for r in reqs], parents, tokens)
@@ -203,16 +201,18 @@ class SpecWorker(ModelWorker):
             [r.banned_tokens(self.eos_token_ids, d) for d in range(max(t.depths) + 1)]
             for r, t in zip(reqs, trees)
         ]
-        accepts = verify_trees(
-            logits, trees, reqs, banned, self.threshold_single, self.threshold_acc
+        # The verify's read: the target's argmax and the NaN flags in one copy.
+        asked = LogprobAsk(
+            [r.input.return_logprob for r in reqs], [r.input.top_logprobs_num for r in reqs]
         )
-        logprobs, top = emitted_logprobs(
-            logits,
-            reqs,
-            accepts,
-            [r.input.return_logprob for r in reqs],
-            [r.input.top_logprobs_num for r in reqs],
+        accepts, flag_values, logprobs, top = verify_trees(
+            logits, trees, reqs, banned, self.threshold_single, self.threshold_acc, flags, asked
         )
+        bad_rows: set[int] = set()
+        if detect:
+            warn_nan(flag_values)
+        else:
+            bad_rows = {row for row, bad in enumerate(flag_values) if bad}
         top_p_ids = _top_p_replay(logits, reqs, accepts, logprobs)  # renormalises logprobs
         result = StepResult(
             tokens=[a.tokens for a in accepts],
@@ -237,6 +237,12 @@ class SpecWorker(ModelWorker):
         slots: torch.Tensor,
     ) -> None:
         """`slots`: the verify's slots, request after request (positions kv_len .. + size - 1)."""
+        # The same slots on the host (the table's mirror): which to free costs no read.
+        host = self.runner.req_to_token_pool.read_ranges_host(
+            [r.req_pool_idx for r in reqs],
+            [r.kv_len for r in reqs],
+            [r.kv_len + n for r, n in zip(reqs, sizes)],
+        )
         src, dst, free = [], [], []
         page = self.page_size
         offset = 0
@@ -251,17 +257,17 @@ class SpecWorker(ModelWorker):
             free.extend(range(offset + first_free - k, offset + n))
             r.kv_len = k + kept
             offset += n
-        # One gather for the moves and the frees: per-request indexing costs a kernel each.
-        picked = slots[self._tensor(src + dst + free)]
         if src:
-            src_t, dst_t = picked[: len(src)], picked[len(src) : 2 * len(src)]
+            # One gather for the moves: per-request indexing costs a kernel each.
+            picked = slots[self._tensor(src + dst)]
+            src_t, dst_t = picked[: len(src)], picked[len(src) :]
             pool = self.runner.kv_pool
             for buf in pool.buffers():
                 buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
             if self.runner.routing is not None:  # accepted tokens' routing moves with their KV
                 self.runner.routing.move(src_t, dst_t)
         if free:
-            self.runner.allocator.free(picked[2 * len(src) :])
+            self.runner.allocator.free(host[free])
 
 
 def _verify_masks(

@@ -147,9 +147,9 @@ class EagleWorker(SpecWorker):
         self.alloc_verify_slots(reqs, [shape.draft_tokens] * len(reqs))
         size = self._scratch_size(len(reqs), shape.steps)
         scratch = self.alloc_kv([0], [size], [0]) if size else None
-        trees = self._draft_trees(reqs, scratch, shape)
+        trees = self._draft_trees(reqs, None if scratch is None else scratch.device, shape)
         if scratch is not None:
-            self.runner.allocator.free(scratch)
+            self.runner.allocator.free(scratch.host)
         self.timings.add("draft_s", start)
         result, accepts, out = self.verify(reqs, trees)
         if self.draft.shares_target:  # the verify wrote the accepted tokens' KV for both
@@ -308,7 +308,8 @@ class EagleWorker(SpecWorker):
         frontier, f_scores, f_tokens = torch.arange(k, device=self.device).expand(b, k), probs, ids
         f_hidden = hidden.repeat_interleave(k, dim=0) if hidden is not None else None
         f_path = torch.empty(b * k, 0, dtype=torch.int64, device=self.device)
-        prefix_idx, prefix_ok = self._prefix_indices(reqs, prefix_lens)
+        widest = max(r.kv_len for r in reqs) + (0 if self.features else 1)
+        prefix_idx, prefix_ok = self._prefix_indices(reqs, prefix_lens, widest)
         offset = k
         for step in range(1, shape.steps):
             own = scratch[(step - 1) * b * k : step * b * k]
@@ -406,10 +407,10 @@ class EagleWorker(SpecWorker):
         return probs, self.draft.to_target_ids(ids)
 
     def _prefix_indices(
-        self, reqs: Sequence[Req], lens: torch.Tensor
+        self, reqs: Sequence[Req], lens: torch.Tensor, width: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per branch row (topk per request): the request's prefix slots, padded, and validity."""
-        width = int(lens.max())
+        """Per branch row (topk per request): the request's prefix slots, padded to `width` (the
+        longest of `lens`, known on the host), and validity."""
         table = self.runner.req_to_token_pool.req_to_token
         idx = table[self._tensor([r.req_pool_idx for r in reqs]), :width].to(torch.int64)
         ok = torch.arange(width, device=self.device)[None, :] < lens[:, None]

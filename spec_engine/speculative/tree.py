@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spec_engine.core.readback import read_back
+
 
 @dataclass
 class DraftTree:
@@ -65,21 +67,28 @@ def select_trees(
     keep = num_nodes - 1
     # Stable sort on descending score: among equal scores, earlier (shallower) candidates win.
     order = torch.sort(-scores, dim=1, stable=True).indices[:, :keep]
-    chosen = torch.sort(order, dim=1).values.tolist()
-    tokens_l, parents_l, depths_l = tokens.tolist(), parents.tolist(), depths.tolist()
+    b, c = tokens.shape
+    # The step's draft read: the chosen candidates, their tokens, parents and depths at once.
+    chosen_f, tokens_f, parents_f, depths_l = read_back(
+        torch.sort(order, dim=1).values, tokens, parents, depths
+    )
     trees = []
-    for b, cands in enumerate(chosen):
-        node_of = {c: i + 1 for i, c in enumerate(cands)}
+    for row in range(b):
+        cands = chosen_f[row * keep : (row + 1) * keep]
+        tokens_l, parents_l = tokens_f[row * c : (row + 1) * c], parents_f[row * c : (row + 1) * c]
+        node_of = {cand: i + 1 for i, cand in enumerate(cands)}
         tree_parents = [-1] + [
-            node_of.get(parents_l[b][c], 0) if parents_l[b][c] >= 0 else 0 for c in cands
+            node_of.get(parents_l[cand], 0) if parents_l[cand] >= 0 else 0 for cand in cands
         ]
-        missing = [c for c in cands if parents_l[b][c] >= 0 and parents_l[b][c] not in node_of]
+        missing = [
+            cand for cand in cands if parents_l[cand] >= 0 and parents_l[cand] not in node_of
+        ]
         assert not missing, "draft tree lost a parent; candidate scores must not grow with depth"
         trees.append(
             DraftTree(
-                [roots[b]] + [tokens_l[b][c] for c in cands],
+                [roots[row]] + [tokens_l[cand] for cand in cands],
                 tree_parents,
-                [0] + [depths_l[c] for c in cands],
+                [0] + [depths_l[cand] for cand in cands],
             )
         )
     return trees

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
+from spec_engine.core.readback import read_back
 from spec_engine.core.request import Req
 from spec_engine.layers.sampler import filtered_probs, inverse_cdf, request_uniform
 from spec_engine.speculative.tree import DraftTree
@@ -34,6 +35,32 @@ class Acceptance:
     path: list[int]  # accepted nodes, root first
     tokens: list[int]  # emitted tokens: the accepted drafts, then the bonus token
     rows: list[int]  # verify row whose distribution produced each emitted token
+
+
+LogProbs = Optional[list[list[float]]]
+TopLogProbs = Optional[list[list[list[tuple[float, int]]]]]
+
+
+class Verified(NamedTuple):
+    """A verify step's results on the host: each request's acceptance, the step's flags' values
+    (None without flags) and the asked log-probs of the emitted tokens (None: none asked)."""
+
+    accepts: list[Acceptance]
+    flags: Optional[list[int]]
+    logprobs: LogProbs = None
+    top_logprobs: TopLogProbs = None
+
+
+@dataclass
+class LogprobAsk:
+    """Per request: whether it returns its tokens' log-probs, and how many top log-probs."""
+
+    want: Sequence[bool]
+    top_nums: Sequence[int]
+
+    @property
+    def anything(self) -> bool:
+        return any(self.want) or any(self.top_nums)
 
 
 def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) -> torch.Tensor:
@@ -59,6 +86,7 @@ def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) 
             torch.tensor(ks, device=device)[rows],
             torch.tensor(ps, device=device)[rows],
             torch.tensor(mins, device=device)[rows],
+            max(ks[row] for row in filtered),
         )
         dense = torch.zeros_like(probs[rows]).scatter_(1, ids, kept)
         probs[rows] = dense / dense.sum(-1, keepdim=True)
@@ -72,10 +100,15 @@ def verify_trees(
     banned: Sequence[Sequence[list[int]]],
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
-) -> list[Acceptance]:
+    flags: Optional[torch.Tensor] = None,
+    asked: Optional[LogprobAsk] = None,
+) -> Verified:
     """Walk each request's tree against the target logits ([sum of tree sizes, vocab], float32).
 
     banned[i][d]: tokens request i may not emit at depth d (EOS/stop ids before min_new_tokens).
+    One read brings back the target's argmax, `flags` (a [rows] tensor, the verify's NaN rows),
+    every sampled walk's inputs and, where `asked`, the log-probs of every token the step may
+    emit (the target's log-softmax at the request's temperature, and its top log-probs).
     """
     offsets, row_req = [], []
     for i, tree in enumerate(trees):
@@ -97,19 +130,33 @@ def verify_trees(
             torch.tensor(float("-inf"), device=logits.device),
         )
     greedy = [r.input.sampling_params.is_greedy for r in reqs]
-    argmax = masked.argmax(-1).tolist()
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    walks = [_SampledWalk(trees[i], offsets[i], reqs[i]) for i in sampled]
+    # Sampled walks' inputs are computed for every node up front, so that the step reads the
+    # argmax, the flags and the walks' inputs in one copy.
+    inputs = _walk_inputs(walks, target_probs(masked, reqs, row_req)) if walks else ()
+    argmax_t = masked.argmax(-1)
+    scored = asked is not None and asked.anything
+    lp_inputs = (
+        _logprob_inputs(logits, reqs, row_req, argmax_t, walks, inputs, max(asked.top_nums))
+        if scored
+        else ()
+    )
+    argmax, flag_values, *values = read_back(argmax_t, flags, *inputs, *lp_inputs)
+    walk_values, lp_values = values[: len(inputs)], values[len(inputs) :]
     out: list[Optional[Acceptance]] = [
         _walk_greedy(tree, argmax, offsets[i]) if greedy[i] else None
         for i, tree in enumerate(trees)
     ]
-    sampled = [i for i, g in enumerate(greedy) if not g]
-    if sampled:
-        probs = target_probs(masked, reqs, row_req)
-        walks = [_SampledWalk(trees[i], offsets[i], reqs[i]) for i in sampled]
-        _walk_sampled(walks, probs, threshold_single, threshold_acc)
+    if walks:
+        _walk_host(walks, *walk_values, threshold_single, threshold_acc)
         for i, walk in zip(sampled, walks):
             out[i] = Acceptance(walk.path, walk.tokens, walk.rows)
-    return out
+    if not scored:
+        return Verified(out, flag_values)
+    return Verified(
+        out, flag_values, *emitted_logprobs(out, asked, argmax, walks, walk_values, lp_values)
+    )
 
 
 def _walk_greedy(tree: DraftTree, argmax: list[int], offset: int) -> Acceptance:
@@ -164,93 +211,126 @@ class _SampledWalk:
                 return
 
 
-def _walk_sampled(
-    walks: list[_SampledWalk], probs: torch.Tensor, threshold_single: float, threshold_acc: float
-) -> None:
-    """Every sampled request's tree walk. The children's target probabilities come to the
-    host in one copy, and the rejected nodes' residual draws run as one batch: a copy per
-    request and level made a GPU verify step wait on the host once per request and level."""
+def _walk_inputs(
+    walks: list[_SampledWalk], probs: torch.Tensor
+) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """What the walks read, on the device, for every node at once (a read per request and level
+    made a GPU verify step wait on the host as often): each child's target probability at its
+    parent (node order, roots left out), and per node (walk after walk) whether its residual
+    (the target with its children removed) is empty and the token it draws: a walk stops at a
+    node whose children were all tried, and its uniform there is the node's depth's."""
     device = probs.device
-    pairs = [w.pairs() for w in walks]
-    flat = [pair for ps in pairs for pair in ps]
-    values: list[float] = []
-    if flat:
-        rows, toks = zip(*flat)
-        values = probs[
-            torch.tensor(rows, device=device), torch.tensor(toks, device=device)
-        ].tolist()
-    start = 0
-    for w, ps in zip(walks, pairs):
-        w.child_p = [0.0] + values[start : start + len(ps)]  # node 0, the root, has no parent
-        start += len(ps)
-    pending = walks
-    while pending:
-        for w in pending:
+    pairs = [pair for w in walks for pair in w.pairs()]
+    child_p = None
+    if pairs:
+        rows, toks = zip(*pairs)
+        child_p = probs[torch.tensor(rows, device=device), torch.tensor(toks, device=device)]
+    node_rows, uniforms, zero_rows, zero_toks = [], [], [], []
+    for w in walks:
+        for k, kids in enumerate(w.kids):
+            zero_rows.extend([len(node_rows)] * len(kids))
+            zero_toks.extend(w.tree.tokens[c] for c in kids)
+            node_rows.append(w.offset + k)
+            level = w.level + w.tree.depths[k]  # the walk's level once it stands at node k
+            uniforms.append(request_uniform(w.req.input.seed, level, RESIDUAL_STREAM))
+    residual = probs[torch.tensor(node_rows, device=device)]  # a copy
+    if zero_rows:
+        rows_t = torch.tensor(zero_rows, device=device)
+        residual[rows_t, torch.tensor(zero_toks, device=device)] = 0.0
+    empty = residual.sum(-1) <= 0
+    drawn = inverse_cdf(residual, torch.tensor(uniforms, dtype=torch.float64, device=device))
+    return child_p, empty, drawn
+
+
+def _walk_host(
+    walks: list[_SampledWalk],
+    child_p: Optional[list[float]],
+    empty: list[int],
+    drawn: list[int],
+    threshold_single: float,
+    threshold_acc: float,
+) -> None:
+    """The walks on the host from `_walk_inputs`' values: down while a child is accepted; at a
+    node with an empty residual (the children hold all the mass and u only passed their float
+    sum by rounding) the last child is accepted and the walk goes on; else the node's draw is
+    the emitted token."""
+    child_start = node_start = 0
+    for w in walks:
+        n = w.tree.size
+        w.child_p = [0.0] + (child_p or [])[child_start : child_start + n - 1]  # the root: none
+        child_start += n - 1
+        while True:
             w.descend(threshold_single, threshold_acc)
-        # The residual at each walk's last node: the target with the tried children removed.
-        residual = probs[torch.tensor([w.rows[-1] for w in pending], device=device)]  # a copy
-        zeroed = [(i, w.tree.tokens[k]) for i, w in enumerate(pending) for k in w.kids[w.node]]
-        if zeroed:
-            rows, toks = zip(*zeroed)
-            residual[torch.tensor(rows, device=device), torch.tensor(toks, device=device)] = 0.0
-        empty = (residual.sum(-1) <= 0).tolist()
-        # The children hold all the mass and u only passed their float sum by rounding: the
-        # last child is accepted and that walk goes on.
-        drawn = [i for i, e in enumerate(empty) if not e]
-        if drawn:
-            uniforms = torch.tensor(
-                [
-                    request_uniform(pending[i].req.input.seed, pending[i].level, RESIDUAL_STREAM)
-                    for i in drawn
-                ],
-                dtype=torch.float64,
-                device=device,
-            )
-            masses = (
-                residual
-                if len(drawn) == len(pending)
-                else residual[torch.tensor(drawn, device=device)]
-            )
-            for i, token in zip(drawn, inverse_cdf(masses, uniforms).tolist()):
-                pending[i].tokens.append(token)
-        for i, e in enumerate(empty):
-            if e:
-                w = pending[i]
-                w.accept(w.kids[w.node][-1])
-        pending = [pending[i] for i, e in enumerate(empty) if e]
+            if not empty[node_start + w.node]:
+                w.tokens.append(drawn[node_start + w.node])
+                break
+            w.accept(w.kids[w.node][-1])
+        node_start += n
+
+
+def _logprob_inputs(
+    logits: torch.Tensor,
+    reqs: Sequence[Req],
+    row_req: list[int],
+    argmax: torch.Tensor,
+    walks: list[_SampledWalk],
+    walk_inputs: tuple,
+    top: int,
+) -> tuple[
+    torch.Tensor,
+    Optional[torch.Tensor],
+    Optional[torch.Tensor],
+    Optional[torch.Tensor],
+    Optional[torch.Tensor],
+]:
+    """On the device, the log-probs of every token a step may emit, before the walks pick: each
+    row's argmax (greedy walks), each child's token at its parent's row and each node's residual
+    draw (sampled walks); with `top`, every row's top log-probs (values, ids)."""
+    device = logits.device
+    temps = torch.tensor(
+        [reqs[i].input.sampling_params.logit_scale for i in row_req], device=device
+    )
+    logp = torch.log_softmax(logits / temps[:, None], -1)
+    at_argmax = logp.gather(1, argmax[:, None]).squeeze(1)
+    at_children = at_draws = None
+    pairs = [pair for w in walks for pair in w.pairs()]
+    if pairs:
+        rows, toks = zip(*pairs)
+        at_children = logp[torch.tensor(rows, device=device), torch.tensor(toks, device=device)]
+    if walks:
+        nodes = torch.tensor(
+            [w.offset + k for w in walks for k in range(w.tree.size)], device=device
+        )
+        at_draws = logp[nodes].gather(1, walk_inputs[2][:, None]).squeeze(1)
+    vals, ids = logp.topk(top, dim=-1) if top else (None, None)
+    return at_argmax, at_children, at_draws, vals, ids
 
 
 def emitted_logprobs(
-    logits: torch.Tensor,
-    reqs: Sequence[Req],
     accepts: Sequence[Acceptance],
-    want: Sequence[bool],
-    top_nums: Sequence[int],
-) -> tuple[Optional[list[list[float]]], Optional[list[list[list[tuple[float, int]]]]]]:
-    """Target log-softmax at the request's temperature of every emitted token (and top-k)."""
-    if not any(want) and not any(top_nums):
-        return None, None
-    rows, temps, toks = [], [], []
-    for req, acc in zip(reqs, accepts):
-        rows.extend(acc.rows)
-        temps.extend([req.input.sampling_params.logit_scale] * len(acc.rows))
-        toks.extend(acc.tokens)
-    device = logits.device
-    logp = torch.log_softmax(
-        logits[torch.tensor(rows, device=device)] / torch.tensor(temps, device=device)[:, None], -1
-    )
-    chosen = logp.gather(1, torch.tensor(toks, device=device)[:, None]).squeeze(1).tolist()
-    k = max(top_nums)
-    top = None
-    if k:
-        vals, ids = logp.topk(k, dim=-1)
-        top = list(zip(vals.tolist(), ids.tolist()))
-    lps, tops, start = [], [], 0
-    for acc, w, n in zip(accepts, want, top_nums):
-        end = start + len(acc.tokens)
-        lps.append(chosen[start:end] if w else [])
+    asked: LogprobAsk,
+    argmax: list[int],
+    walks: list[_SampledWalk],
+    walk_values: list,
+    lp_values: list,
+) -> tuple[LogProbs, TopLogProbs]:
+    """Target log-softmax at the request's temperature of every emitted token (and top-k), from
+    `_logprob_inputs`' values: an emitted token is a row's argmax, a child's token at its parent's
+    row or a node's draw."""
+    at_argmax, at_children, at_draws, vals, ids = lp_values
+    value = {(row, token): v for row, (token, v) in enumerate(zip(argmax, at_argmax))}
+    if walks:
+        pairs = [pair for w in walks for pair in w.pairs()]
+        value.update(zip(pairs, at_children or []))
+        nodes = [w.offset + k for w in walks for k in range(w.tree.size)]
+        value.update(((row, token), v) for row, token, v in zip(nodes, walk_values[2], at_draws))
+    k = max(asked.top_nums)
+    lps, tops = [], []
+    for acc, w, n in zip(accepts, asked.want, asked.top_nums):
+        lps.append([value[(row, token)] for row, token in zip(acc.rows, acc.tokens)] if w else [])
         tops.append(
-            [list(zip(v[:n], i[:n])) for v, i in top[start:end]] if top is not None and n else []
+            [list(zip(vals[r * k : r * k + n], ids[r * k : r * k + n])) for r in acc.rows]
+            if n
+            else []
         )
-        start = end
-    return (lps if any(want) else None), (tops if any(top_nums) else None)
+    return (lps if any(asked.want) else None), (tops if any(asked.top_nums) else None)

@@ -129,15 +129,21 @@ def test_the_table_reads_and_writes_many_ranges_as_row_by_row():
     assert copy.req_to_token[1, :8].tolist() == list(range(100, 108))
     assert copy.req_to_token[2, 9:].tolist() == [108, 109, 110]
     assert copy.req_to_token[[0, 3, 4]].eq(0).all() and copy.req_to_token[2, :9].eq(0).all()
+    # The host mirror holds what the device table holds, read without a device read.
+    assert (copy.host == copy.req_to_token.numpy()).all()
+    assert copy.read_ranges_host([2, 1], [9, 2], [12, 4]).tolist() == [108, 109, 110, 102, 103]
     assert table.read_ranges([], [], []).shape == (0,)
     meta = ReqToTokenPool(5, 12, torch.device("meta"))  # stands in for CUDA: no device mixing
     assert meta.read_ranges(rows, starts, ends).device.type == "meta"
-    meta.write_ranges(rows, starts, ends, slots.to("meta"))
+    # Fresh slots come with their host values (mem.allocator.Slots): nothing is read back.
+    meta.write_ranges(rows, starts, ends, slots.to("meta"), slots.numpy())
+    assert meta.read_ranges_host(rows, starts, ends).tolist() == slots.tolist()
 
 
 def test_flashinfer_extend_plan_gathers_every_requests_slots(monkeypatch):
     """FlashInfer's extend plan (CUDA-only) with a stand-in module: the paged KV indices are
     each request's slots 0 .. kv_len - 1, gathered on the table's device."""
+    import dataclasses
     import importlib.util
     import sys
     import types
@@ -186,3 +192,12 @@ def test_flashinfer_extend_plan_gathers_every_requests_slots(monkeypatch):
             want = torch.cat([values[r, :n] for r, n in zip(rows, kv_lens)])
             assert torch.equal(indices, want)
             assert kv_indptr.tolist() == [0, 5, 6, 16] and qo_indptr.tolist() == [0, 2, 3, 6]
+        # The decode plan: the same slots, its indptr built on the host (FlashInfer reads it
+        # there) without reading the device's lengths back.
+        decode = dataclasses.replace(batch, mode=ForwardMode.DECODE, extend_seq_lens_cpu=None)
+        backend._plan_decode(wrapper, decode)
+        kv_indptr, indices = wrapper.args[0], wrapper.args[1]
+        assert kv_indptr.device == CPU and kv_indptr.tolist() == [0, 5, 6, 16]
+        assert indices.device == device and indices.dtype == torch.int32
+        if device == CPU:
+            assert torch.equal(indices, want)

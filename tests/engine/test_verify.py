@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
+from spec_engine.core.readback import read_back
 from spec_engine.speculative import verify
 from spec_engine.speculative.tree import DraftTree
 
@@ -57,12 +58,35 @@ def test_each_sampled_walk_is_the_same_alone_as_in_its_batch():
                 logits[offset + tree.parents[node], tree.tokens[node]] += 3.0
             offset += tree.size
         thresholds = rng.choice([(1.0, 1.0), (0.3, 1.0), (1.0, 0.6)])
-        together = verify.verify_trees(logits, trees, reqs, [[]] * batch, *thresholds)
+        together = verify.verify_trees(logits, trees, reqs, [[]] * batch, *thresholds)[0]
+        # The engine's walk reads the step's NaN flags in the argmax's copy: same walks.
+        flags = torch.rand(sum(sizes), generator=g, device="cpu") < 0.2
+        # The engine's walk reads the step's NaN flags and the emitted tokens' log-probs in the
+        # argmax's copy: the same walks, and log-probs as log_softmax of the emitted rows.
+        flags = torch.arange(sum(sizes), device="cpu") % 3 == 1
+        asked = verify.LogprobAsk([True] * batch, [2 * (i % 2) for i in range(batch)])
+        walked, read, logprobs, top = verify.verify_trees(
+            logits, trees, reqs, [[]] * batch, *thresholds, flags=flags, asked=asked
+        )
+        assert read == [int(f) for f in flags.tolist()]
+        assert [(w.path, w.tokens, w.rows) for w in walked] == [
+            (t.path, t.tokens, t.rows) for t in together
+        ]
+        for acc, req, lps, tops, n in zip(
+            walked, reqs, logprobs, top or [[]] * batch, asked.top_nums
+        ):
+            temp = torch.tensor(req.input.sampling_params.logit_scale, device="cpu")
+            logp = torch.log_softmax(logits[acc.rows] / temp, -1)
+            assert lps == logp[range(len(acc.rows)), acc.tokens].tolist()
+            vals, ids = logp.topk(2, dim=-1)
+            assert tops == (
+                [list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())] if n else []
+            )
         offset = 0
         for tree, req, got in zip(trees, reqs, together):
             alone = verify.verify_trees(
                 logits[offset : offset + tree.size], [tree], [req], [[]], *thresholds
-            )[0]
+            )[0][0]
             assert (got.path, got.tokens) == (alone.path, alone.tokens)
             assert got.rows == [offset + row for row in alone.rows]
             offset += tree.size
@@ -86,7 +110,8 @@ def test_children_holding_all_the_mass_accept_the_last_child_and_the_walk_goes_o
         verify._SampledWalk(tree, 0, _req(random.Random(0), False, outputs=4)),
         verify._SampledWalk(tree, 3, _req(random.Random(1), False, outputs=9)),
     ]
-    verify._walk_sampled(walks, probs, threshold_single=1.0, threshold_acc=1.0)
+    values = read_back(*verify._walk_inputs(walks, probs))
+    verify._walk_host(walks, *values, threshold_single=1.0, threshold_acc=1.0)
     assert (walks[0].path, walks[0].tokens, walks[0].rows) == ([0, 2], [2, 3], [0, 2])
     assert walks[0].level == 5
     # Request 1: u = 1 - 2^-20 passes 0.1 + 0.1; the residual without tokens 1, 2 draws token 4.

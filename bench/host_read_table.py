@@ -1,0 +1,153 @@
+"""Host reads per step and tokens/s of plain decoding, fixed and adaptive EAGLE-3 with a tiny
+model (one layer, hidden 64) on CPU, where the host dominates a step as on a GPU (issue #44):
+
+    python -m scripts.bench_host_reads --label after \
+        --out docs/benchmarks/data/host_reads_after.json
+
+Each configuration runs in one engine: a warm-up generation per batch size, then --repeats timed
+greedy generations (EOS ignored) of --output-len tokens from fresh random prompts; tokens/s is
+the best run's output tokens over its wall time (prefill included), and per CPU-second of the
+process (`tok_cpu_s`: steadier than wall time on a shared machine, where other processes take
+the cores for seconds at a time). Host reads are counted on
+the scheduler's thread (bench/host_reads.py) over the timed runs' decode steps: mean and most
+per plain step and per speculative step. The draft is a random EAGLE-3 draft (it drafts badly:
+the adaptive engine mostly decodes plainly), so the table compares host work, not acceptance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+
+from bench.host_reads import StepReads
+
+MODES = ("plain", "eagle3", "eagle3-adaptive")
+
+
+def build_models(root: str) -> dict[str, str]:
+    from tiny.checkpoints import build_eagle_draft, build_tiny_model
+
+    target = os.path.join(root, "target")
+    if not os.path.exists(os.path.join(target, "config.json")):
+        build_tiny_model(target, num_layers=1)
+    draft = os.path.join(root, "eagle3")
+    if not os.path.exists(os.path.join(draft, "config.json")):
+        build_eagle_draft(draft, target, version=3)
+    return {"target": target, "eagle3": draft}
+
+
+def engine_kwargs(mode: str, models: dict[str, str], max_batch: int) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        model_path=models["target"],
+        random_seed=0,
+        max_running_requests=max_batch,
+        context_length=512,
+    )
+    if mode != "plain":
+        kwargs.update(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=models["eagle3"],
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+            speculative_adaptive=mode == "eagle3-adaptive",
+        )
+    return kwargs
+
+
+def measure(engine: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(batch)
+    params = {"temperature": 0.0, "max_new_tokens": args.output_len, "ignore_eos": True}
+
+    def prompts() -> list[list[int]]:
+        return [[rng.randrange(5, 500) for _ in range(args.input_len)] for _ in range(batch)]
+
+    engine.generate(input_ids=prompts(), sampling_params=params)  # warm-up
+    best = best_cpu = float("inf")
+    with StepReads(engine) as counted:
+        for _ in range(args.repeats):
+            start, cpu = time.perf_counter(), time.process_time()
+            engine.generate(input_ids=prompts(), sampling_params=params)
+            best = min(best, time.perf_counter() - start)
+            best_cpu = min(best_cpu, time.process_time() - cpu)
+    tokens = batch * args.output_len
+    row: dict[str, Any] = {"batch": batch, "tok_s": tokens / best, "tok_cpu_s": tokens / best_cpu}
+    for kind in ("plain", "spec"):
+        reads = [s.reads for s in counted.decode_steps(kind)]
+        row[f"{kind}_steps"] = len(reads)
+        row[f"{kind}_reads_mean"] = sum(reads) / len(reads) if reads else None
+        row[f"{kind}_reads_max"] = max(reads) if reads else None
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def reads(r: dict, kind: str) -> str:
+        if not r[f"{kind}_steps"]:
+            return "-"
+        return f"{r[f'{kind}_reads_mean']:.1f} (max {r[f'{kind}_reads_max']})"
+
+    lines = [
+        "| mode | batch | tokens/s | tokens per CPU-s | reads per plain step | reads per spec "
+        "step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['batch']} | {r['tok_s']:.0f} | {r['tok_cpu_s']:.0f} | "
+            f"{reads(r, 'plain')} | "
+            f"{reads(r, 'spec')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from spec_engine import Engine
+
+    models = build_models(args.work_dir or tempfile.mkdtemp(prefix="host-reads-"))
+    rows = []
+    for mode in args.modes:
+        with Engine(**engine_kwargs(mode, models, max(args.batch_sizes))) as engine:
+            for batch in args.batch_sizes:
+                rows.append({"mode": mode, **measure(engine, batch, args)})
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print(table(rows))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "label": args.label,
+                    "args": vars(args),
+                    "torch": torch.__version__,
+                    "machine": platform.processor() or platform.machine(),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32, 128])
+    parser.add_argument("--input-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--work-dir", default=None, help="where the tiny models are built")
+    parser.add_argument("--label", default="", help="recorded in the JSON (before / after)")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    return parser.parse_args(argv)
