@@ -269,7 +269,7 @@ def test_a_policy_checkpoint_resumes_bitwise_and_at_another_tp_size(make_model, 
     0.75 LR apart, as far as TP 1 and TP 2 runs from the same start: 1.75 LR), so the weights are
     compared by their mean distance: measured 0.0053 LR; with Adam's moments lost on loading
     0.164 LR, with its step count lost 0.116 LR (both also break the same-TP round trip)."""
-    from tests.support.ranks import start_ranks
+    from tests.support.forkserver import start_ranks
     from tests.trainer.test_moe_tp import _ports
     from tiny.checkpoints import add_mimo_mtp
 

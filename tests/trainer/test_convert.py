@@ -14,7 +14,7 @@ import torch
 from conftest import FAMILIES
 from torch.nn import functional as F
 
-from tests.support.ranks import start_ranks
+from tests.support.forkserver import start_ranks
 from tiny.checkpoints import add_mimo_mtp
 from trainer_bridge.convert import (
     hf_to_mcore,

@@ -30,7 +30,7 @@ import torch
 from conftest import FAMILIES
 from test_moe_tp import _max_diff, _ports
 
-from tests.support.ranks import start_ranks
+from tests.support.forkserver import start_ranks
 from trainer_bridge.convert.__main__ import main as convert_cli
 
 pytestmark = [

@@ -30,7 +30,7 @@ from conftest import FAMILIES
 from test_moe_ep import _assert_same_step, _check_loaded, _next_step, _step_and_export
 from test_moe_tp import _batch, _max_diff, _ports
 
-from tests.support.ranks import start_ranks
+from tests.support.forkserver import start_ranks
 from trainer_bridge.convert.__main__ import main as convert_cli
 
 pytestmark = [

@@ -36,7 +36,7 @@ from test_moe_ep import (
 )
 from test_moe_tp import _max_diff, _ports
 
-from tests.support.ranks import start_ranks
+from tests.support.forkserver import start_ranks
 from trainer_bridge.convert.__main__ import main as convert_cli
 
 pytestmark = [

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import FAMILIES
 
-from tests.support.ranks import start_ranks
+from tests.support.forkserver import start_ranks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:::megatron"),
