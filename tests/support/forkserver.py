@@ -22,6 +22,8 @@ PRELOAD = [
     "spec_engine",
     "spec_engine.distributed.launch",
     "bench.isolate",
+    "spec_engine.launch_server",
+    "uvicorn",
 ]
 
 
