@@ -4,9 +4,13 @@ engine imported: spawned, each process spent seconds of CPU importing them again
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing
+import os
+import sys
 from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
+from subprocess import CompletedProcess
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -24,6 +28,7 @@ PRELOAD = [
     "bench.isolate",
     "spec_engine.launch_server",
     "uvicorn",
+    "bench.rollout",
 ]
 
 
@@ -49,3 +54,26 @@ def instead_of_spawn(module: ModuleType) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(module, "multiprocessing", SimpleNamespace(get_context=lambda _: ctx))
         yield
+
+
+def _main_of(module: str, argv: list[str], stdout: str, stderr: str) -> None:
+    for stream, path in ((sys.stdout, stdout), (sys.stderr, stderr)):
+        stream.flush()
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream.fileno())
+    sys.argv = [module, *argv]
+    importlib.import_module(module).main()
+
+
+def run_main(module: str, argv: list[str], tmp: str, timeout: float) -> CompletedProcess:
+    """`python -m module *argv` (a script whose __main__ calls its main()), in a process from
+    the server; its exit code and output as subprocess.run's."""
+    out, err = os.path.join(tmp, "stdout.log"), os.path.join(tmp, "stderr.log")
+    proc = context().Process(target=_main_of, args=(module, argv, out, err))
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise TimeoutError(f"{module} ran over {timeout} s")
+    with open(out) as o, open(err) as e:
+        return CompletedProcess([module, *argv], proc.exitcode, o.read(), e.read())
