@@ -134,7 +134,7 @@ def test_bench_weight_sync_script_runs(tmp_path, monkeypatch):
     }
 
 
-def test_bench_step_split_times_each_engines_steps_and_calls(tmp_path):
+def test_bench_step_split_times_each_engines_steps_and_calls():
     """scripts/bench_step_split: per engine, its scheduler steps and the worker calls inside
     them (a plain engine's decodes, an adaptive one's plain decodes and tries) each timed. In a
     process of its own (it patches Scheduler.step), from tests/support/forkserver.py's server."""
@@ -144,7 +144,6 @@ def test_bench_step_split_times_each_engines_steps_and_calls(tmp_path):
         "scripts.bench_step_split",
         ["--hidden-size", "64", "--num-layers", "2", "--vocab-size", "512", *TWO_ROUNDS]
         + ["--algorithms", "baseline", "eagle3-adaptive"],
-        str(tmp_path),
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,10 +4,10 @@ engine imported: spawned, each process spent seconds of CPU importing them again
 from __future__ import annotations
 
 import contextlib
-import importlib
 import multiprocessing
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
 from subprocess import CompletedProcess
@@ -56,24 +56,34 @@ def instead_of_spawn(module: ModuleType) -> Iterator[None]:
         yield
 
 
-def _main_of(module: str, argv: list[str], stdout: str, stderr: str) -> None:
+def _python_c(code: str, argv: list[str], stdout: str, stderr: str) -> None:
     for stream, path in ((sys.stdout, stdout), (sys.stderr, stderr)):
         stream.flush()
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream.fileno())
-    sys.argv = [module, *argv]
-    importlib.import_module(module).main()
+    # No torch.distributed variables of an earlier test: the code starts its own.
+    for name in [k for k in os.environ if k.startswith("MASTER_")]:
+        del os.environ[name]
+    sys.argv = ["-c", *argv]
+    exec(code, {"__name__": "__main__"})
 
 
-def run_main(module: str, argv: list[str], tmp: str, timeout: float) -> CompletedProcess:
-    """`python -m module *argv` (a script whose __main__ calls its main()), in a process from
-    the server; its exit code and output as subprocess.run's."""
-    out, err = os.path.join(tmp, "stdout.log"), os.path.join(tmp, "stderr.log")
-    proc = context().Process(target=_main_of, args=(module, argv, out, err))
-    proc.start()
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        raise TimeoutError(f"{module} ran over {timeout} s")
-    with open(out) as o, open(err) as e:
-        return CompletedProcess([module, *argv], proc.exitcode, o.read(), e.read())
+def python_c(code: str, argv: list[str], timeout: float) -> CompletedProcess:
+    """`python -c code *argv` in a process from the server, with no MASTER_* variables; its
+    exit code and output as subprocess.run(capture_output=True, text=True)'s."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout.log"), os.path.join(tmp, "stderr.log")
+        proc = context().Process(target=_python_c, args=(code, argv, out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise TimeoutError(f"python -c {code!r} ran over {timeout} s")
+        with open(out) as o, open(err) as e:
+            return CompletedProcess(["-c", code, *argv], proc.exitcode, o.read(), e.read())
+
+
+def run_main(module: str, argv: list[str], timeout: float) -> CompletedProcess:
+    """`python -m module *argv`, as python_c."""
+    code = f"import runpy; runpy.run_module({module!r}, run_name='__main__')"
+    return python_c(code, argv, timeout)
