@@ -35,7 +35,10 @@ PRELOAD = [
 def context() -> BaseContext:
     """A multiprocessing context whose processes are forked from that server: a new process each,
     as spawned ones, that starts with PRELOAD imported and nothing of the test process (a fork
-    of the test process itself inherits its threads, OpenMP's and gloo's, and crashed)."""
+    of the test process itself inherits its threads, OpenMP's and gloo's, and crashed). They
+    start with the server's environment (the test process's when the first test started it):
+    pass what a process needs as arguments, not by changing os.environ. Their stdout and stderr
+    are the server's; failures come back as exceptions, exit codes or the logs the helpers keep."""
     multiprocessing.set_forkserver_preload(PRELOAD)
     return multiprocessing.get_context("forkserver")
 
