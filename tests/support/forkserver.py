@@ -59,7 +59,8 @@ def instead_of_spawn(module: ModuleType) -> Iterator[None]:
         yield
 
 
-def _python_c(code: str, argv: list[str], stdout: str, stderr: str) -> None:
+def _python_c(code: str, argv: list[str], stdout: str, stderr: str, cwd: str) -> None:
+    os.chdir(cwd)
     for stream, path in ((sys.stdout, stdout), (sys.stderr, stderr)):
         stream.flush()
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream.fileno())
@@ -71,11 +72,12 @@ def _python_c(code: str, argv: list[str], stdout: str, stderr: str) -> None:
 
 
 def python_c(code: str, argv: list[str], timeout: float) -> CompletedProcess:
-    """`python -c code *argv` in a process from the server, with no MASTER_* variables; its
-    exit code and output as subprocess.run(capture_output=True, text=True)'s."""
+    """`python -c code *argv` in a process from the server, in the test's working directory and
+    with no MASTER_* variables; its exit code and output as
+    subprocess.run(capture_output=True, text=True)'s."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "stdout.log"), os.path.join(tmp, "stderr.log")
-        proc = context().Process(target=_python_c, args=(code, argv, out, err))
+        proc = context().Process(target=_python_c, args=(code, argv, out, err, os.getcwd()))
         proc.start()
         proc.join(timeout)
         if proc.is_alive():
