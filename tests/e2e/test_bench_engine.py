@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
@@ -13,56 +12,37 @@ import pytest
 TWO_ROUNDS = ("--batch-sizes", "2", "--input-len", "16", "--output-len", "8", "--repeats", "2")
 
 
-def run_bench_rollout(*flags: str) -> subprocess.CompletedProcess:
-    """`python -m scripts.bench_rollout` on a tiny random Llama (and its drafts) with `flags`."""
-    return subprocess.run(
-        [sys.executable, "-m", "scripts.bench_rollout", "--hidden-size", "64", "--num-layers", "2"]
-        + ["--vocab-size", "512", *flags],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def run_bench_rollout(capsys, *flags: str) -> str:
+    """What `python -m scripts.bench_rollout` runs (its main()), on a tiny random Llama (and its
+    drafts) with `flags`, in this process: a second interpreter would import torch and the engine
+    again. Its stdout."""
+    from bench import rollout
+
+    capsys.readouterr()
+    rollout.main(["--hidden-size", "64", "--num-layers", "2", "--vocab-size", "512", *flags])
+    return capsys.readouterr().out
 
 
-def test_bench_engine_script_runs(tmp_path):
+def test_bench_engine_script_runs(tmp_path, capsys):
+    """Its main() in this process (what `python -m scripts.bench_engine` runs)."""
+    from bench import engine
+
     out_json = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "scripts.bench_engine",
-            "--hidden-size",
-            "64",
-            "--num-layers",
-            "2",
-            "--vocab-size",
-            "512",
-            "--batch-sizes",
-            "1",
-            "3",
-            "--input-len",
-            "8",
-            "--output-len",
-            "5",
-            "--repeats",
-            "1",
-            "--json",
-            str(out_json),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    engine.main(
+        ["--hidden-size", "64", "--num-layers", "2", "--vocab-size", "512"]
+        + ["--batch-sizes", "1", "3", "--input-len", "8", "--output-len", "5", "--repeats", "1"]
+        + ["--json", str(out_json)]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| 3 |" in proc.stdout
+    assert "| 3 |" in capsys.readouterr().out
     results = json.loads(out_json.read_text())["results"]
     assert [r["batch"] for r in results] == [1, 3]
     assert all(r["spec_engine_tok_s"] > 0 and r["transformers_tok_s"] > 0 for r in results)
 
 
-def test_bench_rollout_script_runs(tmp_path):
+def test_bench_rollout_script_runs(tmp_path, capsys):
     out_json = tmp_path / "rollout.json"
-    proc = run_bench_rollout(
+    stdout = run_bench_rollout(
+        capsys,
         *TWO_ROUNDS,
         "--interleave",  # every engine open at once, rounds round-robin
         "--json",
@@ -70,7 +50,6 @@ def test_bench_rollout_script_runs(tmp_path):
         "--plot",
         str(tmp_path / "speedup.svg"),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out_json.read_text())["results"]
     plot = (tmp_path / "speedup.svg").read_text()
     # The axes, then one line per configuration, baseline's at exactly 1x.
@@ -110,7 +89,7 @@ def test_bench_rollout_script_runs(tmp_path):
         )
     )
     assert len(paired) == 2 and mtp["paired_median"] == pytest.approx(sum(paired) / 2, abs=1e-3)
-    assert "adaptive / max(plain, fixed)" in proc.stdout
+    assert "adaptive / max(plain, fixed)" in stdout
     assert all(r["decode_tokens_per_s"] > 0 for r in results)
     for adaptive in (r for r in results if r["algorithm"].endswith("-adaptive")):
         assert 0.0 <= adaptive["speculative_step_share"] <= 1.0
@@ -157,13 +136,14 @@ def test_bench_weight_sync_script_runs(tmp_path, monkeypatch):
 
 def test_bench_step_split_times_each_engines_steps_and_calls():
     """scripts/bench_step_split: per engine, its scheduler steps and the worker calls inside
-    them (a plain engine's decodes, an adaptive one's plain decodes and tries) each timed."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_step_split", "--hidden-size", "64"]
-        + ["--num-layers", "2", "--vocab-size", "512", *TWO_ROUNDS]
+    them (a plain engine's decodes, an adaptive one's plain decodes and tries) each timed. In a
+    process of its own (it patches Scheduler.step), from tests/support/forkserver.py's server."""
+    from tests.support.forkserver import run_main
+
+    proc = run_main(
+        "scripts.bench_step_split",
+        ["--hidden-size", "64", "--num-layers", "2", "--vocab-size", "512", *TWO_ROUNDS]
         + ["--algorithms", "baseline", "eagle3-adaptive"],
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -182,11 +162,12 @@ def test_bench_step_split_times_each_engines_steps_and_calls():
     assert plain["step"] == adaptive["step"] == 26 and plain["prefill"] == 5
 
 
-def test_bench_rollout_forced_acceptance_accepts_every_draft(tmp_path):
+def test_bench_rollout_forced_acceptance_accepts_every_draft(tmp_path, capsys):
     """--forced-acceptance (the speed a perfect draft would give): a random EAGLE-3 draft's
     tokens are all accepted, so a verify emits a full path."""
     out_json = tmp_path / "forced.json"
-    proc = run_bench_rollout(
+    stdout = run_bench_rollout(
+        capsys,
         "--batch-sizes",
         "1",
         "--input-len",
@@ -206,20 +187,36 @@ def test_bench_rollout_forced_acceptance_accepts_every_draft(tmp_path):
         "--json",
         str(out_json),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["algorithm"]: r for r in json.loads(out_json.read_text())["results"]}
     assert results["eagle3"]["accept_length"] == 4.0  # 16 decode tokens in 4 verifies of 3 + 1
-    assert "forced acceptance" in proc.stdout
+    assert "forced acceptance" in stdout
+
+
+@pytest.fixture
+def forked_engines(monkeypatch) -> None:
+    """bench.isolate's engine processes forked from tests/support/forkserver.py's server (torch
+    and the engine imported) instead of spawned: each still a process of its own, opened afresh
+    and closed, but without seconds of imports each."""
+    from types import SimpleNamespace
+
+    from bench import isolate
+    from tests.support import forkserver
+
+    ctx = forkserver.context()
+    monkeypatch.setattr(isolate, "multiprocessing", SimpleNamespace(get_context=lambda _: ctx))
 
 
 @pytest.mark.parametrize("mode", ["--isolate", "--lockstep"])
-def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path, mode):
+def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(
+    tmp_path, mode, capsys, forked_engines
+):
     """--isolate: each configuration's engine in a process of its own, every round; the rounds
     still pair up for the adaptive rows' paired median, and baseline-twin's (a second plain
     engine) with baseline's for the noise floor. --lockstep: the same processes, measured at
     once through their step gates."""
     out_json = tmp_path / "isolated.json"
-    proc = run_bench_rollout(
+    stdout = run_bench_rollout(
+        capsys,
         *TWO_ROUNDS,
         "--algorithms",
         "baseline",
@@ -229,7 +226,6 @@ def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path
         "--json",
         str(out_json),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out_json.read_text())
     assert report["args"]["lockstep"] is (mode == "--lockstep")
     rounds = {r["algorithm"]: r["round_tokens_per_s"] for r in report["results"]}
@@ -244,7 +240,7 @@ def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(tmp_path
     twins = sorted(a / p for a, p in zip(rounds["baseline-twin"], rounds["baseline"]))
     assert noise["paired_median"] == pytest.approx(sum(twins) / 2, abs=1e-3)
     assert (noise["paired_min"], noise["paired_max"]) == pytest.approx(twins, abs=1e-3)
-    assert "baseline-twin / baseline (identical engines)" in proc.stdout
+    assert "baseline-twin / baseline (identical engines)" in stdout
 
 
 class _GatedThread:
@@ -302,7 +298,9 @@ def test_drive_gives_gated_engines_one_step_each_in_turn_and_each_times_its_own_
     assert fast_wall >= 0.1 and fast_busy < 0.02
 
 
-def test_engine_process_runs_calls_in_its_own_process_and_reports_failures(llama_path):
+def test_engine_process_runs_calls_in_its_own_process_and_reports_failures(
+    llama_path, forked_engines
+):
     import argparse
     import os
 

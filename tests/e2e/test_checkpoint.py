@@ -269,8 +269,7 @@ def test_a_policy_checkpoint_resumes_bitwise_and_at_another_tp_size(make_model, 
     0.75 LR apart, as far as TP 1 and TP 2 runs from the same start: 1.75 LR), so the weights are
     compared by their mean distance: measured 0.0053 LR; with Adam's moments lost on loading
     0.164 LR, with its step count lost 0.116 LR (both also break the same-TP round trip)."""
-    import torch.multiprocessing as mp
-
+    from tests.support.forkserver import start_ranks
     from tests.trainer.test_moe_tp import _ports
     from tiny.checkpoints import add_mimo_mtp
 
@@ -278,7 +277,7 @@ def test_a_policy_checkpoint_resumes_bitwise_and_at_another_tp_size(make_model, 
     out = str(tmp_path)
     _tp_run(0, 1, _ports(2), model, out, [None, "ckpt-tp1"], "tp1")
     runs = (2, _ports(3), model, out, [None, "ckpt-tp2", "ckpt-tp1"], "tp2")
-    mp.spawn(_tp_run, args=runs, nprocs=2, join=True)
+    start_ranks(_tp_run, runs, 2)
     _tp_run(0, 1, _ports(1), model, out, ["ckpt-tp2"], "tp1-from-tp2")
     assert len(list((tmp_path / "ckpt-tp2").glob("*.distcp"))) >= 2
     tp1 = torch.load(tmp_path / "tp1-rank0.pt", weights_only=False)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -94,16 +93,11 @@ def loop_args(model, data, out):
 
 
 def run(argv, code="from specrl.loop import main; main(sys.argv[1:])"):
-    proc = subprocess.run(
-        [sys.executable, "-c", "import sys; " + code, *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("MASTER_")},
-            "PYTHONPATH": os.getcwd(),
-        },
-    )
+    """`python -c code argv` (the loop's main by default) in a process forked from
+    tests/support/forkserver.py's server, torch and the engine already imported there."""
+    from tests.support.forkserver import python_c
+
+    proc = python_c("import sys; " + code, argv, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +27,18 @@ from spec_engine.weights.transport import serialize_shared
 from tests.conftest import FAMILIES
 from tests.support.tp_ranks import Sampled, fail_on_rank_1, sample_9_for_request_b
 from tiny.checkpoints import add_mimo_mtp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_ranks() -> Iterator[None]:
+    """Rank 1 of each engine forked from tests/support/forkserver.py's server (torch and the
+    engine imported) instead of spawned: a process of its own still, without seconds of imports."""
+    from spec_engine.distributed import launch
+    from tests.support.forkserver import instead_of_spawn
+
+    with instead_of_spawn(launch):
+        yield
+
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26]]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}

@@ -7,6 +7,7 @@ tensors, gathered, equal to the same engine at tp 1."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -18,6 +19,18 @@ from spec_engine import Engine
 from spec_engine.weights.loader import tensor_checksum
 from tests.conftest import FAMILIES
 from trainer_bridge.megatron_compat import free_port
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_ranks() -> Iterator[None]:
+    """Rank 1 of each engine forked from tests/support/forkserver.py's server (torch and the
+    engine imported) instead of spawned: a process of its own still, without seconds of imports."""
+    from spec_engine.distributed import launch
+    from tests.support.forkserver import instead_of_spawn
+
+    with instead_of_spawn(launch):
+        yield
+
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13]]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}

@@ -11,7 +11,6 @@ import logging
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -246,6 +245,8 @@ def test_pytorch_bin_and_safetensors_load_the_same(seed_ckpt, tmp_path):
 
 def test_slime_sglang_lines_pass_train_dry_run(seed_ckpt, tmp_path):
     """slime's page: its SGLANG_ARGS and known-issue workarounds, given to scripts/train.py."""
+    from tests.support.forkserver import run_main
+
     script = (
         f"CKPT={shlex.quote(seed_ckpt['dir'])}; source examples/sglang_seeds/commands.sh; "
         'printf "%s\\n" "${SLIME_SGLANG_ARGS[@]}"'
@@ -254,11 +255,10 @@ def test_slime_sglang_lines_pass_train_dry_run(seed_ckpt, tmp_path):
         ["bash", "-c", script], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split()
     assert "--sglang-attention-backend" in flags and "160" in flags
-    proc = subprocess.run(
+    # scripts.train's main in a process forked from tests/support/forkserver.py's server
+    proc = run_main(
+        "scripts.train",
         [
-            sys.executable,
-            "-m",
-            "scripts.train",
             "--hf-checkpoint",
             seed_ckpt["MiMo-7B-RL"],
             "--prompt-data",
@@ -278,9 +278,6 @@ def test_slime_sglang_lines_pass_train_dry_run(seed_ckpt, tmp_path):
             *flags,
             "--dry-run",
         ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

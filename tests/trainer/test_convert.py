@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import FAMILIES
 from torch.nn import functional as F
 
+from tests.support.forkserver import start_ranks
 from tiny.checkpoints import add_mimo_mtp
 from trainer_bridge.convert import (
     hf_to_mcore,
@@ -209,7 +209,7 @@ def test_tp2_logits_mtp_and_export_match(checkpoints, tmp_path):
     for name, path in checkpoints.items():
         hf_to_mcore(path, str(tmp_path / f"{name}-tp2"), tp=2)
         jobs[name] = (path, str(tmp_path / f"{name}-tp2"))
-    mp.spawn(_tp2_worker, args=(free_port(), jobs, str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_tp2_worker, (free_port(), jobs, str(tmp_path)), 2)
     for name, path in checkpoints.items():
         output, exported = torch.load(tmp_path / f"{name}.pt")
         original = read_hf_weights(path)

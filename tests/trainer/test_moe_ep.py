@@ -27,10 +27,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import FAMILIES
 from test_moe_tp import _max_diff, _ports
 
+from tests.support.forkserver import start_ranks
 from trainer_bridge.convert.__main__ import main as convert_cli
 
 pytestmark = [
@@ -251,7 +251,7 @@ def runs(checkpoints, tmp_path_factory):
         + ["--expert-model-parallel-size", "2"]
     )
     _run(0, 1, _ports(len(jobs)), jobs, str(out))  # first: EP 2 resumes its checkpoint
-    mp.spawn(_run, args=(2, _ports(len(jobs)), jobs, str(out)), nprocs=2, join=True)
+    start_ranks(_run, (2, _ports(len(jobs)), jobs, str(out)), 2)
     _resume_at_ep1(jobs["deepseek_v3"], _ports(1)[0], str(out))
     return out
 

@@ -26,11 +26,11 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import FAMILIES
 from test_moe_ep import _assert_same_step, _check_loaded, _next_step, _step_and_export
 from test_moe_tp import _batch, _max_diff, _ports
 
+from tests.support.forkserver import start_ranks
 from trainer_bridge.convert.__main__ import main as convert_cli
 
 pytestmark = [
@@ -135,7 +135,7 @@ def runs(checkpoints, tmp_path_factory):
             + ["--ep", str(ep)]
         )
     _run(0, 1, _ports(2 * len(jobs)), jobs, str(out))
-    mp.spawn(_run, args=(2, _ports(2 * len(jobs)), jobs, str(out)), nprocs=2, join=True)
+    start_ranks(_run, (2, _ports(2 * len(jobs)), jobs, str(out)), 2)
     return out
 
 

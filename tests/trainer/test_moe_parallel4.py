@@ -25,7 +25,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from test_moe_ep import (
     LR,
     RUNS,
@@ -37,6 +36,7 @@ from test_moe_ep import (
 )
 from test_moe_tp import _max_diff, _ports
 
+from tests.support.forkserver import start_ranks
 from trainer_bridge.convert.__main__ import main as convert_cli
 
 pytestmark = [
@@ -106,7 +106,7 @@ def runs(make_model, tmp_path_factory):
             ["hf-to-mcore", "--hf-checkpoint", path, "--save", str(out / f"mcore-{tag}"), *flags]
         )
     _run(0, 1, _ports(1), path, str(out))
-    mp.spawn(_run, args=(4, _ports(len(LAYOUTS)), path, str(out)), nprocs=4, join=True)
+    start_ranks(_run, (4, _ports(len(LAYOUTS)), path, str(out)), 4)
     from trainer_bridge.megatron_compat import destroy_model_parallel
 
     actor = _actor(path, 1, 0, _ports(1)[0])

@@ -17,8 +17,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import FAMILIES
+
+from tests.support.forkserver import start_ranks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:::megatron"),
@@ -158,7 +159,7 @@ def test_moe_trains_at_tp2_as_at_tp1(checkpoints, tmp_path):
     jobs = {name: (checkpoints[name], opts, lengths) for name, (_, opts, lengths) in RUNS.items()}
     ports = len(jobs) + len(RESUMED)
     _run(0, 1, _ports(ports), jobs, str(tmp_path))  # first: it saves the checkpoints TP 2 loads
-    mp.spawn(_run, args=(2, _ports(ports), jobs, str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_run, (2, _ports(ports), jobs, str(tmp_path)), 2)
     for name in jobs:
         before1, metrics1, after1, weights1, resumed1 = torch.load(tmp_path / f"{name}-tp1.pt")
         before2, metrics2, after2, weights2, resumed2 = torch.load(tmp_path / f"{name}-tp2.pt")
