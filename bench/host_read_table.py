@@ -12,6 +12,14 @@ the cores for seconds at a time). Host reads are counted on
 the scheduler's thread (bench/host_reads.py) over the timed runs' decode steps: mean and most
 per plain step and per speculative step. The draft is a random EAGLE-3 draft (it drafts badly:
 the adaptive engine mostly decodes plainly), so the table compares host work, not acceptance.
+
+With --host-time it measures instead the scheduler thread's own CPU time per full-batch decode
+step (`time.thread_time`, which another process taking the other core moves far less than wall
+time), and with --profile N a cProfile of those steps on the same clock (calls per step, top N
+entries by cumulative and own time):
+
+    python -m scripts.bench_host_reads --host-time --modes plain eagle3 --batch-sizes 32 128 \
+        --repeats 5 --profile 40 --out docs/benchmarks/data/host_time_after.json
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import pstats
 import random
 import tempfile
 import time
@@ -27,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from bench.host_reads import StepReads
+from bench.host_reads import StepReads, StepTimes
 
 MODES = ("plain", "eagle3", "eagle3-adaptive")
 
@@ -88,6 +97,51 @@ def measure(engine: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]
     return row
 
 
+def host_time(engine: Any, mode: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Host CPU time per full-batch decode step on the scheduler's thread (`--host-time`): the
+    median and mean over the timed runs' steps, then, with --profile N, a cProfile of the same
+    runs again (its top N entries by cumulative and by own time)."""
+    rng = random.Random(batch)
+    params = {"temperature": 0.0, "max_new_tokens": args.output_len, "ignore_eos": True}
+
+    def run() -> None:
+        prompts = [[rng.randrange(5, 500) for _ in range(args.input_len)] for _ in range(batch)]
+        engine.generate(input_ids=prompts, sampling_params=params)
+
+    run()  # warm-up
+    kind = "plain" if mode == "plain" else "spec"
+    with StepTimes(engine) as timed:
+        for _ in range(args.repeats):
+            run()
+    ms = sorted(1e3 * s for s in timed.per_step(kind, batch))
+    row: dict[str, Any] = {
+        "mode": mode,
+        "batch": batch,
+        "steps": len(ms),
+        "host_ms_median": ms[len(ms) // 2],
+        "host_ms_mean": sum(ms) / len(ms),
+        "host_ms_p10": ms[len(ms) // 10],
+    }
+    if args.profile:
+        with StepTimes(engine, profile=True) as profiled:
+            for _ in range(args.repeats):
+                run()
+        stats = pstats.Stats(profiled.profile)
+        # Python and C calls per profiled step (prefills included): load cannot move this.
+        row["profile_calls_per_step"] = stats.total_calls / len(profiled.steps)
+        row["profile_cumulative"] = profiled.top("cumulative", args.profile)
+        row["profile_tottime"] = profiled.top("tottime", args.profile)
+        if args.profile_dir:
+            os.makedirs(args.profile_dir, exist_ok=True)
+            profiled.profile.dump_stats(os.path.join(args.profile_dir, f"{mode}_{batch}.prof"))
+    print(
+        f"{mode} batch {batch}: {row['host_ms_median']:.3f} ms median, "
+        f"{row['host_ms_mean']:.3f} ms mean host CPU per step over {len(ms)} steps",
+        flush=True,
+    )
+    return row
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     def reads(r: dict, kind: str) -> str:
         if not r[f"{kind}_steps"]:
@@ -118,9 +172,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     for mode in args.modes:
         with Engine(**engine_kwargs(mode, models, max(args.batch_sizes))) as engine:
             for batch in args.batch_sizes:
+                if args.host_time:
+                    rows.append(host_time(engine, mode, batch, args))
+                    continue
                 rows.append({"mode": mode, **measure(engine, batch, args)})
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
-    print(table(rows))
+    if not args.host_time:
+        print(table(rows))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -146,6 +204,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--host-time",
+        action="store_true",
+        help="measure the scheduler thread's CPU time per decode step instead (thread_time)",
+    )
+    parser.add_argument(
+        "--profile", type=int, default=0, help="with --host-time: cProfile, top N entries"
+    )
+    parser.add_argument("--profile-dir", default=None, help="with --profile: dump .prof files here")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--work-dir", default=None, help="where the tiny models are built")
     parser.add_argument("--label", default="", help="recorded in the JSON (before / after)")

@@ -5,7 +5,8 @@ waits for the queued kernels: the step stalls until the device catches up, and t
 prepare the next launch meanwhile. The CPU path runs the same step code, so counting these calls
 on a CPU engine counts the syncs a CUDA engine makes (issue #44): `HostReads` wraps the methods
 on `torch.Tensor` while it is entered and counts the calls made on one thread, with the project
-line that made each; `StepReads` attributes them to the engine's scheduler steps.
+line that made each; `StepReads` attributes them to the engine's scheduler steps. `StepTimes`
+measures each step's host CPU time instead.
 
 What counts: `item`, `tolist`, `cpu`, `numpy`, `nonzero` (method or `torch.nonzero`: its output
 size is data dependent), `bool()`, `int()`, `float()` and `operator.index()` of a tensor, and
@@ -18,10 +19,14 @@ Not seen: syncs inside a kernel call (boolean-mask indexing, `repeat_interleave`
 from __future__ import annotations
 
 import collections
+import cProfile
 import functools
+import io
 import os
+import pstats
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -133,6 +138,38 @@ class StepRecord:
     sites: collections.Counter = field(default_factory=collections.Counter)
 
 
+def _wrap_steps(engine: Any, around: Callable[[Callable[[], None], dict], None]) -> None:
+    """Wraps the engine's scheduler `step` on the instance: `around(step, seen)` runs each step;
+    `seen` then holds its kind ("prefill", "plain", "spec") and batch, or nothing when it ran
+    no batch. The worker's `decode` and `prefill` are wrapped too, to know each step's depth."""
+    sched = engine.scheduler
+    worker = sched.worker
+    step, decode, prefill = sched.step, worker.decode, worker.prefill
+    seen: dict[str, Any] = {}
+
+    def seen_decode(reqs: Any, *depth: Any) -> Any:
+        spec = hasattr(worker, "shapes") and depth != (0,)
+        seen.setdefault("kind", "spec" if spec else "plain")
+        seen["batch"] = seen.get("batch", 0) + len(reqs)
+        return decode(reqs, *depth)
+
+    def seen_prefill(reqs: Any) -> Any:
+        seen.update(kind="prefill", batch=len(reqs))
+        return prefill(reqs)
+
+    def wrapped_step() -> None:
+        seen.clear()
+        around(step, seen)
+
+    sched.step, worker.decode, worker.prefill = wrapped_step, seen_decode, seen_prefill
+
+
+def _unwrap_steps(engine: Any) -> None:
+    sched = engine.scheduler
+    for obj, name in ((sched, "step"), (sched.worker, "decode"), (sched.worker, "prefill")):
+        obj.__dict__.pop(name, None)
+
+
 class StepReads:
     """Host reads per scheduler step of one engine: wraps its scheduler's `step` (and its
     worker's `decode`, to know each step's depth) on the instance while entered."""
@@ -143,38 +180,22 @@ class StepReads:
         self.reads = HostReads(engine._thread.ident)
 
     def __enter__(self) -> StepReads:
-        sched = self.engine.scheduler
-        worker, reads = sched.worker, self.reads
-        step, decode, prefill = sched.step, worker.decode, worker.prefill
-        seen: dict[str, Any] = {}
+        reads = self.reads
 
-        def counted_decode(reqs: Any, *depth: Any) -> Any:
-            spec = hasattr(worker, "shapes") and depth != (0,)
-            seen.setdefault("kind", "spec" if spec else "plain")
-            seen["batch"] = seen.get("batch", 0) + len(reqs)
-            return decode(reqs, *depth)
-
-        def counted_prefill(reqs: Any) -> Any:
-            seen.update(kind="prefill", batch=len(reqs))
-            return prefill(reqs)
-
-        def counted_step() -> None:
-            seen.clear()
+        def counted(step: Callable[[], None], seen: dict) -> None:
             reads.take()
             step()
             count, sites = reads.take()
             if seen:
                 self.steps.append(StepRecord(seen["kind"], seen["batch"], count, sites))
 
-        sched.step, worker.decode, worker.prefill = counted_step, counted_decode, counted_prefill
+        _wrap_steps(self.engine, counted)
         reads.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.reads.__exit__(*exc)
-        sched = self.engine.scheduler
-        for obj, name in ((sched, "step"), (sched.worker, "decode"), (sched.worker, "prefill")):
-            obj.__dict__.pop(name, None)
+        _unwrap_steps(self.engine)
 
     def decode_steps(self, kind: Optional[str] = None) -> list[StepRecord]:
         return [s for s in self.steps if s.kind != "prefill" and kind in (None, s.kind)]
@@ -186,3 +207,45 @@ def worst(steps: list[StepRecord]) -> Iterator[str]:
         return iter(())
     step = max(steps, key=lambda s: s.reads)
     return (f"{n} x {method} at {site}" for (method, site), n in step.sites.most_common())
+
+
+class StepTimes:
+    """Host CPU time of each decode step on the engine's scheduler thread (`time.thread_time`:
+    the thread's own CPU time, so other processes taking the cores do not inflate it), and,
+    with `profile`, a cProfile of those steps alone. Wraps the steps as `StepReads` does."""
+
+    def __init__(self, engine: Any, profile: bool = False) -> None:
+        self.engine = engine
+        self.steps: list[tuple[str, int, float]] = []  # (kind, batch, seconds)
+        # The thread's CPU clock, as for the step times: cProfile's default is wall time.
+        self.profile = cProfile.Profile(time.thread_time) if profile else None
+
+    def __enter__(self) -> StepTimes:
+        profile = self.profile
+
+        def timed(step: Callable[[], None], seen: dict) -> None:
+            if profile is not None:
+                profile.enable()
+            start = time.thread_time()
+            step()
+            spent = time.thread_time() - start
+            if profile is not None:
+                profile.disable()
+            if seen and seen["kind"] != "prefill":
+                self.steps.append((seen["kind"], seen["batch"], spent))
+
+        _wrap_steps(self.engine, timed)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _unwrap_steps(self.engine)
+
+    def per_step(self, kind: str, batch: int) -> list[float]:
+        """The host seconds of the decode steps of `kind` that ran `batch` requests."""
+        return [s for k, b, s in self.steps if k == kind and b == batch]
+
+    def top(self, sort: str, n: int = 25) -> str:
+        """The profile's top `n` entries sorted by `sort` ("cumulative", "tottime")."""
+        out = io.StringIO()
+        pstats.Stats(self.profile, stream=out).sort_stats(sort).print_stats(n)
+        return out.getvalue()
