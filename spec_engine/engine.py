@@ -42,6 +42,7 @@ from spec_engine.core.outputs import Delivery, RequestOutput
 from spec_engine.core.profiling import Profiler
 from spec_engine.core.request import Req, ReqInput
 from spec_engine.core.scheduler import Scheduler
+from spec_engine.core.scoring import Items, Query, label_scores, score_generate_kwargs
 from spec_engine.core.stats import RequestStats
 from spec_engine.core.tokenizer import load_tokenizer
 from spec_engine.distributed.broadcast import broadcast_pyobj
@@ -261,6 +262,40 @@ class Engine(EngineControl, SchedulerLoop):
         collector = self._submit(built, Channel(self._thread.is_alive, asyncio.get_running_loop()))
         # Cancelled (an HTTP client went away) or closed early, the collector stops the work.
         return collector.astream() if stream else await collector.await_all()
+
+    def score(
+        self,
+        query: Query = None,
+        items: Items = None,
+        label_token_ids: Optional[list[int]] = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """SGLang's Engine.score: per item, each label token's probability right after query +
+        item (item + query with item_first); /v1/score answers the same (core/scoring.py)."""
+        kwargs = score_generate_kwargs(
+            query, items, label_token_ids, item_first, self.model_config.vocab_size
+        )
+        if kwargs is None:
+            return []
+        return [label_scores(o, label_token_ids, apply_softmax) for o in self.generate(**kwargs)]
+
+    async def async_score(
+        self,
+        query: Query = None,
+        items: Items = None,
+        label_token_ids: Optional[list[int]] = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """Async form of `score`."""
+        kwargs = score_generate_kwargs(
+            query, items, label_token_ids, item_first, self.model_config.vocab_size
+        )
+        if kwargs is None:
+            return []
+        outs = await self.async_generate(**kwargs)
+        return [label_scores(o, label_token_ids, apply_softmax) for o in outs]
 
     # ------------------------------------------------------------ control
 
