@@ -183,6 +183,11 @@ class Engine(EngineControl, SchedulerLoop):
             grammars,
             grammar_refusal,
             args.enable_custom_logit_processor,
+            # A verify step's log-probs come from its one read; the chosen ids' are not in it.
+            "token_ids_logprob is not supported with --speculative-algorithm; use "
+            "top_logprobs_num, or serve without speculative decoding"
+            if args.speculative_algorithm is not None
+            else None,
         )
 
     # ------------------------------------------------------------ generation
@@ -197,6 +202,7 @@ class Engine(EngineControl, SchedulerLoop):
         stream: bool = False,
         rid: Union[str, list[str], None] = None,
         logprob_start_len: Union[int, list[int]] = -1,
+        token_ids_logprob: Union[list[int], list[list[int]], None] = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
         custom_logit_processor: Union[str, list[Optional[str]], None] = None,
@@ -205,6 +211,8 @@ class Engine(EngineControl, SchedulerLoop):
         row). With return_logprob, logprob_start_len >= 0 also scores the prompt from there
         (meta_info.input_token_logprobs); max_new_tokens 0 only scores it. For a batch, the
         log-prob arguments may be lists with one value per prompt, as in SGLang.
+        token_ids_logprob (with return_logprob; a list of ids, or one per prompt) adds SGLang's
+        meta_info.output_token_ids_logprobs: per output token, (logprob, id, None) of each id.
         return_routed_experts (with --enable-return-routed-experts, MoE models) adds SGLang's
         meta_info.routed_experts: base64 of int32 [prompt + output - 1 - routed_experts_start_len,
         num_hidden_layers, num_experts_per_tok], each token's experts (0 in dense layers).
@@ -221,6 +229,7 @@ class Engine(EngineControl, SchedulerLoop):
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob,
             stream=stream,
             return_routed_experts=return_routed_experts,
             routed_experts_start_len=routed_experts_start_len,
@@ -239,6 +248,7 @@ class Engine(EngineControl, SchedulerLoop):
         stream: bool = False,
         rid: Union[str, list[str], None] = None,
         logprob_start_len: Union[int, list[int]] = -1,
+        token_ids_logprob: Union[list[int], list[list[int]], None] = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
         custom_logit_processor: Union[str, list[Optional[str]], None] = None,
@@ -252,6 +262,7 @@ class Engine(EngineControl, SchedulerLoop):
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob,
             stream=stream,
             return_routed_experts=return_routed_experts,
             routed_experts_start_len=routed_experts_start_len,

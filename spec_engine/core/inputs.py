@@ -36,6 +36,9 @@ class GenerateReqInput:
     # With return_logprob: the prompt position input_token_logprobs start at (-1: none).
     logprob_start_len: Union[int, list[int]] = -1
     top_logprobs_num: Union[int, list[int]] = 0
+    # With return_logprob: the ids whose log-probs each output position reports (SGLang's
+    # meta_info.output_token_ids_logprobs); one list for every prompt, or a list per prompt.
+    token_ids_logprob: Union[list[int], list[list[int]], None] = None
     stream: bool = False
     # Routing replay (MoE, --enable-return-routed-experts): meta_info.routed_experts from
     # routed_experts_start_len on.
@@ -111,8 +114,11 @@ class RequestBuilder:
         grammars: Optional[GrammarBackend] = None,
         grammar_refusal: Optional[str] = None,
         custom_logit_processors: bool = False,
+        token_ids_logprob_refusal: Optional[str] = None,
     ) -> None:
         self.limits = limits or RequestLimits()
+        # Why token_ids_logprob cannot be served (None: it can).
+        self.token_ids_logprob_refusal = token_ids_logprob_refusal
         # Constrained decoding: what compiles grammars, or why the engine serves none.
         self.grammars = grammars
         self.grammar_refusal = grammar_refusal
@@ -149,14 +155,50 @@ class RequestBuilder:
         params = [self._check_request(ids, sp) for ids, sp in zip(ids_list, params)]
         self.limits.check(ids_list, params)
         processors = self._processors(obj.custom_logit_processor, len(ids_list))
+        id_lists = self._token_ids_logprob(obj, logprobs)
         reqs = [
             req
-            for ids, sp, rid, options, processor in zip(
-                ids_list, params, rids, logprobs, processors
+            for ids, sp, rid, options, processor, chosen in zip(
+                ids_list, params, rids, logprobs, processors, id_lists
             )
-            for req in self._samples(obj, ids, sp, rid, options, processor)
+            for req in self._samples(obj, ids, sp, rid, options, processor, chosen)
         ]
         return reqs, single and len(reqs) == 1
+
+    def _token_ids_logprob(
+        self, obj: GenerateReqInput, logprobs: list[tuple[bool, int, int]]
+    ) -> list[tuple[int, ...]]:
+        """Each prompt's token_ids_logprob, checked (empty without return_logprob, as SGLang
+        reports them only with it)."""
+        value = obj.token_ids_logprob
+        if value is None:
+            return [() for _ in logprobs]
+        per_prompt = value if value and isinstance(value[0], list) else [value] * len(logprobs)
+        if len(per_prompt) != len(logprobs):
+            raise ValueError(
+                f"token_ids_logprob has {len(per_prompt)} lists for {len(logprobs)} prompts; "
+                "give one list of ids, or one list per prompt"
+            )
+        out = []
+        for ids, (want, _, start) in zip(per_prompt, logprobs):
+            if not want:
+                out.append(())
+                continue
+            if self.token_ids_logprob_refusal is not None:
+                raise ValueError(self.token_ids_logprob_refusal)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise ValueError(
+                        f"token_ids_logprob: {t!r} is not a token id of the vocabulary "
+                        f"(0 to {self.vocab_size - 1})"
+                    )
+            if ids and start >= 0:
+                raise ValueError(
+                    "token_ids_logprob with logprob_start_len >= 0 (the prompt's "
+                    "input_token_ids_logprobs) is not supported; leave logprob_start_len at -1"
+                )
+            out.append(tuple(ids))
+        return out
 
     def _processors(self, value: Any, count: int) -> list[Optional[str]]:
         """Each prompt's custom logit processor, checked (SGLang's message when disabled)."""
@@ -211,6 +253,7 @@ class RequestBuilder:
         rid: str,
         logprobs: tuple[bool, int, int],
         processor: Optional[str] = None,
+        token_ids_logprob: tuple[int, ...] = (),
     ) -> list[Req]:
         """The n requests of one prompt, each with its seed."""
         want, top_num, start = logprobs
@@ -237,6 +280,7 @@ class RequestBuilder:
                         # As in SGLang, top log-probs come only with return_logprob.
                         top_logprobs_num=top_num if want else 0,
                         logprob_start_len=start,
+                        token_ids_logprob=token_ids_logprob,
                         stream=obj.stream,
                         return_routed_experts=obj.return_routed_experts,
                         routed_experts_start_len=obj.routed_experts_start_len,

@@ -306,10 +306,41 @@ def test_prompt_logprobs_under_speculation(models, hf, name):
             )
             for n in (3, 0)
         ]
+        with pytest.raises(ValueError, match="token_ids_logprob is not supported with --spec"):
+            engine.generate(input_ids=PROMPT, return_logprob=True, token_ids_logprob=[5])
     for out, n in zip(outs, (3, 0)):
         got = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
         assert got == pytest.approx(expected, abs=1e-4)
         assert len(out["output_ids"]) == n
+
+
+def test_token_ids_logprob_is_transformers_log_softmax_in_sglangs_shape(client, models, hf):
+    # SGLang's test_srt_endpoint.py token_ids_logprob: one id list for every prompt, or one each.
+    chosen = [[5, 9, 300], [7]]
+    sp = {"temperature": 0.7, "max_new_tokens": 4, "ignore_eos": True}
+    prompts = [PROMPT, PROMPT[:6]]
+    for ids_arg in (chosen[0], chosen):
+        body = {"input_ids": prompts, "sampling_params": sp, "return_logprob": True}
+        r = client.post("/generate", json={**body, "token_ids_logprob": ids_arg})
+        assert r.status_code == 200, r.text
+        for k, (prompt, out) in enumerate(zip(prompts, r.json())):
+            want_ids = ids_arg[k] if isinstance(ids_arg[0], list) else ids_arg
+            logp = torch.log_softmax(
+                position_logits(hf, models["target"], prompt, out["output_ids"]) / 0.7, -1
+            )
+            got = out["meta_info"]["output_token_ids_logprobs"]
+            assert len(got) == len(out["output_ids"]) == 4
+            for row, entries in zip(logp, got):
+                assert [(t, text) for _, t, text in entries] == [(t, None) for t in want_ids]
+                want = [float(row[t]) for t in want_ids]
+                assert [lp for lp, _, _ in entries] == pytest.approx(want, abs=1e-4)
+    r = client.post(
+        "/generate",
+        json={**body, "token_ids_logprob": [5], "logprob_start_len": 0, "input_ids": PROMPT},
+    )
+    assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
+    r = client.post("/generate", json={"input_ids": PROMPT, "token_ids_logprob": [5]})
+    assert "output_token_ids_logprobs" not in r.json()["meta_info"]  # SGLang: return_logprob
 
 
 def test_slime_distillation_request_over_http(client, models, hf):
