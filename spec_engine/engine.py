@@ -183,11 +183,6 @@ class Engine(EngineControl, SchedulerLoop):
             grammars,
             grammar_refusal,
             args.enable_custom_logit_processor,
-            # A verify step's log-probs come from its one read; the chosen ids' are not in it.
-            "token_ids_logprob is not supported with --speculative-algorithm; use "
-            "top_logprobs_num, or serve without speculative decoding"
-            if args.speculative_algorithm is not None
-            else None,
         )
 
     # ------------------------------------------------------------ generation

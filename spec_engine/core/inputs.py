@@ -114,11 +114,8 @@ class RequestBuilder:
         grammars: Optional[GrammarBackend] = None,
         grammar_refusal: Optional[str] = None,
         custom_logit_processors: bool = False,
-        token_ids_logprob_refusal: Optional[str] = None,
     ) -> None:
         self.limits = limits or RequestLimits()
-        # Why token_ids_logprob cannot be served (None: it can).
-        self.token_ids_logprob_refusal = token_ids_logprob_refusal
         # Constrained decoding: what compiles grammars, or why the engine serves none.
         self.grammars = grammars
         self.grammar_refusal = grammar_refusal
@@ -184,8 +181,6 @@ class RequestBuilder:
             if not want:
                 out.append(())
                 continue
-            if self.token_ids_logprob_refusal is not None:
-                raise ValueError(self.token_ids_logprob_refusal)
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                     raise ValueError(

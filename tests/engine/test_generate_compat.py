@@ -306,8 +306,18 @@ def test_prompt_logprobs_under_speculation(models, hf, name):
             )
             for n in (3, 0)
         ]
-        with pytest.raises(ValueError, match="token_ids_logprob is not supported with --spec"):
-            engine.generate(input_ids=PROMPT, return_logprob=True, token_ids_logprob=[5])
+        sp = {"temperature": 0.7, "max_new_tokens": 6, "ignore_eos": True}
+        chosen = engine.generate(
+            input_ids=PROMPT, sampling_params=sp, return_logprob=True, token_ids_logprob=[9, 5]
+        )
+    # token_ids_logprob from the verify's rows: transformers' log-softmax at each position.
+    logp = torch.log_softmax(
+        position_logits(hf, models["target"], PROMPT, chosen["output_ids"]) / 0.7, -1
+    )
+    got = chosen["meta_info"]["output_token_ids_logprobs"]
+    assert len(got) == 6 and [[t for _, t, _ in e] for e in got] == [[9, 5]] * 6
+    want = [float(v) for row in logp for v in (row[9], row[5])]
+    assert [lp for e in got for lp, _, _ in e] == pytest.approx(want, abs=1e-4)
     for out, n in zip(outs, (3, 0)):
         got = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
         assert got == pytest.approx(expected, abs=1e-4)
