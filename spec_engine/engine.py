@@ -207,7 +207,8 @@ class Engine(EngineControl, SchedulerLoop):
         (meta_info.input_token_logprobs); max_new_tokens 0 only scores it. For a batch, the
         log-prob arguments may be lists with one value per prompt, as in SGLang.
         token_ids_logprob (with return_logprob; a list of ids, or one per prompt) adds SGLang's
-        meta_info.output_token_ids_logprobs: per output token, (logprob, id, None) of each id.
+        meta_info.output_token_ids_logprobs: per output token, (logprob, id, None) of each id
+        (and input_token_ids_logprobs for the prompt with logprob_start_len >= 0).
         return_routed_experts (with --enable-return-routed-experts, MoE models) adds SGLang's
         meta_info.routed_experts: base64 of int32 [prompt + output - 1 - routed_experts_start_len,
         num_hidden_layers, num_experts_per_tok], each token's experts (0 in dense layers).

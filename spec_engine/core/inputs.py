@@ -177,7 +177,7 @@ class RequestBuilder:
                 "give one list of ids, or one list per prompt"
             )
         out = []
-        for ids, (want, _, start) in zip(per_prompt, logprobs):
+        for ids, (want, _, _) in zip(per_prompt, logprobs):
             if not want:
                 out.append(())
                 continue
@@ -187,11 +187,6 @@ class RequestBuilder:
                         f"token_ids_logprob: {t!r} is not a token id of the vocabulary "
                         f"(0 to {self.vocab_size - 1})"
                     )
-            if ids and start >= 0:
-                raise ValueError(
-                    "token_ids_logprob with logprob_start_len >= 0 (the prompt's "
-                    "input_token_ids_logprobs) is not supported; leave logprob_start_len at -1"
-                )
             out.append(tuple(ids))
         return out
 

@@ -48,6 +48,7 @@ class Delivery:
     # Prompt log-probs (complete once the prompt is prefilled) when asked for.
     input_logprobs: Optional[list[float]] = None
     input_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
+    input_token_ids_logprobs: Optional[list[list[float]]] = None
     # Whether the acceptance alarm (speculative.accept_alarm) is up for the weights that made it.
     accept_alarm: bool = False
     # With return_routed_experts, at the finish: [tokens, layers, top_k] int32 (Req's).
@@ -83,6 +84,9 @@ class Delivery:
             input_logprobs=list(req.input_logprobs) if req.wants_input_logprobs else None,
             input_top_logprobs=list(req.input_top_logprobs)
             if req.wants_input_logprobs and req.input.top_logprobs_num
+            else None,
+            input_token_ids_logprobs=list(req.input_token_ids_logprobs)
+            if req.wants_input_logprobs and req.input.token_ids_logprob
             else None,
             accept_alarm=accept_alarm,
             routed_experts=req.routed_experts if finished else None,
@@ -228,6 +232,15 @@ class RequestOutput:
             tops = [None, *d.input_top_logprobs]
             out["input_top_logprobs"] = [
                 None if k >= len(tops) or tops[k] is None else [(lp, t, None) for lp, t in tops[k]]
+                for k in range(len(ids))
+            ]
+        if d.input_token_ids_logprobs is not None:  # the same shape, the asked ids in order
+            chosen = self.req.input.token_ids_logprob
+            rows = [None, *d.input_token_ids_logprobs]
+            out["input_token_ids_logprobs"] = [
+                None
+                if k >= len(rows) or rows[k] is None
+                else [(lp, t, None) for lp, t in zip(rows[k], chosen)]
                 for k in range(len(ids))
             ]
         return out

@@ -66,6 +66,7 @@ class Req:
     # of prompt tokens s + 1, s + 2, ... (token s gets none, as in SGLang), filled by prefill.
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     finished_reason: Optional[dict[str, Any]] = None
     # When it last entered the waiting queue and when it first ran (perf_counter; 0: not yet):
     # what SGLang's request timeouts measure (core.timeouts).

@@ -190,6 +190,9 @@ class ModelWorker:
                 req.input_top_logprobs.extend(
                     list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())
                 )
+            if req.input.token_ids_logprob:
+                chosen = self._tensor(list(req.input.token_ids_logprob))
+                req.input_token_ids_logprobs.extend(logp[:, chosen].tolist())
 
     def _alloc(self, reqs: Sequence[Req], starts: list[int], ends: list[int]) -> torch.Tensor:
         """Slots for positions starts[i] .. ends[i] - 1 of each request, in its table row; the

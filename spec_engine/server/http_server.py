@@ -355,7 +355,12 @@ def _logprob_text(engine: Engine, out: dict, with_text: bool) -> dict:
     for key in ("output_token_logprobs", "input_token_logprobs"):
         if key in meta:
             meta[key] = [(lp, t, token_text(engine, t)) for lp, t, _ in meta[key]]
-    for key in ("output_top_logprobs", "input_top_logprobs", "output_token_ids_logprobs"):
+    for key in (
+        "output_top_logprobs",
+        "input_top_logprobs",
+        "output_token_ids_logprobs",
+        "input_token_ids_logprobs",
+    ):
         if key in meta:
             meta[key] = [
                 None if top is None else [(lp, t, token_text(engine, t)) for lp, t, _ in top]

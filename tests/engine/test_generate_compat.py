@@ -344,11 +344,18 @@ def test_token_ids_logprob_is_transformers_log_softmax_in_sglangs_shape(client, 
                 assert [(t, text) for _, t, text in entries] == [(t, None) for t in want_ids]
                 want = [float(row[t]) for t in want_ids]
                 assert [lp for lp, _, _ in entries] == pytest.approx(want, abs=1e-4)
+    # With logprob_start_len: the prompt's too, SGLang's first entry null.
     r = client.post(
         "/generate",
-        json={**body, "token_ids_logprob": [5], "logprob_start_len": 0, "input_ids": PROMPT},
+        json={**body, "token_ids_logprob": [5, 9], "logprob_start_len": 3, "input_ids": PROMPT},
     )
-    assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
+    got = r.json()["meta_info"]["input_token_ids_logprobs"]
+    assert len(got) == len(PROMPT) - 3 and got[0] is None
+    rows = position_logits(hf, models["target"], PROMPT[:1], PROMPT[1:])  # row i: PROMPT[i + 1]
+    logp = torch.log_softmax(rows / 0.7, -1)
+    want = [float(v) for row in logp[3:] for v in (row[5], row[9])]
+    assert [t for e in got[1:] for _, t, _ in e] == [5, 9] * (len(PROMPT) - 4)
+    assert [lp for e in got[1:] for lp, _, _ in e] == pytest.approx(want, abs=1e-4)
     r = client.post("/generate", json={"input_ids": PROMPT, "token_ids_logprob": [5]})
     assert "output_token_ids_logprobs" not in r.json()["meta_info"]  # SGLang: return_logprob
 
