@@ -2,10 +2,10 @@
 each item, the probability of each label token at the next position after query + item (or item +
 query).
 
-Each (query, item) pair is one prompt; its next-token log-probs over the whole vocabulary come
-from one forward (a one-token generation with every top log-prob returned), and the labels' are
-picked from them: exp(logprob) (the full-vocabulary probability), or with apply_softmax a softmax
-over the labels' log-probs only (the same as a softmax over their logits).
+Each (query, item) pair is one prompt; the labels' next-token log-probs (over the whole
+vocabulary) come from one forward, a one-token generation with token_ids_logprob = the labels:
+exp(logprob) (the full-vocabulary probability), or with apply_softmax a softmax over the labels'
+log-probs only (the same as a softmax over their logits).
 """
 
 from __future__ import annotations
@@ -48,19 +48,21 @@ def score_generate_kwargs(
         raise ValueError("Invalid combination of query/items types for score_request.")
     return dict(
         **prompts,
-        # One token's log-probs over the whole vocabulary: the next position after the prompt.
+        # The labels' log-probs at the next position after the prompt.
         sampling_params={"max_new_tokens": 1, "temperature": 0},
         return_logprob=True,
-        top_logprobs_num=vocab_size,
+        token_ids_logprob=label_token_ids,
     )
 
 
 def label_scores(out: dict, label_token_ids: list[int], apply_softmax: bool) -> list[float]:
     """The labels' scores from one prompt's first output position (SGLang's
     _convert_logprobs_to_scores)."""
-    top = out["meta_info"]["output_top_logprobs"][0]
-    logprobs = {token: logprob for logprob, token, _ in top}
-    picked = [logprobs.get(token, float("-inf")) for token in label_token_ids]
+    if not label_token_ids:  # nothing asked, so the output carries no token_ids log-probs
+        return []
+    chosen = out["meta_info"]["output_token_ids_logprobs"][0]
+    # null: a log-prob of -inf (JSON has no infinity).
+    picked = [float("-inf") if lp is None else lp for lp, _, _ in chosen]
     if apply_softmax:
         return torch.softmax(torch.tensor(picked, dtype=torch.float64, device="cpu"), 0).tolist()
     return [math.exp(lp) for lp in picked]
