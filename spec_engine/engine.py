@@ -42,6 +42,7 @@ from spec_engine.core.outputs import Delivery, RequestOutput
 from spec_engine.core.profiling import Profiler
 from spec_engine.core.request import Req, ReqInput
 from spec_engine.core.scheduler import Scheduler
+from spec_engine.core.scoring import Items, Query, label_scores, score_generate_kwargs
 from spec_engine.core.stats import RequestStats
 from spec_engine.core.tokenizer import load_tokenizer
 from spec_engine.distributed.broadcast import broadcast_pyobj
@@ -196,6 +197,7 @@ class Engine(EngineControl, SchedulerLoop):
         stream: bool = False,
         rid: Union[str, list[str], None] = None,
         logprob_start_len: Union[int, list[int]] = -1,
+        token_ids_logprob: Union[list[int], list[list[int]], None] = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
         custom_logit_processor: Union[str, list[Optional[str]], None] = None,
@@ -204,6 +206,9 @@ class Engine(EngineControl, SchedulerLoop):
         row). With return_logprob, logprob_start_len >= 0 also scores the prompt from there
         (meta_info.input_token_logprobs); max_new_tokens 0 only scores it. For a batch, the
         log-prob arguments may be lists with one value per prompt, as in SGLang.
+        token_ids_logprob (with return_logprob; a list of ids, or one per prompt) adds SGLang's
+        meta_info.output_token_ids_logprobs: per output token, (logprob, id, None) of each id
+        (and input_token_ids_logprobs for the prompt with logprob_start_len >= 0).
         return_routed_experts (with --enable-return-routed-experts, MoE models) adds SGLang's
         meta_info.routed_experts: base64 of int32 [prompt + output - 1 - routed_experts_start_len,
         num_hidden_layers, num_experts_per_tok], each token's experts (0 in dense layers).
@@ -220,6 +225,7 @@ class Engine(EngineControl, SchedulerLoop):
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob,
             stream=stream,
             return_routed_experts=return_routed_experts,
             routed_experts_start_len=routed_experts_start_len,
@@ -238,6 +244,7 @@ class Engine(EngineControl, SchedulerLoop):
         stream: bool = False,
         rid: Union[str, list[str], None] = None,
         logprob_start_len: Union[int, list[int]] = -1,
+        token_ids_logprob: Union[list[int], list[list[int]], None] = None,
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
         custom_logit_processor: Union[str, list[Optional[str]], None] = None,
@@ -251,6 +258,7 @@ class Engine(EngineControl, SchedulerLoop):
             return_logprob=return_logprob,
             logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob,
             stream=stream,
             return_routed_experts=return_routed_experts,
             routed_experts_start_len=routed_experts_start_len,
@@ -261,6 +269,40 @@ class Engine(EngineControl, SchedulerLoop):
         collector = self._submit(built, Channel(self._thread.is_alive, asyncio.get_running_loop()))
         # Cancelled (an HTTP client went away) or closed early, the collector stops the work.
         return collector.astream() if stream else await collector.await_all()
+
+    def score(
+        self,
+        query: Query = None,
+        items: Items = None,
+        label_token_ids: Optional[list[int]] = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """SGLang's Engine.score: per item, each label token's probability right after query +
+        item (item + query with item_first); /v1/score answers the same (core/scoring.py)."""
+        kwargs = score_generate_kwargs(
+            query, items, label_token_ids, item_first, self.model_config.vocab_size
+        )
+        if kwargs is None:
+            return []
+        return [label_scores(o, label_token_ids, apply_softmax) for o in self.generate(**kwargs)]
+
+    async def async_score(
+        self,
+        query: Query = None,
+        items: Items = None,
+        label_token_ids: Optional[list[int]] = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """Async form of `score`."""
+        kwargs = score_generate_kwargs(
+            query, items, label_token_ids, item_first, self.model_config.vocab_size
+        )
+        if kwargs is None:
+            return []
+        outs = await self.async_generate(**kwargs)
+        return [label_scores(o, label_token_ids, apply_softmax) for o in outs]
 
     # ------------------------------------------------------------ control
 

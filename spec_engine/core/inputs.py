@@ -36,6 +36,9 @@ class GenerateReqInput:
     # With return_logprob: the prompt position input_token_logprobs start at (-1: none).
     logprob_start_len: Union[int, list[int]] = -1
     top_logprobs_num: Union[int, list[int]] = 0
+    # With return_logprob: the ids whose log-probs each output position reports (SGLang's
+    # meta_info.output_token_ids_logprobs); one list for every prompt, or a list per prompt.
+    token_ids_logprob: Union[list[int], list[list[int]], None] = None
     stream: bool = False
     # Routing replay (MoE, --enable-return-routed-experts): meta_info.routed_experts from
     # routed_experts_start_len on.
@@ -149,14 +152,43 @@ class RequestBuilder:
         params = [self._check_request(ids, sp) for ids, sp in zip(ids_list, params)]
         self.limits.check(ids_list, params)
         processors = self._processors(obj.custom_logit_processor, len(ids_list))
+        id_lists = self._token_ids_logprob(obj, logprobs)
         reqs = [
             req
-            for ids, sp, rid, options, processor in zip(
-                ids_list, params, rids, logprobs, processors
+            for ids, sp, rid, options, processor, chosen in zip(
+                ids_list, params, rids, logprobs, processors, id_lists
             )
-            for req in self._samples(obj, ids, sp, rid, options, processor)
+            for req in self._samples(obj, ids, sp, rid, options, processor, chosen)
         ]
         return reqs, single and len(reqs) == 1
+
+    def _token_ids_logprob(
+        self, obj: GenerateReqInput, logprobs: list[tuple[bool, int, int]]
+    ) -> list[tuple[int, ...]]:
+        """Each prompt's token_ids_logprob, checked (empty without return_logprob, as SGLang
+        reports them only with it)."""
+        value = obj.token_ids_logprob
+        if value is None:
+            return [() for _ in logprobs]
+        per_prompt = value if value and isinstance(value[0], list) else [value] * len(logprobs)
+        if len(per_prompt) != len(logprobs):
+            raise ValueError(
+                f"token_ids_logprob has {len(per_prompt)} lists for {len(logprobs)} prompts; "
+                "give one list of ids, or one list per prompt"
+            )
+        out = []
+        for ids, (want, _, _) in zip(per_prompt, logprobs):
+            if not want:
+                out.append(())
+                continue
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise ValueError(
+                        f"token_ids_logprob: {t!r} is not a token id of the vocabulary "
+                        f"(0 to {self.vocab_size - 1})"
+                    )
+            out.append(tuple(ids))
+        return out
 
     def _processors(self, value: Any, count: int) -> list[Optional[str]]:
         """Each prompt's custom logit processor, checked (SGLang's message when disabled)."""
@@ -211,6 +243,7 @@ class RequestBuilder:
         rid: str,
         logprobs: tuple[bool, int, int],
         processor: Optional[str] = None,
+        token_ids_logprob: tuple[int, ...] = (),
     ) -> list[Req]:
         """The n requests of one prompt, each with its seed."""
         want, top_num, start = logprobs
@@ -237,6 +270,7 @@ class RequestBuilder:
                         # As in SGLang, top log-probs come only with return_logprob.
                         top_logprobs_num=top_num if want else 0,
                         logprob_start_len=start,
+                        token_ids_logprob=token_ids_logprob,
                         stream=obj.stream,
                         return_routed_experts=obj.return_routed_experts,
                         routed_experts_start_len=obj.routed_experts_start_len,

@@ -90,6 +90,8 @@ class OutputProcessor:
                 req.output_logprobs.append(result.logprobs[i][j])
             if result.top_logprobs is not None:
                 req.output_top_logprobs.append(result.top_logprobs[i][j])
+            if result.token_ids_logprobs is not None:
+                req.output_token_ids_logprobs.append(result.token_ids_logprobs[i][j])
             if result.top_p_ids is not None and result.top_p_ids[i]:
                 req.output_top_p_ids.append(result.top_p_ids[i][j])
             req.check_finished(self.eos_token_ids, self.decode_tail)
@@ -133,5 +135,6 @@ def _rows(result: StepResult, idx: list[int]) -> StepResult:
         tokens=pick(result.tokens),
         logprobs=pick(result.logprobs),
         top_logprobs=pick(result.top_logprobs),
+        token_ids_logprobs=pick(result.token_ids_logprobs),
         top_p_ids=pick(result.top_p_ids),
     )

@@ -48,10 +48,13 @@ class Delivery:
     # Prompt log-probs (complete once the prompt is prefilled) when asked for.
     input_logprobs: Optional[list[float]] = None
     input_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
+    input_token_ids_logprobs: Optional[list[list[float]]] = None
     # Whether the acceptance alarm (speculative.accept_alarm) is up for the weights that made it.
     accept_alarm: bool = False
     # With return_routed_experts, at the finish: [tokens, layers, top_k] int32 (Req's).
     routed_experts: Optional[torch.Tensor] = None
+    # With token_ids_logprob: per new token, the log-probs of those ids.
+    new_token_ids_logprobs: Optional[list[list[float]]] = None
 
     @classmethod
     def of(
@@ -82,8 +85,14 @@ class Delivery:
             input_top_logprobs=list(req.input_top_logprobs)
             if req.wants_input_logprobs and req.input.top_logprobs_num
             else None,
+            input_token_ids_logprobs=list(req.input_token_ids_logprobs)
+            if req.wants_input_logprobs and req.input.token_ids_logprob
+            else None,
             accept_alarm=accept_alarm,
             routed_experts=req.routed_experts if finished else None,
+            new_token_ids_logprobs=req.output_token_ids_logprobs[start:]
+            if req.input.token_ids_logprob
+            else None,
         )
 
 
@@ -96,6 +105,7 @@ class RequestOutput:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[float, int]]] = []
+        self.token_ids_logprobs: list[list[float]] = []
         self.top_p_ids: list[list[int]] = []
         self.last: Optional[Delivery] = None
         sp = req.input.sampling_params
@@ -122,6 +132,8 @@ class RequestOutput:
             self.top_logprobs.extend(delivery.new_top_logprobs)
         if delivery.new_top_p_ids is not None:
             self.top_p_ids.extend(delivery.new_top_p_ids)
+        if delivery.new_token_ids_logprobs is not None:
+            self.token_ids_logprobs.extend(delivery.new_token_ids_logprobs)
         if self.detokenizer is not None and not delivery.finished:
             self.detokenizer.add(delivery.new_ids)
         self.last = delivery
@@ -186,6 +198,12 @@ class RequestOutput:
                 [(lp if math.isfinite(lp) else None, t, None) for lp, t in top]
                 for top in self.top_logprobs
             ]
+        chosen = self.req.input.token_ids_logprob
+        if chosen:  # SGLang's shape: per output position, (logprob, id, None) per asked id
+            meta["output_token_ids_logprobs"] = [
+                [(lp if math.isfinite(lp) else None, t, None) for lp, t in zip(values, chosen)]
+                for values in self.token_ids_logprobs
+            ]
         if d.input_logprobs is not None:
             meta.update(self._input_logprobs(d))
         return meta
@@ -214,6 +232,15 @@ class RequestOutput:
             tops = [None, *d.input_top_logprobs]
             out["input_top_logprobs"] = [
                 None if k >= len(tops) or tops[k] is None else [(lp, t, None) for lp, t in tops[k]]
+                for k in range(len(ids))
+            ]
+        if d.input_token_ids_logprobs is not None:  # the same shape, the asked ids in order
+            chosen = self.req.input.token_ids_logprob
+            rows = [None, *d.input_token_ids_logprobs]
+            out["input_token_ids_logprobs"] = [
+                None
+                if k >= len(rows) or rows[k] is None
+                else [(lp, t, None) for lp, t in zip(rows[k], chosen)]
                 for k in range(len(ids))
             ]
         return out

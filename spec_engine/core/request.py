@@ -29,6 +29,8 @@ class ReqInput:
     parent_rid: Optional[str] = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: the ids whose log-probs each output position reports.
+    token_ids_logprob: tuple[int, ...] = ()
     # With return_logprob: the prompt position from which input_token_logprobs are reported
     # (-1: none, SGLang's default for generation).
     logprob_start_len: int = -1
@@ -56,12 +58,15 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # Per output position, the log-probs of input.token_ids_logprob.
+    output_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     # slime's top-p replay: each output token's nucleus (core.logits_processor.top_p_replay).
     output_top_p_ids: list[list[int]] = field(default_factory=list)
     # With input log-probs asked for from prompt position s (logprob_start_len): the log-probs
     # of prompt tokens s + 1, s + 2, ... (token s gets none, as in SGLang), filled by prefill.
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[float]] = field(default_factory=list)
     finished_reason: Optional[dict[str, Any]] = None
     # When it last entered the waiting queue and when it first ran (perf_counter; 0: not yet):
     # what SGLang's request timeouts measure (core.timeouts).

@@ -52,6 +52,8 @@ class StepResult:
     tokens: list[list[int]]
     logprobs: Optional[list[list[float]]] = None
     top_logprobs: Optional[list[list[list[tuple[float, int]]]]] = None
+    # Per request and emitted token, the log-probs of its token_ids_logprob.
+    token_ids_logprobs: Optional[list[list[list[float]]]] = None
     # Speculative decode steps: draft tokens proposed per request (None for plain steps).
     drafted: Optional[list[int]] = None
     # Speculative decode steps: the tree nodes each request accepted, root first (the adaptive
@@ -188,6 +190,9 @@ class ModelWorker:
                 req.input_top_logprobs.extend(
                     list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist())
                 )
+            if req.input.token_ids_logprob:
+                chosen = self._tensor(list(req.input.token_ids_logprob))
+                req.input_token_ids_logprobs.extend(logp[:, chosen].tolist())
 
     def _alloc(self, reqs: Sequence[Req], starts: list[int], ends: list[int]) -> torch.Tensor:
         """Slots for positions starts[i] .. ends[i] - 1 of each request, in its table row; the
@@ -238,6 +243,8 @@ class ModelWorker:
             result.logprobs = [[] for _ in result.tokens]
         if sampled.top_logprobs is not None:
             result.top_logprobs = [[] for _ in result.tokens]
+        if sampled.token_ids_logprobs is not None:
+            result.token_ids_logprobs = [[] for _ in result.tokens]
         for j, i in enumerate(rows):
             result.tokens[i].append(sampled.token_ids[j])
             if sampled.logprobs is not None:
@@ -246,6 +253,9 @@ class ModelWorker:
                 result.top_logprobs[i].append(
                     sampled.top_logprobs[j][: reqs[j].input.top_logprobs_num]
                 )
+            if sampled.token_ids_logprobs is not None:
+                chosen = sampled.token_ids_logprobs[j][: len(reqs[j].input.token_ids_logprob)]
+                result.token_ids_logprobs[i].append(chosen)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -253,14 +263,22 @@ class ModelWorker:
 
 def read_sample(drawn: DrawnTokens, flags: torch.Tensor) -> tuple[SampleOutput, list[int]]:
     """The draws and a [B] flag tensor on the host in one read (core.readback)."""
-    tokens, bad, logprobs, values, ids = read_back(
-        drawn.token_ids, flags, drawn.logprobs, drawn.top_values, drawn.top_ids
+    tokens, bad, logprobs, values, ids, chosen = read_back(
+        drawn.token_ids,
+        flags,
+        drawn.logprobs,
+        drawn.top_values,
+        drawn.top_ids,
+        drawn.token_ids_values,
     )
     top = None
     if values is not None:
         k = drawn.top_values.shape[-1]
         top = [list(zip(values[r : r + k], ids[r : r + k])) for r in range(0, len(values), k)]
-    return SampleOutput(tokens, logprobs, top), bad
+    if chosen is not None:
+        k = drawn.token_ids_values.shape[-1]
+        chosen = [chosen[r : r + k] for r in range(0, len(chosen), k)]
+    return SampleOutput(tokens, logprobs, top, chosen), bad
 
 
 def sampling_batch(
@@ -290,6 +308,13 @@ def sampling_batch(
     def rows(indices: list[int]) -> Optional[torch.Tensor]:
         return torch.tensor(indices, dtype=torch.int64, device=device) if indices else None
 
+    chosen_width = max((len(r.input.token_ids_logprob) for r in reqs), default=0)
+    chosen = None
+    if chosen_width:  # padded with id 0; each row's own ids are cut out after the read
+        padded = [list(r.input.token_ids_logprob) for r in reqs]
+        padded = [ids + [0] * (chosen_width - len(ids)) for ids in padded]
+        chosen = torch.tensor(padded, dtype=torch.int64, device=device)
+
     return SamplingBatch(
         temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
         top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
@@ -304,4 +329,5 @@ def sampling_batch(
         top_logprobs_num=max((r.input.top_logprobs_num for r in reqs), default=0),
         banned=(rows(banned_rows), rows(banned_ids)) if banned_rows else None,
         filter_k_max=max((ks[i] for i in filtered), default=None),
+        token_ids=chosen,
     )

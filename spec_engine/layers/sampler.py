@@ -51,6 +51,8 @@ class SamplingBatch:
     need_logprobs: bool
     top_logprobs_num: int
     banned: Optional[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) that may not be drawn
+    # [B, K] int64: the ids whose log-probs each row reports (token_ids_logprob, padded).
+    token_ids: Optional[torch.Tensor] = None
     filter_k_max: Optional[int] = None  # the largest top-k of filter_rows, known on the host
 
 
@@ -62,6 +64,7 @@ class DrawnTokens:
     logprobs: Optional[torch.Tensor]  # [B] float32 when asked
     top_values: Optional[torch.Tensor]  # [B, top_logprobs_num] when asked
     top_ids: Optional[torch.Tensor]
+    token_ids_values: Optional[torch.Tensor] = None  # [B, K] log-probs of batch.token_ids
 
 
 @dataclass
@@ -69,6 +72,7 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: Optional[list[float]]
     top_logprobs: Optional[list[list[tuple[float, int]]]]
+    token_ids_logprobs: Optional[list[list[float]]] = None  # per row, of batch.token_ids
 
 
 def filtered_probs(
@@ -121,13 +125,17 @@ class Sampler:
                 list(zip(v, i)) for v, i in zip(drawn.top_values.tolist(), drawn.top_ids.tolist())
             ]
         logprobs = drawn.logprobs.tolist() if drawn.logprobs is not None else None
-        return SampleOutput(drawn.token_ids.tolist(), logprobs, top)
+        chosen = drawn.token_ids_values
+        return SampleOutput(
+            drawn.token_ids.tolist(), logprobs, top, None if chosen is None else chosen.tolist()
+        )
 
     def draw(self, logits: torch.Tensor, batch: SamplingBatch) -> DrawnTokens:
         """The tokens (and asked log-probs) of logits [B, vocab] float32, on the device."""
         scaled = logits if batch.unit_temperature else logits / batch.temperatures[:, None]
         logp = None
         if not batch.all_greedy or batch.need_logprobs or batch.top_logprobs_num:
+            # top and chosen-id log-probs come from this same distribution.
             logp = torch.log_softmax(scaled, -1)
         allowed = logits
         if batch.banned is not None:
@@ -161,4 +169,5 @@ class Sampler:
             logprobs = logp.gather(1, token_ids[:, None]).squeeze(1)
         if batch.top_logprobs_num:
             vals, ids = logp.topk(batch.top_logprobs_num, dim=-1)
-        return DrawnTokens(token_ids, logprobs, vals, ids)
+        chosen = None if batch.token_ids is None else logp.gather(1, batch.token_ids)
+        return DrawnTokens(token_ids, logprobs, vals, ids, chosen)

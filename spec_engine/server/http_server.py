@@ -47,6 +47,7 @@ _GENERATE_KEYS = {
     "return_logprob",
     "top_logprobs_num",
     "logprob_start_len",
+    "token_ids_logprob",
     "stream",
     "rid",
     "return_text_in_logprobs",
@@ -79,10 +80,6 @@ _GENERATE_NEUTRAL = {
     "extra_key": (None, "the prefix cache is shared by every request (no per-request salt)"),
     "cache_salt": (None, "the prefix cache is shared by every request (no per-request salt)"),
     "return_prompt_token_ids": (False, "prompt_token_ids are not returned; use /tokenize"),
-    "token_ids_logprob": (
-        None,
-        "log-probs of chosen token ids are not supported; use top_logprobs_num",
-    ),
 }
 HEALTH_TIMEOUT_S = 60.0
 # Control routes whose failure SGLang answers with its result body, success false, and a 400
@@ -269,6 +266,7 @@ def _generate_arguments(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         top_logprobs_num=body.get("top_logprobs_num", 0),
         rid=body.get("rid"),
         logprob_start_len=body.get("logprob_start_len", -1),
+        token_ids_logprob=body.get("token_ids_logprob"),
         # null means the default, as SGLang's optional fields read it
         return_routed_experts=body.get("return_routed_experts") or False,
         routed_experts_start_len=body.get("routed_experts_start_len") or 0,
@@ -331,7 +329,7 @@ class IncrementalSegments:
     previous chunk of its request (SGLang's tokenizer manager: text, output_ids and the output
     log-prob lists as deltas; everything else in meta_info as it is)."""
 
-    _META_KEYS = ("output_token_logprobs", "output_top_logprobs")
+    _META_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 
     def __init__(self) -> None:
         self._sent: dict[int, tuple[int, int]] = {}  # batch index -> (text chars, output ids)
@@ -357,7 +355,12 @@ def _logprob_text(engine: Engine, out: dict, with_text: bool) -> dict:
     for key in ("output_token_logprobs", "input_token_logprobs"):
         if key in meta:
             meta[key] = [(lp, t, token_text(engine, t)) for lp, t, _ in meta[key]]
-    for key in ("output_top_logprobs", "input_top_logprobs"):
+    for key in (
+        "output_top_logprobs",
+        "input_top_logprobs",
+        "output_token_ids_logprobs",
+        "input_token_ids_logprobs",
+    ):
         if key in meta:
             meta[key] = [
                 None if top is None else [(lp, t, token_text(engine, t)) for lp, t, _ in top]

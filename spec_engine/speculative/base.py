@@ -203,9 +203,11 @@ class SpecWorker(ModelWorker):
         ]
         # The verify's read: the target's argmax and the NaN flags in one copy.
         asked = LogprobAsk(
-            [r.input.return_logprob for r in reqs], [r.input.top_logprobs_num for r in reqs]
+            [r.input.return_logprob for r in reqs],
+            [r.input.top_logprobs_num for r in reqs],
+            [r.input.token_ids_logprob for r in reqs],
         )
-        accepts, flag_values, logprobs, top = verify_trees(
+        accepts, flag_values, logprobs, top, chosen = verify_trees(
             logits, trees, reqs, banned, self.threshold_single, self.threshold_acc, flags, asked
         )
         bad_rows: set[int] = set()
@@ -218,6 +220,7 @@ class SpecWorker(ModelWorker):
             tokens=[a.tokens for a in accepts],
             logprobs=logprobs,
             top_logprobs=top,
+            token_ids_logprobs=chosen,
             drafted=[t.size - 1 for t in trees],
             accept_paths=[a.path for a in accepts],
             top_p_ids=top_p_ids,

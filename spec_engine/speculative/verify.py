@@ -49,18 +49,25 @@ class Verified(NamedTuple):
     flags: Optional[list[int]]
     logprobs: LogProbs = None
     top_logprobs: TopLogProbs = None
+    token_ids_logprobs: Optional[list[list[list[float]]]] = None
 
 
 @dataclass
 class LogprobAsk:
-    """Per request: whether it returns its tokens' log-probs, and how many top log-probs."""
+    """Per request: whether it returns its tokens' log-probs, how many top log-probs, and the
+    ids whose log-probs it reports (token_ids_logprob)."""
 
     want: Sequence[bool]
     top_nums: Sequence[int]
+    chosen: Sequence[tuple[int, ...]] = ()
 
     @property
     def anything(self) -> bool:
-        return any(self.want) or any(self.top_nums)
+        return any(self.want) or any(self.top_nums) or any(self.chosen)
+
+    @property
+    def chosen_width(self) -> int:
+        return max((len(c) for c in self.chosen), default=0)
 
 
 def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) -> torch.Tensor:
@@ -138,9 +145,7 @@ def verify_trees(
     argmax_t = masked.argmax(-1)
     scored = asked is not None and asked.anything
     lp_inputs = (
-        _logprob_inputs(logits, reqs, row_req, argmax_t, walks, inputs, max(asked.top_nums))
-        if scored
-        else ()
+        _logprob_inputs(logits, reqs, row_req, argmax_t, walks, inputs, asked) if scored else ()
     )
     argmax, flag_values, *values = read_back(argmax_t, flags, *inputs, *lp_inputs)
     walk_values, lp_values = values[: len(inputs)], values[len(inputs) :]
@@ -275,9 +280,10 @@ def _logprob_inputs(
     argmax: torch.Tensor,
     walks: list[_SampledWalk],
     walk_inputs: tuple,
-    top: int,
+    asked: LogprobAsk,
 ) -> tuple[
     torch.Tensor,
+    Optional[torch.Tensor],
     Optional[torch.Tensor],
     Optional[torch.Tensor],
     Optional[torch.Tensor],
@@ -285,7 +291,8 @@ def _logprob_inputs(
 ]:
     """On the device, the log-probs of every token a step may emit, before the walks pick: each
     row's argmax (greedy walks), each child's token at its parent's row and each node's residual
-    draw (sampled walks); with `top`, every row's top log-probs (values, ids)."""
+    draw (sampled walks); with top log-probs asked, every row's (values, ids); with
+    token_ids_logprob, every row's log-probs of its request's ids (padded with id 0)."""
     device = logits.device
     temps = torch.tensor(
         [reqs[i].input.sampling_params.logit_scale for i in row_req], device=device
@@ -302,8 +309,14 @@ def _logprob_inputs(
             [w.offset + k for w in walks for k in range(w.tree.size)], device=device
         )
         at_draws = logp[nodes].gather(1, walk_inputs[2][:, None]).squeeze(1)
+    top = max(asked.top_nums)
     vals, ids = logp.topk(top, dim=-1) if top else (None, None)
-    return at_argmax, at_children, at_draws, vals, ids
+    at_chosen = None
+    width = asked.chosen_width
+    if width:
+        padded = [list(asked.chosen[i]) + [0] * (width - len(asked.chosen[i])) for i in row_req]
+        at_chosen = logp.gather(1, torch.tensor(padded, dtype=torch.int64, device=device))
+    return at_argmax, at_children, at_draws, vals, ids, at_chosen
 
 
 def emitted_logprobs(
@@ -313,11 +326,11 @@ def emitted_logprobs(
     walks: list[_SampledWalk],
     walk_values: list,
     lp_values: list,
-) -> tuple[LogProbs, TopLogProbs]:
+) -> tuple[LogProbs, TopLogProbs, Optional[list[list[list[float]]]]]:
     """Target log-softmax at the request's temperature of every emitted token (and top-k), from
     `_logprob_inputs`' values: an emitted token is a row's argmax, a child's token at its parent's
-    row or a node's draw."""
-    at_argmax, at_children, at_draws, vals, ids = lp_values
+    row or a node's draw; and per emitted token, its row's log-probs of the asked ids."""
+    at_argmax, at_children, at_draws, vals, ids, at_chosen = lp_values
     value = {(row, token): v for row, (token, v) in enumerate(zip(argmax, at_argmax))}
     if walks:
         pairs = [pair for w in walks for pair in w.pairs()]
@@ -333,4 +346,11 @@ def emitted_logprobs(
             if n
             else []
         )
-    return (lps if any(asked.want) else None), (tops if any(asked.top_nums) else None)
+    chosen = None
+    width = asked.chosen_width
+    if width:
+        chosen = [
+            [at_chosen[r * width : r * width + len(c)] for r in acc.rows]
+            for acc, c in zip(accepts, asked.chosen)
+        ]
+    return (lps if any(asked.want) else None), (tops if any(asked.top_nums) else None), chosen

@@ -306,10 +306,58 @@ def test_prompt_logprobs_under_speculation(models, hf, name):
             )
             for n in (3, 0)
         ]
+        sp = {"temperature": 0.7, "max_new_tokens": 6, "ignore_eos": True}
+        chosen = engine.generate(
+            input_ids=PROMPT, sampling_params=sp, return_logprob=True, token_ids_logprob=[9, 5]
+        )
+    # token_ids_logprob from the verify's rows: transformers' log-softmax at each position.
+    logp = torch.log_softmax(
+        position_logits(hf, models["target"], PROMPT, chosen["output_ids"]) / 0.7, -1
+    )
+    got = chosen["meta_info"]["output_token_ids_logprobs"]
+    assert len(got) == 6 and [[t for _, t, _ in e] for e in got] == [[9, 5]] * 6
+    want = [float(v) for row in logp for v in (row[9], row[5])]
+    assert [lp for e in got for lp, _, _ in e] == pytest.approx(want, abs=1e-4)
     for out, n in zip(outs, (3, 0)):
         got = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
         assert got == pytest.approx(expected, abs=1e-4)
         assert len(out["output_ids"]) == n
+
+
+def test_token_ids_logprob_is_transformers_log_softmax_in_sglangs_shape(client, models, hf):
+    # SGLang's test_srt_endpoint.py token_ids_logprob: one id list for every prompt, or one each.
+    chosen = [[5, 9, 300], [7]]
+    sp = {"temperature": 0.7, "max_new_tokens": 4, "ignore_eos": True}
+    prompts = [PROMPT, PROMPT[:6]]
+    for ids_arg in (chosen[0], chosen):
+        body = {"input_ids": prompts, "sampling_params": sp, "return_logprob": True}
+        r = client.post("/generate", json={**body, "token_ids_logprob": ids_arg})
+        assert r.status_code == 200, r.text
+        for k, (prompt, out) in enumerate(zip(prompts, r.json())):
+            want_ids = ids_arg[k] if isinstance(ids_arg[0], list) else ids_arg
+            logp = torch.log_softmax(
+                position_logits(hf, models["target"], prompt, out["output_ids"]) / 0.7, -1
+            )
+            got = out["meta_info"]["output_token_ids_logprobs"]
+            assert len(got) == len(out["output_ids"]) == 4
+            for row, entries in zip(logp, got):
+                assert [(t, text) for _, t, text in entries] == [(t, None) for t in want_ids]
+                want = [float(row[t]) for t in want_ids]
+                assert [lp for lp, _, _ in entries] == pytest.approx(want, abs=1e-4)
+    # With logprob_start_len: the prompt's too, SGLang's first entry null.
+    r = client.post(
+        "/generate",
+        json={**body, "token_ids_logprob": [5, 9], "logprob_start_len": 3, "input_ids": PROMPT},
+    )
+    got = r.json()["meta_info"]["input_token_ids_logprobs"]
+    assert len(got) == len(PROMPT) - 3 and got[0] is None
+    rows = position_logits(hf, models["target"], PROMPT[:1], PROMPT[1:])  # row i: PROMPT[i + 1]
+    logp = torch.log_softmax(rows / 0.7, -1)
+    want = [float(v) for row in logp[3:] for v in (row[5], row[9])]
+    assert [t for e in got[1:] for _, t, _ in e] == [5, 9] * (len(PROMPT) - 4)
+    assert [lp for e in got[1:] for lp, _, _ in e] == pytest.approx(want, abs=1e-4)
+    r = client.post("/generate", json={"input_ids": PROMPT, "token_ids_logprob": [5]})
+    assert "output_token_ids_logprobs" not in r.json()["meta_info"]  # SGLang: return_logprob
 
 
 def test_slime_distillation_request_over_http(client, models, hf):

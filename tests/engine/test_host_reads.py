@@ -65,7 +65,7 @@ def test_decode_steps_read_the_host_at_most_once_plain_and_twice_speculative(mod
     ) as engine:
         for batch in BATCHES:
             prompts = random_prompts(batch, 3, 12, seed=batch)
-            asked = dict(return_logprob=True, top_logprobs_num=2)
+            asked = dict(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[3, 7])
             runs = [dict(sampling_params=greedy), dict(sampling_params=sampled, **asked)]
             for run in runs:
                 with StepReads(engine) as counted:

@@ -65,7 +65,7 @@ def test_each_sampled_walk_is_the_same_alone_as_in_its_batch():
         # argmax's copy: the same walks, and log-probs as log_softmax of the emitted rows.
         flags = torch.arange(sum(sizes), device="cpu") % 3 == 1
         asked = verify.LogprobAsk([True] * batch, [2 * (i % 2) for i in range(batch)])
-        walked, read, logprobs, top = verify.verify_trees(
+        walked, read, logprobs, top, _ = verify.verify_trees(
             logits, trees, reqs, [[]] * batch, *thresholds, flags=flags, asked=asked
         )
         assert read == [int(f) for f in flags.tolist()]

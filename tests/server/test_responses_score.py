@@ -4,6 +4,7 @@ openai client against transformers' greedy generation on the chat-templated conv
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -103,6 +104,29 @@ def test_score_refuses_bad_input_with_sglangs_messages(served, path):
         assert r.status_code == 400 and message in r.json()["message"], (body, r.text)
     r = client.post("/v1/score", json={**ok, "items": []})
     assert r.status_code == 200 and r.json()["scores"] == []
+
+
+def test_engine_score_is_sglangs_in_process_call_and_equals_v1_score(served, hf, path, tok):
+    # SGLang's test_score_api.py: engine.score(query=..., items=..., label_token_ids=..., ...).
+    engine, client, _ = served
+    labels = [5, 17, 300]
+    query, items = "The cat", [" sat", " ran far"]
+    prompts = [tok(query + i)["input_ids"] for i in items]
+    probs, _ = _hf_scores(hf, path, prompts, labels)
+    got = engine.score(query=query, items=items, label_token_ids=labels)
+    assert torch.allclose(torch.tensor(got), torch.tensor(probs, dtype=torch.float32), atol=1e-4)
+    body = {"query": query, "items": items, "label_token_ids": labels}
+    # Equal up to float32 rounding (the second call's prompts hit the prefix cache).
+    over_http = client.post("/v1/score", json=body).json()["scores"]
+    assert torch.allclose(torch.tensor(got), torch.tensor(over_http), atol=1e-6)
+    ids_query, ids_items = [5, 60, 7], [[300, 42], [9]]
+    want = _hf_scores(hf, path, [i + ids_query for i in ids_items], labels)[1]
+    kwargs = dict(label_token_ids=labels, apply_softmax=True, item_first=True)
+    got = asyncio.run(engine.async_score(query=ids_query, items=ids_items, **kwargs))
+    assert torch.allclose(torch.tensor(got), torch.tensor(want, dtype=torch.float32), atol=1e-4)
+    assert engine.score(query="a", items=[], label_token_ids=[1]) == []
+    with pytest.raises(ValueError, match="label_token_ids must be provided"):
+        engine.score(query="a", items=["b"])
 
 
 def _greedy_text(hf, path, tok, messages: list[dict], max_new: int) -> tuple[str, int, int]:
