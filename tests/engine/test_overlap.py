@@ -20,7 +20,8 @@ ASKED = dict(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[3, 7])
 
 def mixed_params(count: int) -> list[dict]:
     """Greedy, sampled (top-k, top-p, min_new_tokens, stop ids) and, every fifth, a penalised
-    request, which samples step by step; lengths staggered so requests finish at every step."""
+    request, which samples step by step (no step overlaps while it runs); lengths staggered so
+    requests finish at every step."""
     params = []
     for i in range(count):
         p: dict = {"max_new_tokens": 3 + (i * 5) % 11}
@@ -29,8 +30,8 @@ def mixed_params(count: int) -> list[dict]:
         else:
             p.update(temperature=0.9, top_k=20 if i % 2 else -1, top_p=0.9, min_new_tokens=2)
             p["stop_token_ids"] = [i * 31 % 512]
-        if i % 5 == 4:
-            p["frequency_penalty"] = 0.5
+        if i % 5 == 4:  # short, so that the others overlap soon after
+            p.update(frequency_penalty=0.5, max_new_tokens=2)
         params.append(p)
     return params
 
@@ -104,7 +105,10 @@ def test_disable_overlap_schedule_turns_it_off(model):
 
 def test_overlap_under_retraction_gives_the_step_by_step_outputs(model):
     prompts = random_prompts(12, 10, 30, seed=12)
-    params = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 40, "ignore_eos": True}
+    params = [
+        {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 36 + i % 4, "ignore_eos": True}
+        for i in range(12)
+    ]
     runs = {}
     for overlap in (False, True):
         with Engine(
