@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from bench.host_reads import HostReads
 from spec_engine import Engine
 from spec_engine.engine_loop import Command
 from tests.conftest import random_prompts
@@ -182,3 +183,35 @@ def test_commands_between_overlapped_steps_see_the_step_by_step_state(model, eve
             assert runs[overlap][1]["owned_by_requests"] == 0
     assert runs[True] == runs[False]
     assert any(o[4]["type"] == "abort" for o in runs[True][0]) == ("abort" in event)
+
+
+def test_an_overlapped_step_reads_once_and_after_launching_the_next(model):
+    """Each step that launches a decode reads the host nothing before the launch and at most
+    once in all (the step in flight's tokens, log-probs and flags: core/readback.py)."""
+    with Engine(model_path=model, random_seed=1, enable_overlap_schedule=True) as engine:
+        reads = HostReads(engine._thread.ident)
+        sched, worker = engine.scheduler, engine.scheduler.worker
+        step, launch = sched.step, worker.launch_decode
+        seen: dict[str, int] = {}
+        records: list[tuple[int, int]] = []
+
+        def launched(*args, **kwargs):
+            seen["before"] = reads.count - seen["start"]
+            return launch(*args, **kwargs)
+
+        def stepped() -> None:
+            seen.clear()
+            seen["start"] = reads.count
+            step()
+            if "before" in seen:
+                records.append((seen["before"], reads.count - seen["start"]))
+
+        sched.step, worker.launch_decode = stepped, launched
+        sampled = {"temperature": 0.9, "top_k": 20, "max_new_tokens": 6, "ignore_eos": True}
+        with reads:
+            engine.generate(
+                input_ids=random_prompts(8, 3, 12, seed=6), sampling_params=sampled, **ASKED
+            )
+    assert len(records) == 6  # one launch per token; the sixth step's is read by the drain
+    assert [before for before, _ in records] == [0] * 6
+    assert [total for _, total in records] == [0] + [1] * 5
