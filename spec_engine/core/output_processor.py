@@ -54,7 +54,8 @@ class OutputProcessor:
     def process(self, reqs: list[Req], result: StepResult, held: Container[int] = ()) -> int:
         """Append emitted tokens, finish and release requests that are done; returns tokens
         added. A request whose id is in `held` has KV written by a step in flight: it finishes
-        now, but its KV is released after that step (core/overlap.py)."""
+        (its routing kept), but its KV is released and its caller told by the scheduler, after
+        that step (core/overlap.py)."""
         added = 0
         for i, req in enumerate(reqs):
             emitted = self._take(req, result, i)
@@ -101,13 +102,14 @@ class OutputProcessor:
         return len(req.output_ids) - before
 
     def finish(self, req: Req, release: bool = True) -> None:
-        """`req` is done: free KV past its end, keep its routing, release its KV (unless not
-        `release`: a step in flight still writes it), tell the caller."""
-        if release:
-            self.kv.trim(req)
+        """`req` is done: free KV past its end, keep its routing, release its KV, tell the
+        caller; not `release`: a step in flight still writes its KV, keep the routing only."""
+        if not release:
+            self._keep_routing(req)
+            return
+        self.kv.trim(req)
         self._keep_routing(req)
-        if release:
-            self.kv.release(req)
+        self.kv.release(req)
         self.notify(req, True)
 
     def _keep_routing(self, req: Req) -> None:

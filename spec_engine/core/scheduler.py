@@ -134,7 +134,9 @@ class Scheduler:
 
     def _complete(self, done: InFlight) -> int:
         """Read `done` back and process it: requests that finished while it was in flight drop
-        its token and release their KV now; the others take theirs."""
+        its token and release their KV now; the others take theirs. A request that finishes
+        here but is in the step in flight is told now, its KV released after that step, unless
+        that step holds only finished requests: then it is read first."""
         result = done.pending.finish()  # the step's one read
         cost = self.rank0_value(StepCost(time.perf_counter() - done.launched, 0.0))
         release_after(self.kv, done.pending)
@@ -143,6 +145,14 @@ class Scheduler:
         emitted = self.outputs.process(reqs, rows, held)
         self._drop_finished()
         self.policy.observe(done.group, result, emitted, cost)
+        finished = [r for r in reqs if r.finished and id(r) in held]
+        if finished and self.inflight is not None:
+            if all(r.finished for r in self.inflight.pending.reqs):
+                # Nothing live in flight: read it now, so that the callers told below find the
+                # KV released, as without overlap.
+                emitted += self.drain()
+        for req in finished:
+            self.outputs.notify(req, True)
         return emitted
 
     def _decode(self, group: DecodeGroup) -> int:
