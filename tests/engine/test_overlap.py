@@ -217,3 +217,24 @@ def test_an_overlapped_step_reads_once_and_after_launching_the_next(model):
     # The last: the requests finish, and the step in flight, theirs alone, is read right away
     # (their callers then find their KV released).
     assert [total for _, total in records] == [0, 1, 1, 1, 1, 2]
+
+
+def test_overlapped_streams_deliver_the_step_by_step_chunks(model):
+    """Streaming every second token: the same chunks (ids, log-probs), one step later."""
+    prompt = random_prompts(1, 3, 12, seed=8)[0]
+    sampled = {"temperature": 0.9, "top_k": 20, "max_new_tokens": 9, "ignore_eos": True}
+    runs = {}
+    for overlap in (False, True):
+        with Engine(
+            model_path=model, random_seed=4, stream_interval=2, enable_overlap_schedule=overlap
+        ) as engine:
+            launches = count_launches(engine)
+            chunks = engine.generate(
+                input_ids=prompt, sampling_params=sampled, stream=True, return_logprob=True
+            )
+            runs[overlap] = [
+                (c["output_ids"], c["meta_info"]["output_token_logprobs"]) for c in chunks
+            ]
+            assert (launches[0] > 0) == overlap
+    assert len(runs[True]) == 5
+    assert runs[True] == runs[False]
