@@ -16,7 +16,9 @@ step N is read back:
   OutputProcessor processes step N one step late (finishing, stop strings, streaming).
 * **KV.** A request that finished at step N was also launched in step N+1: its token there is
   dropped, and its KV is released (trimmed back to where it was before that step) only once
-  step N+1 is read (`release_after`), never while a step in flight writes it.
+  step N+1 is read (`release_after`), never while a step in flight writes it. Its caller is
+  told at once, unless step N+1 holds only finished requests: then it is read first, so that
+  callers find the KV released as without overlap (Scheduler._complete).
 * **Sync points.** The scheduler drains the step in flight (reads and processes it, launching
   nothing) before any step that is not a plain decode of the same requests: a prefill, a
   retraction, a request that needs its output ids on the host to sample (`overlappable`), a
