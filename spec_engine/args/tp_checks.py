@@ -1,5 +1,5 @@
 """What --tp-size > 1 runs today, checked against the model and the other flags once they are
-resolved: dense Llama, Qwen2, Qwen3 and MiMo targets, unquantized, plain decoding, eager
+resolved: dense Llama, Qwen2, Qwen3 and MiMo targets, unquantized, plain decoding or NGRAM, eager
 forwards on CUDA (their emulated graphs on the CPU). Each refusal names what works instead."""
 
 from __future__ import annotations
@@ -33,10 +33,13 @@ def check_tensor_parallel(args: Any, target: ModelConfig) -> None:
             "whose experts and latent attention are not split across ranks yet; run it at "
             "--tp-size 1 (dense Llama, Qwen2, Qwen3 and MiMo models run at --tp-size > 1)"
         )
-    if args.speculative_algorithm is not None:
+    if args.speculative_algorithm not in (None, "NGRAM"):
+        # NGRAM has no draft model: every rank holds the same n-gram cache (fed the same tokens
+        # in the same order), so the ranks build the same trees and verify them together.
         raise ValueError(
-            f"{flag}: speculative decoding ({args.speculative_algorithm}) runs at --tp-size 1 "
-            "for now; drop --speculative-algorithm to decode plainly over the ranks"
+            f"{flag}: speculative decoding with a draft model ({args.speculative_algorithm}) "
+            "runs at --tp-size 1 for now; use --speculative-algorithm NGRAM (no draft model) or "
+            "drop --speculative-algorithm to decode plainly over the ranks"
         )
     if target.weight_block_size is not None:
         raise ValueError(

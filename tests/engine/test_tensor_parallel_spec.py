@@ -1,0 +1,126 @@
+"""Speculative decoding at --tp-size 2 on the CPU (two gloo ranks, rank 1 forked): with NGRAM
+the draft trees, greedy tokens, accept lengths and a seeded sampled request equal the same
+speculation at tp 1, and the greedy tokens equal plain decoding (log-probs within 1e-4 in
+float32); drafts with a model are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from spec_engine import Engine
+from spec_engine.speculative.base import SpecWorker
+from tiny.checkpoints import build_eagle_draft
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_ranks() -> Iterator[None]:
+    """Rank 1 forked from tests/support/forkserver.py's server (see test_tensor_parallel.py)."""
+    from spec_engine.distributed import launch
+    from tests.support.forkserver import instead_of_spawn
+
+    with instead_of_spawn(launch):
+        yield
+
+
+@pytest.fixture(scope="module")
+def models(make_model, tmp_path_factory) -> dict[str, str]:
+    """A Llama target with one KV head (replicated at tp 2) and an EAGLE-2 draft."""
+    target = make_model("llama", num_layers=4, num_kv_heads=1)
+    root = tmp_path_factory.mktemp("tp_drafts")
+    return {
+        "target": target,
+        "eagle": build_eagle_draft(str(root / "eagle"), target, version=2),
+    }
+
+
+ENGINE = dict(
+    skip_tokenizer_init=True, max_total_tokens=512, device="cpu", log_level="warning", random_seed=0
+)
+# At tp 2 every step's tokens are compared between the ranks, and the steps run the emulated
+# graphs (batches padded to 1, 2 or 4 rows).
+CHECKS = dict(debug_tp_check_tokens=True, cuda_graph_max_bs=4)
+CONFIGS = {
+    "ngram": ("target", dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)),
+}
+# Repetitive prompts (the n-gram cache drafts from them); the third request samples, seeded.
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13, 11, 12, 13, 11], [5, 6, 7, 8]]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+SAMPLED = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 3}
+_PLAIN: dict[str, list[dict]] = {}
+
+
+@pytest.fixture
+def trees(monkeypatch) -> list:
+    """Every draft tree verified in this process (rank 0's), as (tokens, parents)."""
+    seen: list = []
+    verify = SpecWorker.verify
+
+    def recording(self, reqs, trees):
+        seen.append([(t.tokens, t.parents) for t in trees])
+        return verify(self, reqs, trees)
+
+    monkeypatch.setattr(SpecWorker, "verify", recording)
+    return seen
+
+
+def _generate(engine: Engine) -> list[dict]:
+    return engine.generate(
+        input_ids=PROMPTS, sampling_params=[GREEDY, GREEDY, SAMPLED], return_logprob=True
+    )
+
+
+def _run(path: str, tp_size: int, **kwargs) -> tuple[list[dict], int]:
+    with Engine(model_path=path, tp_size=tp_size, **ENGINE, **kwargs) as engine:
+        return _generate(engine), 0
+
+
+def _plain(path: str) -> list[dict]:
+    if path not in _PLAIN:
+        _PLAIN[path] = _run(path, 1)[0]
+    return _PLAIN[path]
+
+
+def _assert_close(outs: list[dict], refs: list[dict]) -> None:
+    for out, ref in zip(outs, refs):
+        assert out["output_ids"] == ref["output_ids"]
+        lp = [[x for x, _, _ in o["meta_info"]["output_token_logprobs"]] for o in (out, ref)]
+        assert max(abs(a - b) for a, b in zip(*lp)) < 1e-4
+
+
+def _accepts(outs: list[dict]) -> list[tuple[int, float]]:
+    return [(o["meta_info"]["spec_verify_ct"], o["meta_info"]["spec_accept_length"]) for o in outs]
+
+
+def _spec(name: str, models: dict[str, str]) -> tuple[str, dict]:
+    key, spec = CONFIGS[name]
+    spec = dict(spec)
+    if "draft" in spec:
+        spec["speculative_draft_model_path"] = models[spec.pop("draft")]
+    return models[key], spec
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tp2_speculation_equals_tp1(name, models, trees):
+    path, spec = _spec(name, models)
+    one, _ = _run(path, 1, **spec)
+    trees_one = list(trees)
+    trees.clear()
+    two, _ = _run(path, 2, **CHECKS, **spec)
+    assert trees == trees_one
+    _assert_close(two, one)
+    _assert_close(two[:2], _plain(path)[:2])
+    assert _accepts(two) == _accepts(one)
+    assert max(length for _, length in _accepts(two)[:2]) > 1.2  # drafts the target accepts
+
+
+def test_model_drafts_are_refused_at_tp2(models):
+    with pytest.raises(ValueError, match=r"--tp-size 2: speculative decoding with a draft model"):
+        Engine(
+            model_path=models["target"],
+            tp_size=2,
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=models["eagle"],
+            **ENGINE,
+        )
