@@ -1,17 +1,20 @@
-"""Speculative decoding at --tp-size 2 on the CPU (two gloo ranks, rank 1 forked): with NGRAM
-the draft trees, greedy tokens, accept lengths and a seeded sampled request equal the same
-speculation at tp 1, and the greedy tokens equal plain decoding (log-probs within 1e-4 in
-float32); drafts with a model are refused."""
+"""Speculative decoding at --tp-size 2 on the CPU (two gloo ranks, rank 1 forked), drafts at the
+target's TP as SGLang runs them: for each algorithm the draft trees, greedy tokens, accept
+lengths and a seeded sampled request equal the same speculation at tp 1, and the greedy tokens
+equal plain decoding (log-probs within 1e-4 in float32), with the emulated graphs' padding
+running the collectives inside; what tp > 1 does not run is refused."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from spec_engine import Engine
 from spec_engine.speculative.base import SpecWorker
-from tiny.checkpoints import build_eagle_draft
+from tiny.checkpoints import add_mimo_mtp, build_eagle_draft
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,12 +29,18 @@ def forked_ranks() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def models(make_model, tmp_path_factory) -> dict[str, str]:
-    """A Llama target with one KV head (replicated at tp 2) and an EAGLE-2 draft."""
+    """A Llama target with one KV head (replicated at tp 2); its EAGLE-2 draft, its EAGLE-3
+    draft over a draft vocabulary of 127 (a vocabulary-parallel head with a padded last block,
+    and d2t), a copy of it as a STANDALONE draft (a model of its own that accepts every token);
+    a MiMo target with its MTP layer."""
     target = make_model("llama", num_layers=4, num_kv_heads=1)
     root = tmp_path_factory.mktemp("tp_drafts")
     return {
         "target": target,
         "eagle": build_eagle_draft(str(root / "eagle"), target, version=2),
+        "eagle3": build_eagle_draft(str(root / "eagle3"), target, version=3, draft_vocab_size=127),
+        "copy": shutil.copytree(target, str(root / "copy")),
+        "mimo": add_mimo_mtp(make_model("qwen2", num_layers=2, seed=7)),
     }
 
 
@@ -39,10 +48,18 @@ ENGINE = dict(
     skip_tokenizer_init=True, max_total_tokens=512, device="cpu", log_level="warning", random_seed=0
 )
 # At tp 2 every step's tokens are compared between the ranks, and the steps run the emulated
-# graphs (batches padded to 1, 2 or 4 rows).
+# graphs (batches padded to 1, 2 or 4 rows), the target's verify and the draft's steps and extend.
 CHECKS = dict(debug_tp_check_tokens=True, cuda_graph_max_bs=4)
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
 CONFIGS = {
     "ngram": ("target", dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)),
+    "eagle": ("target", dict(speculative_algorithm="EAGLE", draft="eagle", **TREE)),
+    "eagle3": ("target", dict(speculative_algorithm="EAGLE3", draft="eagle3", **TREE)),
+    "standalone": ("target", dict(speculative_algorithm="STANDALONE", draft="copy", **TREE)),
+    "mtp": (
+        "mimo",
+        dict(speculative_algorithm="EAGLE", speculative_num_steps=2, speculative_eagle_topk=1),
+    ),
 }
 # Repetitive prompts (the n-gram cache drafts from them); the third request samples, seeded.
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13, 11, 12, 13, 11], [5, 6, 7, 8]]
@@ -72,8 +89,11 @@ def _generate(engine: Engine) -> list[dict]:
 
 
 def _run(path: str, tp_size: int, **kwargs) -> tuple[list[dict], int]:
+    """The outputs, and how many weights this rank's draft model holds (0: none)."""
     with Engine(model_path=path, tp_size=tp_size, **ENGINE, **kwargs) as engine:
-        return _generate(engine), 0
+        draft = engine.updater.draft
+        weights = sum(p.numel() for p in draft.model.parameters()) if draft is not None else 0
+        return _generate(engine), weights
 
 
 def _plain(path: str) -> list[dict]:
@@ -104,23 +124,47 @@ def _spec(name: str, models: dict[str, str]) -> tuple[str, dict]:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tp2_speculation_equals_tp1(name, models, trees):
     path, spec = _spec(name, models)
-    one, _ = _run(path, 1, **spec)
+    one, draft_one = _run(path, 1, **spec)
     trees_one = list(trees)
     trees.clear()
-    two, _ = _run(path, 2, **CHECKS, **spec)
+    two, draft_two = _run(path, 2, **CHECKS, **spec)
     assert trees == trees_one
+    if name != "ngram":  # the draft's layers are split over the ranks (its fc is replicated)
+        assert 0 < draft_two < draft_one
     _assert_close(two, one)
     _assert_close(two[:2], _plain(path)[:2])
     assert _accepts(two) == _accepts(one)
-    assert max(length for _, length in _accepts(two)[:2]) > 1.2  # drafts the target accepts
+    if name in ("ngram", "standalone"):  # drafts the target accepts
+        assert max(length for _, length in _accepts(two)[:2]) > 1.2
 
 
-def test_model_drafts_are_refused_at_tp2(models):
-    with pytest.raises(ValueError, match=r"--tp-size 2: speculative decoding with a draft model"):
-        Engine(
-            model_path=models["target"],
-            tp_size=2,
-            speculative_algorithm="EAGLE",
-            speculative_draft_model_path=models["eagle"],
-            **ENGINE,
-        )
+@pytest.mark.parametrize(
+    "draft, kwargs, match",
+    [
+        (
+            None,
+            dict(speculative_algorithm="EAGLE", speculative_num_steps=1),
+            "--tp-size 2: Glm4MoeForCausalLM's next-n MTP layers are not split across ranks yet; "
+            "serve its MTP speculation at --tp-size 1",
+        ),
+        (
+            "eagle",
+            dict(speculative_algorithm="EAGLE", speculative_token_map="hot.pt"),
+            r"--tp-size 2: --speculative-token-map \(FR-Spec\) .* drop it at --tp-size > 1",
+        ),
+    ],
+)
+def test_what_tp2_speculation_does_not_run_is_refused(
+    draft, kwargs, match, models, make_model, tmp_path
+):
+    from tests.conftest import FAMILIES
+
+    if draft is None:
+        path = make_model(**FAMILIES["glm4_moe"])
+    else:
+        path = models["target"]
+        kwargs = dict(kwargs, speculative_draft_model_path=models[draft])
+        torch.save(torch.arange(5, 300), str(tmp_path / "hot.pt"))
+        kwargs["speculative_token_map"] = str(tmp_path / "hot.pt")
+    with pytest.raises(ValueError, match=match):
+        Engine(model_path=path, tp_size=2, **ENGINE, **kwargs)
