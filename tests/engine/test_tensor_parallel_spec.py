@@ -2,10 +2,12 @@
 target's TP as SGLang runs them: for each algorithm the draft trees, greedy tokens, accept
 lengths and a seeded sampled request equal the same speculation at tp 1, and the greedy tokens
 equal plain decoding (log-probs within 1e-4 in float32), with the emulated graphs' padding
-running the collectives inside; what tp > 1 does not run is refused."""
+running the collectives inside; --speculative-adaptive runs the depths rank 0 chose; what tp > 1
+does not run is refused."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from collections.abc import Iterator
 
@@ -136,6 +138,31 @@ def test_tp2_speculation_equals_tp1(name, models, trees):
     assert _accepts(two) == _accepts(one)
     if name in ("ngram", "standalone"):  # drafts the target accepts
         assert max(length for _, length in _accepts(two)[:2]) > 1.2
+
+
+def test_tp2_adaptive_depths_are_rank_0s(models):
+    """--speculative-adaptive measures step times per process; rank 1 runs the depths rank 0
+    chose (here forced through every plain and speculative depth in turn, which rank 1's own
+    cost model would not choose), and stays lossless."""
+    path, spec = _spec("eagle", models)
+    chosen: list[int] = []
+    with Engine(
+        model_path=path,
+        tp_size=2,
+        speculative_adaptive=True,
+        dist_timeout=60,
+        **ENGINE,
+        **CHECKS,
+        **spec,
+    ) as engine:
+        depths = [0, *sorted(engine.scheduler.worker.shapes)]
+        forced = itertools.cycle(depths)
+        engine.scheduler.policy.adaptive.choose = lambda *_: (
+            chosen.append(next(forced)) or chosen[-1]
+        )
+        outs = _generate(engine)
+    assert set(chosen) == set(depths)
+    _assert_close(outs[:2], _plain(path)[:2])
 
 
 @pytest.mark.parametrize(
