@@ -1,9 +1,9 @@
 """Speculative decoding at --tp-size 2 on the CPU (two gloo ranks, rank 1 forked), drafts at the
 target's TP as SGLang runs them: for each algorithm the draft trees, greedy tokens, accept
 lengths and a seeded sampled request equal the same speculation at tp 1, and the greedy tokens
-equal plain decoding (log-probs within 1e-4 in float32), with the emulated graphs' padding
-running the collectives inside; --speculative-adaptive runs the depths rank 0 chose; what tp > 1
-does not run is refused."""
+equal plain decoding (log-probs within 1e-4 in float32), with the emulated graphs (padding, and
+the self-check with EAGLE) running the collectives inside; --speculative-adaptive runs the depths
+rank 0 chose; what tp > 1 does not run is refused."""
 
 from __future__ import annotations
 
@@ -50,8 +50,10 @@ ENGINE = dict(
     skip_tokenizer_init=True, max_total_tokens=512, device="cpu", log_level="warning", random_seed=0
 )
 # At tp 2 every step's tokens are compared between the ranks, and the steps run the emulated
-# graphs (batches padded to 1, 2 or 4 rows), the target's verify and the draft's steps and extend.
+# graphs (batches padded to 1, 2 or 4 rows), the target's verify and the draft's steps and extend;
+# with EAGLE they are checked against the eager forwards at startup (the self-check: seconds).
 CHECKS = dict(debug_tp_check_tokens=True, cuda_graph_max_bs=4)
+SELF_CHECK = {"eagle": dict(cuda_graph_self_check=True)}
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
 CONFIGS = {
     "ngram": ("target", dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)),
@@ -129,7 +131,7 @@ def test_tp2_speculation_equals_tp1(name, models, trees):
     one, draft_one = _run(path, 1, **spec)
     trees_one = list(trees)
     trees.clear()
-    two, draft_two = _run(path, 2, **CHECKS, **spec)
+    two, draft_two = _run(path, 2, **CHECKS, **SELF_CHECK.get(name, {}), **spec)
     assert trees == trees_one
     if name != "ngram":  # the draft's layers are split over the ranks (its fc is replicated)
         assert 0 < draft_two < draft_one
