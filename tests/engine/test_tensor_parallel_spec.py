@@ -1,18 +1,22 @@
 """Speculative decoding at --tp-size 2 on the CPU (two gloo ranks, rank 1 forked), drafts at the
 target's TP as SGLang runs them: for each algorithm the draft trees, greedy tokens, accept
-lengths and a seeded sampled request equal the same speculation at tp 1, and the greedy tokens
-equal plain decoding (log-probs within 1e-4 in float32), with the emulated graphs (padding, and
-the self-check with EAGLE) running the collectives inside; --speculative-adaptive runs the depths
-rank 0 chose; what tp > 1 does not run is refused."""
+lengths, a seeded sampled request and (EAGLE-3, updated from tensors) the draft's checksums
+equal the same speculation at tp 1, and the greedy tokens equal plain decoding (log-probs within
+1e-4 in float32), with the emulated graphs (padding, and the self-check with EAGLE) running the
+collectives inside; --speculative-adaptive runs the depths rank 0 chose; what tp > 1 does not
+run is refused."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 from collections.abc import Iterator
+from typing import Optional
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from spec_engine import Engine
 from spec_engine.speculative.base import SpecWorker
@@ -33,14 +37,17 @@ def forked_ranks() -> Iterator[None]:
 def models(make_model, tmp_path_factory) -> dict[str, str]:
     """A Llama target with one KV head (replicated at tp 2); its EAGLE-2 draft, its EAGLE-3
     draft over a draft vocabulary of 127 (a vocabulary-parallel head with a padded last block,
-    and d2t), a copy of it as a STANDALONE draft (a model of its own that accepts every token);
-    a MiMo target with its MTP layer."""
+    and d2t) and another one to update it to, a copy of it as a STANDALONE draft (a model of
+    its own that accepts every token); a MiMo target with its MTP layer."""
     target = make_model("llama", num_layers=4, num_kv_heads=1)
     root = tmp_path_factory.mktemp("tp_drafts")
     return {
         "target": target,
         "eagle": build_eagle_draft(str(root / "eagle"), target, version=2),
         "eagle3": build_eagle_draft(str(root / "eagle3"), target, version=3, draft_vocab_size=127),
+        "eagle3_b": build_eagle_draft(
+            str(root / "eagle3_b"), target, version=3, draft_vocab_size=127, seed=9
+        ),
         "copy": shutil.copytree(target, str(root / "copy")),
         "mimo": add_mimo_mtp(make_model("qwen2", num_layers=2, seed=7)),
     }
@@ -58,7 +65,10 @@ TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_d
 CONFIGS = {
     "ngram": ("target", dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=6)),
     "eagle": ("target", dict(speculative_algorithm="EAGLE", draft="eagle", **TREE)),
-    "eagle3": ("target", dict(speculative_algorithm="EAGLE3", draft="eagle3", **TREE)),
+    "eagle3": (
+        "target",
+        dict(speculative_algorithm="EAGLE3", draft="eagle3", update="eagle3_b", **TREE),
+    ),
     "standalone": ("target", dict(speculative_algorithm="STANDALONE", draft="copy", **TREE)),
     "mtp": (
         "mimo",
@@ -70,6 +80,7 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13, 11, 12, 13, 11], [5, 6, 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 SAMPLED = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "sampling_seed": 3}
 _PLAIN: dict[str, list[dict]] = {}
+_CHECKSUMS: dict[str, dict[str, str]] = {}
 
 
 @pytest.fixture
@@ -92,11 +103,18 @@ def _generate(engine: Engine) -> list[dict]:
     )
 
 
-def _run(path: str, tp_size: int, **kwargs) -> tuple[list[dict], int]:
-    """The outputs, and how many weights this rank's draft model holds (0: none)."""
+def _run(path: str, tp_size: int, update: Optional[str] = None, **kwargs) -> tuple[list[dict], int]:
+    """The outputs, and how many weights this rank's draft model holds (0: none). `update`: a
+    draft checkpoint whose tensors replace the draft's first (update_weights_from_tensor, whole
+    tensors: each rank takes its blocks); the draft's checksums are checked against tp 1's."""
     with Engine(model_path=path, tp_size=tp_size, **ENGINE, **kwargs) as engine:
         draft = engine.updater.draft
         weights = sum(p.numel() for p in draft.model.parameters()) if draft is not None else 0
+        if update is not None:
+            tensors = load_file(os.path.join(update, "model.safetensors"))
+            engine.update_weights_from_tensor([("draft." + n, t) for n, t in tensors.items()])
+            sums = {n: v for n, v in engine.get_weights_checksum().items() if n[:6] == "draft."}
+            assert _CHECKSUMS.setdefault(update, sums) == sums
         return _generate(engine), weights
 
 
@@ -122,6 +140,8 @@ def _spec(name: str, models: dict[str, str]) -> tuple[str, dict]:
     spec = dict(spec)
     if "draft" in spec:
         spec["speculative_draft_model_path"] = models[spec.pop("draft")]
+    if "update" in spec:
+        spec["update"] = models[spec["update"]]
     return models[key], spec
 
 
