@@ -137,7 +137,11 @@ class Engine(EngineControl, SchedulerLoop):
             args, checked, policy, tree_cache, eos_ids, decode_tail, self.runner.routing
         )
         if tp.size > 1:
-            self.scheduler.rank0_value = lambda value: broadcast_pyobj([value], tp)[0]
+
+            def rank0_value(value: Any) -> Any:
+                return broadcast_pyobj([value], tp)[0]
+
+            self.scheduler.rank0_value = policy.rank0_value = rank0_value
         self.inputs = self._request_builder(worker.decode_headroom(), eos_ids)
         draft = getattr(worker, "draft", None)
         self.updater = WeightUpdater(self.runner.model, self.runner.device, draft, tp)

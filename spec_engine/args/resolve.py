@@ -104,7 +104,7 @@ def resolve_engine_config(args: EngineArgs, cuda_available: bool) -> EngineConfi
     path = args.speculative_draft_model_path
     draft = ModelConfig.from_pretrained(path) if path is not None else None
     args = resolve_speculative(args, target, draft, context_len)
-    check_tensor_parallel(args, target)
+    check_tensor_parallel(args, target, draft)
     extra = speculative_positions(args)
     rope_rows = max(target.max_position_embeddings, context_len) + extra
     target = dataclasses.replace(target, rope_max_positions=rope_rows)

@@ -1,11 +1,13 @@
 """What --tp-size > 1 runs today, checked against the model and the other flags once they are
-resolved: dense Llama, Qwen2, Qwen3 and MiMo targets, unquantized, plain decoding, eager
-forwards on CUDA (their emulated graphs on the CPU). Each refusal names what works instead."""
+resolved: dense Llama, Qwen2, Qwen3 and MiMo targets, unquantized, eager forwards on CUDA
+(their emulated graphs on the CPU); plain decoding and speculative decoding with its drafts at
+the target's TP (NGRAM; EAGLE-2, EAGLE-3 and STANDALONE drafts; MiMo's MTP layer). Each refusal
+names what works instead."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -21,22 +23,22 @@ _TIMEOUT_VARIABLES = (
 )
 
 
-def check_tensor_parallel(args: Any, target: ModelConfig) -> None:
-    """Refuse a --tp-size the model or the other flags cannot run at (ValueError)."""
+def check_tensor_parallel(
+    args: Any, target: ModelConfig, draft: Optional[ModelConfig] = None
+) -> None:
+    """Refuse a --tp-size the model, its draft (`draft`: an external draft's config) or the
+    other flags cannot run at (ValueError)."""
     n = args.tp_size
     if n == 1:
         return
     flag = f"--tp-size {n}"
+    if args.speculative_algorithm is not None:
+        _check_speculation(args, target, draft, flag)
     if target.moe is not None or target.mla is not None:
         raise ValueError(
             f"{flag}: {target.architecture} has MoE{' and MLA' if target.mla else ''} layers, "
             "whose experts and latent attention are not split across ranks yet; run it at "
             "--tp-size 1 (dense Llama, Qwen2, Qwen3 and MiMo models run at --tp-size > 1)"
-        )
-    if args.speculative_algorithm is not None:
-        raise ValueError(
-            f"{flag}: speculative decoding ({args.speculative_algorithm}) runs at --tp-size 1 "
-            "for now; drop --speculative-algorithm to decode plainly over the ranks"
         )
     if target.weight_block_size is not None:
         raise ValueError(
@@ -67,3 +69,30 @@ def check_tensor_parallel(args: Any, target: ModelConfig) -> None:
                 f"{flag} from --base-gpu-id {args.base_gpu_id} needs GPUs "
                 f"{args.base_gpu_id}..{last}, and this machine has {gpus}"
             )
+
+
+def _check_speculation(
+    args: Any, target: ModelConfig, draft: Optional[ModelConfig], flag: str
+) -> None:
+    """The drafts run at the target's TP (as SGLang's): their layers split like the target's."""
+    algorithm = args.speculative_algorithm
+    mtp = algorithm == "EAGLE" and args.speculative_draft_model_path is None
+    if mtp and (target.moe is not None or target.mla is not None):
+        raise ValueError(
+            f"{flag}: {target.architecture}'s next-n MTP layers are not split across ranks yet; "
+            "serve its MTP speculation at --tp-size 1, or at this --tp-size drop "
+            "--speculative-algorithm (or use --speculative-algorithm NGRAM)"
+        )
+    if args.speculative_token_map is not None:
+        raise ValueError(
+            f"{flag}: --speculative-token-map (FR-Spec) takes rows of the whole LM head, which "
+            "is split by vocabulary over the ranks; drop it at --tp-size > 1 (the draft then "
+            "proposes over the full vocabulary) or serve it at --tp-size 1"
+        )
+    if draft is not None and not mtp:
+        where = f"the draft {args.speculative_draft_model_path!r}: "
+        try:
+            attention_heads(draft.num_attention_heads, draft.num_key_value_heads, 0, args.tp_size)
+            divide(draft.intermediate_size, args.tp_size, "intermediate_size")
+        except ValueError as e:
+            raise ValueError(where + str(e)) from e

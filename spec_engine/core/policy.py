@@ -13,7 +13,7 @@ does the worker, so core imports nothing from speculative/.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -42,6 +42,10 @@ class StepCost:
 
 class DecodePolicy:
     """Plain decoding: one group of every running request, at the worker's configured decode."""
+
+    # A decision made from values measured in this process, as rank 0 made it: every rank of a
+    # tensor-parallel engine then plans alike (the engine sets it; identity at one rank).
+    rank0_value: Callable[[Any], Any] = staticmethod(lambda value: value)
 
     def plan(self, running: list[Req]) -> list[DecodeGroup]:
         """The groups of the next decode step of `running`. A pure function of the policy's state

@@ -359,12 +359,14 @@ def dense_mlp_spec(
     return spec
 
 
-def mtp_layer_spec(c: ModelConfig, index: int, dst: str) -> dict[str, WeightSlot]:
+def mtp_layer_spec(
+    c: ModelConfig, index: int, dst: str, tp: TPGroup = SINGLE
+) -> dict[str, WeightSlot]:
     """Slots of MiMo's MTP layer `index` (names `model.mtp_layers.{index}.*`) under parameter
-    prefix `dst`."""
+    prefix `dst`; rank `tp.rank`'s block of its decoder layer under tensor parallelism."""
     src = f"model.mtp_layers.{index}."
     h = c.hidden_size
-    spec = decoder_layer_spec(c, src, dst + "block.")
+    spec = decoder_layer_spec(c, src, dst + "block.", tp=tp)
     for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
         spec[f"{src}{norm}.weight"] = WeightSlot(f"{dst}{norm}.weight", (h,))
     spec[f"{src}input_proj.weight"] = WeightSlot(f"{dst}input_proj.weight", (h, 2 * h))

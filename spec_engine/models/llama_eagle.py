@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from spec_engine.distributed.parallel_state import get_tp_group
 from spec_engine.forward_batch import ForwardBatch
 from spec_engine.layers.linear import Linear
 from spec_engine.models.hf_config import ModelConfig
@@ -24,6 +25,8 @@ class LlamaForCausalLMEagle(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        # The target's group: the decoder layers are split as the target's; fc is replicated.
+        self.tp = get_tp_group()
         h = config.hidden_size
         self.fc = Linear(2 * h, h, bias=True)
         rotary = make_rotary(config)
@@ -58,5 +61,7 @@ class LlamaForCausalLMEagle(nn.Module):
             "lm_head.weight": WeightSlot(None, (c.vocab_size, h), optional=True),
         }
         for i in range(c.num_hidden_layers):
-            spec.update(decoder_layer_spec(c, f"layers.{i}.", f"layers.{i}.", input_norm=i > 0))
+            spec.update(
+                decoder_layer_spec(c, f"layers.{i}.", f"layers.{i}.", input_norm=i > 0, tp=self.tp)
+            )
         return spec

@@ -14,11 +14,19 @@ from typing import Optional
 import torch
 from torch import nn
 
+from spec_engine.distributed.parallel_state import get_tp_group
 from spec_engine.forward_batch import ForwardBatch
 from spec_engine.layers.linear import Linear
 from spec_engine.layers.norm import RMSNorm
+from spec_engine.layers.vocab import ParallelLMHead
 from spec_engine.models.hf_config import ModelConfig
-from spec_engine.models.llama import LlamaAttention, LlamaMLP, decoder_layer_spec, make_rotary
+from spec_engine.models.llama import (
+    LlamaAttention,
+    LlamaMLP,
+    decoder_layer_spec,
+    make_rotary,
+    vocab_slot,
+)
 from spec_engine.weights.loader import WeightSlot
 
 
@@ -55,6 +63,9 @@ class LlamaForCausalLMEagle3(nn.Module):
                 "midlayer only)"
             )
         self.config = config
+        # The target's group: the midlayer is split as the target's layers, the draft head over
+        # the draft vocabulary (SGLang's ParallelLMHead); fc over the aux features is replicated.
+        self.tp = get_tp_group()
         h = config.hidden_size
         target_h = config.target_hidden_size or h
         self.fc = Linear(3 * target_h, h, bias=bool(config.hf_config.get("bias", False)))
@@ -62,7 +73,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.draft_vocab_size = config.draft_vocab_size
         if self.draft_vocab_size is not None:
-            self.lm_head = Linear(h, self.draft_vocab_size)
+            self.lm_head = ParallelLMHead(h, self.draft_vocab_size)
             self.d2t = nn.Parameter(
                 torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False
             )
@@ -80,7 +91,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         to_logits, to_next = self.norm(x, residual)
         return to_logits, to_next
 
-    def draft_head(self) -> Optional[Linear]:
+    def draft_head(self) -> Optional[ParallelLMHead]:
         return self.lm_head if self.draft_vocab_size is not None else None
 
     def hot_token_ids(self) -> Optional[torch.Tensor]:
@@ -93,7 +104,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         c = self.config
         h = c.hidden_size
         target_h = c.target_hidden_size or h
-        spec = decoder_layer_spec(c, "midlayer.", "midlayer.", attn_in=2 * h)
+        spec = decoder_layer_spec(c, "midlayer.", "midlayer.", attn_in=2 * h, tp=self.tp)
         spec.update(
             {
                 "midlayer.hidden_norm.weight": WeightSlot("midlayer.hidden_norm.weight", (h,)),
@@ -106,7 +117,9 @@ class LlamaForCausalLMEagle3(nn.Module):
             spec["fc.bias"] = WeightSlot("fc.bias", (h,))
         if self.draft_vocab_size is not None:
             vd = self.draft_vocab_size
-            spec["lm_head.weight"] = WeightSlot("lm_head.weight", (vd, h))
+            spec["lm_head.weight"] = WeightSlot(
+                "lm_head.weight", (vd, h), **vocab_slot(vd, self.tp)
+            )
             spec["d2t"] = WeightSlot("d2t", (vd,), integer=True)
             spec["t2d"] = WeightSlot(None, (c.vocab_size,), optional=True, integer=True)
         return spec

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from spec_engine.distributed.parallel_state import get_tp_group
 from spec_engine.forward_batch import ForwardBatch
 from spec_engine.layers.linear import Linear
 from spec_engine.layers.norm import RMSNorm
@@ -27,6 +28,7 @@ class MiMoMTP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.tp = get_tp_group()  # the target's: the block is split as the target's layers
         h = config.hidden_size
         self.token_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.hidden_layernorm = RMSNorm(h, config.rms_norm_eps)
@@ -50,4 +52,4 @@ class MiMoMTP(nn.Module):
         return out, out
 
     def hf_weight_spec(self) -> dict[str, WeightSlot]:
-        return mtp_layer_spec(self.config, 0, "")
+        return mtp_layer_spec(self.config, 0, "", tp=self.tp)

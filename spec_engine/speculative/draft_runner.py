@@ -15,13 +15,14 @@ import torch
 from torch import nn
 
 from spec_engine.args.resolve import DraftKind, EngineConfig
+from spec_engine.distributed.parallel_state import use_tp_group
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.layers.linear import Linear
 from spec_engine.mem.kv_pool import KVPool
 from spec_engine.models.registry import model_class, mtp_class
 from spec_engine.runner.base import RunnerBase
 from spec_engine.runner.graph_runner import GraphSpec
-from spec_engine.runner.model_runner import ModelRunner, new_kv_pool
+from spec_engine.runner.model_runner import ModelRunner, new_kv_pool, rank_config
 from spec_engine.weights.loader import build_model
 
 
@@ -57,15 +58,18 @@ class DraftRunner(RunnerBase):
             return self.target.model
         kind, draft = self.kind, config.draft
         cls = mtp_class(draft) if kind is DraftKind.MTP else model_class(draft)
-        return build_model(
-            cls,
-            draft,
-            self.target.dtype,
-            self.target.device,
-            config.draft_checkpoint,
-            only_known=kind is DraftKind.MTP,
-            **({"num_layers": self.mtp_layers} if self.mtp_layers > 1 else {}),
-        )
+        # At the target's TP (SGLang's draft workers share its group): the draft's layers are
+        # split as the target's, over the same ranks.
+        with use_tp_group(self.target.tp):
+            return build_model(
+                cls,
+                draft,
+                self.target.dtype,
+                self.target.device,
+                config.draft_checkpoint,
+                only_known=kind is DraftKind.MTP,
+                **({"num_layers": self.mtp_layers} if self.mtp_layers > 1 else {}),
+            )
 
     def _bind_vocab(self, config: EngineConfig) -> None:
         """Embedding and head (the draft's own where it has them, else the target's), the
@@ -99,7 +103,7 @@ class DraftRunner(RunnerBase):
         draft, target = config.draft, self.target
         layers = self.mtp_layers if self.kind is DraftKind.MTP else draft.num_hidden_layers
         return new_kv_pool(
-            draft,
+            rank_config(draft, target.tp),  # this rank's KV heads of the draft
             target.max_total_tokens,
             config.args.page_size,
             layers,

@@ -19,7 +19,7 @@ The scheduler sees it as a core.policy.DecodePolicy: it asks for each decode ste
 Measured seconds enter through `observe` alone (the scheduler's StepCost), besides the draft
 extends the worker times for its catch-up estimate (draft_lag.ExtendCost); both are read by one
 decision, `_adaptive_depth`. They differ per process: with several ranks running this scheduler
-([engine-tp]) that decision is made on rank 0 and broadcast there.
+(--tp-size > 1) that decision is made on rank 0 and broadcast (`rank0_value`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class SpecPolicy(DecodePolicy):
         """The cost model's mode for a step of `running`, charged what a try's catch-up would
         pay first."""
         catch_up = self.worker.catch_up_seconds(running)
-        return self.adaptive.choose(len(running), catch_up)
+        return self.rank0_value(self.adaptive.choose(len(running), catch_up))
 
     def prefilling(self, reqs: Sequence[Req]) -> None:
         for req in reqs:

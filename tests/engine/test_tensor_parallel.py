@@ -157,7 +157,6 @@ def test_debug_tp_check_tokens_fails_a_step_where_ranks_disagree():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(speculative_algorithm="NGRAM"), "--tp-size 2: speculative decoding .NGRAM."),
         (dict(tp_size=3), r"num_attention_heads \(4\) is not divisible by --tp-size 3"),
         (dict(dist_init_addr="localhost"), "--dist-init-addr must be HOST:PORT, got 'localhost'"),
         (dict(nnodes=2), "--nnodes 2.*multi-node engines are not built yet"),
