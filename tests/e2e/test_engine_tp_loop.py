@@ -60,3 +60,26 @@ def test_a_two_device_engine_rolls_out_as_tp_1_takes_every_push_and_restarts_who
     for a, b in pairs:
         assert a.tokens == b.tokens
         assert a.rollout_log_probs == pytest.approx(b.rollout_log_probs, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (
+            ["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
+            "--rollout-num-gpus 3 must be a positive multiple of --rollout-num-gpus-per-engine 2",
+        ),
+        (  # the model has 4 attention heads
+            ["--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "3"],
+            r"--rollout-num-gpus-per-engine 3 runs each engine at --tp-size 3 .*: "
+            r"num_attention_heads \(4\) is not divisible by --tp-size 3",
+        ),
+    ],
+)
+def test_engine_sizes_the_engines_cannot_run_are_refused(flags, needle, rl_task, tmp_path):
+    from specrl.train_options import check_checkpoints, parse_args
+
+    model, data = rl_task
+    argv = base_args(model, data, str(tmp_path)) + flags
+    with pytest.raises(SystemExit, match=needle):
+        check_checkpoints(parse_args(argv))
