@@ -22,6 +22,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import re
 import threading
 import time
 from typing import Any, NoReturn, Optional
@@ -150,8 +151,22 @@ class RayEngineHandle:
 
 def actor_error_reason(error: BaseException) -> str:
     """One line of a Ray actor error for a log line: Ray's own "The actor is dead because ..."
-    when it has one (killed, OOM, exited), else its first line (the rest is diagnostics)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    when it has one (killed, OOM, exited), else its first line (the rest is diagnostics); for an
+    actor that failed while starting, the error it raised (`RankFailed: tensor-parallel rank 1
+    failed to start:`, naming the rank of a multi-rank engine)."""
+    text = str(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     because = [line for line in lines if line.startswith("The actor is dead because")]
     reason = (because or lines or [type(error).__name__])[0]
+    if "error raised in its creation task" in reason:
+        # Ray's first line, then the creation task's traceback: its unindented "Name: ..." lines
+        # are the errors raised, the last one the actor's own (its causes come first), unless a
+        # rank's failure says which rank.
+        raised = [line for line in text.splitlines()[1:] if _RAISED.match(line)]
+        ranks = [line for line in raised if "RankFailed: " in line]
+        if raised:
+            reason = f"{reason.split(',')[0]}: {(ranks or raised)[-1]}"
     return reason if len(reason) <= 300 else reason[:297] + "..."
+
+
+_RAISED = re.compile(r"[A-Za-z_][\w.]*: ")
