@@ -18,6 +18,7 @@ from tests.e2e.test_train_loop import base_args, run
 pytest.importorskip("ray")
 
 
+@pytest.mark.slow
 def test_a_two_device_engine_rolls_out_as_tp_1_takes_every_push_and_restarts_whole(
     rl_task, rollout_only_run, tmp_path
 ):

@@ -140,6 +140,7 @@ def test_colocated_placement_and_shared_weight_push(ray_session, make_model):
         group.shutdown()
 
 
+@pytest.mark.slow
 def test_an_engine_that_fails_to_start_is_reported_naming_its_rank(ray_session):
     """Ray's error for an actor that raised while starting is a traceback; the one line the
     router and the run's last words give names the rank that failed, not its first cause."""
