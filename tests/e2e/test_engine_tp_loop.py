@@ -54,13 +54,16 @@ def test_a_two_device_engine_rolls_out_as_tp_1_takes_every_push_and_restarts_who
     # Rollout 0, from --hf-checkpoint's weights: the tokens the tp-1 engine sampled with the same
     # seeds (ties aside: none here), log-probs within float32 rounding of a split reduction.
     _, tp1_out = rollout_only_run
-    ours = load_debug_rollout_data(saved, 0)
-    theirs = load_debug_rollout_data(os.path.join(tp1_out, "rollouts", "{rollout_id}.pt"), 0)
-    pairs = [(a, b) for ga, gb in zip(ours, theirs, strict=True) for a, b in zip(ga, gb)]
-    assert len(pairs) == 8
-    for a, b in pairs:
-        assert a.tokens == b.tokens
-        assert a.rollout_log_probs == pytest.approx(b.rollout_log_probs, abs=1e-4)
+    # Samples by index (each index has its prompt and sampling seed); groups come in the order
+    # they finished.
+    ours, theirs = (
+        {s.index: s for group in load_debug_rollout_data(path, 0) for s in group}
+        for path in (saved, os.path.join(tp1_out, "rollouts", "{rollout_id}.pt"))
+    )
+    assert sorted(ours) == sorted(theirs) == list(range(8))
+    for i, a in ours.items():
+        assert a.tokens == theirs[i].tokens, i
+        assert a.rollout_log_probs == pytest.approx(theirs[i].rollout_log_probs, abs=1e-4)
 
 
 @pytest.mark.parametrize(
