@@ -1,4 +1,6 @@
-"""EngineGroup: the rollout engines of a run, one EngineActor Ray actor per placement bundle.
+"""EngineGroup: the rollout engines of a run, one EngineActor Ray actor per engine (in the first
+of its placement bundles when an engine spans several devices: its Engine spawns the other
+tensor-parallel ranks).
 
     engines = EngineGroup(engine_args, reserve_bundles(2, 1, "--rollout-num-gpus"))
     engines.wait_until_up()
@@ -7,8 +9,8 @@
     engines.restart(0)          # a fresh actor in place of a dead engine 0, in its bundle
     engines.shutdown()
 
-The caller reserves the bundles (specrl.placement.reserve_bundles) and passes the Ray actor
-options that pin one engine to each.
+The caller reserves the bundles (specrl.placement.create_placements) and passes the Ray actor
+options of each engine.
 """
 
 from __future__ import annotations

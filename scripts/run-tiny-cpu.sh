@@ -3,7 +3,9 @@
 #   bash scripts/run-tiny-cpu.sh [extra scripts/train.py flags...]
 #   OUT=dir chooses the output directory; MTP_TRAINING=0 keeps the MTP draft layer frozen.
 #   SPEC=eagle3 drafts with an EAGLE-3 draft instead (random, trained online by
-#   --enable-draft-training; DRAFT_TRAINING=0 keeps it frozen).
+#   --enable-draft-training; DRAFT_TRAINING=0 keeps it frozen). SPEC=none decodes plainly (as
+#   engines of several devices do: SPEC=none RAY_NUM_CPUS=3 bash scripts/run-tiny-cpu.sh
+#   --rollout-num-gpus 2 --rollout-num-gpus-per-engine 2).
 #   TASK=drift runs the drift task: from prompt DRIFT_AT (default 60, i.e. rollout 16) on, a
 #   response must also stop repeating its first token, as the warm-up taught (the prompts are
 #   read in order), so the policy's continuations change (docs/benchmarks/drift_mtp_cpu.md).
@@ -52,8 +54,10 @@ if [ "$MODEL" != mimo ] && [ "${SPEC:-mtp}" != mtp ]; then
   echo "MODEL=$MODEL drafts with its own next-n layer: SPEC=mtp only" >&2; exit 2
 fi
 case "${SPEC:-mtp}" in
+  none) SPEC_FLAGS=() ;;  # plain decoding (engines of several devices: --rollout-num-gpus-per-engine)
   mtp)
-    SPEC_FLAGS=(--sglang-speculative-algorithm EAGLE)
+    SPEC_FLAGS=(--sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2
+      --sglang-speculative-eagle-topk 1)
     if [ "${MTP_TRAINING:-1}" != 0 ]; then SPEC_FLAGS+=(--enable-mtp-training); fi ;;
   eagle3)  # a random EAGLE-3 draft over the full vocabulary, trained online from scratch
     if [ ! -d "$OUT/assets/eagle3" ]; then
@@ -62,9 +66,10 @@ w = sys.argv[1] + '/warm'; \
 b(sys.argv[1] + '/eagle3', w, 3, draft_vocab_size=json.load(open(w + '/config.json'))['vocab_size'])" \
         "$OUT/assets"
     fi
-    SPEC_FLAGS=(--sglang-speculative-algorithm EAGLE3 --sglang-speculative-draft-model-path "$OUT/assets/eagle3")
+    SPEC_FLAGS=(--sglang-speculative-algorithm EAGLE3 --sglang-speculative-draft-model-path "$OUT/assets/eagle3"
+      --sglang-speculative-num-steps 2 --sglang-speculative-eagle-topk 1)
     if [ "${DRAFT_TRAINING:-1}" != 0 ]; then SPEC_FLAGS+=(--enable-draft-training); fi ;;
-  *) echo "SPEC=${SPEC}: use mtp (the default) or eagle3" >&2; exit 2 ;;
+  *) echo "SPEC=${SPEC}: use mtp (the default), eagle3 or none" >&2; exit 2 ;;
 esac
 case "${LOOP:=train}" in
   train|train_async) ;;
@@ -74,7 +79,6 @@ python -m "scripts.$LOOP" \
   --hf-checkpoint "$OUT/assets/warm" --output-dir "$OUT" --num-rollout 30 \
   --prompt-data "$OUT/assets/task.jsonl" --input-key input --label-key label --rm-type tiny \
   --rollout-batch-size 4 --n-samples-per-prompt 8 --rollout-max-response-len 4 "${TASK_FLAGS[@]}" \
-  --lr 2e-3 --micro-batch-size 32 --check-weight-update-equal --ray-num-cpus 2 \
-  --sglang-speculative-num-steps 2 --sglang-speculative-eagle-topk 1 \
+  --lr 2e-3 --micro-batch-size 32 --check-weight-update-equal --ray-num-cpus "${RAY_NUM_CPUS:-2}" \
   --sglang-max-total-tokens 8192 --sglang-max-running-requests 32 \
   "${MODEL_FLAGS[@]}" "${SPEC_FLAGS[@]}" "$@"

@@ -74,6 +74,12 @@ class SchedulerLoop:
             self._inbox.put((fn, future))
         return future
 
+    @property
+    def stopped_by(self) -> Optional[str]:
+        """Why the engine stopped on its own (a tensor-parallel rank died); None while it runs
+        or after a shutdown."""
+        return self._stopped_by
+
     def _closed_message(self) -> str:
         return "engine is shut down" + (f": {self._stopped_by}" if self._stopped_by else "")
 

@@ -119,7 +119,9 @@ class LauncherArgs:
     )
     rollout_num_gpus: int = _opt(1, "Devices (CPU bundles without GPUs) for all engines together.")
     rollout_num_gpus_per_engine: int = _opt(
-        1, "Devices per engine; engines = num-gpus / per-engine."
+        1,
+        "Devices per engine (slime's flag): engines = --rollout-num-gpus / this, each one Ray "
+        "actor that runs its engine at --tp-size this, on consecutive devices of one node.",
     )
     actor_num_nodes: int = _opt(1, "Nodes of trainer ranks.")
     actor_num_gpus_per_node: int = _opt(
@@ -276,6 +278,7 @@ def parse_args(argv: Sequence[str] | None = None, command: str = "train") -> arg
                 model_path=args.hf_checkpoint,
                 random_seed=args.seed,
                 weight_version="0",
+                tp_size=args.rollout_num_gpus_per_engine,
             ),
         )
     except ValueError as e:
@@ -319,6 +322,12 @@ def check_checkpoints(args: argparse.Namespace) -> list[str]:
             args.options.engine, cuda_available=torch.cuda.is_available()
         )
     except ValueError as e:
+        per_engine = args.rollout_num_gpus_per_engine
+        if per_engine > 1 and "--tp-size" in str(e):
+            raise SystemExit(
+                f"error: --rollout-num-gpus-per-engine {per_engine} runs each engine at --tp-size "
+                f"{per_engine} (its flags given here as --sglang-<flag>): {e}"
+            ) from None
         raise SystemExit(f"error: {e}") from None
     engine = config.args
     lines.append(
@@ -404,11 +413,11 @@ def check_launcher_flags(args: argparse.Namespace) -> None:
             "error: --debug-rollout-only and --debug-train-only (or "
             "--load-debug-rollout-data) exclude each other"
         )
-    if args.rollout_num_gpus_per_engine != 1:
+    per_engine, devices = args.rollout_num_gpus_per_engine, args.rollout_num_gpus
+    if per_engine < 1 or devices < per_engine or devices % per_engine:
         raise SystemExit(
-            f"error: --rollout-num-gpus-per-engine {args.rollout_num_gpus_per_engine}: "
-            "engines run on one device each for now; use 1 and raise --rollout-num-gpus "
-            "for more engines"
+            f"error: --rollout-num-gpus {devices} must be a positive multiple of "
+            f"--rollout-num-gpus-per-engine {per_engine} (engines = the first / the second)"
         )
     if args.max_engine_restarts < 0:
         raise SystemExit(

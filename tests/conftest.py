@@ -257,7 +257,8 @@ def rollout_only_run(rl_task, tmp_path_factory) -> tuple[subprocess.CompletedPro
     checks, the engine killed mid-request in rollout 0 and stopped (hung) in rollout 1
     (tests/support/engine_killer.py), and closing the metrics log failing at the end
     (ROLLOUT_ONLY_MAIN). tests/e2e/test_fault_tolerance.py checks the restarts,
-    tests/e2e/test_train_loop.py the shutdown and that megatron is never imported."""
+    tests/e2e/test_train_loop.py the shutdown and that megatron is never imported,
+    tests/e2e/test_engine_tp_loop.py its rollout 0 (saved under out/rollouts/)."""
     from tests.e2e.test_train_loop import base_args
 
     model, data = rl_task
@@ -265,6 +266,8 @@ def rollout_only_run(rl_task, tmp_path_factory) -> tuple[subprocess.CompletedPro
     argv = base_args(model, data, out)
     argv[argv.index("--num-rollout") + 1] = "3"
     argv += ["--debug-rollout-only", "--use-fault-tolerance"]
+    # tests/e2e/test_engine_tp_loop.py compares rollout 0 with a tp-2 engine's
+    argv += ["--save-debug-rollout-data", os.path.join(out, "rollouts", "{rollout_id}.pt")]
     argv += ["--rollout-health-check-interval", "0.5", "--rollout-health-check-timeout", "2"]
     argv += ["--rollout-health-check-first-wait", "0"]
     argv += [

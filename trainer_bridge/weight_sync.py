@@ -129,6 +129,7 @@ class WeightPusher:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)) + 1)
         self._last_disk_version: Optional[str] = None
         self._block: Optional[tuple[Optional[tuple[int, int]]]] = None  # asked once, see _fp8_block
+        self._sizes: Optional[list[int]] = None  # asked once, see _tp_sizes
 
     def push(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str
@@ -230,17 +231,26 @@ class WeightPusher:
         last = version is not None
         if self.cfg.weight_sync_mode == "tensor":
             payload = [b.to_dict() for b in FlattenedBucket.pack(bucket)]
-            tensors: dict[str, Any] = {"named_tensors": payload}
+            per_engine: list[dict[str, Any]] = [{"named_tensors": payload}] * len(self.engines)
             if self.colocated:
-                # Each engine opens the bucket in place; the call returns once it has copied.
-                tensors = {"serialized_named_tensors": [serialize_shared(payload)]}
-            self._on_all(
-                "update_weights_from_tensor",
-                load_format="flattened_bucket",
-                flush_cache=last,
-                weight_version=version,
-                **tensors,
-            )
+                # Each engine rank opens the bucket in place (SGLang's one entry per rank: the
+                # same one here, this process's copy); the call returns once every rank copied.
+                shared = serialize_shared(payload)
+                per_engine = [
+                    {"serialized_named_tensors": [shared] * size} for size in self._tp_sizes()
+                ]
+            calls = [
+                self._pool.submit(
+                    e.update_weights_from_tensor,
+                    load_format="flattened_bucket",
+                    flush_cache=last,
+                    weight_version=version,
+                    **tensors,
+                )
+                for e, tensors in zip(self.engines, per_engine)
+            ]
+            for call in calls:
+                call.result()
             if self.colocated and torch.cuda.is_available():
                 torch.cuda.ipc_collect()  # free the IPC-shared blocks the engines released
             return
@@ -281,7 +291,7 @@ class WeightPusher:
             # MASTER_ADDR: this trainer's address as the engines see it (Ray sets it per node).
             address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port()
             # slime's numbering: engine i's N ranks take N places after those of engines < i.
-            sizes = [e.get_server_info().get("tp_size", 1) for e in self.engines]
+            sizes = self._tp_sizes()
             offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
             world = 1 + sum(sizes)
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -322,6 +332,12 @@ class WeightPusher:
             for join in joins:
                 join.result()
         return self._group
+
+    def _tp_sizes(self) -> list[int]:
+        """Each engine's tensor-parallel ranks (its server info's tp_size)."""
+        if self._sizes is None:
+            self._sizes = [e.get_server_info().get("tp_size", 1) for e in self.engines]
+        return self._sizes
 
     def _on_all(self, method: str, **kwargs: Any) -> None:
         for call in [self._pool.submit(getattr(e, method), **kwargs) for e in self.engines]:

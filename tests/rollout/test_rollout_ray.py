@@ -138,3 +138,22 @@ def test_colocated_placement_and_shared_weight_push(ray_session, make_model):
         assert torch.multiprocessing.get_sharing_strategy() == "file_system"
     finally:
         group.shutdown()
+
+
+@pytest.mark.slow
+def test_an_engine_that_fails_to_start_is_reported_naming_its_rank(ray_session):
+    """Ray's error for an actor that raised while starting is a traceback; the one line the
+    router and the run's last words give names the rank that failed, not its first cause."""
+    import asyncio
+
+    from rollout.router import EngineDied
+    from tests.support.dying_rank import EngineFailsToStart
+
+    actor = ray.remote(EngineFailsToStart).options(num_cpus=0).remote()
+    with pytest.raises(EngineDied) as died:
+        asyncio.run(RayEngineHandle(actor, 3).get_server_info())
+    assert str(died.value).startswith("engine 3 died (The actor died because of an error raised")
+    assert str(died.value).endswith(
+        "in its creation task: spec_engine.distributed.launch.RankFailed: tensor-parallel rank 1 "
+        "failed to start:)"
+    ), str(died.value)

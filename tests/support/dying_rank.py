@@ -1,6 +1,7 @@
-"""A stand-in trainer rank for tests/e2e/test_fault_tolerance.py, in a module of its own so the Ray
-workers that import it load nothing else: rank 1 dies, rank 0 would wait for it in a
-collective."""
+"""Stand-ins, in a module of its own so the Ray workers that import it load nothing else: a trainer
+rank for tests/e2e/test_fault_tolerance.py (rank 1 dies, rank 0 would wait for it in a
+collective), and an engine actor whose rank 1 fails while starting for
+tests/rollout/test_rollout_ray.py."""
 
 from __future__ import annotations
 
@@ -14,3 +15,18 @@ class Rank:
             os._exit(1)
         time.sleep(60)
         return rank
+
+
+class EngineFailsToStart:
+    """An engine actor whose engine's rank 1 failed while starting (what Engine raises then)."""
+
+    def __init__(self) -> None:
+        from spec_engine.distributed.launch import RankFailed
+
+        try:
+            raise ValueError("no such file: model.safetensors")
+        except ValueError as e:
+            raise RankFailed(f"tensor-parallel rank 1 failed to start:\n{e!r}") from e
+
+    def get_server_info(self) -> dict:
+        return {}

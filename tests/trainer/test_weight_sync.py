@@ -120,20 +120,29 @@ def test_bad_config_is_refused():
         WeightSyncConfig(weight_sync_mode="nccl")
 
 
-def test_distributed_push_numbers_multi_rank_engines_as_slime(make_model):
+def test_distributed_and_colocated_pushes_reach_every_rank_of_multi_rank_engines(make_model):
     """A tp-1 and a tp-2 engine in one group of 4 (the trainer, then each engine's ranks from
     its rank_offset: 1, then 2..3); the push lands on every rank, as the checksums gathered
-    from the ranks confirm (--check-weight-update-equal)."""
+    from the ranks confirm (--check-weight-update-equal). Then a colocated tensor push (one
+    shared-memory entry per engine rank, SGLang's serialized_named_tensors) of the old weights
+    back, on every rank too."""
     old, new = make_model("qwen2", seed=31), make_model("qwen2", seed=32)
     small = dict(skip_tokenizer_init=True, max_total_tokens=256, log_level="warning")
     with Engine(model_path=new, **small) as fresh:
         expected = outputs(fresh)
     engines = [Engine(model_path=old, tp_size=size, **small) for size in (1, 2)]
     try:
+        before = outputs(engines[0])
         cfg = WeightSyncConfig(weight_sync_mode="distributed", check_weight_update_equal=True)
         pusher = WeightPusher(engines, cfg)
         pusher.push(tensors_of(new).items(), version="step-1")
         assert [outputs(e) for e in engines] == [expected, expected]
+        pusher.close()
+        cfg = WeightSyncConfig(update_weight_buffer_size=50_000, check_weight_update_equal=True)
+        pusher = WeightPusher(engines, cfg, colocated=True)
+        assert pusher.push(tensors_of(old).items(), version="step-2")["buckets"] > 1
+        assert [outputs(e) for e in engines] == [before, before] != [expected, expected]
+        assert [e.weight_version for e in engines] == ["step-2", "step-2"]
         pusher.close()
     finally:
         for engine in engines:
