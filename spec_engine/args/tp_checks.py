@@ -1,6 +1,7 @@
 """What --tp-size > 1 runs today, checked against the model and the other flags once they are
-resolved: dense Llama, Qwen2, Qwen3 and MiMo targets, unquantized, plain decoding, eager
-forwards on CUDA (their emulated graphs on the CPU). Each refusal names what works instead."""
+resolved: Llama, Qwen2, Qwen3, MiMo and GLM-4.5 (MoE experts split by TP) targets, unquantized,
+plain decoding, eager forwards on CUDA (their emulated graphs on the CPU). Each refusal names
+what works instead."""
 
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ def check_tensor_parallel(args: Any, target: ModelConfig) -> None:
     if n == 1:
         return
     flag = f"--tp-size {n}"
-    if target.moe is not None or target.mla is not None:
+    if target.mla is not None:
         raise ValueError(
-            f"{flag}: {target.architecture} has MoE{' and MLA' if target.mla else ''} layers, "
-            "whose experts and latent attention are not split across ranks yet; run it at "
-            "--tp-size 1 (dense Llama, Qwen2, Qwen3 and MiMo models run at --tp-size > 1)"
+            f"{flag}: {target.architecture} has MLA layers, whose latent attention is not split "
+            "across ranks yet; run it at --tp-size 1 (Llama, Qwen2, Qwen3, MiMo and GLM-4.5 "
+            "models run at --tp-size > 1)"
         )
     if args.speculative_algorithm is not None:
         raise ValueError(
@@ -54,6 +55,8 @@ def check_tensor_parallel(args: Any, target: ModelConfig) -> None:
         )
     attention_heads(target.num_attention_heads, target.num_key_value_heads, 0, n)
     divide(target.intermediate_size, n, "intermediate_size")
+    if target.moe is not None:
+        divide(target.moe.intermediate_size, n, "moe_intermediate_size")
     if args.device == "cuda":
         if not args.disable_cuda_graph:
             raise ValueError(

@@ -1,0 +1,98 @@
+"""Tensor parallelism for the MoE families at --tp-size 2 on the CPU (two gloo ranks): GLM-4.5
+with every expert's intermediate features and the shared expert split over the ranks and the
+router replicated (SGLang's placement at --ep-size 1) decodes as tp 1 (greedy tokens, log-probs
+within 1e-4 in float32) and as transformers, before and after a weight update from disk; each
+rank reads only its block of every expert off disk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from spec_engine import Engine
+from spec_engine.weights.loader import checkpoint_files
+from tests.conftest import FAMILIES
+from tests.engine.test_tensor_parallel import (  # noqa: F401  (forked_ranks: a fixture)
+    ENGINE,
+    GREEDY,
+    PROMPTS,
+    forked_ranks,
+)
+from tests.support.safetensors_reads import record_reads
+
+# GLM-4.5 with q/k norms, two MoE layers after a dense one (first_k_dense_replace=1), a shared
+# expert, grouped routing; its next-n layer sits in the checkpoint (skipped without speculation).
+GLM = FAMILIES["glm4_moe"]
+
+
+def _logprobs(out: dict) -> list[float]:
+    return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def _assert_same(one: list[dict], two: list[dict]) -> None:
+    for a, b in zip(one, two):
+        assert b["output_ids"] == a["output_ids"]
+        assert max(abs(x - y) for x, y in zip(_logprobs(a), _logprobs(b))) < 1e-4
+
+
+def _generate(path: str, tp_size: int, **kwargs) -> list[dict]:
+    with Engine(model_path=path, tp_size=tp_size, **ENGINE, **kwargs) as engine:
+        return engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+
+
+def test_glm4_moe_tp2_decodes_as_tp1_before_and_after_a_disk_update(make_model, hf):
+    old, new = make_model(**GLM), make_model(**dict(GLM, seed=3))
+    with Engine(model_path=old, tp_size=2, debug_tp_check_tokens=True, **ENGINE) as engine:
+        before = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        assert engine.update_weights_from_disk(new)["success"]
+        after = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+    _assert_same(_generate(old, 1), before)
+    _assert_same(_generate(new, 1), after)
+    assert [o["output_ids"] for o in before] != [o["output_ids"] for o in after]
+    tokens, logprobs = hf.greedy(old, PROMPTS[0], GREEDY["max_new_tokens"])
+    assert before[0]["output_ids"] == tokens
+    assert max(abs(x - y) for x, y in zip(_logprobs(before[0]), logprobs)) < 1e-4
+
+
+def test_each_rank_reads_only_its_block_of_every_expert(make_model, monkeypatch):
+    from spec_engine.distributed.parallel_state import TPGroup, use_tp_group
+    from spec_engine.models.hf_config import ModelConfig
+    from spec_engine.models.registry import model_class
+    from spec_engine.weights.loader import build_model
+
+    path = make_model(**GLM)
+    whole, _ = record_reads(monkeypatch)
+    config = ModelConfig.from_pretrained(path)
+    with use_tp_group(TPGroup(rank=1, size=2)):
+        model = build_model(model_class(config), config, torch.float32, torch.device("cpu"), path)
+    # (model.layers.3 is the next-n layer: the trunk skips it.)
+    trunk = [n for n in whole if not n.startswith(f"model.layers.{config.num_hidden_layers}.")]
+    assert [n for n in trunk if ".experts." in n or ".shared_experts." in n] == []
+    with safe_open(checkpoint_files(path)[0], framework="pt") as f:
+        get = f.get_tensor
+        gate = get("model.layers.1.mlp.experts.5.gate_proj.weight")
+        up = get("model.layers.1.mlp.experts.5.up_proj.weight")
+        down = get("model.layers.1.mlp.experts.5.down_proj.weight")
+        shared_up = get("model.layers.2.mlp.shared_experts.up_proj.weight")
+        shared_down = get("model.layers.2.mlp.shared_experts.down_proj.weight")
+        router = get("model.layers.1.mlp.gate.weight")
+    inter, h = gate.shape[0] // 2, gate.shape[1]  # this rank's features, the hidden size
+    p = dict(model.named_parameters())
+    w13 = p["model.layers.1.mlp.experts.w13_weight"][5 * 2 * inter : 6 * 2 * inter]
+    assert torch.equal(w13, torch.cat([gate[inter:], up[inter:]]))
+    w2 = p["model.layers.1.mlp.experts.w2_weight"][5 * h : 6 * h]
+    assert torch.equal(w2, down[:, inter:])
+    shared = p["model.layers.2.mlp.shared_experts.gate_up_proj.weight"]
+    assert torch.equal(shared[shared.shape[0] // 2 :], shared_up[shared_up.shape[0] // 2 :])
+    half = shared_down.shape[1] // 2
+    assert torch.equal(
+        p["model.layers.2.mlp.shared_experts.down_proj.weight"], shared_down[:, half:]
+    )
+    assert torch.equal(p["model.layers.1.mlp.gate.weight"], router)  # the router whole
+
+
+def test_moe_intermediate_size_that_does_not_divide_is_refused(make_model):
+    path = make_model(**dict(GLM, extra_config=dict(GLM["extra_config"], moe_intermediate_size=33)))
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(33\) is not divisible by"):
+        Engine(model_path=path, tp_size=2, **ENGINE)
