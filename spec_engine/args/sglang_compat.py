@@ -44,8 +44,8 @@ _ONE_NODE = (
     "multi-node engines are not built yet"
 )
 _NO_MOE = (
-    "specrl's MoE layers (GLM-4.5, DeepSeek-V3) run their experts in one module at --tp-size 1: "
-    "no expert parallelism or fused MoE kernels yet"
+    "specrl's MoE layers (GLM-4.5, DeepSeek-V3) split their experts by TP (each rank a block of "
+    "every expert, SGLang's placement at --ep-size 1): no expert parallelism yet"
 )
 _TORCH_COLLECTIVES = (
     "tensor-parallel collectives are torch.distributed's (NCCL on CUDA, gloo on the CPU); no "

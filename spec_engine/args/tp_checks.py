@@ -1,7 +1,7 @@
 """What --tp-size > 1 runs today, checked against the model and the other flags once they are
-resolved: Llama, Qwen2, Qwen3, MiMo and GLM-4.5 (MoE experts split by TP) targets, unquantized,
-plain decoding, eager forwards on CUDA (their emulated graphs on the CPU). Each refusal names
-what works instead."""
+resolved: Llama, Qwen2, Qwen3, MiMo, GLM-4.5 and DeepSeek-V3 targets (MoE experts split by TP,
+MLA by heads), unquantized, plain decoding, eager forwards on CUDA (their emulated graphs on the
+CPU). Each refusal names what works instead."""
 
 from __future__ import annotations
 
@@ -28,12 +28,6 @@ def check_tensor_parallel(args: Any, target: ModelConfig) -> None:
     if n == 1:
         return
     flag = f"--tp-size {n}"
-    if target.mla is not None:
-        raise ValueError(
-            f"{flag}: {target.architecture} has MLA layers, whose latent attention is not split "
-            "across ranks yet; run it at --tp-size 1 (Llama, Qwen2, Qwen3, MiMo and GLM-4.5 "
-            "models run at --tp-size > 1)"
-        )
     if args.speculative_algorithm is not None:
         raise ValueError(
             f"{flag}: speculative decoding ({args.speculative_algorithm}) runs at --tp-size 1 "

@@ -172,12 +172,6 @@ def test_request_timeouts_are_refused_at_tp2(name, llama_path, monkeypatch):
         Engine(model_path=llama_path, tp_size=2, **ENGINE)
 
 
-def test_mla_at_tp2_is_refused(make_model):
-    path = make_model("deepseek_v3", num_layers=2)
-    with pytest.raises(ValueError, match="--tp-size 2: .* has MLA layers.*run it at --tp-size 1"):
-        Engine(model_path=path, tp_size=2, **ENGINE)
-
-
 def test_a_rank_that_fails_to_start_is_named():
     ranks = Ranks(fail_on_rank_1, "payload", 2, torch.device("cpu"))
     try:

@@ -1,8 +1,9 @@
 """Tensor parallelism for the MoE families at --tp-size 2 on the CPU (two gloo ranks): GLM-4.5
-with every expert's intermediate features and the shared expert split over the ranks and the
-router replicated (SGLang's placement at --ep-size 1) decodes as tp 1 (greedy tokens, log-probs
-within 1e-4 in float32) and as transformers, before and after a weight update from disk; each
-rank reads only its block of every expert off disk."""
+and DeepSeek-V3, with every expert's intermediate features and the shared expert split over the
+ranks and the router replicated (SGLang's placement at --ep-size 1), and DeepSeek-V3's MLA split
+by heads over a latent cache per rank, decode as tp 1 (greedy tokens, log-probs within 1e-4 in
+float32) and as transformers, before and after a weight update from disk; each rank reads only
+its block of every expert and of every per-head MLA projection off disk."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from tests.support.safetensors_reads import record_reads
 # GLM-4.5 with q/k norms, two MoE layers after a dense one (first_k_dense_replace=1), a shared
 # expert, grouped routing; its next-n layer sits in the checkpoint (skipped without speculation).
 GLM = FAMILIES["glm4_moe"]
+# DeepSeek-V3 with a query bottleneck (q_a_proj, q_b_proj), interleaved rope, a dense first layer.
+DEEPSEEK = dict(arch="deepseek_v3", num_layers=3)
+MODELS = {"glm4_moe": GLM, "deepseek_v3": DEEPSEEK}
 
 
 def _logprobs(out: dict) -> list[float]:
@@ -41,8 +45,9 @@ def _generate(path: str, tp_size: int, **kwargs) -> list[dict]:
         return engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
 
 
-def test_glm4_moe_tp2_decodes_as_tp1_before_and_after_a_disk_update(make_model, hf):
-    old, new = make_model(**GLM), make_model(**dict(GLM, seed=3))
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_tp2_decodes_as_tp1_before_and_after_a_disk_update(family, make_model, hf):
+    old, new = make_model(**MODELS[family]), make_model(**dict(MODELS[family], seed=3))
     with Engine(model_path=old, tp_size=2, debug_tp_check_tokens=True, **ENGINE) as engine:
         before = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
         assert engine.update_weights_from_disk(new)["success"]
@@ -96,3 +101,34 @@ def test_moe_intermediate_size_that_does_not_divide_is_refused(make_model):
     path = make_model(**dict(GLM, extra_config=dict(GLM["extra_config"], moe_intermediate_size=33)))
     with pytest.raises(ValueError, match=r"moe_intermediate_size \(33\) is not divisible by"):
         Engine(model_path=path, tp_size=2, **ENGINE)
+
+
+@pytest.mark.parametrize("q_lora", [True, False])
+def test_each_rank_reads_only_its_heads_of_mla(q_lora, make_model, monkeypatch):
+    """Rank 1 of 2 takes the second half of the heads of q_b_proj (q_proj without a query
+    bottleneck), kv_b_proj (rows) and o_proj (columns), as slices; the latent projections are
+    whole on every rank."""
+    from spec_engine.distributed.parallel_state import TPGroup, use_tp_group
+    from spec_engine.models.hf_config import ModelConfig
+    from spec_engine.models.registry import model_class
+    from spec_engine.weights.loader import build_model
+
+    path = make_model(
+        **(DEEPSEEK if q_lora else dict(DEEPSEEK, extra_config={"q_lora_rank": None}))
+    )
+    whole, sliced = record_reads(monkeypatch)
+    config = ModelConfig.from_pretrained(path)
+    with use_tp_group(TPGroup(rank=1, size=2)):
+        model = build_model(model_class(config), config, torch.float32, torch.device("cpu"), path)
+    attn = "model.layers.1.self_attn."
+    q = "q_b_proj" if q_lora else "q_proj"
+    for name in (q, "kv_b_proj", "o_proj"):
+        assert f"{attn}{name}.weight" in sliced and f"{attn}{name}.weight" not in whole
+    p = dict(model.named_parameters())
+    with safe_open(checkpoint_files(path)[0], framework="pt") as f:
+        for name, dim in ((q, 0), ("kv_b_proj", 0), ("o_proj", 1)):
+            full = f.get_tensor(f"{attn}{name}.weight")
+            half = full.shape[dim] // 2
+            assert torch.equal(p[f"{attn}{name}.weight"], full.narrow(dim, half, half))
+        for name in ("q_a_proj", "kv_a_proj_with_mqa")[1 - q_lora :]:
+            assert torch.equal(p[f"{attn}{name}.weight"], f.get_tensor(f"{attn}{name}.weight"))
