@@ -2,7 +2,8 @@
 and DeepSeek-V3, with every expert's intermediate features and the shared expert split over the
 ranks and the router replicated (SGLang's placement at --ep-size 1), and DeepSeek-V3's MLA split
 by heads over a latent cache per rank, decode as tp 1 (greedy tokens, log-probs within 1e-4 in
-float32) and as transformers, before and after a weight update from disk; each rank reads only
+float32) and as transformers, before and after a weight update from disk (then from tensors,
+with checksums gathered over the ranks); each rank reads only
 its block of every expert and of every per-head MLA projection off disk."""
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from spec_engine import Engine
-from spec_engine.weights.loader import checkpoint_files
+from spec_engine.weights.loader import checkpoint_files, tensor_checksum
 from tests.conftest import FAMILIES
 from tests.engine.test_tensor_parallel import (  # noqa: F401  (forked_ranks: a fixture)
     ENGINE,
@@ -52,6 +54,15 @@ def test_tp2_decodes_as_tp1_before_and_after_a_disk_update(family, make_model, h
         before = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
         assert engine.update_weights_from_disk(new)["success"]
         after = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        # Checksums of the whole tensors, gathered from the ranks' blocks, are the checkpoint's.
+        tensors = load_file(checkpoint_files(new)[0])
+        sums = engine.get_weights_checksum()
+        assert any(".experts.7.down_proj." in n for n in sums)
+        assert sums == {n: tensor_checksum(tensors[n]) for n in sums}
+        # From tensors (each rank takes its blocks of the whole ones): back to the old weights.
+        engine.update_weights_from_tensor(list(load_file(checkpoint_files(old)[0]).items()))
+        back = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in back] == [o["output_ids"] for o in before]
     _assert_same(_generate(old, 1), before)
     _assert_same(_generate(new, 1), after)
     assert [o["output_ids"] for o in before] != [o["output_ids"] for o in after]
