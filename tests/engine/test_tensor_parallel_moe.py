@@ -2,11 +2,13 @@
 and DeepSeek-V3, with every expert's intermediate features and the shared expert split over the
 ranks and the router replicated (SGLang's placement at --ep-size 1), and DeepSeek-V3's MLA split
 by heads over a latent cache per rank, decode as tp 1 (greedy tokens, log-probs within 1e-4 in
-float32) and as transformers, before and after a weight update from disk (then from tensors,
-with checksums gathered over the ranks); each rank reads only
-its block of every expert and of every per-head MLA projection off disk."""
+float32; decode steps in emulated graphs) and as transformers, before and after a weight update
+from disk (then from tensors, with checksums gathered over the ranks); each rank reads only its
+block of every expert and of every per-head MLA projection off disk."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +32,9 @@ GLM = FAMILIES["glm4_moe"]
 # DeepSeek-V3 with a query bottleneck (q_a_proj, q_b_proj), interleaved rope, a dense first layer.
 DEEPSEEK = dict(arch="deepseek_v3", num_layers=3)
 MODELS = {"glm4_moe": GLM, "deepseek_v3": DEEPSEEK}
+# Decode steps in the CPU emulation of CUDA graphs (padded to 4, the all-reduce inside, checked
+# against eager at startup): the MoE's dense expert loop, as captured graphs run it.
+GRAPHS = dict(cuda_graph_bs=[1, 4], cuda_graph_self_check=True, max_running_requests=4)
 
 
 def _logprobs(out: dict) -> list[float]:
@@ -50,7 +55,9 @@ def _generate(path: str, tp_size: int, **kwargs) -> list[dict]:
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_tp2_decodes_as_tp1_before_and_after_a_disk_update(family, make_model, hf):
     old, new = make_model(**MODELS[family]), make_model(**dict(MODELS[family], seed=3))
-    with Engine(model_path=old, tp_size=2, debug_tp_check_tokens=True, **ENGINE) as engine:
+    with Engine(
+        model_path=old, tp_size=2, debug_tp_check_tokens=True, **GRAPHS, **ENGINE
+    ) as engine:
         before = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
         assert engine.update_weights_from_disk(new)["success"]
         after = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
@@ -108,10 +115,14 @@ def test_each_rank_reads_only_its_block_of_every_expert(make_model, monkeypatch)
     assert torch.equal(p["model.layers.1.mlp.gate.weight"], router)  # the router whole
 
 
-def test_moe_intermediate_size_that_does_not_divide_is_refused(make_model):
+def test_moe_intermediate_size_that_does_not_divide_is_refused_before_any_rank_starts(make_model):
+    from spec_engine.args.tp_checks import check_tensor_parallel
+    from spec_engine.models.hf_config import ModelConfig
+
     path = make_model(**dict(GLM, extra_config=dict(GLM["extra_config"], moe_intermediate_size=33)))
+    args = SimpleNamespace(tp_size=2, speculative_algorithm=None, device="cpu")
     with pytest.raises(ValueError, match=r"moe_intermediate_size \(33\) is not divisible by"):
-        Engine(model_path=path, tp_size=2, **ENGINE)
+        check_tensor_parallel(args, ModelConfig.from_pretrained(path))
 
 
 @pytest.mark.parametrize("q_lora", [True, False])
