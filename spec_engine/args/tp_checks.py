@@ -22,9 +22,29 @@ _TIMEOUT_VARIABLES = (
 )
 
 
+def check_expert_parallel(ep: int, tp: int, target: ModelConfig) -> None:
+    """Refuse an --ep-size other than 1 or --tp-size, or one the experts do not divide."""
+    if ep == 1:
+        return
+    flag = f"--ep-size {ep}"
+    if ep != tp:
+        raise ValueError(
+            f"{flag} with --tp-size {tp}: experts are split whole over all the ranks (--ep-size "
+            f"equal to --tp-size) or by features (--ep-size 1); set --ep-size {tp} or 1"
+        )
+    if target.moe is None:
+        raise ValueError(f"{flag}: {target.architecture} has no MoE layers; drop --ep-size")
+    if target.moe.num_experts % ep:
+        raise ValueError(
+            f"{flag}: the {target.moe.num_experts} routed experts do not split evenly over "
+            f"{ep} ranks; pick an --ep-size that divides them, or --ep-size 1"
+        )
+
+
 def check_tensor_parallel(args: Any, target: ModelConfig) -> None:
     """Refuse a --tp-size the model or the other flags cannot run at (ValueError)."""
     n = args.tp_size
+    check_expert_parallel(args.ep_size, n, target)
     if n == 1:
         return
     flag = f"--tp-size {n}"

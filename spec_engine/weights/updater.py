@@ -376,6 +376,11 @@ class WeightUpdater:
         """The named tensors whole: a tensor-parallel rank's blocks of the split ones are
         gathered (one collective for all of them, host copies) and put where each rank's shard
         says; the others are the same on every rank and this rank's."""
+        if self.tp.ep_size > 1:
+            raise ValueError(
+                f"reading weights whole at --ep-size {self.tp.ep_size}: each rank holds other "
+                "experts, and gathering them is not built yet; compare weights at --ep-size 1"
+            )
         held = {n: hf_tensor(*every[n]) for n in names}
         if self.tp.size == 1:
             return held

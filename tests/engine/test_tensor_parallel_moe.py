@@ -120,7 +120,7 @@ def test_moe_intermediate_size_that_does_not_divide_is_refused_before_any_rank_s
     from spec_engine.models.hf_config import ModelConfig
 
     path = make_model(**dict(GLM, extra_config=dict(GLM["extra_config"], moe_intermediate_size=33)))
-    args = SimpleNamespace(tp_size=2, speculative_algorithm=None, device="cpu")
+    args = SimpleNamespace(tp_size=2, ep_size=1, speculative_algorithm=None, device="cpu")
     with pytest.raises(ValueError, match=r"moe_intermediate_size \(33\) is not divisible by"):
         check_tensor_parallel(args, ModelConfig.from_pretrained(path))
 
@@ -154,3 +154,61 @@ def test_each_rank_reads_only_its_heads_of_mla(q_lora, make_model, monkeypatch):
             assert torch.equal(p[f"{attn}{name}.weight"], full.narrow(dim, half, half))
         for name in ("q_a_proj", "kv_a_proj_with_mqa")[1 - q_lora :]:
             assert torch.equal(p[f"{attn}{name}.weight"], f.get_tensor(f"{attn}{name}.weight"))
+
+
+def test_ep2_decodes_as_tp1_before_and_after_a_disk_update(make_model):
+    """--ep-size 2: each rank holds half the experts whole (the shared expert still split by
+    features); equal to tp 1, before and after an update from disk. Reading weights whole is
+    refused by name (the gather of whole experts is not built)."""
+    old, new = make_model(**GLM), make_model(**dict(GLM, seed=3))
+    kwargs = dict(tp_size=2, ep_size=2, debug_tp_check_tokens=True, **GRAPHS, **ENGINE)
+    with Engine(model_path=old, **kwargs) as engine:
+        assert engine.get_server_info()["ep_size"] == 2
+        before = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        assert engine.update_weights_from_disk(new)["success"]
+        after = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        with pytest.raises(ValueError, match="at --ep-size 2: each rank holds other experts"):
+            engine.get_weights_checksum()
+    _assert_same(_generate(old, 1), before)
+    _assert_same(_generate(new, 1), after)
+
+
+def test_at_ep2_each_rank_reads_only_its_experts_whole(make_model, monkeypatch):
+    from spec_engine.distributed.parallel_state import TPGroup, use_tp_group
+    from spec_engine.models.hf_config import ModelConfig
+    from spec_engine.models.registry import model_class
+    from spec_engine.weights.loader import build_model
+
+    path = make_model(**GLM)
+    whole, _ = record_reads(monkeypatch)  # (slices: also every header read, for shapes)
+    config = ModelConfig.from_pretrained(path)
+    with use_tp_group(TPGroup(rank=1, size=2, ep_size=2)):
+        model = build_model(model_class(config), config, torch.float32, torch.device("cpu"), path)
+    layer = "model.layers.1.mlp."
+    read = {n for n in whole if n.startswith(layer + "experts.")}
+    assert {int(n.split(".")[5]) for n in read} == {4, 5, 6, 7}  # rank 1's, whole; not 0-3
+    p = dict(model.named_parameters())
+    with safe_open(checkpoint_files(path)[0], framework="pt") as f:
+        gate, up = (f.get_tensor(f"{layer}experts.5.{n}_proj.weight") for n in ("gate", "up"))
+        down = f.get_tensor(f"{layer}experts.5.down_proj.weight")
+    inter, h = gate.shape
+    # Expert 5 is this rank's second (index 1).
+    w13 = p[f"{layer}experts.w13_weight"][2 * inter : 4 * inter]
+    assert torch.equal(w13, torch.cat([gate, up]))
+    assert torch.equal(p[f"{layer}experts.w2_weight"][h : 2 * h], down)
+    assert p[f"{layer}experts.w13_weight"].shape[0] == 4 * 2 * inter
+
+
+@pytest.mark.parametrize(
+    "ep_size, tp_size, match",
+    [
+        (2, 1, "--ep-size 2 with --tp-size 1: .* set --ep-size 1 or 1"),
+        (3, 3, "--ep-size 3: the 8 routed experts do not split evenly over 3 ranks"),
+    ],
+)
+def test_ep_sizes_that_do_not_fit_are_refused(ep_size, tp_size, match, make_model):
+    from spec_engine.args.tp_checks import check_expert_parallel
+    from spec_engine.models.hf_config import ModelConfig
+
+    with pytest.raises(ValueError, match=match):
+        check_expert_parallel(ep_size, tp_size, ModelConfig.from_pretrained(make_model(**GLM)))
