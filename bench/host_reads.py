@@ -141,10 +141,12 @@ class StepRecord:
 def _wrap_steps(engine: Any, around: Callable[[Callable[[], None], dict], None]) -> None:
     """Wraps the engine's scheduler `step` on the instance: `around(step, seen)` runs each step;
     `seen` then holds its kind ("prefill", "plain", "spec") and batch, or nothing when it ran
-    no batch. The worker's `decode` and `prefill` are wrapped too, to know each step's depth."""
+    no batch. The worker's `decode`, `launch_decode` and `prefill` are wrapped too, to know each
+    step's depth."""
     sched = engine.scheduler
     worker = sched.worker
     step, decode, prefill = sched.step, worker.decode, worker.prefill
+    launch = worker.launch_decode
     seen: dict[str, Any] = {}
 
     def seen_decode(reqs: Any, *depth: Any) -> Any:
@@ -152,6 +154,12 @@ def _wrap_steps(engine: Any, around: Callable[[Callable[[], None], dict], None])
         seen.setdefault("kind", "spec" if spec else "plain")
         seen["batch"] = seen.get("batch", 0) + len(reqs)
         return decode(reqs, *depth)
+
+    def seen_launch(reqs: Any, previous: Any = None) -> Any:
+        """An overlapped plain step (core/overlap.py): it reads the step launched before it."""
+        seen.setdefault("kind", "plain")
+        seen["batch"] = seen.get("batch", 0) + len(reqs)
+        return launch(reqs, previous)
 
     def seen_prefill(reqs: Any) -> Any:
         seen.update(kind="prefill", batch=len(reqs))
@@ -162,11 +170,13 @@ def _wrap_steps(engine: Any, around: Callable[[Callable[[], None], dict], None])
         around(step, seen)
 
     sched.step, worker.decode, worker.prefill = wrapped_step, seen_decode, seen_prefill
+    worker.launch_decode = seen_launch
 
 
 def _unwrap_steps(engine: Any) -> None:
     sched = engine.scheduler
-    for obj, name in ((sched, "step"), (sched.worker, "decode"), (sched.worker, "prefill")):
+    wrapped = ((sched, "step"), (sched.worker, "decode"), (sched.worker, "prefill"))
+    for obj, name in (*wrapped, (sched.worker, "launch_decode")):
         obj.__dict__.pop(name, None)
 
 

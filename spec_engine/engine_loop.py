@@ -45,6 +45,8 @@ class Command(NamedTuple):
 
 
 STOP = Command("stop")
+# The path of a submission (Engine._add_requests): it only queues requests.
+SUBMIT = "_add_requests"
 
 
 class SchedulerLoop:
@@ -144,7 +146,11 @@ class SchedulerLoop:
                 return items
 
     def _run_commands(self, items: list[tuple[Any, Any]]) -> bool:
-        """Run the commands in order; False once shut down."""
+        """Run the commands in order; False once shut down. Every command but a submission
+        first sees the decode step in flight read and processed (core/overlap.py): it finds
+        the state a step-by-step scheduler leaves."""
+        if any(getattr(command, "path", None) != SUBMIT for command, _ in items):
+            self.scheduler.drain()
         for command, future in items:
             if command == STOP:
                 self.scheduler.abort_all("engine shut down")

@@ -157,6 +157,15 @@ class EngineArgs:
         "Larger values reserve more KV for running requests' future tokens (fewer retractions, "
         "less concurrency).",
     )
+    enable_overlap_schedule: bool = _opt(
+        False,
+        "Overlap plain decode steps: launch step N+1 before step N's tokens are read back "
+        "(core/overlap.py; outputs are identical). Off by default until speculative decoding "
+        "overlaps too; SGLang overlaps by default.",
+    )
+    disable_overlap_schedule: bool = _opt(
+        False, "SGLang's flag: never overlap steps (overrides --enable-overlap-schedule)."
+    )
     page_size: int = _opt(1, "Tokens per KV cache page; the prefix cache shares whole pages.")
     disable_radix_cache: bool = _opt(
         False, "Disable the prefix (radix) cache: no KV sharing between requests."

@@ -173,10 +173,6 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     "enable_llama4_multimodal": _noop(None, "specrl serves text-only models", bool),
     "disable_fast_image_processor": _noop(False, "specrl serves text-only models"),
     # Scheduling
-    "disable_overlap_schedule": _noop(
-        False,
-        "specrl's scheduler does not overlap CPU scheduling with the forward; nothing to disable",
-    ),
     "enable_mixed_chunk": _noop(
         False, "prefill chunks and decode steps run as separate forwards in specrl"
     ),

@@ -11,7 +11,7 @@ ones after each step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Optional
 
 from spec_engine.core.req_kv import RequestKV
@@ -51,9 +51,11 @@ class OutputProcessor:
             self.process(done, _rows(result, [i for i, t in enumerate(result.tokens) if t]))
         return done
 
-    def process(self, reqs: list[Req], result: StepResult) -> int:
+    def process(self, reqs: list[Req], result: StepResult, held: Container[int] = ()) -> int:
         """Append emitted tokens, finish and release requests that are done; returns tokens
-        added."""
+        added. A request whose id is in `held` has KV written by a step in flight: it finishes
+        (its routing kept), but its KV is released and its caller told by the scheduler, after
+        that step (core/overlap.py)."""
         added = 0
         for i, req in enumerate(reqs):
             emitted = self._take(req, result, i)
@@ -63,7 +65,7 @@ class OutputProcessor:
                 req.spec_emitted += emitted
                 req.spec_drafted += result.drafted[i]
             if req.finished:
-                self.finish(req)
+                self.finish(req, release=id(req) not in held)
             elif req.input.stream and len(req.output_ids) - req.delivered >= self.stream_interval:
                 self.notify(req, False)
         return added
@@ -99,9 +101,12 @@ class OutputProcessor:
                 break
         return len(req.output_ids) - before
 
-    def finish(self, req: Req) -> None:
+    def finish(self, req: Req, release: bool = True) -> None:
         """`req` is done: free KV past its end, keep its routing, release its KV, tell the
-        caller."""
+        caller; not `release`: a step in flight still writes its KV, keep the routing only."""
+        if not release:
+            self._keep_routing(req)
+            return
         self.kv.trim(req)
         self._keep_routing(req)
         self.kv.release(req)

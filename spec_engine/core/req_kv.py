@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -91,16 +91,18 @@ class RequestKV:
         """Share the prompt pages `req` computed so far (chunk by chunk for long prompts)."""
         self.tree_cache.cache_unfinished_req(req, insert=req.kv_epoch == self.weight_epoch)
 
-    def trim(self, req: Req) -> None:
-        """A speculative step can compute KV past the token a request stopped at: free it."""
-        if req.kv_len <= req.seq_len:
+    def trim(self, req: Req, end: Optional[int] = None) -> None:
+        """A speculative step can compute KV past the token a request stopped at, an overlapped
+        step past what the request would hold without it (`end`): free it."""
+        end = req.seq_len if end is None else end
+        if req.kv_len <= end:
             return
-        first_free = -(-req.seq_len // self.page_size) * self.page_size  # pages of kept tokens stay
+        first_free = -(-end // self.page_size) * self.page_size  # pages of kept tokens stay
         if first_free < req.kv_len:
             self.allocator.free(
                 self.req_to_token.read_host(req.req_pool_idx, req.kv_len, start=first_free)
             )
-        req.kv_len = req.seq_len
+        req.kv_len = end
 
     def slots(self, req: Req, start: int, end: int) -> torch.Tensor:
         """The slots of positions [start, end) of `req`."""

@@ -5,7 +5,9 @@ decodes every running request. The scheduler decides and delegates: admission.py
 prefill, retraction.py makes room for a decode step, the decode policy (core/policy.py, with
 speculation speculative/policy.py) says which running requests decode together and how,
 output_processor.py turns a step's results into finished or streamed requests, and req_kv.py
-claims and releases every request's KV. Which requests run is the scheduler's own state.
+claims and releases every request's KV. Which requests run is the scheduler's own state, and so
+is the plain decode step in flight when steps overlap (overlap.py: step N+1 is launched before
+step N is read back and processed).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Optional
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.core.admission import Admission
 from spec_engine.core.output_processor import OutputProcessor
+from spec_engine.core.overlap import InFlight, live_rows, overlappable, release_after
 from spec_engine.core.policy import DecodeGroup, DecodePolicy, StepCost
 from spec_engine.core.req_kv import RequestKV
 from spec_engine.core.request import Req
@@ -63,12 +66,24 @@ class Scheduler:
         # The prefill batch being run: admitted, but not yet running (needed if the step fails).
         self.prefilling: list[Req] = []
         self.last_gen_throughput = 0.0
+        # Plain decoding overlaps its steps with --enable-overlap-schedule (core/overlap.py).
+        self.overlap = (
+            args.enable_overlap_schedule
+            and not args.disable_overlap_schedule
+            and args.speculative_algorithm is None
+        )
+        self.inflight: Optional[InFlight] = None
 
     # ------------------------------------------------------------ the step
 
     def step(self) -> None:
         """One prefill of what admission takes, else one decode of every running request."""
         now = time.perf_counter()
+        if self.inflight is not None and (
+            self.timeouts.expired(self.admission.waiting, self.active_reqs(), now)
+            or not self._overlaps()
+        ):
+            self.drain()
         for req, message in self.timeouts.expired(self.admission.waiting, self.active_reqs(), now):
             self._finish_abort(req, message, self.timeouts.status_code)
         batch = self.admission.schedule(self.running)
@@ -89,8 +104,62 @@ class Scheduler:
         self.running = [r for r in self.running + started if not r.finished]
         self.prefilling = []
 
+    def _overlaps(self) -> bool:
+        """Whether the next step may launch while the one in flight is unread: a plain decode of
+        the running requests, nothing to admit, nothing to retract (a step-by-step scheduler
+        would decide the same with the step in flight processed)."""
+        return (
+            self.overlap
+            and bool(self.running)
+            and not self.admission.has_work()
+            and all(overlappable(r) for r in self.running)
+            and self.worker.decode_kv_demand(self.running) <= self.kv.available_tokens()
+        )
+
+    def drain(self) -> int:
+        """Read and process the step in flight, launching nothing; returns the tokens taken."""
+        inflight, self.inflight = self.inflight, None
+        return 0 if inflight is None else self._complete(inflight)
+
+    def _launch(self, group: DecodeGroup) -> int:
+        """Launch `group`'s plain decode step, then read and process the one in flight; returns
+        the tokens that one's requests took."""
+        previous = self.inflight
+        self.policy.prepare(group)
+        pending = self.worker.launch_decode(
+            group.reqs, previous.pending if previous is not None else None
+        )
+        self.inflight = InFlight(group, pending, time.perf_counter())
+        return 0 if previous is None else self._complete(previous)
+
+    def _complete(self, done: InFlight) -> int:
+        """Read `done` back and process it: requests that finished while it was in flight drop
+        its token and release their KV now; the others take theirs. A request that finishes
+        here but is in the step in flight is told now, its KV released after that step, unless
+        that step holds only finished requests: then it is read first."""
+        result = done.pending.finish()  # the step's one read
+        cost = self.rank0_value(StepCost(time.perf_counter() - done.launched, 0.0))
+        release_after(self.kv, done.pending)
+        reqs, rows = live_rows(done.pending, result)
+        held = {id(r) for r in self.inflight.pending.reqs} if self.inflight is not None else ()
+        emitted = self.outputs.process(reqs, rows, held)
+        self._drop_finished()
+        self.policy.observe(done.group, result, emitted, cost)
+        finished = [r for r in reqs if r.finished and id(r) in held]
+        if finished and self.inflight is not None:
+            if all(r.finished for r in self.inflight.pending.reqs):
+                # Nothing live in flight: read it now, so that the callers told below find the
+                # KV released, as without overlap.
+                emitted += self.drain()
+        for req in finished:
+            self.outputs.notify(req, True)
+        return emitted
+
     def _decode(self, group: DecodeGroup) -> int:
         """Decode one group of the policy's plan; returns the tokens its requests took."""
+        if self.overlap and group.depth is None and all(overlappable(r) for r in group.reqs):
+            return self._launch(group)
+        emitted = self.drain()
         start = time.perf_counter()
         self.policy.prepare(group)
         began = time.perf_counter()
@@ -99,10 +168,10 @@ class Scheduler:
         result = self.worker.decode(group.reqs, *depth)
         # The tokens are on the host: the time is the step's.
         cost = self.rank0_value(StepCost(time.perf_counter() - began, began - start))
-        emitted = self.outputs.process(group.reqs, result)
+        taken = self.outputs.process(group.reqs, result)
         self._drop_finished()
-        self.policy.observe(group, result, emitted, cost)
-        return emitted
+        self.policy.observe(group, result, taken, cost)
+        return emitted + taken
 
     def _drop_finished(self) -> None:
         self.running = [r for r in self.running if not r.finished]
@@ -113,12 +182,12 @@ class Scheduler:
         self.admission.add(req)
 
     def has_work(self) -> bool:
-        """Whether any request is queued or running."""
-        return bool(self.running) or self.admission.has_work()
+        """Whether any request is queued or running, or a step is in flight."""
+        return bool(self.running) or self.admission.has_work() or self.inflight is not None
 
     def holds_kv(self) -> bool:
-        """Whether a running (or half-prefilled) request holds KV slots."""
-        return bool(self.running or self.admission.chunked)
+        """Whether a running (or half-prefilled) request, or a step in flight, holds KV slots."""
+        return bool(self.running or self.admission.chunked or self.inflight is not None)
 
     def retract_all(self) -> None:
         """Put every running request back at the head of the queue, its KV released (it is
@@ -149,6 +218,7 @@ class Scheduler:
         """After a failed step: end every request with an error and start KV memory afresh
         (the step may have left slots half-assigned)."""
         reqs = list({id(r): r for r in self._all_reqs() + self.prefilling}.values())
+        self.inflight = None  # its finished requests were told; kv.reset frees their KV
         self.admission.clear()
         self.running = []
         self.prefilling = []

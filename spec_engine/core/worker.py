@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -63,6 +63,32 @@ class StepResult:
     top_p_ids: Optional[list[list[list[int]]]] = None
     # Requests the model failed this step (non-finite logits): index -> why; they emit nothing.
     failed: dict[int, str] = field(default_factory=dict)
+
+
+class Draw(NamedTuple):
+    """A step's draws on the device, before its read: the tokens, the non-finite flags and the
+    processed logits (top-p replay reads them after)."""
+
+    drawn: DrawnTokens
+    flags: torch.Tensor
+    logits: torch.Tensor
+
+
+@dataclass
+class PendingDecode:
+    """A plain decode step launched and not yet read back: its requests, their KV lengths
+    before it, its sampled tokens on the device, and `finish`, its read (a StepResult)."""
+
+    reqs: list[Req]
+    starts: list[int]
+    tokens: torch.Tensor
+    finish: Callable[[], StepResult]
+
+
+def resolve_placeholders(ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`ids` with each placeholder -1 - j replaced by tokens[j], on the device."""
+    rows = (-1 - ids).clamp(min=0)
+    return torch.where(ids < 0, tokens.to(ids.dtype)[rows], ids)
 
 
 class ModelWorker:
@@ -155,12 +181,44 @@ class ModelWorker:
     def _decode(
         self, reqs: Sequence[Req], capture_hidden: bool = False
     ) -> tuple[StepResult, ForwardOutput]:
+        out = self._forward_decode(
+            reqs, self._tensor([r.output_ids[-1] for r in reqs]), capture_hidden
+        )
+        result = StepResult(tokens=[[] for _ in reqs])
+        self._sample_into(result, out.logits, reqs, range(len(reqs)))
+        return result, out
+
+    def launch_decode(
+        self, reqs: Sequence[Req], previous: Optional[PendingDecode] = None
+    ) -> PendingDecode:
+        """A plain decode step launched without reading its tokens back (core/overlap.py). A
+        request of `previous`, the step still in flight, takes its input id from that step's
+        sampled tokens on the device (SGLang's FutureMap: a negative placeholder, gathered)."""
+        rows = {id(r): j for j, r in enumerate(previous.reqs)} if previous is not None else {}
+        ids = self._tensor([-1 - rows[id(r)] if id(r) in rows else r.output_ids[-1] for r in reqs])
+        if rows:
+            ids = resolve_placeholders(ids, previous.tokens)
+        starts = [r.kv_len for r in reqs]
+        out = self._forward_decode(reqs, ids)
+        # A request of `previous` has one token in flight: it counts for its seed and bans.
+        draw = self._draw(out.logits, reqs, [1 if id(r) in rows else 0 for r in reqs])
+        result = StepResult(tokens=[[] for _ in reqs])
+
+        def finish() -> StepResult:
+            self._read_into(result, draw, reqs, range(len(reqs)))
+            return result
+
+        return PendingDecode(list(reqs), starts, draw[0].token_ids, finish)
+
+    def _forward_decode(
+        self, reqs: Sequence[Req], input_ids: torch.Tensor, capture_hidden: bool = False
+    ) -> ForwardOutput:
         starts = [r.kv_len for r in reqs]
         ends = [s + 1 for s in starts]
         out_loc = self._alloc(reqs, starts, ends)
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=self._tensor([r.output_ids[-1] for r in reqs]),
+            input_ids=input_ids,
             positions=self._tensor(starts),
             out_cache_loc=out_loc,
             req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
@@ -171,9 +229,7 @@ class ModelWorker:
         out = self.runner.forward(batch)
         for r in reqs:
             r.kv_len += 1
-        result = StepResult(tokens=[[] for _ in reqs])
-        self._sample_into(result, out.logits, reqs, range(len(reqs)))
-        return result, out
+        return out
 
     def _score_prompt(self, logits: torch.Tensor, scored: list[tuple[Req, list[int]]]) -> None:
         """Log-probs (and top log-probs) of prompt tokens at each request's temperature."""
@@ -211,18 +267,29 @@ class ModelWorker:
         self, result: StepResult, logits: torch.Tensor, reqs: Sequence[Req], rows: Sequence[int]
     ) -> None:
         """Sample one token per logits row; row j belongs to request rows[j] of the result."""
+        self._read_into(result, self._draw(logits, reqs), reqs, rows)
+
+    def _draw(self, logits: torch.Tensor, reqs: Sequence[Req], ahead: Sequence[int] = ()) -> Draw:
+        """Process the logits and draw on the device (nothing read); `ahead`: per request, its
+        tokens sampled but not yet appended (an overlapped step's)."""
         params = [r.input.sampling_params for r in reqs]
         detect = self.runner.args.enable_nan_detection
         logits, flags = replace_nan(logits) if detect else (logits, nonfinite_flags(logits))
         logits = process_logits(logits, params, [r.output_ids for r in reqs])
         logits = mask_rows(logits, [r.grammar for r in reqs])
         logits = apply_processors(logits, reqs, [r.output_ids for r in reqs])
-        drawn = self.sampler.draw(
-            logits, sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids)
-        )
+        batch = sampling_batch(reqs, self.vocab_size, self.device, self.eos_token_ids, ahead)
+        return Draw(self.sampler.draw(logits, batch), flags, logits)
+
+    def _read_into(
+        self, result: StepResult, draw: Draw, reqs: Sequence[Req], rows: Sequence[int]
+    ) -> None:
+        """Read the draws back (the step's one read) into request rows[j] of the result."""
+        params = [r.input.sampling_params for r in reqs]
+        logits = draw.logits
         # The step's one read: tokens, flags and asked log-probs together.
-        sampled, bad = read_sample(drawn, flags)
-        if detect:
+        sampled, bad = read_sample(draw.drawn, draw.flags)
+        if self.runner.args.enable_nan_detection:
             warn_nan(bad)
         else:
             for j in (j for j, b in enumerate(bad) if b):
@@ -286,12 +353,15 @@ def sampling_batch(
     vocab_size: int,
     device: torch.device,
     eos_token_ids: frozenset[int] = frozenset(),
+    ahead: Sequence[int] = (),
 ) -> SamplingBatch:
-    """The requests' sampling parameters as one batch of tensors (built once per step)."""
+    """The requests' sampling parameters as one batch of tensors (built once per step);
+    `ahead`: per request, tokens sampled in flight but not yet in its output_ids."""
     temps, ks, ps, mins, uniforms, plain, filtered = [], [], [], [], [], [], []
     banned_rows, banned_ids = [], []
     for i, req in enumerate(reqs):
-        for t in req.banned_tokens(eos_token_ids):
+        n = ahead[i] if ahead else 0
+        for t in req.banned_tokens(eos_token_ids, n):
             banned_rows.append(i)
             banned_ids.append(t)
         sp = req.input.sampling_params
@@ -301,7 +371,7 @@ def sampling_batch(
         ps.append(sp.top_p)
         mins.append(sp.min_p)
         greedy = sp.is_greedy
-        uniforms.append(0.0 if greedy else request_uniform(req.input.seed, len(req.output_ids)))
+        uniforms.append(0.0 if greedy else request_uniform(req.input.seed, len(req.output_ids) + n))
         if not greedy:
             (filtered if k < vocab_size or sp.top_p < 1.0 or sp.min_p > 0.0 else plain).append(i)
 

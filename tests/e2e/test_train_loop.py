@@ -5,6 +5,7 @@ engine, and the --sglang-* passthrough refusing what it must."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 
@@ -225,14 +226,21 @@ def test_debug_rollout_only_shuts_down_when_a_step_of_it_fails(rollout_only_run)
     assert "closing the metrics log failed" in proc.stderr
 
 
-def test_a_failing_shutdown_step_never_hides_the_error_that_ended_the_run(caplog):
+def test_a_failing_shutdown_step_never_hides_the_error_that_ended_the_run(monkeypatch):
     """Every shutdown step runs and each failure is logged; a step's error is raised when the run
     had none, but the run's own error (a dead actor: main turns it into the message naming the
     checkpoint) is the one that leaves, not the failure on the way out."""
     import contextlib
 
     from rollout.router import EngineDied
-    from specrl.loop import shutdown_step
+    from specrl.loop import logger, shutdown_step
+
+    # A handler on the loop's own logger, not caplog's on the root: an in-process run earlier in
+    # the session (specrl.console.setup_logging) may have turned propagation off.
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    monkeypatch.setattr(logger, "handlers", [*logger.handlers, handler])
 
     def broken() -> None:
         raise RuntimeError("disk gone")
@@ -244,12 +252,13 @@ def test_a_failing_shutdown_step_never_hides_the_error_that_ended_the_run(caplog
             teardown.push(shutdown_step("closing the metrics log", broken))
             raise EngineDied(0, "its actor was killed")
     assert ran == ["engines"]
-    assert "closing the metrics log failed" in caplog.text
+    assert logged == ["closing the metrics log failed"]
     with pytest.raises(RuntimeError, match="disk gone"):
         with contextlib.ExitStack() as teardown:
             teardown.push(shutdown_step("stopping the engines", lambda: ran.append("engines")))
             teardown.push(shutdown_step("closing the metrics log", broken))
     assert ran == ["engines", "engines"]
+    assert logged == ["closing the metrics log failed"] * 2
 
 
 @pytest.mark.parametrize(

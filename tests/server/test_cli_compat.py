@@ -122,7 +122,8 @@ def test_seed_logs_server_args_all_parse():
         assert args.model_path == values["model_path"]
         assert args.speculative_num_draft_tokens == values["speculative_num_draft_tokens"]
         # SGLang's device="cuda" and its ports parse; the options specrl has none for are kept.
-        assert args.sglang_options.get("disable_overlap_schedule") is True
+        assert args.sglang_options.get("enable_mixed_chunk") is None
+        assert args.disable_overlap_schedule is True
 
 
 def test_compat_flags_are_logged_once_or_refused_with_the_alternative(llama_path, caplog):
