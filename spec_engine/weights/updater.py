@@ -164,21 +164,17 @@ class WeightUpdater:
     def from_disk(self, model_path: str, component: str = "target") -> int:
         """Load a whole Hugging Face checkpoint into the target (its MTP layers into an MTP
         draft) or, with component="draft", into the external draft. A tensor-parallel rank
-        reads its blocks alone, and copies only once every rank has checked its part."""
+        reads its blocks alone (at --ep-size > 1 its own experts alone), and copies only once
+        every rank has checked its part; returns the bytes this rank read."""
         routes, models, shards = self.on_every_rank(lambda: self._check_disk(model_path, component))
         received = 0
         quantize = fp8.read_block_fp8(model_path) is None  # an FP8 checkpoint's values are exact
-        for name, tensor in iterate_checkpoint(model_path, shards=shards):
-            if is_ignored(name):
-                continue
+        for name, tensor in iterate_checkpoint(model_path, _held(routes), shards):
             model, local = routes[name]
-            if model is not None:
-                block = self._fp8_block(model)
-                if block is not None and quantize:
-                    tensor = fp8.served(local, tensor, block)
-                copy_weights(
-                    model, [(local, tensor)], refresh=False
-                )  # one pass over the files, one refresh
+            block = self._fp8_block(model)
+            if block is not None and quantize:
+                tensor = fp8.served(local, tensor, block)
+            copy_weights(model, [(local, tensor)], refresh=False)  # one pass, one refresh
             received += tensor.numel() * tensor.element_size()
         for model in models.values():
             refresh_derived(model)
@@ -216,9 +212,8 @@ class WeightUpdater:
         }
         # A pass over the files before the first copy: a NaN found half-way would leave the
         # model half-updated.
-        for name, tensor in iterate_checkpoint(model_path, shards=shards):
-            if not is_ignored(name) and routes[name][0] is not None:
-                _check_finite(name, tensor)
+        for name, tensor in iterate_checkpoint(model_path, _held(routes), shards):
+            _check_finite(name, tensor)
         return routes, models, shards
 
     def on_every_rank(self, check: Callable[[], T], done: str = "updated") -> T:
@@ -452,6 +447,12 @@ class WeightUpdater:
         if self.draft is not None and self.draft.model is not self.target:
             models.append(self.draft.model)
         return models
+
+
+def _held(routes: dict[str, tuple[Optional[nn.Module], str]]) -> Callable[[str], bool]:
+    """Whether a checkpoint name is read at all: not another rank's experts (--ep-size > 1) or
+    an MTP layer no draft uses, which are checked by name and shape but never read."""
+    return lambda name: name in routes and routes[name][0] is not None
 
 
 def _check_finite(name: str, tensor: torch.Tensor) -> None:

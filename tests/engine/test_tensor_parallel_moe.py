@@ -212,6 +212,36 @@ def test_at_ep2_each_rank_reads_only_its_experts_whole(make_model, monkeypatch):
     assert p[f"{layer}experts.w13_weight"].shape[0] == 4 * 2 * inter
 
 
+def test_at_ep2_a_disk_update_reads_only_this_ranks_experts(make_model, monkeypatch):
+    """Rank 1 of --ep-size 2 updating from disk reads experts 4-7 whole and never 0-3 (in the
+    check pass or the copy pass), takes the new checkpoint's values for them, and reports the
+    bytes it read: its own tensors' (nor the next-n layer the trunk skips)."""
+    from spec_engine.distributed.parallel_state import TPGroup, use_tp_group
+    from spec_engine.models.hf_config import ModelConfig
+    from spec_engine.models.registry import model_class
+    from spec_engine.weights.loader import build_model, hf_tensor, weight_spec
+    from spec_engine.weights.updater import WeightUpdater
+
+    old, new = make_model(**GLM), make_model(**dict(GLM, seed=3))
+    config = ModelConfig.from_pretrained(old)
+    with use_tp_group(TPGroup(rank=1, size=2, ep_size=2)):
+        model = build_model(model_class(config), config, torch.float32, torch.device("cpu"), old)
+    whole, _ = record_reads(monkeypatch)  # (slices: also every header read, for shapes)
+    # This rank's side of the update (the ranks' verdicts are gathered only at tp > 1).
+    received = WeightUpdater(model, torch.device("cpu")).from_disk(new)
+    layer = "model.layers.1.mlp.experts."
+    read = {n for n in whole if n.startswith(layer)}
+    assert {int(n.split(".")[5]) for n in read} == {4, 5, 6, 7}
+    with safe_open(checkpoint_files(new)[0], framework="pt") as f:
+        for name in sorted(n for n in f.keys() if n.startswith(layer)):
+            held = weight_spec(model)[name].param is not None
+            assert held == (int(name.split(".")[5]) >= 4)
+            if held:
+                assert torch.equal(hf_tensor(model, name), f.get_tensor(name))
+    mine = [n for n, slot in weight_spec(model).items() if slot.param is not None]
+    assert received == sum(hf_tensor(model, n).numel() * 4 for n in mine)
+
+
 @pytest.mark.parametrize(
     "ep_size, tp_size, match",
     [
