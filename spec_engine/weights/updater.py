@@ -345,44 +345,60 @@ class WeightUpdater:
         ):
             raise ValueError(f"names must be a list of weight names, got {names!r}")
         every = self._named_weights()
-        wanted = list(every) if names is None else names
-        unknown = [n for n in wanted if n not in every]
+        known = self._holders(every)
+        wanted = list(known) if names is None else names
+        unknown = [n for n in wanted if n not in known]
         if unknown:
             raise ValueError(f"no weights named {unknown[:5]}")
-        return {n: tensor_checksum(t) for n, t in self._whole(wanted, every).items()}
+        return {n: tensor_checksum(t) for n, t in self._whole(wanted, every, known).items()}
 
     def names(self) -> list[str]:
-        """Every weight's Hugging Face name (`draft.`-prefixed for an external draft)."""
-        return list(self._named_weights())
+        """Every weight's Hugging Face name (`draft.`-prefixed for an external draft), whichever
+        rank holds it (at --ep-size > 1 every rank calls this)."""
+        return list(self._holders(self._named_weights()))
 
     def tensor(self, name: str) -> torch.Tensor:
         """One weight by its Hugging Face name (`draft.`-prefixed for an external draft), whole:
         under tensor parallelism gathered from the ranks (every rank calls this)."""
         every = self._named_weights()
-        if name not in every:
-            close = difflib.get_close_matches(name, list(every), n=1)
+        known = self._holders(every)
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"no weight named {name!r}{hint}")
-        return self._whole([name], every)[name]
+        return self._whole([name], every, known)[name]
+
+    def _holders(self, every: dict[str, tuple[nn.Module, str]]) -> dict[str, list[int]]:
+        """The ranks holding each weight (`every`: this rank's), in the target's order. At
+        --ep-size > 1 a routed expert is held by one rank alone, so the names are gathered;
+        else every rank holds every name, as a block or whole."""
+        if self.tp.ep_size == 1:
+            return {n: list(range(self.tp.size)) for n in every}
+        holders: dict[str, list[int]] = {}
+        for rank, held in enumerate(self.tp.gather_objects(list(every))):
+            for n in held:
+                holders.setdefault(n, []).append(rank)
+        order = {n: i for i, n in enumerate(weight_spec(self.target))}
+        return {n: holders[n] for n in sorted(holders, key=lambda n: order.get(n, len(order)))}
 
     def _whole(
-        self, names: list[str], every: dict[str, tuple[nn.Module, str]]
+        self,
+        names: list[str],
+        every: dict[str, tuple[nn.Module, str]],
+        holders: dict[str, list[int]],
     ) -> dict[str, torch.Tensor]:
         """The named tensors whole: a tensor-parallel rank's blocks of the split ones are
         gathered (one collective for all of them, host copies) and put where each rank's shard
-        says; the others are the same on every rank and this rank's."""
-        if self.tp.ep_size > 1:
-            raise ValueError(
-                f"reading weights whole at --ep-size {self.tp.ep_size}: each rank holds other "
-                "experts, and gathering them is not built yet; compare weights at --ep-size 1"
-            )
-        held = {n: hf_tensor(*every[n]) for n in names}
+        says, and a tensor that one rank alone holds (its experts at --ep-size > 1) comes from
+        that rank; the others are the same on every rank and this rank's."""
+        held = {n: hf_tensor(*every[n]) for n in names if n in every}
         if self.tp.size == 1:
             return held
-        slots = {n: weight_spec(every[n][0])[every[n][1]] for n in names}
-        split = [n for n in names if slots[n].shard is not None]
+        slots = {n: weight_spec(every[n][0])[every[n][1]] for n in held}
+        split = [n for n in held if slots[n].shard is not None]
+        alone = [n for n in held if len(holders[n]) < self.tp.size and n not in split]
         ranks = self.tp.gather_objects(
-            {n: (slots[n].shard, held[n].to("cpu", copy=True)) for n in split}
+            {n: (slots[n].shard, held[n].to("cpu", copy=True)) for n in split + alone}
         )
         for n in split:
             whole = torch.empty(slots[n].shape, dtype=held[n].dtype, device="cpu")
@@ -391,7 +407,7 @@ class WeightUpdater:
                 shard, part = blocks[n]
                 whole.narrow(shard.dim, shard.start, shard.length).copy_(part)
             held[n] = whole
-        return held
+        return {n: held[n] if n in held else ranks[holders[n][0]][n][1] for n in names}
 
     def fill_weights(self, value: float) -> None:
         """Overwrite every floating-point weight with `value` (slime's weights_checker
