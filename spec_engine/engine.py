@@ -144,7 +144,7 @@ class Engine(EngineControl, SchedulerLoop):
             self.scheduler.rank0_value = policy.rank0_value = rank0_value
         self.inputs = self._request_builder(worker.decode_headroom(), eos_ids)
         draft = getattr(worker, "draft", None)
-        self.updater = WeightUpdater(self.runner.model, self.runner.device, draft, tp)
+        self.updater = WeightUpdater(self.runner.model, self.runner.device, draft, self.runner.tp)
         self.memory = MemoryController(
             self.scheduler, [self.runner] + ([draft] if draft is not None else []), self.updater
         )

@@ -317,9 +317,16 @@ class EngineArgs:
     tp_size: int = _opt(
         1,
         "Tensor-parallel ranks of the engine: this process is rank 0 and starts the others (on "
-        "CUDA one GPU each from --base-gpu-id; on the CPU, processes sharing this host). Dense "
-        "Llama, Qwen2, Qwen3 and MiMo targets without speculative decoding.",
+        "CUDA one GPU each from --base-gpu-id; on the CPU, processes sharing this host). Llama, "
+        "Qwen2, Qwen3, MiMo, GLM-4.5 and DeepSeek-V3 targets without speculative decoding.",
         aliases=("tensor-parallel-size",),
+    )
+    ep_size: int = _opt(
+        1,
+        "Expert parallelism of a MoE target's routed experts: at 1 every rank holds every "
+        "expert's block of features; at --tp-size each rank holds num_experts / tp_size whole "
+        "experts (the router and shared experts placed as at 1).",
+        aliases=("expert-parallel-size",),
     )
     dist_init_addr: Optional[str] = _opt(
         None,

@@ -44,8 +44,9 @@ _ONE_NODE = (
     "multi-node engines are not built yet"
 )
 _NO_MOE = (
-    "specrl's MoE layers (GLM-4.5, DeepSeek-V3) run their experts in one module at --tp-size 1: "
-    "no expert parallelism or fused MoE kernels yet"
+    "specrl's MoE layers (GLM-4.5, DeepSeek-V3) run their experts unfused, split by features "
+    "(--ep-size 1) or whole per rank (--ep-size equal to --tp-size): no DeepEP, all-to-all or "
+    "fused MoE backends"
 )
 _TORCH_COLLECTIVES = (
     "tensor-parallel collectives are torch.distributed's (NCCL on CUDA, gloo on the CPU); no "
@@ -112,7 +113,6 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     # Parallelism
     "dp_size": _refuse(1, _ONE_DEVICE, int),
     "pp_size": _refuse(1, _ONE_DEVICE, int),
-    "ep_size": _refuse(1, _NO_MOE, int),
     "nnodes": _refuse(1, _ONE_NODE, int),
     "node_rank": _refuse(0, _ONE_NODE, int),
     "gpu_id_step": _refuse(1, "rank r runs on GPU --base-gpu-id + r", int),

@@ -1,8 +1,9 @@
 """What --tp-size > 1 runs today, checked against the model and the other flags once they are
-resolved: dense Llama, Qwen2, Qwen3 and MiMo targets, unquantized, eager forwards on CUDA
-(their emulated graphs on the CPU); plain decoding and speculative decoding with its drafts at
-the target's TP (NGRAM; EAGLE-2, EAGLE-3 and STANDALONE drafts; MiMo's MTP layer). Each refusal
-names what works instead."""
+resolved: Llama, Qwen2, Qwen3, MiMo, GLM-4.5 and DeepSeek-V3 targets (MoE experts split by TP
+or whole by EP, MLA by heads), unquantized, eager forwards on CUDA (their emulated graphs on the
+CPU); plain decoding, and speculative decoding with its drafts at the target's TP (NGRAM;
+EAGLE-2, EAGLE-3 and STANDALONE drafts; MiMo's MTP layer). Each refusal names what works
+instead."""
 
 from __future__ import annotations
 
@@ -23,23 +24,37 @@ _TIMEOUT_VARIABLES = (
 )
 
 
+def check_expert_parallel(ep: int, tp: int, target: ModelConfig) -> None:
+    """Refuse an --ep-size other than 1 or --tp-size, or one the experts do not divide."""
+    if ep == 1:
+        return
+    flag = f"--ep-size {ep}"
+    if ep != tp:
+        raise ValueError(
+            f"{flag} with --tp-size {tp}: experts are split whole over all the ranks (--ep-size "
+            f"equal to --tp-size) or by features (--ep-size 1); set --ep-size {tp} or 1"
+        )
+    if target.moe is None:
+        raise ValueError(f"{flag}: {target.architecture} has no MoE layers; drop --ep-size")
+    if target.moe.num_experts % ep:
+        raise ValueError(
+            f"{flag}: the {target.moe.num_experts} routed experts do not split evenly over "
+            f"{ep} ranks; pick an --ep-size that divides them, or --ep-size 1"
+        )
+
+
 def check_tensor_parallel(
     args: Any, target: ModelConfig, draft: Optional[ModelConfig] = None
 ) -> None:
     """Refuse a --tp-size the model, its draft (`draft`: an external draft's config) or the
     other flags cannot run at (ValueError)."""
     n = args.tp_size
+    check_expert_parallel(args.ep_size, n, target)
     if n == 1:
         return
     flag = f"--tp-size {n}"
     if args.speculative_algorithm is not None:
         _check_speculation(args, target, draft, flag)
-    if target.moe is not None or target.mla is not None:
-        raise ValueError(
-            f"{flag}: {target.architecture} has MoE{' and MLA' if target.mla else ''} layers, "
-            "whose experts and latent attention are not split across ranks yet; run it at "
-            "--tp-size 1 (dense Llama, Qwen2, Qwen3 and MiMo models run at --tp-size > 1)"
-        )
     if target.weight_block_size is not None:
         raise ValueError(
             f"{flag}: block-FP8 weights (an FP8 checkpoint or --quantization fp8) are not split "
@@ -56,6 +71,8 @@ def check_tensor_parallel(
         )
     attention_heads(target.num_attention_heads, target.num_key_value_heads, 0, n)
     divide(target.intermediate_size, n, "intermediate_size")
+    if target.moe is not None:
+        divide(target.moe.intermediate_size, n, "moe_intermediate_size")
     if args.device == "cuda":
         if not args.disable_cuda_graph:
             raise ValueError(

@@ -25,12 +25,15 @@ import torch.distributed as dist
 
 @dataclass(frozen=True, eq=False)
 class TPGroup:
-    """Rank `rank` of `size`; at size 1 every collective is the identity and no group exists."""
+    """Rank `rank` of `size`; at size 1 every collective is the identity and no group exists.
+    `ep_size` (--ep-size: 1 or `size`): how a MoE layer places its routed experts on the ranks
+    (layers/moe.py)."""
 
     rank: int = 0
     size: int = 1
     device_group: Any = None  # ProcessGroup over the model's tensors
     cpu_group: Any = None  # gloo ProcessGroup over CPU tensors (Python objects)
+    ep_size: int = 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (every rank gets the same bits: each element's sum

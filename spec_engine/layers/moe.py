@@ -13,6 +13,16 @@ loop over every expert with the routing weights as a dense [tokens, experts] mat
 reads values back to the host and every shape is static. Both give the same sums per token.
 With `batch_invariant` set (--enable-deterministic-inference) the matmuls and activations are
 layers/batch_invariant.py's.
+
+Tensor parallelism, as SGLang places a MoE at --ep-size 1 (models/deepseek_v2.py's
+DeepseekV2MoE over FusedMoE): the router is replicated (every rank routes every token, the same
+way: its input is the same bits on every rank); every rank holds every expert's block of the
+intermediate features (gate/up rows, down columns), and the shared experts are a column- then
+row-parallel MLP likewise; the routed and shared partial outputs are summed on each rank, then
+once over the ranks (one all-reduce per MoE layer). With --ep-size equal to --tp-size (expert
+parallelism, SGLang's moe_ep group without an all-to-all backend), rank r holds experts
+[r * E / ep, (r + 1) * E / ep) whole and adds only theirs; the router, the TP-split shared experts
+and the one all-reduce stay as they are.
 """
 
 from __future__ import annotations
@@ -24,13 +34,17 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from spec_engine.distributed.parallel_state import SINGLE, TPGroup, get_tp_group
+from spec_engine.distributed.partition import divide
 from spec_engine.layers import batch_invariant as bi
 from spec_engine.layers.linear import Linear
 from spec_engine.weights.loader import WeightSlot
+from spec_engine.weights.shard import block
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP with gate and up fused (the shared experts)."""
+    """SwiGLU MLP with gate and up fused (the shared experts): this rank's block of the
+    intermediate features, its output a partial sum (SparseMoE all-reduces it)."""
 
     batch_invariant = False
 
@@ -99,13 +113,24 @@ class MoEGate(nn.Module):
 class Experts(nn.Module):
     """Routed SwiGLU experts. Each expert's gate/up rows and down rows are contiguous blocks of
     two 2-D parameters ([E * 2I, H] and [E * H, I]), so every Hugging Face per-expert tensor is a
-    row range (weights/loader.py copies and updates it in place)."""
+    row range (weights/loader.py copies and updates it in place). I is this rank's block of the
+    intermediate features, and the rank holds experts [first, first + num_experts) of `total`
+    (all of them without expert parallelism); the output is then a partial sum (SparseMoE
+    all-reduces it)."""
 
     batch_invariant = False
 
-    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        intermediate_size: int,
+        first: int = 0,
+        total: Optional[int] = None,
+    ) -> None:
         super().__init__()
         self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.first, self.total = first, total or num_experts
         self.intermediate_size = intermediate_size
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts * 2 * intermediate_size, hidden_size)
@@ -126,15 +151,17 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         if _capturing(x):
             dense = torch.zeros(
-                x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device
-            ).scatter_(1, ids, weights)
+                x.shape[0], self.total, dtype=weights.dtype, device=x.device
+            ).scatter_(1, ids, weights)[:, self.first : self.first + self.num_experts]
             for e in range(self.num_experts):
                 out += (self._expert(e, x) * dense[:, e : e + 1]).to(x.dtype)
             return out
-        hit = torch.bincount(ids.flatten(), minlength=self.num_experts).nonzero().flatten()
+        hit = torch.bincount(ids.flatten(), minlength=self.total).nonzero().flatten()
         for e in hit.tolist():
+            if not self.first <= e < self.first + self.num_experts:
+                continue  # another rank's expert
             token, slot = torch.where(ids == e)
-            y = self._expert(e, x[token]) * weights[token, slot, None]
+            y = self._expert(e - self.first, x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(x.dtype))
         return out
 
@@ -176,11 +203,17 @@ class SparseMoE(nn.Module):
             norm_topk_prob,
             routed_scaling_factor,
         )
-        self.experts = Experts(hidden_size, num_experts, intermediate_size)
+        self.tp = tp = get_tp_group()
+        local = divide(intermediate_size, tp.size, "moe_intermediate_size")
+        if tp.ep_size > 1:  # whole experts, a block of them per rank
+            per_rank = divide(num_experts, tp.ep_size, "num_experts")
+            self.experts = Experts(
+                hidden_size, per_rank, intermediate_size, tp.rank * per_rank, num_experts
+            )
+        else:
+            self.experts = Experts(hidden_size, num_experts, local)
         self.shared_experts = (
-            GatedMLP(hidden_size, intermediate_size * num_shared_experts)
-            if num_shared_experts
-            else None
+            GatedMLP(hidden_size, local * num_shared_experts) if num_shared_experts else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +223,7 @@ class SparseMoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)
 
 
 def moe_weight_spec(
@@ -200,10 +233,20 @@ def moe_weight_spec(
     num_experts: int,
     intermediate_size: int,
     num_shared_experts: int,
+    tp: TPGroup = SINGLE,
 ) -> dict[str, WeightSlot]:
     """Slots of a SparseMoE: Hugging Face names under `src` (`...mlp.`: gate, experts.{e},
-    shared_experts), parameters under `dst`."""
-    h, inter = hidden_size, intermediate_size
+    shared_experts), parameters under `dst`; rank `tp.rank`'s block of each expert's
+    intermediate features under tensor parallelism (the router whole), or at --ep-size > 1 its
+    experts whole (the others' accepted and skipped)."""
+    h, full = hidden_size, intermediate_size
+    shared_inter = full // tp.size  # SparseMoE refuses a size that does not divide
+    split = tp.size > 1 and tp.ep_size == 1
+    inter = shared_inter if split else full
+    rows = block(0, tp.rank, inter) if split else None  # gate/up: a block of rows
+    cols = block(1, tp.rank, inter) if split else None  # down: a block of columns
+    per_rank = num_experts // tp.ep_size
+    first = tp.rank * per_rank if tp.ep_size > 1 else 0
     spec = {
         f"{src}gate.weight": WeightSlot(dst + "gate.weight", (num_experts, h)),
         f"{src}gate.e_score_correction_bias": WeightSlot(
@@ -211,21 +254,30 @@ def moe_weight_spec(
         ),
     }
     for e in range(num_experts):
-        name, base = f"{src}experts.{e}.", 2 * inter * e
+        name, i = f"{src}experts.{e}.", e - first  # i: the expert's index on this rank
+        if not 0 <= i < per_rank:  # another rank's expert (it requires and checks it)
+            for proj, shape in (("gate_proj", (full, h)), ("up_proj", (full, h))):
+                spec[f"{name}{proj}.weight"] = WeightSlot(None, shape, optional=True)
+            spec[f"{name}down_proj.weight"] = WeightSlot(None, (h, full), optional=True)
+            continue
+        base = 2 * inter * i
         for proj, start in (("gate_proj", base), ("up_proj", base + inter)):
             spec[f"{name}{proj}.weight"] = WeightSlot(
-                dst + "experts.w13_weight", (inter, h), (start, start + inter)
+                dst + "experts.w13_weight", (full, h), (start, start + inter), shard=rows
             )
         spec[f"{name}down_proj.weight"] = WeightSlot(
-            dst + "experts.w2_weight", (h, inter), (h * e, h * (e + 1))
+            dst + "experts.w2_weight", (h, full), (h * i, h * (i + 1)), shard=cols
         )
     if num_shared_experts:
-        shared, width = f"{src}shared_experts.", inter * num_shared_experts
-        for proj, rows in (("gate_proj", (0, width)), ("up_proj", (width, 2 * width))):
+        shared, width = f"{src}shared_experts.", shared_inter * num_shared_experts
+        whole = full * num_shared_experts
+        rows = block(0, tp.rank, width) if tp.size > 1 else None
+        cols = block(1, tp.rank, width) if tp.size > 1 else None
+        for proj, fused in (("gate_proj", (0, width)), ("up_proj", (width, 2 * width))):
             spec[f"{shared}{proj}.weight"] = WeightSlot(
-                dst + "shared_experts.gate_up_proj.weight", (width, h), rows
+                dst + "shared_experts.gate_up_proj.weight", (whole, h), fused, shard=rows
             )
         spec[f"{shared}down_proj.weight"] = WeightSlot(
-            dst + "shared_experts.down_proj.weight", (h, width)
+            dst + "shared_experts.down_proj.weight", (h, whole), shard=cols
         )
     return spec

@@ -12,6 +12,12 @@ multi-query attention with one cached "head" [latent | rope key] whose leading k
 columns are the values. Its scores equal the expanded form's, q_nope . k_nope + q_rope . k_rope,
 so the softmax scale is transformers' (qk_head_dim ** -0.5, YaRN's mscale squared).
 
+Tensor parallelism, as SGLang's DeepseekV2AttentionMLA: the query heads are split (q_proj or
+q_b_proj and kv_b_proj column-parallel by heads, o_proj row-parallel, one all-reduce), while the
+low-rank projections (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated: every rank
+computes and caches the whole latent and rope key of every token (the latent cache per rank),
+and attends with its own heads over it.
+
 MLP: dense SwiGLU in the first `first_k_dense_replace` layers, layers/moe.SparseMoE after (the
 same sigmoid router with a correction bias, grouped top-k and shared experts as GLM-4.5). The
 checkpoint's next-n layers (`model.layers.{num_hidden_layers + i}.*`) are accepted here and run
@@ -26,10 +32,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+from spec_engine.distributed.parallel_state import SINGLE, TPGroup, get_tp_group
+from spec_engine.distributed.partition import divide
 from spec_engine.forward_batch import ForwardBatch
 from spec_engine.layers import batch_invariant as bi
 from spec_engine.layers.attention import Attention
-from spec_engine.layers.linear import Linear
+from spec_engine.layers.linear import Linear, RowParallelLinear
 from spec_engine.layers.moe import moe_weight_spec
 from spec_engine.layers.norm import RMSNorm
 from spec_engine.layers.rotary import RotaryEmbedding
@@ -43,6 +51,7 @@ from spec_engine.models.llama import (
     dense_mlp_spec,
 )
 from spec_engine.weights.loader import WeightSlot
+from spec_engine.weights.shard import block
 
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps,
 # not rms_norm_eps.
@@ -63,7 +72,9 @@ class MLAttention(nn.Module):
         super().__init__()
         m, h = config.mla, config.hidden_size
         self.mla = m
-        self.num_heads = nh = config.num_attention_heads
+        tp = get_tp_group()
+        # This rank's query heads (all of them at one rank).
+        self.num_heads = nh = divide(config.num_attention_heads, tp.size, "num_attention_heads")
         if m.q_lora_rank is None:
             self.q_proj = Linear(h, nh * m.qk_head_dim)
         else:
@@ -73,7 +84,9 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(h, m.cache_dim, bias=m.attention_bias)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(m.kv_lora_rank, nh * (m.qk_nope_head_dim + m.v_head_dim))
-        self.o_proj = Linear(nh * m.v_head_dim, h, bias=m.attention_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * m.v_head_dim, h, bias=m.attention_bias
+        )
         self.rotary = rotary
         self.attn = Attention(
             layer_id, nh, 1, m.cache_dim, v_head_dim=m.kv_lora_rank, scaling=m.softmax_scale
@@ -170,15 +183,26 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         super().__init__(config, capture_layers)
 
     def layer_weight_spec(self, layer_id: int) -> dict[str, WeightSlot]:
-        return deepseek_v3_layer_spec(self.config, layer_id, f"model.layers.{layer_id}.")
+        return deepseek_v3_layer_spec(
+            self.config, layer_id, f"model.layers.{layer_id}.", tp=self.tp
+        )
 
     def mtp_weight_spec(self, index: int) -> dict[str, WeightSlot]:
         return deepseek_v3_nextn_spec(self.config, self.config.num_hidden_layers + index)
 
 
-def mla_spec(c: ModelConfig, src: str, dst: str) -> dict[str, WeightSlot]:
-    """Slots of one MLA block: Hugging Face names under `src` (`...self_attn.`), params `dst`."""
+def mla_spec(c: ModelConfig, src: str, dst: str, tp: TPGroup = SINGLE) -> dict[str, WeightSlot]:
+    """Slots of one MLA block: Hugging Face names under `src` (`...self_attn.`), params `dst`;
+    rank `tp.rank`'s heads of the per-head projections under tensor parallelism."""
     m, h, nh = c.mla, c.hidden_size, c.num_attention_heads
+    local = nh // tp.size  # MLAttention refuses a head count that does not divide
+    # The per-head tensors: the block of this rank's heads along `dim` (head-major in HF).
+    per_head = {
+        "q_proj.weight": (0, m.qk_head_dim),
+        "q_b_proj.weight": (0, m.qk_head_dim),
+        "kv_b_proj.weight": (0, m.qk_nope_head_dim + m.v_head_dim),
+        "o_proj.weight": (1, m.v_head_dim),
+    }
     shapes: dict[str, tuple[int, ...]] = {
         "kv_a_proj_with_mqa.weight": (m.cache_dim, h),
         "kv_a_layernorm.weight": (m.kv_lora_rank,),
@@ -196,16 +220,24 @@ def mla_spec(c: ModelConfig, src: str, dst: str) -> dict[str, WeightSlot]:
         shapes["o_proj.bias"] = (h,)
         if m.q_lora_rank is not None:
             shapes["q_a_proj.bias"] = (m.q_lora_rank,)
-    return {src + name: WeightSlot(dst + name, shape) for name, shape in shapes.items()}
+    spec = {}
+    for name, shape in shapes.items():
+        shard = None
+        if tp.size > 1 and name in per_head:
+            dim, width = per_head[name]
+            shard = block(dim, tp.rank, local * width)
+        spec[src + name] = WeightSlot(dst + name, shape, shard=shard)
+    return spec
 
 
 def deepseek_v3_layer_spec(
-    c: ModelConfig, layer_id: int, dst: str, moe: Optional[bool] = None
+    c: ModelConfig, layer_id: int, dst: str, moe: Optional[bool] = None, tp: TPGroup = SINGLE
 ) -> dict[str, WeightSlot]:
     """Slots of decoder layer `layer_id` (names `model.layers.{layer_id}.*`) under `dst`; its MLP
-    is the MoE when `moe` says so (None: as the config places MoE layers)."""
+    is the MoE when `moe` says so (None: as the config places MoE layers); rank `tp.rank`'s
+    blocks under tensor parallelism."""
     src, h = f"model.layers.{layer_id}.", c.hidden_size
-    spec = mla_spec(c, src + "self_attn.", dst + "self_attn.")
+    spec = mla_spec(c, src + "self_attn.", dst + "self_attn.", tp)
     for norm in ("input_layernorm", "post_attention_layernorm"):
         spec[f"{src}{norm}.weight"] = WeightSlot(f"{dst}{norm}.weight", (h,))
     if c.moe.is_moe_layer(layer_id) if moe is None else moe:
@@ -218,10 +250,11 @@ def deepseek_v3_layer_spec(
                 m.num_experts,
                 m.intermediate_size,
                 m.num_shared_experts,
+                tp,
             )
         )
     else:
-        spec.update(dense_mlp_spec(c, src + "mlp.", dst + "mlp."))
+        spec.update(dense_mlp_spec(c, src + "mlp.", dst + "mlp.", tp))
     return spec
 
 

@@ -14,6 +14,7 @@ from typing import Optional
 
 from torch import nn
 
+from spec_engine.distributed.parallel_state import SINGLE, TPGroup
 from spec_engine.layers.moe import SparseMoE, moe_weight_spec
 from spec_engine.layers.rotary import RotaryEmbedding
 from spec_engine.models.hf_config import ModelConfig
@@ -53,7 +54,7 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     model_cls = Glm4MoeModel
 
     def layer_weight_spec(self, layer_id: int) -> dict[str, WeightSlot]:
-        return glm4_moe_layer_spec(self.config, layer_id, f"model.layers.{layer_id}.")
+        return glm4_moe_layer_spec(self.config, layer_id, f"model.layers.{layer_id}.", tp=self.tp)
 
     def mtp_weight_spec(self, index: int) -> dict[str, WeightSlot]:
         # Next-n layers follow the trunk's; the first is the MTP draft's
@@ -62,14 +63,15 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
 
 
 def glm4_moe_layer_spec(
-    c: ModelConfig, layer_id: int, dst: str, moe: Optional[bool] = None
+    c: ModelConfig, layer_id: int, dst: str, moe: Optional[bool] = None, tp: TPGroup = SINGLE
 ) -> dict[str, WeightSlot]:
     """Slots of decoder layer `layer_id` (names `model.layers.{layer_id}.*`) under `dst`; its MLP
-    is the MoE when `moe` says so (None: as the config places MoE layers)."""
+    is the MoE when `moe` says so (None: as the config places MoE layers); rank `tp.rank`'s
+    blocks under tensor parallelism."""
     src = f"model.layers.{layer_id}."
     if moe is None:
         moe = c.moe.is_moe_layer(layer_id)
-    spec = decoder_layer_spec(c, src, dst, dense_mlp=not moe)
+    spec = decoder_layer_spec(c, src, dst, dense_mlp=not moe, tp=tp)
     if moe:
         m = c.moe
         spec.update(
@@ -80,6 +82,7 @@ def glm4_moe_layer_spec(
                 m.num_experts,
                 m.intermediate_size,
                 m.num_shared_experts,
+                tp,
             )
         )
     return spec

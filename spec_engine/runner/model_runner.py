@@ -47,7 +47,8 @@ class ModelRunner(RunnerBase):
         device, dtype = torch.device(args.device), DTYPES[args.dtype]
         self.context_len = config.context_len
         self.max_running_requests = args.max_running_requests
-        self.tp = tp
+        # --ep-size: how the MoE layers built here place their experts (layers/moe.py).
+        self.tp = tp = dataclasses.replace(tp, ep_size=args.ep_size)
         with use_tp_group(tp):
             model = build_model(
                 model_class(config.target),

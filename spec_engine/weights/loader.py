@@ -284,7 +284,10 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
         model, (m for m in checkpoint_metadata(model_path) if keep(m[0])), require_all=True
     )
     shards = {n: s.shard for n, s in spec.items() if s.shard is not None}
-    tensors = iterate_checkpoint(model_path, keep, shards)
+    # Tensors the model accepts and does not hold (another rank's experts at --ep-size > 1, MTP
+    # layers the trunk skips) are checked above and not read.
+    skipped = {n for n, s in spec.items() if s.param is None}
+    tensors = iterate_checkpoint(model_path, lambda n: keep(n) and n not in skipped, shards)
     block = fp8_block(model)
     if block is not None and fp8.read_block_fp8(model_path) is None:
         tensors = fp8.fake_quantized(tensors, block)  # --quantization fp8 on a BF16 checkpoint

@@ -164,21 +164,17 @@ class WeightUpdater:
     def from_disk(self, model_path: str, component: str = "target") -> int:
         """Load a whole Hugging Face checkpoint into the target (its MTP layers into an MTP
         draft) or, with component="draft", into the external draft. A tensor-parallel rank
-        reads its blocks alone, and copies only once every rank has checked its part."""
+        reads its blocks alone (at --ep-size > 1 its own experts alone), and copies only once
+        every rank has checked its part; returns the bytes this rank read."""
         routes, models, shards = self.on_every_rank(lambda: self._check_disk(model_path, component))
         received = 0
         quantize = fp8.read_block_fp8(model_path) is None  # an FP8 checkpoint's values are exact
-        for name, tensor in iterate_checkpoint(model_path, shards=shards):
-            if is_ignored(name):
-                continue
+        for name, tensor in iterate_checkpoint(model_path, _held(routes), shards):
             model, local = routes[name]
-            if model is not None:
-                block = self._fp8_block(model)
-                if block is not None and quantize:
-                    tensor = fp8.served(local, tensor, block)
-                copy_weights(
-                    model, [(local, tensor)], refresh=False
-                )  # one pass over the files, one refresh
+            block = self._fp8_block(model)
+            if block is not None and quantize:
+                tensor = fp8.served(local, tensor, block)
+            copy_weights(model, [(local, tensor)], refresh=False)  # one pass, one refresh
             received += tensor.numel() * tensor.element_size()
         for model in models.values():
             refresh_derived(model)
@@ -216,9 +212,8 @@ class WeightUpdater:
         }
         # A pass over the files before the first copy: a NaN found half-way would leave the
         # model half-updated.
-        for name, tensor in iterate_checkpoint(model_path, shards=shards):
-            if not is_ignored(name) and routes[name][0] is not None:
-                _check_finite(name, tensor)
+        for name, tensor in iterate_checkpoint(model_path, _held(routes), shards):
+            _check_finite(name, tensor)
         return routes, models, shards
 
     def on_every_rank(self, check: Callable[[], T], done: str = "updated") -> T:
@@ -350,39 +345,60 @@ class WeightUpdater:
         ):
             raise ValueError(f"names must be a list of weight names, got {names!r}")
         every = self._named_weights()
-        wanted = list(every) if names is None else names
-        unknown = [n for n in wanted if n not in every]
+        known = self._holders(every)
+        wanted = list(known) if names is None else names
+        unknown = [n for n in wanted if n not in known]
         if unknown:
             raise ValueError(f"no weights named {unknown[:5]}")
-        return {n: tensor_checksum(t) for n, t in self._whole(wanted, every).items()}
+        return {n: tensor_checksum(t) for n, t in self._whole(wanted, every, known).items()}
 
     def names(self) -> list[str]:
-        """Every weight's Hugging Face name (`draft.`-prefixed for an external draft)."""
-        return list(self._named_weights())
+        """Every weight's Hugging Face name (`draft.`-prefixed for an external draft), whichever
+        rank holds it (at --ep-size > 1 every rank calls this)."""
+        return list(self._holders(self._named_weights()))
 
     def tensor(self, name: str) -> torch.Tensor:
         """One weight by its Hugging Face name (`draft.`-prefixed for an external draft), whole:
         under tensor parallelism gathered from the ranks (every rank calls this)."""
         every = self._named_weights()
-        if name not in every:
-            close = difflib.get_close_matches(name, list(every), n=1)
+        known = self._holders(every)
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"no weight named {name!r}{hint}")
-        return self._whole([name], every)[name]
+        return self._whole([name], every, known)[name]
+
+    def _holders(self, every: dict[str, tuple[nn.Module, str]]) -> dict[str, list[int]]:
+        """The ranks holding each weight (`every`: this rank's), in the target's order. At
+        --ep-size > 1 a routed expert is held by one rank alone, so the names are gathered;
+        else every rank holds every name, as a block or whole."""
+        if self.tp.ep_size == 1:
+            return {n: list(range(self.tp.size)) for n in every}
+        holders: dict[str, list[int]] = {}
+        for rank, held in enumerate(self.tp.gather_objects(list(every))):
+            for n in held:
+                holders.setdefault(n, []).append(rank)
+        order = {n: i for i, n in enumerate(weight_spec(self.target))}
+        return {n: holders[n] for n in sorted(holders, key=lambda n: order.get(n, len(order)))}
 
     def _whole(
-        self, names: list[str], every: dict[str, tuple[nn.Module, str]]
+        self,
+        names: list[str],
+        every: dict[str, tuple[nn.Module, str]],
+        holders: dict[str, list[int]],
     ) -> dict[str, torch.Tensor]:
         """The named tensors whole: a tensor-parallel rank's blocks of the split ones are
         gathered (one collective for all of them, host copies) and put where each rank's shard
-        says; the others are the same on every rank and this rank's."""
-        held = {n: hf_tensor(*every[n]) for n in names}
+        says, and a tensor that one rank alone holds (its experts at --ep-size > 1) comes from
+        that rank; the others are the same on every rank and this rank's."""
+        held = {n: hf_tensor(*every[n]) for n in names if n in every}
         if self.tp.size == 1:
             return held
-        slots = {n: weight_spec(every[n][0])[every[n][1]] for n in names}
-        split = [n for n in names if slots[n].shard is not None]
+        slots = {n: weight_spec(every[n][0])[every[n][1]] for n in held}
+        split = [n for n in held if slots[n].shard is not None]
+        alone = [n for n in held if len(holders[n]) < self.tp.size and n not in split]
         ranks = self.tp.gather_objects(
-            {n: (slots[n].shard, held[n].to("cpu", copy=True)) for n in split}
+            {n: (slots[n].shard, held[n].to("cpu", copy=True)) for n in split + alone}
         )
         for n in split:
             whole = torch.empty(slots[n].shape, dtype=held[n].dtype, device="cpu")
@@ -391,7 +407,7 @@ class WeightUpdater:
                 shard, part = blocks[n]
                 whole.narrow(shard.dim, shard.start, shard.length).copy_(part)
             held[n] = whole
-        return held
+        return {n: held[n] if n in held else ranks[holders[n][0]][n][1] for n in names}
 
     def fill_weights(self, value: float) -> None:
         """Overwrite every floating-point weight with `value` (slime's weights_checker
@@ -447,6 +463,12 @@ class WeightUpdater:
         if self.draft is not None and self.draft.model is not self.target:
             models.append(self.draft.model)
         return models
+
+
+def _held(routes: dict[str, tuple[Optional[nn.Module], str]]) -> Callable[[str], bool]:
+    """Whether a checkpoint name is read at all: not another rank's experts (--ep-size > 1) or
+    an MTP layer no draft uses, which are checked by name and shape but never read."""
+    return lambda name: name in routes and routes[name][0] is not None
 
 
 def _check_finite(name: str, tensor: torch.Tensor) -> None:

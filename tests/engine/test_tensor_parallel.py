@@ -25,6 +25,7 @@ from spec_engine.engine_loop import HEARTBEAT_S
 from spec_engine.weights.loader import checkpoint_files
 from spec_engine.weights.transport import serialize_shared
 from tests.conftest import FAMILIES
+from tests.support.safetensors_reads import record_reads
 from tests.support.tp_ranks import Sampled, fail_on_rank_1, sample_9_for_request_b
 from tiny.checkpoints import add_mimo_mtp
 
@@ -97,38 +98,13 @@ def test_each_rank_reads_only_its_shard(make_model, monkeypatch):
     from spec_engine.weights.loader import build_model
 
     path = make_model(**MODELS["qwen2"])
-    whole, sliced = [], []
-    real = safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.f = real(*args, **kwargs)
-
-        def __enter__(self):
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def keys(self):
-            return self.f.keys()
-
-        def get_tensor(self, name):
-            whole.append(name)
-            return self.f.get_tensor(name)
-
-        def get_slice(self, name):
-            sliced.append(name)
-            return self.f.get_slice(name)
-
-    monkeypatch.setattr("spec_engine.weights.loader.safe_open", Recording)
+    whole, sliced = record_reads(monkeypatch)
     config = ModelConfig.from_pretrained(path)
     with use_tp_group(TPGroup(rank=1, size=2)):
         model = build_model(model_class(config), config, torch.float32, torch.device("cpu"), path)
     split = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert {n for n in whole if n.split(".")[-2] in split | {"embed_tokens"}} == set()
-    with real(checkpoint_files(path)[0], framework="pt") as f:
+    with safe_open(checkpoint_files(path)[0], framework="pt") as f:
         up = f.get_tensor("model.layers.0.mlp.up_proj.weight")
         o = f.get_tensor("model.layers.1.self_attn.o_proj.weight")
         embed = f.get_tensor("model.embed_tokens.weight")
@@ -160,7 +136,8 @@ def test_debug_tp_check_tokens_fails_a_step_where_ranks_disagree():
         (dict(tp_size=3), r"num_attention_heads \(4\) is not divisible by --tp-size 3"),
         (dict(dist_init_addr="localhost"), "--dist-init-addr must be HOST:PORT, got 'localhost'"),
         (dict(nnodes=2), "--nnodes 2.*multi-node engines are not built yet"),
-        (dict(ep_size=2), "--ep-size 2.*no expert parallelism"),
+        (dict(ep_size=2), "--ep-size 2: LlamaForCausalLM has no MoE layers; drop --ep-size"),
+        (dict(ep_size=3), "--ep-size 3 with --tp-size 2: .* set --ep-size 2 or 1"),
         (dict(quantization="fp8"), "--tp-size 2: block-FP8 weights .* are not split"),
     ],
 )
@@ -178,7 +155,7 @@ def test_cuda_ranks_need_their_gpus_and_eager_forwards(llama_path, monkeypatch):
 
     target = ModelConfig.from_pretrained(llama_path)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    cuda = dict(device="cuda", tp_size=2, base_gpu_id=0, speculative_algorithm=None)
+    cuda = dict(device="cuda", tp_size=2, ep_size=1, base_gpu_id=0, speculative_algorithm=None)
     with pytest.raises(ValueError, match="CUDA graphs .* add --disable-cuda-graph"):
         check_tensor_parallel(SimpleNamespace(**cuda, disable_cuda_graph=False), target)
     check_tensor_parallel(SimpleNamespace(**cuda, disable_cuda_graph=True), target)
@@ -193,12 +170,6 @@ def test_request_timeouts_are_refused_at_tp2(name, llama_path, monkeypatch):
     monkeypatch.setenv(name, "5")
     with pytest.raises(ValueError, match=f"--tp-size 2: {name} set: .* unset them"):
         Engine(model_path=llama_path, tp_size=2, **ENGINE)
-
-
-def test_moe_at_tp2_is_refused(make_model):
-    path = make_model(**FAMILIES["glm4_moe_no_qk_norm"])
-    with pytest.raises(ValueError, match="--tp-size 2: .* has MoE layers.*run it at --tp-size 1"):
-        Engine(model_path=path, tp_size=2, **ENGINE)
 
 
 def test_a_rank_that_fails_to_start_is_named():

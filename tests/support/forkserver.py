@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 import tempfile
@@ -52,8 +53,10 @@ def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
 @contextlib.contextmanager
 def instead_of_spawn(module: ModuleType) -> Iterator[None]:
     """While open, the processes `module` starts with multiprocessing.get_context("spawn") (its
-    only use of multiprocessing) start from the server."""
+    only use of multiprocessing) start from the server, which starts now: its imports overlap
+    the test's own work until the first process is asked for."""
     ctx = context()
+    multiprocessing.forkserver.ensure_running()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(module, "multiprocessing", SimpleNamespace(get_context=lambda _: ctx))
         yield
