@@ -3,9 +3,9 @@
 #   bash scripts/run-tiny-cpu.sh [extra scripts/train.py flags...]
 #   OUT=dir chooses the output directory; MTP_TRAINING=0 keeps the MTP draft layer frozen.
 #   SPEC=eagle3 drafts with an EAGLE-3 draft instead (random, trained online by
-#   --enable-draft-training; DRAFT_TRAINING=0 keeps it frozen). SPEC=none decodes plainly (as
-#   engines of several devices do: SPEC=none RAY_NUM_CPUS=3 bash scripts/run-tiny-cpu.sh
-#   --rollout-num-gpus 2 --rollout-num-gpus-per-engine 2).
+#   --enable-draft-training; DRAFT_TRAINING=0 keeps it frozen). SPEC=none decodes plainly. One
+#   engine of two CPU ranks: RAY_NUM_CPUS=3 bash scripts/run-tiny-cpu.sh --rollout-num-gpus 2
+#   --rollout-num-gpus-per-engine 2.
 #   TASK=drift runs the drift task: from prompt DRIFT_AT (default 60, i.e. rollout 16) on, a
 #   response must also stop repeating its first token, as the warm-up taught (the prompts are
 #   read in order), so the policy's continuations change (docs/benchmarks/drift_mtp_cpu.md).
@@ -54,7 +54,7 @@ if [ "$MODEL" != mimo ] && [ "${SPEC:-mtp}" != mtp ]; then
   echo "MODEL=$MODEL drafts with its own next-n layer: SPEC=mtp only" >&2; exit 2
 fi
 case "${SPEC:-mtp}" in
-  none) SPEC_FLAGS=() ;;  # plain decoding (engines of several devices: --rollout-num-gpus-per-engine)
+  none) SPEC_FLAGS=() ;;  # plain decoding
   mtp)
     SPEC_FLAGS=(--sglang-speculative-algorithm EAGLE --sglang-speculative-num-steps 2
       --sglang-speculative-eagle-topk 1)
