@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable
 from typing import Any, Optional, TypeVar
 
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 # How often a request waiting on the engine checks that its client is still connected.
 DISCONNECT_POLL_S = 0.1
 
@@ -104,6 +106,13 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> Optional[
             if done:
                 return task.result()
             if await request.is_disconnected():
+                # SGLang's words for it (TokenizerManager): its own test_abort.py looks for
+                # "Abort" in the server log; the engine then logs each request it aborts.
+                logger.info(
+                    "Request is disconnected from the client side. Abort request: %s %s",
+                    request.method,
+                    request.url.path,
+                )
                 return None
     finally:
         if not task.done():  # the client left, or this handler was cancelled
