@@ -16,6 +16,7 @@ from spec_engine.engine import Engine
 from spec_engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from spec_engine.server.requests import (
     BadRequest,
+    drop_unreachable_stop_ids,
     json_body,
     parse_model,
     sse,
@@ -76,6 +77,8 @@ async def _completions(
     engine: Engine, model_name: str, req: CompletionRequest, request: Request
 ) -> Any:
     kwargs, prompts = _completion_arguments(req)
+    vocab = engine.model_config.vocab_size
+    kwargs["sampling_params"] = drop_unreachable_stop_ids(kwargs["sampling_params"], vocab)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
     if req.stream:
@@ -174,7 +177,10 @@ async def _chat_completions(
         raise BadRequest("top_logprobs needs logprobs=true")
     kwargs = dict(
         input_ids=input_ids,
-        sampling_params=req.sampling_params(req.max_completion_tokens or req.max_tokens),
+        sampling_params=drop_unreachable_stop_ids(
+            req.sampling_params(req.max_completion_tokens or req.max_tokens),
+            engine.model_config.vocab_size,
+        ),
         return_logprob=req.logprobs,
         top_logprobs_num=top,
         rid=req.rid,

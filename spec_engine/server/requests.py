@@ -92,6 +92,21 @@ def describe_validation(errors: list[dict[str, Any]]) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
+def drop_unreachable_stop_ids(sampling_params: Any, vocab_size: int) -> Any:
+    """`sampling_params` (one dict, or a list of them) without the `stop_token_ids` at or past
+    the vocabulary: the model cannot produce them, and SGLang's SamplingParams keeps any int
+    there (its own tests stop on Llama-3's id 119690 with every model), so they are ignored
+    rather than refused."""
+    if isinstance(sampling_params, list):
+        return [drop_unreachable_stop_ids(p, vocab_size) for p in sampling_params]
+    ids = sampling_params.get("stop_token_ids") if isinstance(sampling_params, dict) else None
+    if isinstance(ids, list):
+        kept = [t for t in ids if not (isinstance(t, int) and t >= vocab_size)]
+        if len(kept) != len(ids):
+            return {**sampling_params, "stop_token_ids": kept}
+    return sampling_params
+
+
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
