@@ -271,3 +271,28 @@ def test_stop_token_ids_past_the_vocabulary_are_ignored_as_sglang_does(served):
         "/generate", json={"input_ids": [5], "sampling_params": {"stop_token_ids": [-1]}}
     )
     assert r.status_code == 400 and "stop_token_ids" in r.json()["error"]["message"]
+
+
+def test_streamed_chat_sends_no_empty_delta_chunks(served, paths):
+    """SGLang's serving_chat sends a chunk only with content (its test_openai_server.py asserts
+    every delta after the first has text, or a finish_reason): a step whose text is held back
+    (here a lone UTF-8 lead byte, forced by logit_bias) sends nothing, and its log-probs go with
+    the next chunk, none lost."""
+    from transformers import AutoTokenizer
+
+    _, client = served
+    lead = AutoTokenizer.from_pretrained(paths[0]).convert_tokens_to_ids("â")  # byte 0xE2
+    body = {
+        **CHAT,
+        "max_tokens": 4,
+        "stream": True,
+        "logprobs": True,
+        "logit_bias": {str(lead): 100},
+    }
+    chunks = _events(client.post("/v1/chat/completions", json=body))
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert choices[0]["delta"]["role"] == "assistant"
+    for c in choices[1:]:
+        assert isinstance(c["delta"]["content"], str) or c["finish_reason"], chunks
+    tokens = [t for c in choices[1:] if c["logprobs"] for t in c["logprobs"]["content"]]
+    assert len(tokens) == 4 and choices[-1]["finish_reason"] == "length"
