@@ -30,6 +30,7 @@ from spec_engine.server.requests import (
     BadRequest,
     PayloadTooLarge,
     describe_validation,
+    drop_unreachable_stop_ids,
     error_response,
     json_body,
     sse,
@@ -220,6 +221,8 @@ def _add_generate_route(app: FastAPI, engine: Engine) -> None:
     async def generate(request: Request):
         body = await json_body(request)
         kwargs, with_text = _generate_arguments(body)
+        vocab = engine.model_config.vocab_size
+        kwargs["sampling_params"] = drop_unreachable_stop_ids(kwargs["sampling_params"], vocab)
         if body.get("stream", False):
             stream = await engine.async_generate(stream=True, **kwargs)
             segments = IncrementalSegments() if engine.args.incremental_streaming_output else None

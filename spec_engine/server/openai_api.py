@@ -16,6 +16,7 @@ from spec_engine.engine import Engine
 from spec_engine.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from spec_engine.server.requests import (
     BadRequest,
+    drop_unreachable_stop_ids,
     json_body,
     parse_model,
     sse,
@@ -76,6 +77,8 @@ async def _completions(
     engine: Engine, model_name: str, req: CompletionRequest, request: Request
 ) -> Any:
     kwargs, prompts = _completion_arguments(req)
+    vocab = engine.model_config.vocab_size
+    kwargs["sampling_params"] = drop_unreachable_stop_ids(kwargs["sampling_params"], vocab)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
     if req.stream:
@@ -174,7 +177,10 @@ async def _chat_completions(
         raise BadRequest("top_logprobs needs logprobs=true")
     kwargs = dict(
         input_ids=input_ids,
-        sampling_params=req.sampling_params(req.max_completion_tokens or req.max_tokens),
+        sampling_params=drop_unreachable_stop_ids(
+            req.sampling_params(req.max_completion_tokens or req.max_tokens),
+            engine.model_config.vocab_size,
+        ),
         return_logprob=req.logprobs,
         top_logprobs_num=top,
         rid=req.rid,
@@ -254,7 +260,9 @@ async def _stream_chat(
         for i in range(req.n)
     ]
     return StreamingResponse(
-        _stream_events(stream, base, choice, _include_usage(req), req.n, first),
+        # SGLang's serving_chat sends a chunk only with content (or a finish): every chat delta
+        # after the first has text, which its own test_openai_server.py asserts.
+        _stream_events(stream, base, choice, _include_usage(req), req.n, first, empty_deltas=False),
         media_type="text/event-stream",
     )
 
@@ -359,10 +367,12 @@ async def _stream_events(
     n: int,
     first: Optional[list[dict]] = None,
     echo: Optional[Callable[[int], str]] = None,
+    empty_deltas: bool = True,
 ) -> AsyncIterator[str]:
     """SSE chunks of text deltas; `choice(index, delta, finish_reason, new)` shapes each choice.
     With `echo`, each choice's first chunk starts with echo(index), its prompt (and, with
-    log-probs, the prompt's log-probs)."""
+    log-probs, the prompt's log-probs). Without `empty_deltas`, a step whose text is held back
+    (part of a UTF-8 character) sends no chunk: its log-probs go with the next one."""
     for c in first or []:
         yield sse({**base, "choices": [c]})
     sent: dict[int, int] = {}
@@ -381,12 +391,13 @@ async def _stream_events(
             if finish is not None:
                 finals[i] = out
             new = _new_logprobs(out, sent_tokens.get(i, 0), with_prompt=echoing)
+            if not (delta or finish is not None or (new is not None and empty_deltas)):
+                continue
             if new is not None:
                 sent_tokens[i] = sent_tokens.get(i, 0) + len(
                     new["meta_info"]["output_token_logprobs"]
                 )
-            if delta or finish is not None or new is not None:
-                yield sse({**base, "choices": [choice(i, delta, finish, new)]})
+            yield sse({**base, "choices": [choice(i, delta, finish, new)]})
     except Exception as e:  # the status line is sent already: report in-band
         yield sse(
             {"object": "error", "message": str(e), "type": "InternalServerError", "code": 500}

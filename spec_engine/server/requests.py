@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable
 from typing import Any, Optional, TypeVar
 
@@ -14,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 # How often a request waiting on the engine checks that its client is still connected.
 DISCONNECT_POLL_S = 0.1
 
@@ -90,6 +92,21 @@ def describe_validation(errors: list[dict[str, Any]]) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
+def drop_unreachable_stop_ids(sampling_params: Any, vocab_size: int) -> Any:
+    """`sampling_params` (one dict, or a list of them) without the `stop_token_ids` at or past
+    the vocabulary: the model cannot produce them, and SGLang's SamplingParams keeps any int
+    there (its own tests stop on Llama-3's id 119690 with every model), so they are ignored
+    rather than refused."""
+    if isinstance(sampling_params, list):
+        return [drop_unreachable_stop_ids(p, vocab_size) for p in sampling_params]
+    ids = sampling_params.get("stop_token_ids") if isinstance(sampling_params, dict) else None
+    if isinstance(ids, list):
+        kept = [t for t in ids if not (isinstance(t, int) and t >= vocab_size)]
+        if len(kept) != len(ids):
+            return {**sampling_params, "stop_token_ids": kept}
+    return sampling_params
+
+
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -104,6 +121,13 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> Optional[
             if done:
                 return task.result()
             if await request.is_disconnected():
+                # SGLang's words for it (TokenizerManager): its own test_abort.py looks for
+                # "Abort" in the server log; the engine then logs each request it aborts.
+                logger.info(
+                    "Request is disconnected from the client side. Abort request: %s %s",
+                    request.method,
+                    request.url.path,
+                )
                 return None
     finally:
         if not task.done():  # the client left, or this handler was cancelled

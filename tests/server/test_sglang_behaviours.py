@@ -239,3 +239,60 @@ def test_skip_tokenizer_init_streams_incremental_output_ids(paths):
         chunks = _events(client.post("/generate", json={**body, "stream": True}))
     assert len(chunks) > 1 and all(c["text"] is None for c in chunks)
     assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+
+
+def test_stop_token_ids_past_the_vocabulary_are_ignored_as_sglang_does(served):
+    """SGLang's SamplingParams keeps any int in stop_token_ids (its tests stop on Llama-3's id
+    119690 with every model): an id the model cannot produce never matches, in-vocabulary ones
+    still stop, on /generate and the OpenAI endpoints."""
+    engine, client = served
+    vocab = engine.model_config.vocab_size
+    greedy = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+    plain = client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": greedy})
+    ids = plain.json()["output_ids"]
+    far = {**greedy, "stop_token_ids": [vocab, 119690]}
+    r = client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": far})
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == ids
+    mixed = {"temperature": 0, "max_new_tokens": 5, "stop_token_ids": [119690, ids[1]]}
+    r = client.post("/generate", json={"input_ids": [[5, 6, 7]], "sampling_params": [mixed]})
+    assert r.status_code == 200, r.text
+    assert r.json()[0]["output_ids"] == ids[: ids.index(ids[1]) + 1]
+    assert r.json()[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[1]}
+    for path, body in (
+        ("/v1/completions", {"model": "m", "prompt": [5, 6, 7], "max_tokens": 5}),
+        ("/v1/chat/completions", CHAT),
+    ):
+        body = {**body, "temperature": 0, "stop_token_ids": [119690]}
+        r = client.post(path, json=body)
+        assert r.status_code == 200, (path, r.text)
+    # Still a 400: a negative id is a client's mistake, not another model's vocabulary.
+    r = client.post(
+        "/generate", json={"input_ids": [5], "sampling_params": {"stop_token_ids": [-1]}}
+    )
+    assert r.status_code == 400 and "stop_token_ids" in r.json()["error"]["message"]
+
+
+def test_streamed_chat_sends_no_empty_delta_chunks(served, paths):
+    """SGLang's serving_chat sends a chunk only with content (its test_openai_server.py asserts
+    every delta after the first has text, or a finish_reason): a step whose text is held back
+    (here a lone UTF-8 lead byte, forced by logit_bias) sends nothing, and its log-probs go with
+    the next chunk, none lost."""
+    from transformers import AutoTokenizer
+
+    _, client = served
+    lead = AutoTokenizer.from_pretrained(paths[0]).convert_tokens_to_ids("â")  # byte 0xE2
+    body = {
+        **CHAT,
+        "max_tokens": 4,
+        "stream": True,
+        "logprobs": True,
+        "logit_bias": {str(lead): 100},
+    }
+    chunks = _events(client.post("/v1/chat/completions", json=body))
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert choices[0]["delta"]["role"] == "assistant"
+    for c in choices[1:]:
+        assert isinstance(c["delta"]["content"], str) or c["finish_reason"], chunks
+    tokens = [t for c in choices[1:] if c["logprobs"] for t in c["logprobs"]["content"]]
+    assert len(tokens) == 4 and choices[-1]["finish_reason"] == "length"
