@@ -165,26 +165,23 @@ def train_env() -> dict[str, str]:
 
 
 class RLLoopRun:
-    """scripts/train.py with test_train_loop.py's loop_args, started when the first test asks
-    for it and left running meanwhile (a test can do other work, e.g. start other runs, before it
+    """scripts/train.py with test_train_loop.py's loop_args (forked from
+    tests/support/forkserver.py's server), started when the first test asks for it and left
+    running meanwhile (a test can do other work, e.g. start other runs, before it
     waits with finished()). Runs in a session of its own: stop() ends what it started."""
 
     def __init__(self, model: str, data: str, root: str) -> None:
         from tests.e2e.test_train_loop import loop_args
+        from tests.support.forkserver import Session
 
         self.out = os.path.join(root, "run")
         self.saved_rollouts = os.path.join(root, "rollouts", "r{rollout_id}.pt")
         argv = loop_args(model, data, self.out)
         argv += ["--save-debug-rollout-data", self.saved_rollouts]
         self._logs = [os.path.join(root, name) for name in ("stdout.log", "stderr.log")]
-        with open(self._logs[0], "w") as out, open(self._logs[1], "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "scripts.train", *argv],
-                stdout=out,
-                stderr=err,
-                env=train_env(),
-                start_new_session=True,
-            )
+        for path in self._logs:
+            open(path, "w").close()
+        self.proc = Session("scripts.train", argv, *self._logs)
         self._result: subprocess.CompletedProcess | None = None
 
     def ray_started(self, timeout: float = 240) -> None:
