@@ -225,6 +225,25 @@ def rl_loop_run(rl_task, tmp_path_factory) -> Iterator[RLLoopRun]:
     run.stop()
 
 
+@pytest.fixture(scope="session")
+def partial_rollout_run(rl_task, make_model, tmp_path_factory) -> tuple[str, str]:
+    """(the output directory, the --save-debug-rollout-data path) of one scripts/train.py run on
+    the RL task, shared (each such run costs a Ray, an engine and a trainer rank starting):
+    --partial-rollout (tests/e2e/test_partial_rollout_loop.py's partial_args, which checks it),
+    starting from another checkpoint of the model with --ref-load, a KL loss to it
+    (tests/e2e/test_train_loop.py's ref_load_args, which checks that start)."""
+    from tests.e2e.test_partial_rollout_loop import partial_args
+    from tests.e2e.test_train_loop import ref_load_args, run
+    from tiny.checkpoints import add_mimo_mtp
+
+    model, data = rl_task
+    other = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=43), seed=44)
+    root = tmp_path_factory.mktemp("partial_rollout")
+    out, saved = str(root / "out"), str(root / "rollouts" / "r{rollout_id}.pt")
+    run(partial_args(model, data, out, saved) + ref_load_args(other))
+    return out, saved
+
+
 # What the shared --debug-rollout-only run executes: the loop's main (specrl.loop) with closing the
 # metrics log failing, then a check that megatron was never imported.
 ROLLOUT_ONLY_MAIN = """
