@@ -76,7 +76,9 @@ def wait_for(proc: Session, ready, what: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        if time.monotonic() > deadline:
+            kill(proc)  # a run from the server left running would keep pytest from exiting
+            raise AssertionError(f"no {what} after {timeout} s")
         time.sleep(0.05)
 
 
@@ -87,7 +89,12 @@ def logged(out: str) -> int:
 
 def finish(argv: list[str], log: str) -> None:
     proc = launch(argv, log)
-    assert proc.wait(timeout=400) == 0, open(log).read()[-3000:]
+    try:
+        code = proc.wait(timeout=400)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        raise
+    assert code == 0, open(log).read()[-3000:]
 
 
 @pytest.fixture(scope="module")
