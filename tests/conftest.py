@@ -165,26 +165,23 @@ def train_env() -> dict[str, str]:
 
 
 class RLLoopRun:
-    """scripts/train.py with test_train_loop.py's loop_args, started when the first test asks
-    for it and left running meanwhile (a test can do other work, e.g. start other runs, before it
+    """scripts/train.py with test_train_loop.py's loop_args (forked from
+    tests/support/forkserver.py's server), started when the first test asks for it and left
+    running meanwhile (a test can do other work, e.g. start other runs, before it
     waits with finished()). Runs in a session of its own: stop() ends what it started."""
 
     def __init__(self, model: str, data: str, root: str) -> None:
         from tests.e2e.test_train_loop import loop_args
+        from tests.support.forkserver import Session
 
         self.out = os.path.join(root, "run")
         self.saved_rollouts = os.path.join(root, "rollouts", "r{rollout_id}.pt")
         argv = loop_args(model, data, self.out)
         argv += ["--save-debug-rollout-data", self.saved_rollouts]
         self._logs = [os.path.join(root, name) for name in ("stdout.log", "stderr.log")]
-        with open(self._logs[0], "w") as out, open(self._logs[1], "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "scripts.train", *argv],
-                stdout=out,
-                stderr=err,
-                env=train_env(),
-                start_new_session=True,
-            )
+        for path in self._logs:
+            open(path, "w").close()
+        self.proc = Session("scripts.train", argv, *self._logs)
         self._result: subprocess.CompletedProcess | None = None
 
     def ray_started(self, timeout: float = 240) -> None:
@@ -226,6 +223,25 @@ def rl_loop_run(rl_task, tmp_path_factory) -> Iterator[RLLoopRun]:
     run = RLLoopRun(*rl_task, str(tmp_path_factory.mktemp("rl_loop")))
     yield run
     run.stop()
+
+
+@pytest.fixture(scope="session")
+def partial_rollout_run(rl_task, make_model, tmp_path_factory) -> tuple[str, str]:
+    """(the output directory, the --save-debug-rollout-data path) of one scripts/train.py run on
+    the RL task, shared (each such run costs a Ray, an engine and a trainer rank starting):
+    --partial-rollout (tests/e2e/test_partial_rollout_loop.py's partial_args, which checks it),
+    starting from another checkpoint of the model with --ref-load, a KL loss to it
+    (tests/e2e/test_train_loop.py's ref_load_args, which checks that start)."""
+    from tests.e2e.test_partial_rollout_loop import partial_args
+    from tests.e2e.test_train_loop import ref_load_args, run
+    from tiny.checkpoints import add_mimo_mtp
+
+    model, data = rl_task
+    other = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=43), seed=44)
+    root = tmp_path_factory.mktemp("partial_rollout")
+    out, saved = str(root / "out"), str(root / "rollouts" / "r{rollout_id}.pt")
+    run(partial_args(model, data, out, saved) + ref_load_args(other))
+    return out, saved
 
 
 # What the shared --debug-rollout-only run executes: the loop's main (specrl.loop) with closing the

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +26,7 @@ from torch.optim.adam import adam
 from specrl import checkpoint as run_checkpoint
 from specrl.plots import read_metrics
 from tests.e2e.test_train_loop import NUM_ROLLOUT, base_args, loop_args
+from tests.support.forkserver import Session
 
 pytest.importorskip("ray")
 
@@ -40,19 +40,9 @@ def run_argv(model: str, data: str, out: str) -> list[str]:
     return loop_args(model, data, out) + ["--save", save, "--load", save]
 
 
-def launch(argv: list[str], log: str) -> subprocess.Popen:
+def launch(argv: list[str], log: str) -> Session:
     """scripts/train.py in a session of its own, so that killing the session kills the run."""
-    with open(log, "a") as f:
-        return subprocess.Popen(
-            [sys.executable, "-m", "scripts.train", *argv],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={
-                **{k: v for k, v in os.environ.items() if not k.startswith("MASTER_")},
-                "PYTHONPATH": os.getcwd(),
-            },
-        )
+    return Session("scripts.train", argv, log, log)
 
 
 def session_pids(sid: int) -> list[int]:
@@ -60,7 +50,7 @@ def session_pids(sid: int) -> list[int]:
     return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid]
 
 
-def kill(proc: subprocess.Popen) -> None:
+def kill(proc: Session) -> None:
     """SIGKILL the run's process group, as a crash or an OOM killer would."""
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -82,11 +72,13 @@ def reap(sid: int) -> list[int]:
     return lingering
 
 
-def wait_for(proc: subprocess.Popen, ready, what: str, timeout: float = 240) -> None:
+def wait_for(proc: Session, ready, what: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        if time.monotonic() > deadline:
+            kill(proc)  # a run from the server left running would keep pytest from exiting
+            raise AssertionError(f"no {what} after {timeout} s")
         time.sleep(0.05)
 
 
@@ -97,7 +89,12 @@ def logged(out: str) -> int:
 
 def finish(argv: list[str], log: str) -> None:
     proc = launch(argv, log)
-    assert proc.wait(timeout=400) == 0, open(log).read()[-3000:]
+    try:
+        code = proc.wait(timeout=400)
+    except subprocess.TimeoutExpired:
+        kill(proc)
+        raise
+    assert code == 0, open(log).read()[-3000:]
 
 
 @pytest.fixture(scope="module")

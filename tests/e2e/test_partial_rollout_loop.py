@@ -10,29 +10,31 @@ import pytest
 
 from rollout.debug_data import load_debug_rollout_data
 from specrl.plots import read_metrics
-from tests.e2e.test_train_loop import base_args, metrics, run
+from tests.e2e.test_train_loop import base_args, metrics
 
 pytest.importorskip("ray")
 
 NUM_ROLLOUT = 3
 
 
-def test_the_loop_continues_left_over_groups_under_the_new_weights(rl_task, tmp_path):
-    model, data = rl_task
-    out = str(tmp_path / "out")
-    saved = str(tmp_path / "rollouts" / "r{rollout_id}.pt")
+def partial_args(model: str, data: str, out: str, saved: str) -> list[str]:
+    """--partial-rollout with six groups in flight for two kept; stopping on a tenth of the
+    vocabulary spreads the response lengths, so the abort cuts the groups not needed half-way.
+    (tests/conftest.py's partial_rollout_run adds --ref-load to it.)"""
     argv = base_args(model, data, out) + [
         "--partial-rollout",
         "--mask-offpolicy-in-partial-rollout",
     ]
-    # Six groups in flight for two kept; stopping on a tenth of the vocabulary spreads the
-    # response lengths, so the abort cuts the groups not needed half-way.
     argv += ["--over-sampling-batch-size", "6", "--rollout-stop-token-ids"]
     argv += [str(t) for t in range(100, 150)]
     argv += ["--save-debug-rollout-data", saved, "--lr", "1e-3"]
     argv[argv.index("--rollout-max-response-len") + 1] = "24"
     argv[argv.index("--num-rollout") + 1] = str(NUM_ROLLOUT)
-    run(argv)
+    return argv
+
+
+def test_the_loop_continues_left_over_groups_under_the_new_weights(partial_rollout_run):
+    out, saved = partial_rollout_run
     rows = metrics(out)
     rollouts = [load_debug_rollout_data(saved, i) for i in range(NUM_ROLLOUT)]
     continued = 0

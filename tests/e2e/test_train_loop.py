@@ -191,21 +191,22 @@ def test_rl_loop_with_mtp_speculation_then_replay_without_engines(task, rl_loop_
     )  # no engine was started, nothing pushed
 
 
-def test_a_run_starts_from_ref_load_in_the_trainer_and_the_engines(task, make_model, tmp_path):
+def ref_load_args(ref_load: str) -> list[str]:
+    """slime's start from --ref-load, the engines' weights checked after its push, and a KL loss
+    to it (tests/conftest.py's partial_rollout_run adds these to its run)."""
+    argv = ["--ref-load", ref_load, "--check-weight-update-equal"]
+    return argv + ["--use-kl-loss", "--kl-loss-coef", "0.01"]
+
+
+def test_a_run_starts_from_ref_load_in_the_trainer_and_the_engines(partial_rollout_run):
     """slime's start: --ref-load (here another checkpoint of the model) is where the policy
     begins, and it is pushed into the engines before the first rollout: that rollout's
     log-probs from the engines equal the trainer's (train/tis 1), and the first step's KL to the
-    reference, which is --ref-load too, is 0."""
-    from tiny.checkpoints import add_mimo_mtp
-
-    model, data = task
-    other = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=43), seed=44)
-    out = str(tmp_path / "out")
-    argv = base_args(model, data, out) + ["--ref-load", other, "--check-weight-update-equal"]
-    argv += ["--use-kl-loss", "--kl-loss-coef", "0.01", "--lr", "1e-3"]
-    argv[argv.index("--num-rollout") + 1] = "1"
-    run(argv)
-    (row,) = metrics(out)
+    reference, which is --ref-load too, is 0. (A run shared with
+    tests/e2e/test_partial_rollout_loop.py: the first rollout's trained groups were generated
+    in it, whole.)"""
+    out, _ = partial_rollout_run
+    row = metrics(out)[0]
     assert abs(row["train/tis"] - 1.0) < 1e-3, row["train/tis"]
     assert abs(row["train/kl"]) < 1e-6, row["train/kl"]
     assert row["rollout/weight_version"] == 0 and row["train/grad_norm"] > 0

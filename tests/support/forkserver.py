@@ -11,7 +11,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
-from subprocess import CompletedProcess
+from subprocess import CompletedProcess, TimeoutExpired
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -62,11 +62,17 @@ def instead_of_spawn(module: ModuleType) -> Iterator[None]:
         yield
 
 
-def _python_c(code: str, argv: list[str], stdout: str, stderr: str, cwd: str) -> None:
+def _python_c(
+    code: str, argv: list[str], stdout: str, stderr: str, cwd: str, session: bool = False
+) -> None:
+    if session:
+        os.setsid()
     os.chdir(cwd)
+    # Appended to, as the files of a shell's `>>`: several runs may share a log.
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if session else os.O_TRUNC)
     for stream, path in ((sys.stdout, stdout), (sys.stderr, stderr)):
         stream.flush()
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream.fileno())
+        os.dup2(os.open(path, flags), stream.fileno())
     # No torch.distributed variables of an earlier test: the code starts its own.
     for name in [k for k in os.environ if k.startswith("MASTER_")]:
         del os.environ[name]
@@ -91,7 +97,40 @@ def python_c(code: str, argv: list[str], timeout: float) -> CompletedProcess:
             return CompletedProcess(["-c", code, *argv], proc.exitcode, o.read(), e.read())
 
 
+def _main_code(module: str) -> str:
+    return f"import runpy; runpy.run_module({module!r}, run_name='__main__')"
+
+
 def run_main(module: str, argv: list[str], timeout: float) -> CompletedProcess:
     """`python -m module *argv`, as python_c."""
-    code = f"import runpy; runpy.run_module({module!r}, run_name='__main__')"
-    return python_c(code, argv, timeout)
+    return python_c(_main_code(module), argv, timeout)
+
+
+class Session:
+    """`python -m module *argv` from the server, running in a session of its own, as
+    subprocess.Popen(start_new_session=True) would start it (os.killpg(pid, ...) reaches
+    everything it starts: a Ray and its workers), its stdout and stderr appended to files: as a
+    spawned one, without the seconds of CPU each spent importing torch, Ray and the loop."""
+
+    def __init__(self, module: str, argv: list[str], stdout: str, stderr: str) -> None:
+        self.args = ["-m", module, *argv]
+        self._proc = context().Process(
+            target=_python_c,
+            args=(_main_code(module), argv, stdout, stderr, os.getcwd(), True),
+        )
+        self._proc.start()
+        self.pid: int = self._proc.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._proc.is_alive():
+            self._proc.join()
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code (negative: the signal that ended it), as Popen.wait's."""
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise TimeoutExpired(self.args, timeout)
+        return self.returncode
