@@ -2,8 +2,8 @@
 resolved: Llama, Qwen2, Qwen3, MiMo, GLM-4.5 and DeepSeek-V3 targets (MoE experts split by TP
 or whole by EP, MLA by heads), unquantized, eager forwards on CUDA (their emulated graphs on the
 CPU); plain decoding, and speculative decoding with its drafts at the target's TP (NGRAM;
-EAGLE-2, EAGLE-3 and STANDALONE drafts; MiMo's MTP layer). Each refusal names what works
-instead."""
+EAGLE-2, EAGLE-3 and STANDALONE drafts; the MTP layers of MiMo, GLM-4.5 and DeepSeek-V3). Each
+refusal names what works instead."""
 
 from __future__ import annotations
 
@@ -94,12 +94,6 @@ def _check_speculation(
     """The drafts run at the target's TP (as SGLang's): their layers split like the target's."""
     algorithm = args.speculative_algorithm
     mtp = algorithm == "EAGLE" and args.speculative_draft_model_path is None
-    if mtp and (target.moe is not None or target.mla is not None):
-        raise ValueError(
-            f"{flag}: {target.architecture}'s next-n MTP layers are not split across ranks yet; "
-            "serve its MTP speculation at --tp-size 1, or at this --tp-size drop "
-            "--speculative-algorithm (or use --speculative-algorithm NGRAM)"
-        )
     if args.speculative_token_map is not None:
         raise ValueError(
             f"{flag}: --speculative-token-map (FR-Spec) takes rows of the whole LM head, which "

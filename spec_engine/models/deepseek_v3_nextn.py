@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from spec_engine.distributed.parallel_state import get_tp_group
 from spec_engine.forward_batch import ForwardBatch
 from spec_engine.layers.linear import Linear
 from spec_engine.layers.norm import RMSNorm
@@ -69,6 +70,7 @@ class DeepseekV3NextN(nn.Module):
                 f"(num_nextn_predict_layers); cannot draft with {num_layers}"
             )
         self.config = config
+        self.tp = get_tp_group()  # the target's: the layers are split as the target's layers
         self.layers = nn.ModuleList(DeepseekV3NextNLayer(config, i) for i in range(num_layers))
 
     def draft_forward(
@@ -88,7 +90,7 @@ class DeepseekV3NextN(nn.Module):
         for i in range(len(self.layers)):
             layer_id, dst = c.num_hidden_layers + i, f"layers.{i}."
             src = f"model.layers.{layer_id}."
-            spec.update(deepseek_v3_layer_spec(c, layer_id, dst + "decoder.", moe=True))
+            spec.update(deepseek_v3_layer_spec(c, layer_id, dst + "decoder.", moe=True, tp=self.tp))
             for name, shape in (
                 ("enorm.weight", (h,)),
                 ("hnorm.weight", (h,)),

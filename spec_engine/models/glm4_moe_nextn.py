@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from spec_engine.distributed.parallel_state import get_tp_group
 from spec_engine.forward_batch import ForwardBatch
 from spec_engine.layers.linear import Linear
 from spec_engine.layers.norm import RMSNorm
@@ -39,6 +40,7 @@ class Glm4MoeNextN(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.tp = get_tp_group()  # the target's: the layer is split as the target's layers
         h = config.hidden_size
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
@@ -62,7 +64,7 @@ class Glm4MoeNextN(nn.Module):
     def hf_weight_spec(self) -> dict[str, WeightSlot]:
         c, h = self.config, self.config.hidden_size
         src = f"model.layers.{c.num_hidden_layers}."
-        spec = glm4_moe_layer_spec(c, c.num_hidden_layers, "decoder.", moe=True)
+        spec = glm4_moe_layer_spec(c, c.num_hidden_layers, "decoder.", moe=True, tp=self.tp)
         for name, shape in (
             ("enorm.weight", (h,)),
             ("hnorm.weight", (h,)),

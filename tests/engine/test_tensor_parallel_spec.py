@@ -39,7 +39,7 @@ def models(make_model, tmp_path_factory) -> dict[str, str]:
     draft over a draft vocabulary of 127 (a vocabulary-parallel head with a padded last block,
     and d2t) and another one to update it to, a copy of it as a STANDALONE draft (a model of
     its own that accepts every token); a MiMo target with its MTP layer; a GLM-4.5 target (MoE
-    experts split by TP: speculation on it drafts by n-grams)."""
+    experts split by TP) and a DeepSeek-V3 target (MLA by heads), each with its next-n layer."""
     from tests.conftest import FAMILIES
 
     target = make_model("llama", num_layers=4, num_kv_heads=1)
@@ -54,6 +54,9 @@ def models(make_model, tmp_path_factory) -> dict[str, str]:
         "copy": shutil.copytree(target, str(root / "copy")),
         "mimo": add_mimo_mtp(make_model("qwen2", num_layers=2, seed=7)),
         "glm4_moe": make_model(**FAMILIES["glm4_moe"]),
+        "deepseek_v3": make_model(
+            "deepseek_v3", num_layers=3, extra_config={"num_nextn_predict_layers": 1}
+        ),
     }
 
 
@@ -80,6 +83,15 @@ CONFIGS = {
     "standalone": ("target", dict(speculative_algorithm="STANDALONE", draft="copy", **TREE)),
     "mtp": (
         "mimo",
+        dict(speculative_algorithm="EAGLE", speculative_num_steps=2, speculative_eagle_topk=1),
+    ),
+    # The next-n layers of the MoE families: their MoE split as the target's, MLA by heads.
+    "mtp-glm4_moe": (
+        "glm4_moe",
+        dict(speculative_algorithm="EAGLE", speculative_num_steps=2, speculative_eagle_topk=1),
+    ),
+    "mtp-deepseek_v3": (
+        "deepseek_v3",
         dict(speculative_algorithm="EAGLE", speculative_num_steps=2, speculative_eagle_topk=1),
     ),
 }
@@ -201,29 +213,16 @@ def test_tp2_adaptive_depths_are_rank_0s(models):
     "draft, kwargs, match",
     [
         (
-            None,
-            dict(speculative_algorithm="EAGLE", speculative_num_steps=1),
-            "--tp-size 2: Glm4MoeForCausalLM's next-n MTP layers are not split across ranks yet; "
-            "serve its MTP speculation at --tp-size 1",
-        ),
-        (
             "eagle",
             dict(speculative_algorithm="EAGLE", speculative_token_map="hot.pt"),
             r"--tp-size 2: --speculative-token-map \(FR-Spec\) .* drop it at --tp-size > 1",
         ),
     ],
 )
-def test_what_tp2_speculation_does_not_run_is_refused(
-    draft, kwargs, match, models, make_model, tmp_path
-):
-    from tests.conftest import FAMILIES
-
-    if draft is None:
-        path = make_model(**FAMILIES["glm4_moe"])
-    else:
-        path = models["target"]
-        kwargs = dict(kwargs, speculative_draft_model_path=models[draft])
-        torch.save(torch.arange(5, 300), str(tmp_path / "hot.pt"))
-        kwargs["speculative_token_map"] = str(tmp_path / "hot.pt")
+def test_what_tp2_speculation_does_not_run_is_refused(draft, kwargs, match, models, tmp_path):
+    path = models["target"]
+    kwargs = dict(kwargs, speculative_draft_model_path=models[draft])
+    torch.save(torch.arange(5, 300), str(tmp_path / "hot.pt"))
+    kwargs["speculative_token_map"] = str(tmp_path / "hot.pt")
     with pytest.raises(ValueError, match=match):
         Engine(model_path=path, tp_size=2, **ENGINE, **kwargs)
