@@ -47,6 +47,7 @@ class GatedMLP(nn.Module):
     intermediate features, its output a partial sum (SparseMoE all-reduces it)."""
 
     batch_invariant = False
+    act_kernel: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # layers/fused.py
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -55,7 +56,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act_kernel is not None:
+            return self.down_proj(self.act_kernel(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(bi.silu(gate, self.batch_invariant) * up)
 
 

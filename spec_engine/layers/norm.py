@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 like the Hugging Face reference (or by a fused CUDA kernel)."""
+"""RMSNorm, computed in float32 like the Hugging Face reference (or by fused CUDA kernels,
+layers/fused.py)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,29 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        # flashinfer's rmsnorm(x, weight, eps), installed by use_fused_rmsnorm: one kernel where
-        # the reference takes eight (on an H200, 8B at batch 1, a third of a decode step went to
-        # such small kernels).
+        # FlashInfer's rmsnorm(x, weight, eps) and fused_add_rmsnorm(x, residual, weight, eps),
+        # installed by layers/fused.install: one kernel where the reference takes eight.
         self.kernel: Optional[Callable[..., torch.Tensor]] = None
+        self.add_kernel: Optional[Callable[..., None]] = None
+
+    def owned(self, residual: torch.Tensor) -> torch.Tensor:
+        """The residual to pass to this norm where the caller still reads `residual` itself: a
+        copy when the fused kernel overwrites its residual in place (a layer's first one is its
+        input: the embedding, a captured feature, a graph's static buffer)."""
+        return residual.clone() if self.add_kernel is not None else residual
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        """Normalize x; with `residual`, first add it and also return the sum (the new residual)."""
+        """Normalize x; with `residual`, first add it and also return the sum (the new residual).
+        With the fused kernel x and residual are overwritten: both must be the caller's own."""
         if residual is not None:
+            if self.add_kernel is not None and self._fits(x) and self._fits(residual):
+                self.add_kernel(
+                    x.view(-1, x.shape[-1]), residual.view(-1, x.shape[-1]), self.weight, self.eps
+                )
+                return x, residual
             x = x + residual
             residual = x
-        if self.kernel is not None and x.is_contiguous() and x.dtype == self.weight.dtype:
+        if self.kernel is not None and self._fits(x):
             out = self.kernel(x.view(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         else:
             dtype = x.dtype
@@ -33,14 +46,7 @@ class RMSNorm(nn.Module):
             out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
 
-
-def use_fused_rmsnorm(model: nn.Module) -> int:
-    """Give every RMSNorm of `model` flashinfer's fused kernel (CUDA, the [gpu] extra); returns
-    how many. It rounds once where the reference rounds before the weight: outputs agree to
-    bfloat16 precision, not bitwise, so batch-invariant engines keep the reference."""
-    from flashinfer.norm import rmsnorm
-
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    for norm in norms:
-        norm.kernel = rmsnorm
-    return len(norms)
+    def _fits(self, x: torch.Tensor) -> bool:
+        # The kernels' contract: rows contiguous, in the weight's dtype (per-head q/k norms get
+        # strided views, and some callers pass float32 into a bfloat16 norm: the reference).
+        return x.is_contiguous() and x.dtype == self.weight.dtype

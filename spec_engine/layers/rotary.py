@@ -4,6 +4,7 @@ scaling, on the whole head or on its leading `rotary_dim` dims (partial rotary, 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -99,6 +100,10 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = scaling
         self._cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        # FlashInfer's apply_rope_with_cos_sin_cache_inplace, installed by layers/fused.install:
+        # rotates q and k in place from one float32 [positions, rotary_dim] table of cos | sin.
+        self.kernel: Optional[Callable[..., None]] = None
+        self._cos_sin_cache: Optional[torch.Tensor] = None
 
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos_sin is None or self._cos_sin[0].device != device:
@@ -109,10 +114,27 @@ class RotaryEmbedding(nn.Module):
             self._cos_sin = ((freqs.cos() * factor).to(device), (freqs.sin() * factor).to(device))
         return self._cos_sin
 
+    def _cache(self, device: torch.device) -> torch.Tensor:
+        """The fused kernel's table: cos then sin of each position, float32 (the same values)."""
+        if self._cos_sin_cache is None or self._cos_sin_cache.device != device:
+            self._cos_sin_cache = torch.cat(self._tables(device), dim=-1).contiguous()
+        return self._cos_sin_cache
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. With the fused kernel q and k
+        are rotated in place (where each is a [T, heads * head_dim] row-major view)."""
+        if self.kernel is not None and _flat_heads(q) and _flat_heads(k):
+            self.kernel(
+                positions,
+                q.view(q.shape[0], -1),
+                k.view(k.shape[0], -1),
+                self.head_dim,
+                self._cache(positions.device),
+                True,
+            )
+            return q, k
         cos, sin = self._tables(positions.device)
         cos = cos.index_select(0, positions).unsqueeze(1)
         sin = sin.index_select(0, positions).unsqueeze(1)
@@ -121,6 +143,12 @@ class RotaryEmbedding(nn.Module):
         return _rotate_partial(q, cos, sin, self.rotary_dim), _rotate_partial(
             k, cos, sin, self.rotary_dim
         )
+
+
+def _flat_heads(x: torch.Tensor) -> bool:
+    # [T, heads, head_dim] whose heads sit side by side in each row (a q/k split of the fused
+    # projection is; MLA's rope part of each head is not, and takes the reference).
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ mirror)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import numpy as np
@@ -53,7 +53,15 @@ class KVPool:
         """Free the buffers (resume_memory_occupation calls allocate again)."""
         self.k_buffer, self.v_buffer = [], []
 
+    # K and V written by one fused kernel when layers/fused.install gives the pool one
+    # (`store_kernel(k_buffer, v_buffer, loc, k, v)`); MLA's single latent buffer takes none.
+    appends_kv = True
+    store_kernel: Optional[Callable[..., None]] = None
+
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.store_kernel is not None:
+            self.store_kernel(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, k, v)
+            return
         self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
         self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
@@ -69,6 +77,8 @@ class MLAKVPool(KVPool):
     """The latent cache of MLA models (SGLang's MLATokenToKVPool): per layer one buffer
     [num_slots, 1, latent + rope key]. The values are the latent itself, so `v_buffer` holds
     views of its leading `v_dim` columns: no second copy is stored."""
+
+    appends_kv = False  # one buffer: set_kv is a single copy already
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ tensor the rank takes).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -91,6 +91,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     batch_invariant = False  # --enable-deterministic-inference (layers/batch_invariant.py)
+    act_kernel: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # layers/fused.py
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -104,7 +105,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act_kernel is not None:
+            return self.down_proj(self.act_kernel(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(bi.silu(gate, self.batch_invariant) * up)
 
 
@@ -137,7 +141,8 @@ class LlamaDecoderLayer(nn.Module):
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual = hidden
+            # The fused norm below adds into its residual in place: not into our input.
+            residual = self.post_attention_layernorm.owned(hidden)
             if self.input_layernorm is not None:
                 hidden = self.input_layernorm(hidden)
         else:

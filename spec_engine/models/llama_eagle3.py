@@ -47,7 +47,7 @@ class Eagle3Layer(nn.Module):
         hidden: torch.Tensor,
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = hidden
+        residual = self.post_attention_layernorm.owned(hidden)  # the fused norm adds in place
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
         x = self.self_attn(positions, x, batch)
         x, residual = self.post_attention_layernorm(x, residual)

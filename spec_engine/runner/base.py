@@ -18,6 +18,7 @@ from torch import nn
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.attention import make_backend
 from spec_engine.forward_batch import ForwardBatch
+from spec_engine.layers import fused
 from spec_engine.layers.batch_invariant import set_batch_invariant
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
@@ -51,6 +52,11 @@ class RunnerBase:
         self.graph_pool = graph_pool
         if args.enable_deterministic_inference:
             set_batch_invariant(model)
+        kernels = fused.kernels_for(
+            self.device, args.attention_backend, args.enable_deterministic_inference
+        )
+        # Before any graph is captured (the graphs launch them); what took which kernel.
+        self.fused_kernels = fused.install(model, kv_pool, kernels) if kernels else {}
         self.attn_backend = make_backend(
             args.attention_backend,
             self.device,

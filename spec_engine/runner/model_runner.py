@@ -18,7 +18,6 @@ from spec_engine.distributed.parallel_state import SINGLE, TPGroup, use_tp_group
 from spec_engine.distributed.partition import attention_heads
 from spec_engine.dtypes import DTYPES
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
-from spec_engine.layers.norm import use_fused_rmsnorm
 from spec_engine.layers.routing_capture import RoutingCapture, attach_routing_capture
 from spec_engine.mem.allocator import PageAllocator
 from spec_engine.mem.kv_pool import KVPool, MLAKVPool, ReqToTokenPool
@@ -58,12 +57,6 @@ class ModelRunner(RunnerBase):
                 args.model_path,
                 capture_layers=config.capture_layers,
             )
-        if (
-            device.type == "cuda"
-            and args.attention_backend == "flashinfer"
-            and not args.enable_deterministic_inference
-        ):
-            use_fused_rmsnorm(model)
         # The target as this rank runs it: its heads (all of them at one rank).
         target = rank_config(config.target, tp)
         self.max_total_tokens = tp.min(kv_pool_tokens(config, model, dtype, target, tp.size))

@@ -231,3 +231,55 @@ def test_cuda_bf16_train_step_and_colocated_push(make_model):
             assert engine.get_server_info()["weight_version"] == "1"
     finally:
         destroy_model_parallel()
+
+
+@pytest.mark.gpu
+def test_flashinfer_fused_kernels_match_their_stand_ins():
+    """FlashInfer's fused decoder kernels against the CPU stand-ins the engine tests run
+    (layers/fused.py), on CUDA in bfloat16: the stand-ins are what the kernels compute."""
+    pytest.importorskip("flashinfer", reason="the [gpu] extra (flashinfer-python) is not installed")
+    from spec_engine.layers import fused
+    from spec_engine.layers.rotary import RotaryEmbedding
+
+    fi, ref = fused.flashinfer_kernels(), fused.reference_kernels()
+    torch.manual_seed(0)
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    weight = torch.randn(256, device=dev, dtype=bf16)
+    x, res = (
+        torch.randn(7, 256, device=dev, dtype=bf16),
+        torch.randn(7, 256, device=dev, dtype=bf16),
+    )
+    close = dict(rtol=2**-7, atol=2e-2)
+    torch.testing.assert_close(fi.rmsnorm(x, weight, 1e-6), ref.rmsnorm(x, weight, 1e-6), **close)
+    xa, ra, xb, rb = x.clone(), res.clone(), x.clone(), res.clone()
+    fi.add_rmsnorm(xa, ra, weight, 1e-6)
+    ref.add_rmsnorm(xb, rb, weight, 1e-6)
+    torch.testing.assert_close(ra, rb, **close)
+    torch.testing.assert_close(xa, xb, **close)
+    gate_up = torch.randn(7, 2 * 96, device=dev, dtype=bf16)
+    torch.testing.assert_close(fi.silu_and_mul(gate_up), ref.silu_and_mul(gate_up), **close)
+    for rotary_dim in (64, 32):  # full and partial (GLM-4.5) rotary
+        rotary = RotaryEmbedding(64, 128, 10000.0, None, rotary_dim)
+        positions = torch.tensor([0, 3, 9, 127, 5, 6, 1], device=dev)
+        qkv = torch.randn(7, (4 + 2 + 2) * 64, device=dev, dtype=bf16)
+        outs = []
+        for kernels in (fi, ref):
+            q, k, _ = qkv.clone().split([256, 128, 128], dim=-1)
+            kernels.rope(positions, q, k, 64, rotary._cache(dev), True)
+            outs.append((q, k))
+        torch.testing.assert_close(outs[0][0], outs[1][0], **close)
+        torch.testing.assert_close(outs[0][1], outs[1][1], **close)
+    from spec_engine.mem.kv_pool import KVPool
+
+    pools = [KVPool(64, 1, 1, 2, 64, bf16, dev) for _ in range(2)]
+    loc = torch.tensor([9, 4, 30, 17, 60], device=dev)
+    k, v = (
+        torch.randn(5, 2, 64, device=dev, dtype=bf16),
+        torch.randn(5, 2, 64, device=dev, dtype=bf16),
+    )
+    for pool, kernels in zip(pools, (fi, ref)):
+        pool.k_buffer[0].zero_(), pool.v_buffer[0].zero_()
+        fused.install(torch.nn.Module(), pool, kernels)
+        pool.set_kv(0, loc, k, v)
+    assert torch.equal(pools[0].k_buffer[0], pools[1].k_buffer[0])
+    assert torch.equal(pools[0].v_buffer[0], pools[1].v_buffer[0])
