@@ -21,7 +21,8 @@ def _in_process_results_queue() -> None:
     """megatron's torch_dist writer (FileSystemWriterAsync, also behind a synchronous save) hands
     its write results back through a queue built for asynchronous saves, whose writer runs in
     another process: a `spawn` multiprocessing Manager's queue, a helper process per rank that
-    re-imports the rank's main module (~8 s of CPU each on a test VM), started by the first save.
+    re-imports the rank's main module, started by the first save (measured on the 2-core VM: 1 s
+    of CPU in a Ray trainer rank, 10 s where the main module imports torch and megatron).
     specrl saves synchronously, as Megatron-LM and slime do without --async-save (they still pay
     for that process): dist_checkpointing.save runs AsyncRequest.execute_sync, where the results
     are put and read in this process (the fork-context writers report on queues of their own), so
