@@ -154,8 +154,6 @@ def start_actors(
     teardown.push(shutdown_step("stopping the engines", engines.shutdown))
     if not args.colocate:
         trainer = start_trainer(args, placements, teardown)
-    if trainer is not None and args.save:
-        trainer.warm_checkpoint_writer()
     engines.wait_until_up()
     return engines, trainer
 

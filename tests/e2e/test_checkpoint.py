@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -273,6 +274,9 @@ def test_a_policy_checkpoint_resumes_bitwise_and_at_another_tp_size(make_model, 
     model = add_mimo_mtp(make_model("qwen2", num_layers=2, seed=41, vocab_size=300), seed=42)
     out = str(tmp_path)
     _tp_run(0, 1, _ports(2), model, out, [None, "ckpt-tp1"], "tp1")
+    # The save (in this process) started no helper process: megatron's writer, left alone, starts
+    # a spawn-context multiprocessing Manager (1-10 s of CPU per trainer rank) for its results.
+    assert [p.name for p in multiprocessing.active_children() if "Manager" in p.name] == []
     runs = (2, _ports(3), model, out, [None, "ckpt-tp2", "ckpt-tp1"], "tp2")
     start_ranks(_tp_run, runs, 2)
     _tp_run(0, 1, _ports(1), model, out, ["ckpt-tp2"], "tp1-from-tp2")

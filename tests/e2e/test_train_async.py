@@ -21,14 +21,17 @@ INTERVAL = 2  # --update-weights-interval: pushes after rollouts 1 and 3
 MAIN = "from specrl.async_loop import main; main(sys.argv[1:])"
 
 
-def async_args(model: str, data: str, out: str) -> list[str]:
+def async_args(model: str, data: str, out: str, save: bool = True) -> list[str]:
     """Responses of up to 24 tokens (stopping on a tenth of the vocabulary spreads their
     lengths), so that a rollout outlasts the start of the train step beside it; batch-invariant
-    engines, so that a resumed run samples what the uninterrupted one did."""
+    engines, so that a resumed run samples what the uninterrupted one did; a checkpoint every
+    --update-weights-interval rollouts unless `save` is False."""
     argv = base_args(model, data, out) + ["--lr", "1e-3", "--rollout-stop-token-ids"]
     argv += [str(t) for t in range(100, 150)]
     argv += ["--update-weights-interval", str(INTERVAL), "--sglang-enable-deterministic-inference"]
-    argv += ["--save", os.path.join(out, "ckpt"), "--save-interval", str(INTERVAL)]
+    argv += ["--save-interval", str(INTERVAL)]
+    if save:
+        argv += ["--save", os.path.join(out, "ckpt")]
     argv += ["--save-debug-rollout-data", os.path.join(out, "rollouts", "r{rollout_id}.pt")]
     argv[argv.index("--rollout-max-response-len") + 1] = "24"
     argv[argv.index("--num-rollout") + 1] = str(NUM_ROLLOUT)
@@ -38,13 +41,14 @@ def async_args(model: str, data: str, out: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(rl_task, tmp_path_factory) -> tuple[str, str]:
     """(an uninterrupted run, a run resumed from its checkpoint after rollout 1): the state a run
-    killed during rollout 2 leaves (rollout 2 was generated before the save, and is in it)."""
+    killed during rollout 2 leaves (rollout 2 was generated before the save, and is in it). The
+    resumed run is launched without --save: what it generates must not depend on saving."""
     model, data = rl_task
     root = tmp_path_factory.mktemp("async")
     straight, resumed = str(root / "straight"), str(root / "resumed")
     run(async_args(model, data, straight), code=MAIN)
     ckpt = checkpoint_1(straight, os.path.join(resumed, "ckpt"))
-    run(async_args(model, data, resumed) + ["--load", ckpt], code=MAIN)
+    run(async_args(model, data, resumed, save=False) + ["--load", ckpt], code=MAIN)
     return straight, resumed
 
 

@@ -121,9 +121,6 @@ class TrainGroup:
         """Every rank restores its shards; returns the checkpoint's rollout id."""
         return self._all("load_checkpoint", directory)
 
-    def warm_checkpoint_writer(self) -> None:
-        self._all("warm_checkpoint_writer")
-
     def shutdown(self) -> None:
         """End the rank actors (their bundles stay with the placement group's owner)."""
         import ray

@@ -141,10 +141,3 @@ class TrainActor(TrainSteps):
         from trainer_bridge.checkpoint import load_checkpoint
 
         return load_checkpoint(self, directory)
-
-    def warm_checkpoint_writer(self) -> None:
-        """Start megatron's checkpoint writer in the background now (see
-        trainer_bridge.checkpoint.warm_writer), so the first save does not wait for it."""
-        from trainer_bridge.checkpoint import warm_writer
-
-        warm_writer()

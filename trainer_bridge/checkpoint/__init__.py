@@ -23,7 +23,7 @@ Adam state (trainer_bridge.drafts.online).
 The modules, by job:
     layout.py       what a checkpoint holds: the state dict above, the RNG states
     optimizer.py    Adam's state in it, and back into the optimizer
-    save.py         writing one (and starting megatron's writer process early)
+    save.py         writing one (synchronously: no writer process)
     load.py         resuming from one; --ref-load's model weights from one or from Megatron-LM's
     common.py       common.pt, read without megatron: the launcher's checks before a run starts
     megatron_lm.py  the model shape of a Megatron-LM (slime) checkpoint, from its tensors' shapes
@@ -39,7 +39,7 @@ from trainer_bridge.checkpoint.common import (
 )
 from trainer_bridge.checkpoint.load import load_checkpoint, load_reference
 from trainer_bridge.checkpoint.megatron_lm import check_megatron_model
-from trainer_bridge.checkpoint.save import save_checkpoint, warm_writer
+from trainer_bridge.checkpoint.save import save_checkpoint
 
 __all__ = [
     "COMMON_FILE",
@@ -52,5 +52,4 @@ __all__ = [
     "load_reference",
     "read_common",
     "save_checkpoint",
-    "warm_writer",
 ]
