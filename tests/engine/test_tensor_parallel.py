@@ -138,7 +138,7 @@ def test_debug_tp_check_tokens_fails_a_step_where_ranks_disagree():
         (dict(nnodes=2), "--nnodes 2.*multi-node engines are not built yet"),
         (dict(ep_size=2), "--ep-size 2: LlamaForCausalLM has no MoE layers; drop --ep-size"),
         (dict(ep_size=3), "--ep-size 3 with --tp-size 2: .* set --ep-size 2 or 1"),
-        (dict(quantization="fp8"), "--tp-size 2: block-FP8 weights .* are not split"),
+        (dict(quantization="fp8"), "--tp-size 2: FP8 weight .* not divisible by .* 128"),
     ],
 )
 def test_what_tp_does_not_run_is_refused_before_any_rank_starts(kwargs, match, llama_path):
