@@ -1,6 +1,6 @@
 """What --tp-size > 1 runs today, checked against the model and the other flags once they are
 resolved: Llama, Qwen2, Qwen3, MiMo, GLM-4.5 and DeepSeek-V3 targets (MoE experts split by TP
-or whole by EP, MLA by heads), unquantized or block-FP8 (split only between FP8 blocks, as
+or by EP groups, MLA by heads), unquantized or block-FP8 (split only between FP8 blocks, as
 SGLang splits them), eager forwards on CUDA (their emulated graphs on the CPU); plain decoding,
 and speculative decoding with its drafts at the target's TP (NGRAM; EAGLE-2, EAGLE-3 and
 STANDALONE drafts; the MTP layers of MiMo, GLM-4.5 and DeepSeek-V3). Each refusal names what
@@ -29,21 +29,25 @@ _TIMEOUT_VARIABLES = (
 
 
 def check_expert_parallel(ep: int, tp: int, target: ModelConfig) -> None:
-    """Refuse an --ep-size other than 1 or --tp-size, or one the experts do not divide."""
+    """Refuse an --ep-size that does not divide --tp-size (SGLang's moe_tp_size = tp_size /
+    ep_size ranks share each expert group), or one the experts do not divide (the features
+    divide by --tp-size: check_tensor_parallel)."""
     if ep == 1:
         return
     flag = f"--ep-size {ep}"
-    if ep != tp:
+    if tp % ep:
+        divisors = [d for d in range(1, tp + 1) if tp % d == 0]
         raise ValueError(
-            f"{flag} with --tp-size {tp}: experts are split whole over all the ranks (--ep-size "
-            f"equal to --tp-size) or by features (--ep-size 1); set --ep-size {tp} or 1"
+            f"{flag} with --tp-size {tp}: the experts are split into --ep-size groups, each "
+            f"over --tp-size / --ep-size ranks (SGLang's moe_tp_size), so --ep-size must divide "
+            f"--tp-size; set --ep-size to one of {divisors}"
         )
     if target.moe is None:
         raise ValueError(f"{flag}: {target.architecture} has no MoE layers; drop --ep-size")
     if target.moe.num_experts % ep:
         raise ValueError(
-            f"{flag}: the {target.moe.num_experts} routed experts do not split evenly over "
-            f"{ep} ranks; pick an --ep-size that divides them, or --ep-size 1"
+            f"{flag}: the {target.moe.num_experts} routed experts do not split evenly into "
+            f"{ep} groups; pick an --ep-size that divides them, or --ep-size 1"
         )
 
 
