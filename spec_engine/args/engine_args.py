@@ -323,9 +323,11 @@ class EngineArgs:
     )
     ep_size: int = _opt(
         1,
-        "Expert parallelism of a MoE target's routed experts: at 1 every rank holds every "
-        "expert's block of features; at --tp-size each rank holds num_experts / tp_size whole "
-        "experts (the router and shared experts placed as at 1).",
+        "Expert parallelism of a MoE target's routed experts (a divisor of --tp-size): the "
+        "experts split into --ep-size groups, each held by --tp-size / --ep-size ranks that "
+        "split its features (SGLang's moe_tp_size); at 1 every rank holds every expert's block "
+        "of features, at --tp-size each rank holds num_experts / tp_size whole experts (the "
+        "router and shared experts placed as at 1).",
         aliases=("expert-parallel-size",),
     )
     dist_init_addr: Optional[str] = _opt(

@@ -1,9 +1,10 @@
 """What --tp-size > 1 runs today, checked against the model and the other flags once they are
 resolved: Llama, Qwen2, Qwen3, MiMo, GLM-4.5 and DeepSeek-V3 targets (MoE experts split by TP
-or whole by EP, MLA by heads), unquantized, eager forwards on CUDA (their emulated graphs on the
-CPU); plain decoding, and speculative decoding with its drafts at the target's TP (NGRAM;
-EAGLE-2, EAGLE-3 and STANDALONE drafts; the MTP layers of MiMo, GLM-4.5 and DeepSeek-V3). Each
-refusal names what works instead."""
+or by EP groups, MLA by heads), unquantized or block-FP8 (split only between FP8 blocks, as
+SGLang splits them), eager forwards on CUDA (their emulated graphs on the CPU); plain decoding,
+and speculative decoding with its drafts at the target's TP (NGRAM; EAGLE-2, EAGLE-3 and
+STANDALONE drafts; the MTP layers of MiMo, GLM-4.5 and DeepSeek-V3). Each refusal names what
+works instead."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from typing import Any, Optional
 
 import torch
 
+from spec_engine.distributed.parallel_state import TPGroup, use_tp_group
 from spec_engine.distributed.partition import attention_heads, divide
 from spec_engine.models.hf_config import ModelConfig
+from spec_engine.models.registry import model_class
+from spec_engine.weights.loader import check_fp8_partitions
 
 # core/timeouts.py's variables (read here by name: args/ does not import core/).
 _TIMEOUT_VARIABLES = (
@@ -25,21 +29,25 @@ _TIMEOUT_VARIABLES = (
 
 
 def check_expert_parallel(ep: int, tp: int, target: ModelConfig) -> None:
-    """Refuse an --ep-size other than 1 or --tp-size, or one the experts do not divide."""
+    """Refuse an --ep-size that does not divide --tp-size (SGLang's moe_tp_size = tp_size /
+    ep_size ranks share each expert group), or one the experts do not divide (the features
+    divide by --tp-size: check_tensor_parallel)."""
     if ep == 1:
         return
     flag = f"--ep-size {ep}"
-    if ep != tp:
+    if tp % ep:
+        divisors = [d for d in range(1, tp + 1) if tp % d == 0]
         raise ValueError(
-            f"{flag} with --tp-size {tp}: experts are split whole over all the ranks (--ep-size "
-            f"equal to --tp-size) or by features (--ep-size 1); set --ep-size {tp} or 1"
+            f"{flag} with --tp-size {tp}: the experts are split into --ep-size groups, each "
+            f"over --tp-size / --ep-size ranks (SGLang's moe_tp_size), so --ep-size must divide "
+            f"--tp-size; set --ep-size to one of {divisors}"
         )
     if target.moe is None:
         raise ValueError(f"{flag}: {target.architecture} has no MoE layers; drop --ep-size")
     if target.moe.num_experts % ep:
         raise ValueError(
-            f"{flag}: the {target.moe.num_experts} routed experts do not split evenly over "
-            f"{ep} ranks; pick an --ep-size that divides them, or --ep-size 1"
+            f"{flag}: the {target.moe.num_experts} routed experts do not split evenly into "
+            f"{ep} groups; pick an --ep-size that divides them, or --ep-size 1"
         )
 
 
@@ -55,12 +63,6 @@ def check_tensor_parallel(
     flag = f"--tp-size {n}"
     if args.speculative_algorithm is not None:
         _check_speculation(args, target, draft, flag)
-    if target.weight_block_size is not None:
-        raise ValueError(
-            f"{flag}: block-FP8 weights (an FP8 checkpoint or --quantization fp8) are not split "
-            "across ranks yet (a rank's block of a weight needs its block scales); serve them at "
-            "--tp-size 1, or the BF16 checkpoint at --tp-size > 1"
-        )
     timeouts = [name for name in _TIMEOUT_VARIABLES if os.environ.get(name)]
     if timeouts:
         raise ValueError(
@@ -73,6 +75,8 @@ def check_tensor_parallel(
     divide(target.intermediate_size, n, "intermediate_size")
     if target.moe is not None:
         divide(target.moe.intermediate_size, n, "moe_intermediate_size")
+    if target.weight_block_size is not None:
+        _check_fp8_blocks(target, n, args.ep_size, flag)
     if args.device == "cuda":
         if not args.disable_cuda_graph:
             raise ValueError(
@@ -86,6 +90,18 @@ def check_tensor_parallel(
                 f"{flag} from --base-gpu-id {args.base_gpu_id} needs GPUs "
                 f"{args.base_gpu_id}..{last}, and this machine has {gpus}"
             )
+
+
+def _check_fp8_blocks(target: ModelConfig, tp: int, ep: int, flag: str) -> None:
+    """Block-FP8 weights (an FP8 checkpoint, --quantization fp8) split over the ranks only
+    between blocks: checked on the target built on the meta device as rank 0 builds it (every
+    rank's blocks are as long; its MTP layers have the trunk's shapes)."""
+    with use_tp_group(TPGroup(rank=0, size=tp, ep_size=ep)), torch.device("meta"):
+        model = model_class(target)(target)
+    try:
+        check_fp8_partitions(model, target.weight_block_size)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
 
 
 def _check_speculation(

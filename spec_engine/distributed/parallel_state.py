@@ -26,8 +26,8 @@ import torch.distributed as dist
 @dataclass(frozen=True, eq=False)
 class TPGroup:
     """Rank `rank` of `size`; at size 1 every collective is the identity and no group exists.
-    `ep_size` (--ep-size: 1 or `size`): how a MoE layer places its routed experts on the ranks
-    (layers/moe.py)."""
+    `ep_size` (--ep-size, a divisor of `size`): how a MoE layer places its routed experts on the
+    ranks (partition.expert_place, layers/moe.py)."""
 
     rank: int = 0
     size: int = 1

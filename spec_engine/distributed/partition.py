@@ -1,10 +1,14 @@
-"""What each rank holds: attention heads, vocabulary rows, features of a split linear.
+"""What each rank holds: attention heads, vocabulary rows, features of a split linear, routed
+experts.
 
 SGLang's and nano-vllm's rules: query heads and MLP features split evenly; KV heads split while
 there are at least as many as ranks, and past that each KV head is replicated on
 tp_size / num_kv_heads consecutive ranks (rank r holds KV head r // replicas); the vocabulary is
 split in equal blocks of ceil(vocab / tp_size) rows, the last one short (its padding rows are
-never looked up and their logits are cut after the gather).
+never looked up and their logits are cut after the gather). Routed experts, as SGLang's
+parallel_state lays out --ep-size over --tp-size ranks: moe_tp_size = tp_size / ep_size
+consecutive ranks share an expert group (rank r in group r // moe_tp_size), each holding its
+block r % moe_tp_size of every expert's intermediate features.
 """
 
 from __future__ import annotations
@@ -60,3 +64,23 @@ def vocab_range(vocab_size: int, rank: int, size: int) -> VocabRange:
     block = -(-vocab_size // size)
     start = min(rank * block, vocab_size)
     return VocabRange(start, min(start + block, vocab_size), block)
+
+
+@dataclass(frozen=True)
+class ExpertPlace:
+    """One rank's routed experts: experts [first, first + count) of the MoE, and block `block`
+    of `blocks` of each one's intermediate features (blocks 1: whole experts)."""
+
+    first: int
+    count: int
+    block: int
+    blocks: int
+
+
+def expert_place(num_experts: int, rank: int, size: int, ep_size: int) -> ExpertPlace:
+    """Rank `rank` of `size` at --ep-size `ep_size` (which divides `size` and `num_experts`:
+    args/tp_checks.py refuses other values)."""
+    moe_tp = size // ep_size
+    group, block = divmod(rank, moe_tp)
+    count = num_experts // ep_size
+    return ExpertPlace(group * count, count, block, moe_tp)

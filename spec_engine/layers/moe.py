@@ -19,10 +19,12 @@ DeepseekV2MoE over FusedMoE): the router is replicated (every rank routes every 
 way: its input is the same bits on every rank); every rank holds every expert's block of the
 intermediate features (gate/up rows, down columns), and the shared experts are a column- then
 row-parallel MLP likewise; the routed and shared partial outputs are summed on each rank, then
-once over the ranks (one all-reduce per MoE layer). With --ep-size equal to --tp-size (expert
-parallelism, SGLang's moe_ep group without an all-to-all backend), rank r holds experts
-[r * E / ep, (r + 1) * E / ep) whole and adds only theirs; the router, the TP-split shared experts
-and the one all-reduce stay as they are.
+once over the ranks (one all-reduce per MoE layer). At --ep-size > 1 (expert parallelism,
+SGLang's moe_ep x moe_tp groups without an all-to-all backend) the experts are split into
+--ep-size groups of E / ep, and the tp / ep consecutive ranks of group g hold experts
+[g * E / ep, (g + 1) * E / ep), each its block of their features (whole at --ep-size equal to
+--tp-size: distributed/partition.expert_place), and add only theirs; the router, the TP-split
+shared experts and the one all-reduce over all the ranks stay as they are.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from spec_engine.distributed.parallel_state import SINGLE, TPGroup, get_tp_group
-from spec_engine.distributed.partition import divide
+from spec_engine.distributed.partition import divide, expert_place
 from spec_engine.layers import batch_invariant as bi
 from spec_engine.layers.linear import Linear
 from spec_engine.weights.loader import WeightSlot
@@ -209,13 +211,14 @@ class SparseMoE(nn.Module):
         )
         self.tp = tp = get_tp_group()
         local = divide(intermediate_size, tp.size, "moe_intermediate_size")
-        if tp.ep_size > 1:  # whole experts, a block of them per rank
-            per_rank = divide(num_experts, tp.ep_size, "num_experts")
-            self.experts = Experts(
-                hidden_size, per_rank, intermediate_size, tp.rank * per_rank, num_experts
-            )
-        else:
-            self.experts = Experts(hidden_size, num_experts, local)
+        place = expert_place(num_experts, tp.rank, tp.size, tp.ep_size)
+        self.experts = Experts(
+            hidden_size,
+            place.count,
+            divide(intermediate_size, place.blocks, "moe_intermediate_size"),
+            place.first,
+            num_experts,
+        )
         self.shared_experts = (
             GatedMLP(hidden_size, local * num_shared_experts) if num_shared_experts else None
         )
@@ -241,16 +244,17 @@ def moe_weight_spec(
 ) -> dict[str, WeightSlot]:
     """Slots of a SparseMoE: Hugging Face names under `src` (`...mlp.`: gate, experts.{e},
     shared_experts), parameters under `dst`; rank `tp.rank`'s block of each expert's
-    intermediate features under tensor parallelism (the router whole), or at --ep-size > 1 its
-    experts whole (the others' accepted and skipped)."""
+    intermediate features under tensor parallelism (the router whole); at --ep-size > 1 only
+    its expert group's experts, their features split over the group's ranks (whole at
+    --ep-size equal to --tp-size; the others' experts accepted and skipped)."""
     h, full = hidden_size, intermediate_size
     shared_inter = full // tp.size  # SparseMoE refuses a size that does not divide
-    split = tp.size > 1 and tp.ep_size == 1
-    inter = shared_inter if split else full
-    rows = block(0, tp.rank, inter) if split else None  # gate/up: a block of rows
-    cols = block(1, tp.rank, inter) if split else None  # down: a block of columns
-    per_rank = num_experts // tp.ep_size
-    first = tp.rank * per_rank if tp.ep_size > 1 else 0
+    place = expert_place(num_experts, tp.rank, tp.size, tp.ep_size)
+    split = place.blocks > 1
+    inter = full // place.blocks
+    rows = block(0, place.block, inter) if split else None  # gate/up: a block of rows
+    cols = block(1, place.block, inter) if split else None  # down: a block of columns
+    per_rank, first = place.count, place.first
     spec = {
         f"{src}gate.weight": WeightSlot(dst + "gate.weight", (num_experts, h)),
         f"{src}gate.e_score_correction_bias": WeightSlot(

@@ -38,6 +38,8 @@ from typing import Any, Optional
 import torch
 from torch.nn import functional as F
 
+from spec_engine.weights.shard import Shard
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
@@ -147,6 +149,28 @@ def weight_name(scale: str) -> str:
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
     """The scale grid of a [rows, columns] weight: one scale per block, edge blocks included."""
     return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
+
+
+def scale_shard(name: str, shard: Shard, shape: tuple[int, ...], block: tuple[int, int]) -> Shard:
+    """The part of FP8 weight `name`'s scale grid that scales a tensor-parallel rank's block
+    `shard` of the [rows, columns] weight of `shape`: the same cut, counted in blocks. A rank's
+    block must hold whole FP8 blocks, as SGLang requires (validate_fp8_block_shape for linears,
+    Fp8MoEMethod for experts: a per-rank partition divisible by the block); a cut inside a block
+    raises ValueError naming the weight, the per-rank size and the block."""
+    size, whole = block[shard.dim], shape[shard.dim]
+    if shard.start == 0 and shard.length == whole:  # not split (a KV head on every rank)
+        return Shard(shard.dim, 0, math.ceil(whole / size))
+    if shard.length % size or shard.start % size:
+        side, letter = ("rows", "n") if shard.dim == 0 else ("columns", "k")
+        raise ValueError(
+            f"FP8 weight {name!r} of shape {tuple(shape)} is split over the tensor-parallel "
+            f"ranks into {shard.length} {side} per rank, which is not divisible by the FP8 block's "
+            f"{size} (weight_block_size {list(block)}): a rank's part would cut blocks that share "
+            f"one scale (SGLang refuses it too: 'not divisible by weight quantization "
+            f"block_{letter} = {size}'); pick a --tp-size that leaves every rank a multiple of "
+            f"{size} {side}, or serve the BF16 weights without --quantization fp8"
+        )
+    return Shard(shard.dim, shard.start // size, shard.length // size)
 
 
 def _is_fp8(dtype: str) -> bool:

@@ -188,14 +188,26 @@ def iterate_checkpoint(
             fp8.refuse_unquantized_fp8(name, str(tensor.dtype))
             yield name, tensor
         return
-    if shards:  # refused before any rank starts (args/tp_checks.py); a block needs its scales
-        raise ValueError(f"{model_path!r} is block-FP8: tensor-parallel shards of it are not read")
 
     def wanted_scale(name: str) -> bool:
         return fp8.is_scale_name(name) and (only is None or only(fp8.weight_name(name)))
 
-    scales = dict(_stored_tensors(model_path, wanted_scale))
-    yield from fp8.dequantized_tensors(_stored_tensors(model_path, only), scales, fmt)
+    # A rank's block of an FP8 weight is scaled by the same block of its scale grid (SGLang's
+    # block-FP8 loader reads both so), read as a slice too.
+    scale_shards = {}
+    if shards:
+        shapes = {name: shape for name, shape, _ in _stored_metadata(model_path)}
+        scale_shards = {
+            fp8.scale_name(n): fp8.scale_shard(n, s, shapes[n], fmt.block)
+            for n, s in shards.items()
+            if fp8.scale_name(n) in shapes and n in shapes
+        }
+    scales = dict(_stored_tensors(model_path, wanted_scale, scale_shards))
+
+    def wanted(name: str) -> bool:  # the scales are read above, once
+        return not fp8.is_scale_name(name) and (only is None or only(name))
+
+    yield from fp8.dequantized_tensors(_stored_tensors(model_path, wanted, shards), scales, fmt)
 
 
 def _stored_tensors(
@@ -279,6 +291,9 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
     a larger checkpoint (MiMo's MTP draft) takes just its own.
     """
     spec = weight_spec(model)
+    block = fp8_block(model)
+    if block is not None:
+        check_fp8_partitions(model, block)
     keep = (lambda name: name in spec) if only_known else (lambda name: True)
     check_weights(
         model, (m for m in checkpoint_metadata(model_path) if keep(m[0])), require_all=True
@@ -288,7 +303,6 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
     # layers the trunk skips) are checked above and not read.
     skipped = {n for n, s in spec.items() if s.param is None}
     tensors = iterate_checkpoint(model_path, lambda n: keep(n) and n not in skipped, shards)
-    block = fp8_block(model)
     if block is not None and fp8.read_block_fp8(model_path) is None:
         tensors = fp8.fake_quantized(tensors, block)  # --quantization fp8 on a BF16 checkpoint
     copy_weights(model, tensors)
@@ -297,6 +311,16 @@ def load_checkpoint(model: nn.Module, model_path: str, only_known: bool = False)
 def fp8_block(model: nn.Module) -> Optional[tuple[int, int]]:
     """The FP8 block a model serves its quantized linears in (None: unquantized)."""
     return getattr(getattr(model, "config", None), "weight_block_size", None)
+
+
+def check_fp8_partitions(model: nn.Module, block: tuple[int, int]) -> None:
+    """Refuse a tensor-parallel split that cuts the FP8 blocks of a quantized linear the model
+    holds a block of (fp8.scale_shard): each rank reads its FP8 weights with their scales,
+    quantizes at load and takes updates in whole blocks."""
+    for name, slot in weight_spec(model).items():
+        if slot.shard is not None and slot.param is not None and len(slot.shape) == 2:
+            if fp8.is_quantized_linear(name):
+                fp8.scale_shard(name, slot.shard, slot.shape, block)
 
 
 def check_weights(

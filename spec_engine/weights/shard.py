@@ -7,12 +7,13 @@ q, k, v, gate or up; a vocabulary block), columns of a row-parallel one. The slo
 the checkpoint's, so a checkpoint or an update is checked against the whole tensor. Loading
 from disk reads only the rank's block (`read`: a safetensors slice, SGLang's loader does the
 same); a tensor that arrives whole (an update, a pytorch_model.bin) is narrowed before the copy.
+Reading weights back (`assemble`), the ranks' blocks are put together again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -41,3 +42,17 @@ class Shard:
 def block(dim: int, index: int, length: int) -> Shard:
     """Block `index` of size `length` along `dim` (rank `index`'s part of an even split)."""
     return Shard(dim, index * length, length)
+
+
+def assemble(
+    parts: list[tuple[Optional[Shard], tuple[int, ...], torch.Tensor]],
+) -> torch.Tensor:
+    """A whole tensor of shape `parts[0][1]` from ranks' (shard, shape, block) parts; a part
+    without a shard is the whole tensor already (one rank's whole expert)."""
+    shard, shape, first = parts[0]
+    if shard is None:
+        return first
+    whole = torch.empty(shape, dtype=first.dtype, device="cpu")
+    for shard, _, part in parts:
+        whole.narrow(shard.dim, shard.start, shard.length).copy_(part)
+    return whole

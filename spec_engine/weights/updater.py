@@ -40,7 +40,7 @@ from spec_engine.weights.loader import (
     tensor_checksum,
     weight_spec,
 )
-from spec_engine.weights.shard import Shard
+from spec_engine.weights.shard import Shard, assemble
 from spec_engine.weights.transport import as_wire, materialize, parse_dtype, parse_shape
 
 logger = logging.getLogger(__name__)
@@ -370,8 +370,9 @@ class WeightUpdater:
 
     def _holders(self, every: dict[str, tuple[nn.Module, str]]) -> dict[str, list[int]]:
         """The ranks holding each weight (`every`: this rank's), in the target's order. At
-        --ep-size > 1 a routed expert is held by one rank alone, so the names are gathered;
-        else every rank holds every name, as a block or whole."""
+        --ep-size > 1 a routed expert is held by its expert group's ranks alone (one rank at
+        --ep-size equal to --tp-size), so the names are gathered; else every rank holds every
+        name, as a block or whole."""
         if self.tp.ep_size == 1:
             return {n: list(range(self.tp.size)) for n in every}
         holders: dict[str, list[int]] = {}
@@ -388,26 +389,22 @@ class WeightUpdater:
         holders: dict[str, list[int]],
     ) -> dict[str, torch.Tensor]:
         """The named tensors whole: a tensor-parallel rank's blocks of the split ones are
-        gathered (one collective for all of them, host copies) and put where each rank's shard
-        says, and a tensor that one rank alone holds (its experts at --ep-size > 1) comes from
-        that rank; the others are the same on every rank and this rank's."""
+        gathered (one collective for all of them, host copies) from the ranks holding them and
+        put where each rank's shard says, and a tensor that one rank alone holds (its experts at
+        --ep-size equal to --tp-size) comes from that rank; the others are the same on every
+        rank and this rank's."""
         held = {n: hf_tensor(*every[n]) for n in names if n in every}
         if self.tp.size == 1:
             return held
         slots = {n: weight_spec(every[n][0])[every[n][1]] for n in held}
-        split = [n for n in held if slots[n].shard is not None]
-        alone = [n for n in held if len(holders[n]) < self.tp.size and n not in split]
+        sent = [n for n in held if slots[n].shard is not None or len(holders[n]) < self.tp.size]
         ranks = self.tp.gather_objects(
-            {n: (slots[n].shard, held[n].to("cpu", copy=True)) for n in split + alone}
+            {n: (slots[n].shard, slots[n].shape, held[n].to("cpu", copy=True)) for n in sent}
         )
-        for n in split:
-            whole = torch.empty(slots[n].shape, dtype=held[n].dtype, device="cpu")
-            # Replicated KV heads come from several ranks, the same values each time.
-            for blocks in ranks:
-                shard, part = blocks[n]
-                whole.narrow(shard.dim, shard.start, shard.length).copy_(part)
-            held[n] = whole
-        return {n: held[n] if n in held else ranks[holders[n][0]][n][1] for n in names}
+        # Replicated KV heads come from several ranks (the same values each time); an expert's
+        # blocks from its expert group's ranks alone (--ep-size < --tp-size).
+        parts = {n: [ranks[r][n] for r in holders[n] if n in ranks[r]] for n in names}
+        return {n: assemble(parts[n]) if parts[n] else held[n] for n in names}
 
     def fill_weights(self, value: float) -> None:
         """Overwrite every floating-point weight with `value` (slime's weights_checker

@@ -262,8 +262,9 @@ def test_at_ep2_a_disk_update_reads_only_this_ranks_experts(make_model, monkeypa
 @pytest.mark.parametrize(
     "ep_size, tp_size, match",
     [
-        (2, 1, "--ep-size 2 with --tp-size 1: .* set --ep-size 1 or 1"),
-        (3, 3, "--ep-size 3: the 8 routed experts do not split evenly over 3 ranks"),
+        (2, 1, r"--ep-size 2 with --tp-size 1: .* must divide --tp-size; .* one of \[1\]"),
+        (3, 4, r"--ep-size 3 with --tp-size 4: .* one of \[1, 2, 4\]"),
+        (3, 3, "--ep-size 3: the 8 routed experts do not split evenly into 3 groups"),
     ],
 )
 def test_ep_sizes_that_do_not_fit_are_refused(ep_size, tp_size, match, make_model):
@@ -272,3 +273,49 @@ def test_ep_sizes_that_do_not_fit_are_refused(ep_size, tp_size, match, make_mode
 
     with pytest.raises(ValueError, match=match):
         check_expert_parallel(ep_size, tp_size, ModelConfig.from_pretrained(make_model(**GLM)))
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_ep2_at_tp4_decodes_as_tp1_and_updates(family, make_model, tp1):
+    """--tp-size 4 --ep-size 2 (SGLang's moe_tp_size 2): ranks 0-1 hold experts 0-3, ranks 2-3
+    experts 4-7, each its half of their features; attention, the shared expert and the dense
+    MLP split four ways. Equal to tp 1; checksums gather each expert from its group's ranks;
+    an update from tensors lands on every rank's blocks."""
+    old, new = make_model(**MODELS[family]), make_model(**dict(MODELS[family], seed=3))
+    with Engine(model_path=old, tp_size=4, ep_size=2, debug_tp_check_tokens=True, **ENGINE) as e:
+        assert e.get_server_info()["ep_size"] == 2
+        before = e.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        tensors = load_file(checkpoint_files(new)[0])
+        e.update_weights_from_tensor(list(tensors.items()))
+        trunk = {n: t for n, t in tensors.items() if not n.startswith("model.layers.3.")}
+        assert e.get_weights_checksum() == {n: tensor_checksum(t) for n, t in trunk.items()}
+        after = e.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+    _assert_same(tp1(old), before)
+    _assert_same(tp1(new), after)
+
+
+def test_at_tp4_ep2_a_rank_holds_its_groups_experts_block(make_model, monkeypatch):
+    """Rank 2 of --tp-size 4 --ep-size 2 (SGLang's layout: ranks 2-3 share expert group 1):
+    experts 4-7, the first half of their features, read as slices; no expert of group 0 read."""
+    from spec_engine.distributed.parallel_state import TPGroup, use_tp_group
+    from spec_engine.models.hf_config import ModelConfig
+    from spec_engine.models.registry import model_class
+    from spec_engine.weights.loader import build_model
+
+    path = make_model(**GLM)
+    whole, _ = record_reads(monkeypatch)
+    config = ModelConfig.from_pretrained(path)
+    with use_tp_group(TPGroup(rank=2, size=4, ep_size=2)):
+        model = build_model(model_class(config), config, torch.float32, torch.device("cpu"), path)
+    layer = "model.layers.1.mlp."
+    assert [n for n in whole if n.startswith(layer + "experts.")] == []
+    p = dict(model.named_parameters())
+    with safe_open(checkpoint_files(path)[0], framework="pt") as f:
+        gate, up = (f.get_tensor(f"{layer}experts.5.{n}_proj.weight") for n in ("gate", "up"))
+        down = f.get_tensor(f"{layer}experts.5.down_proj.weight")
+    inter, h = gate.shape[0] // 2, gate.shape[1]
+    assert p[f"{layer}experts.w13_weight"].shape == (4 * 2 * inter, h)
+    # Expert 5 is this rank's second (index 1); its features' first half.
+    w13 = p[f"{layer}experts.w13_weight"][2 * inter : 4 * inter]
+    assert torch.equal(w13, torch.cat([gate[:inter], up[:inter]]))
+    assert torch.equal(p[f"{layer}experts.w2_weight"][h : 2 * h], down[:, :inter])

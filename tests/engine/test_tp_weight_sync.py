@@ -2,7 +2,8 @@
 update_weights_from_distributed in the trainer's group of world size 3 (the trainer at rank 0,
 engine rank r at rank_offset + r, as slime numbers them) lands on both ranks and a bad push
 changes neither; checksums, get_weights_by_name and the weights checker report the whole
-tensors, gathered, equal to the same engine at tp 1."""
+tensors, gathered, equal to the same engine at tp 1; at --ep-size 2 each rank receives every
+tensor of a push and keeps its own experts, and the result is a fresh load."""
 
 from __future__ import annotations
 
@@ -124,3 +125,41 @@ def test_weight_reads_and_the_checker_gather_the_whole_tensors(make_model):
         assert not failed["success"] and "model.embed_tokens.weight" in failed["message"]
         two.update_weights_from_tensor(list(tensors.items()))
         assert two.weights_checker("compare")["success"]
+
+
+def test_distributed_push_at_ep2_each_rank_keeps_its_experts(make_model):
+    """--ep-size 2: both ranks join the trainer's group (ranks 1 and 2 of 3) and receive every
+    tensor; each keeps its own experts (rank 0 experts 0-3, rank 1 experts 4-7) and the rest as
+    at --ep-size 1; the result is a fresh load of the pushed checkpoint."""
+    glm = FAMILIES["glm4_moe"]
+    old, new = make_model(**glm), make_model(**dict(glm, seed=3))
+    with Engine(model_path=new, tp_size=1, **ENGINE) as engine:
+        expected = _outputs(engine)
+    tensors = load_file(f"{new}/model.safetensors")  # the next-n layer too: taken, not used
+    port, errors = free_port(), []
+    trainer = threading.Thread(target=_trainer, args=(port, [tensors], errors))
+    trainer.start()
+    with Engine(model_path=old, tp_size=2, ep_size=2, **ENGINE) as engine:
+        before = _outputs(engine)
+        engine.init_weights_update_group("127.0.0.1", port, 1, 3, "w", "gloo")
+        engine.update_weights_from_distributed(
+            list(tensors),
+            [str(t.dtype) for t in tensors.values()],
+            [list(t.shape) for t in tensors.values()],
+            "w",
+        )
+        trainer.join(30)
+        assert not errors
+        assert _outputs(engine) == expected != before
+        # Checksums gather each expert from the rank that holds it: the pushed values.
+        sums = engine.get_weights_checksum()
+        assert {n for n in sums if ".experts.7." in n} and sums == {
+            n: tensor_checksum(t) for n, t in tensors.items() if n in sums
+        }
+        assert len(sums) == len([n for n in tensors if not n.startswith("model.layers.3.")])
+        # Rank 0 holds experts 0-3 alone: half of the eight experts' gate/up rows.
+        w13 = dict(engine.runner.model.named_parameters())["model.layers.1.mlp.experts.w13_weight"]
+        gate = tensors["model.layers.1.mlp.experts.0.gate_proj.weight"]
+        assert w13.shape[0] == 4 * 2 * gate.shape[0]
+        assert torch.equal(w13[: gate.shape[0]], gate)
+        engine.destroy_weights_update_group("w")
