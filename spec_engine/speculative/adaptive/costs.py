@@ -79,7 +79,7 @@ class ModeCost:
     # seconds per request of the draft catch-up before the mode's steps that followed another mode
     switch: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     interval: int = EXPLORE_EVERY  # steps unrun after which it is tried again
-    scaled: tuple = ()  # (key, cost) of _scaled_seconds: the reference and both step counts
+    scaled: tuple = ()  # (key, cost) of _scaled_seconds: what the scaled cost was computed from
     # The cost model reads these every decode step, which on a host-bound engine (a one-layer
     # model: a 2.5 ms step) it must not slow: `seconds` is kept until a measurement comes
     # ((history length, newest), median), seconds_at's medians by their window.
@@ -166,15 +166,14 @@ def fitted_seconds(modes: dict[int, ModeCost]) -> dict[int, float]:
 
 def _scaled_seconds(cost: ModeCost, reference: ModeCost) -> float:
     """`cost`'s seconds per request with each measurement scaled by how `reference`'s cost moved
-    since it (kept until either is measured again: the model asks several times a step)."""
+    since it (kept while the reference's cost now and around each of them stay as they were: a
+    step of the reference mode often leaves its median where it was)."""
     if cost is reference or reference.newest_window() < 0:
         return cost.seconds
-    key = (id(reference), reference.steps, cost.steps)
+    now, then = reference.seconds, _then(cost, reference)
+    key = (id(reference), now, cost.steps, then)
     if not cost.scaled or cost.scaled[0] != key:
-        now = reference.seconds
-        scaled = [
-            s * _beyond_noise(now / at) for (_, s), at in zip(cost.latest, _then(cost, reference))
-        ]
+        scaled = [s * _beyond_noise(now / at) for (_, s), at in zip(cost.latest, then)]
         cost.scaled = (key, _median(scaled))
     return cost.scaled[1]
 
