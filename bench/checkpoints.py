@@ -50,3 +50,27 @@ def work_dir(base: str | None, prefix: str, args: argparse.Namespace) -> str:
 def cached(path: str, build: Callable[[str], str]) -> str:
     """`build(path)` unless a checkpoint is there already (from an earlier run)."""
     return path if os.path.exists(os.path.join(path, "config.json")) else build(path)
+
+
+def perturbed_copy(src: str, dst: str, noise: float, seed: int = 0) -> str:
+    """A copy of checkpoint `src` at `dst` whose weight matrices each have Gaussian noise of
+    `noise` times their own standard deviation added: a draft that imitates its target, agreeing
+    on most tokens but not all (the more noise, the fewer)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for name in sorted(os.listdir(dst)):
+        if not name.endswith(".safetensors"):
+            continue
+        path = os.path.join(dst, name)
+        tensors = load_file(path)
+        for key, t in tensors.items():
+            if t.is_floating_point() and t.dim() >= 2:
+                jitter = torch.randn(t.shape, generator=g, device="cpu", dtype=torch.float32)
+                tensors[key] = (t.float() + noise * t.float().std() * jitter).to(t.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return dst

@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import functools
 import multiprocessing
+import os
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -44,6 +46,11 @@ class StepGate:
         self.conn = conn
         self.on = False
         self.busy = 0.0
+        # The same steps by the scheduler thread's CPU clock: on a machine shared with other
+        # processes, what a step cost without the time it waited for a core (with one torch
+        # thread, all of a CPU step's work runs on that thread).
+        self.busy_cpu = 0.0
+        self.readings: list[tuple[float, float]] = []  # (busy, busy_cpu) at each clock()
 
     def install(self, engine: Engine) -> None:
         step = engine.scheduler.step
@@ -53,11 +60,12 @@ class StepGate:
                 return step()
             self.conn.send("ready")
             self.conn.recv()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 step()
             finally:
                 self.busy += time.perf_counter() - start
+                self.busy_cpu += time.thread_time() - start_cpu
                 self.conn.send("done")
 
         engine.scheduler.step = gated
@@ -66,18 +74,24 @@ class StepGate:
         """Seconds of gated steps so far, read once the engine's loop has finished its step in
         progress (a generation's results reach the caller before its last step returns)."""
         engine.get_server_info()
+        self.readings.append((self.busy, self.busy_cpu))
         return self.busy
 
 
 def measure_gated(
     gate: StepGate, engine: Engine, batch: int, args: argparse.Namespace, *call_args: Any
 ) -> dict:
-    """measure, every scheduler step taking its turn and timed alone."""
+    """measure, every scheduler step taking its turn and timed alone; with the prefill's and the
+    generation's seconds also by the scheduler thread's CPU clock (`cpu_prefill_s`,
+    `cpu_elapsed`)."""
     gate.on = True
+    gate.readings.clear()
     try:
-        return measure(engine, batch, args, *call_args, clock=functools.partial(gate.clock, engine))
+        out = measure(engine, batch, args, *call_args, clock=functools.partial(gate.clock, engine))
     finally:
         gate.on = False
+    (_, prefill_0), (_, prefill_1), (_, start), (_, end) = gate.readings
+    return {**out, "cpu_prefill_s": prefill_1 - prefill_0, "cpu_elapsed": end - start}
 
 
 # What the parent may ask of the engine, each called as fn(engine, batch, args, *call_args);
@@ -114,24 +128,34 @@ def _serve(
 
 
 class EngineProcess:
-    """open_engine(path, kwargs, batch, args) in a spawned process; `call` runs one of CALLS
-    there and returns its result. `gated`: its scheduler steps wait for their turns in `drive`
-    during "measure_gated"."""
+    """open_engine(path, kwargs, batch, args) in a spawned process (`in_process`: in a thread of
+    this one); `call` runs one of CALLS there and returns its result. `gated`: its scheduler steps
+    wait for their turns in `drive` during "measure_gated"."""
 
     def __init__(
-        self, path: str, kwargs: dict, batch: int, args: argparse.Namespace, gated: bool = False
+        self,
+        path: str,
+        kwargs: dict,
+        batch: int,
+        args: argparse.Namespace,
+        gated: bool = False,
+        in_process: bool = False,
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.gate, child_gate = ctx.Pipe() if gated else (None, None)
-        self._proc = ctx.Process(
-            target=_serve, args=(child, path, kwargs, batch, args, child_gate), daemon=True
-        )
-        self._proc.start()
-        self.pid = self._proc.pid
-        child.close()
-        if child_gate is not None:
-            child_gate.close()
+        serve = (child, path, kwargs, batch, args, child_gate)
+        if in_process:  # a thread of this process serves it (--in-process): the pipes stay open
+            self._proc = threading.Thread(target=_serve, args=serve, daemon=True)
+            self._proc.start()
+            self.pid = os.getpid()
+        else:
+            self._proc = ctx.Process(target=_serve, args=serve, daemon=True)
+            self._proc.start()
+            self.pid = self._proc.pid
+            child.close()
+            if child_gate is not None:
+                child_gate.close()
         try:
             self.weight_bytes: int = self.answer()
         except RuntimeError:
@@ -164,8 +188,8 @@ class EngineProcess:
         except EOFError:
             self._proc.join(timeout=10)
             raise RuntimeError(
-                f"the benchmark engine process died (exit code {self._proc.exitcode}); "
-                "its stderr above says why"
+                "the benchmark engine process died "
+                f"(exit code {getattr(self._proc, 'exitcode', None)}); its stderr above says why"
             ) from None
         if status == "error":
             raise RuntimeError(f"in the benchmark engine process:\n{value}")
@@ -175,7 +199,7 @@ class EngineProcess:
         if self._proc.is_alive():
             self._conn.send(None)
             self._proc.join(timeout=60)
-        if self._proc.is_alive():
+        if self._proc.is_alive() and not isinstance(self._proc, threading.Thread):
             self._proc.kill()
             self._proc.join()
         self._conn.close()

@@ -16,13 +16,17 @@ JSON keeps every round's tokens/s and the adaptive rows' median of per-round rat
 the same rounds, each engine in a fresh process every round, for comparisons finer than the ~10%
 an engine's memory layout moves it on CPU; --lockstep: those fresh processes all open at once,
 taking one scheduler step each in turn and timing their own steps, for a machine whose speed
-drifts within a round);
-ngram-adaptive, eagle3-adaptive and mtp-adaptive (and, on request, standalone-self-adaptive) add
---speculative-adaptive (per step, decode plainly or speculate at a depth up to the configured
-one, by the measured cost model; the table gives the share of decode steps that speculated, the
-JSON the steps run at each depth), and each is compared with the better of its fixed
-speculation and plain decoding of the same target (mtp-plain: the MiMo target without MTP).
-baseline-twin (on request) is a second plain engine of the baseline's target: the same work, so
+drifts within a round, by the wall clock and by each scheduler thread's CPU clock (which leaves
+out the time a step waited for a core on a shared machine); --in-process: those engines in
+threads of this one process);
+ngram-adaptive, eagle3-adaptive and mtp-adaptive (and, on request, standalone-self-adaptive and
+standalone-imitate-adaptive) add --speculative-adaptive (per step, decode plainly or speculate at
+a depth up to the configured one, by the measured cost model; the table gives the share of decode
+steps that speculated, the JSON the steps run at each depth), and each is compared with the
+better of its fixed speculation and plain decoding of the same target (mtp-plain: the MiMo target
+without MTP). standalone-imitate (on request) drafts with a noisy copy of the target
+(--imitate-noise), which agrees with it on most tokens but not all. baseline-twin (on request)
+is a second plain engine of the baseline's target: the same work, so
 its ratio to baseline round by round (`noise` in the JSON) is the bench's noise between two
 identical engines, the margin below which the adaptive rows' ratios say nothing.
 --forced-acceptance makes every draft token accepted (sampling at temperature 1 with
@@ -41,7 +45,7 @@ import json
 import os
 from typing import Optional
 
-from bench.checkpoints import PRESETS, apply_preset, cached, work_dir
+from bench.checkpoints import PRESETS, apply_preset, cached, perturbed_copy, work_dir
 from bench.rollout_report import report
 from bench.rounds import run
 from tiny.checkpoints import add_mimo_mtp, build_checkpoint, build_eagle_draft
@@ -58,9 +62,15 @@ ALGORITHMS = (
     "eagle3-adaptive",
     "mtp-adaptive",
 )
-# Not run by default: the self-draft (all drafts accepted) adaptive, where depth matters most, and
-# a second plain engine of the baseline's target (the control that measures the bench's noise).
-CHOICES = ALGORITHMS + ("standalone-self-adaptive", "baseline-twin")
+# Not run by default: the self-draft (all drafts accepted) adaptive, where depth matters most; a
+# draft that imitates the target (a noisy copy: most drafts accepted, not all); and a second plain
+# engine of the baseline's target (the control that measures the bench's noise).
+CHOICES = ALGORITHMS + (
+    "standalone-self-adaptive",
+    "standalone-imitate",
+    "standalone-imitate-adaptive",
+    "baseline-twin",
+)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -84,7 +94,7 @@ def configs(
     models: dict[str, str], steps: int, topk: int, tokens: int
 ) -> dict[str, tuple[str, dict]]:
     """Every algorithm's (target, engine kwargs); drafts that were not built are absent (None)."""
-    models = {"eagle": None, "eagle3": None, "mimo": None, **models}
+    models = {"eagle": None, "eagle3": None, "mimo": None, "imitate": None, **models}
     tree = dict(
         speculative_num_steps=steps,
         speculative_eagle_topk=topk,
@@ -114,22 +124,27 @@ def configs(
             ),
         ),
         "mtp-plain": (models["mimo"], {}),  # MTP's target decoding plainly: its plain reference
-        "standalone-self": (
-            models["llama"],
-            dict(
-                speculative_algorithm="STANDALONE",
-                speculative_draft_model_path=models["llama"],
-                speculative_num_steps=steps,
-                speculative_eagle_topk=1,
-            ),
-        ),
+        # STANDALONE chains: the target itself as its draft (every draft accepted), or a noisy
+        # copy of it (most accepted)
+        **{
+            name: (
+                models["llama"],
+                dict(
+                    speculative_algorithm="STANDALONE",
+                    speculative_draft_model_path=models[draft],
+                    speculative_num_steps=steps,
+                    speculative_eagle_topk=1,
+                ),
+            )
+            for name, draft in (("standalone-self", "llama"), ("standalone-imitate", "imitate"))
+        },
         "ngram": (
             models["llama"],
             dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=tokens),
         ),
     }
     # --speculative-adaptive: per step, the algorithm or plain decoding, by the measured cost model.
-    for name in ("ngram", "eagle3", "mtp", "standalone-self"):
+    for name in ("ngram", "eagle3", "mtp", "standalone-self", "standalone-imitate"):
         target, kwargs = table[name]
         table[f"{name}-adaptive"] = (target, {**kwargs, "speculative_adaptive": True})
     return table
@@ -183,6 +198,11 @@ def build_models(args: argparse.Namespace) -> dict[str, str]:
                 d, models["llama"], version=3, std=0.02, draft_vocab_size=min(8192, args.vocab_size)
             ),
         )
+    if "standalone-imitate" in wanted:
+        models["imitate"] = cached(
+            os.path.join(root, f"imitate-{args.imitate_noise}"),
+            lambda d: perturbed_copy(models["llama"], d, args.imitate_noise),
+        )
     if wanted & {"mtp", "mtp-plain"}:
         models["mimo"] = cached(
             os.path.join(root, "mimo"),
@@ -205,6 +225,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     _engine_flags(parser)
     _input_output_flags(parser)
     args = parser.parse_args(argv)
+    if args.in_process and not (args.isolate or args.lockstep):
+        parser.error("--in-process opens each round's engines afresh: add --lockstep or --isolate")
     apply_preset(args)
     if args.model_path is not None:
         real = {"baseline", "standalone-self", "ngram"} | (
@@ -249,6 +271,13 @@ def _round_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--draft-tokens", type=int, default=5)
+    parser.add_argument(
+        "--imitate-noise",
+        type=float,
+        default=0.1,
+        help="standalone-imitate's draft: the target with noise of this many standard deviations "
+        "of each weight matrix added (0: the target itself)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
         "--interleave",
@@ -269,6 +298,13 @@ def _round_flags(parser: argparse.ArgumentParser) -> None:
         help="as --isolate, but each round's engines open at once and take one scheduler step "
         "each in turn, each timing only its own steps (a machine whose speed drifts over "
         "seconds slows them all alike; see bench/isolate.py)",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="with --isolate or --lockstep: each round's fresh engines in threads of this one "
+        "process instead of processes of their own (side by side in one process; give torch one "
+        "thread, OMP_NUM_THREADS=1, for the CPU clocks to see all of a step's work)",
     )
 
 

@@ -117,8 +117,13 @@ def adaptive_vs_best(results: list[dict]) -> list[dict[str, Any]]:
         )
         for key in ("tokens_per_s", "decode_tokens_per_s"):
             entry[key] = round(r[key] / max(o[key] for o in others), 3)
-        rounds = zip(r["round_tokens_per_s"], *(o["round_tokens_per_s"] for o in others))
-        entry["paired_median"] = round(statistics.median(a / max(b) for a, *b in rounds), 3)
+        for suffix in ("", "_cpu"):
+            key = f"round_tokens_per{suffix}_s"
+            if all(key in row for row in (r, *others)):
+                rounds = zip(r[key], *(o[key] for o in others))
+                paired = [a / max(b) for a, *b in rounds]
+                entry[f"paired_median{suffix}"] = round(statistics.median(paired), 3)
+                entry[f"paired_rounds{suffix}"] = [round(p, 3) for p in paired]
         out.append(entry)
     return out
 
@@ -138,6 +143,9 @@ def print_adaptive(ratios: list[dict[str, Any]]) -> None:
     _print_cells(
         ratios, lambda e: f"{e['paired_median']:.2f}" + ("*" if e["fixed"] is None else "")
     )
+    if all("paired_median_cpu" in e for e in ratios):
+        print("\nthe same by the scheduler threads' CPU clocks (--lockstep)")
+        _print_cells(ratios, lambda e: f"{e['paired_median_cpu']:.2f}")
 
 
 def noise_floor(results: list[dict]) -> list[dict[str, Any]]:
@@ -150,16 +158,17 @@ def noise_floor(results: list[dict]) -> list[dict[str, Any]]:
         base = rows.get(("baseline", r["batch"]))
         if r["algorithm"] != "baseline-twin" or base is None:
             continue
-        paired = [a / b for a, b in zip(r["round_tokens_per_s"], base["round_tokens_per_s"])]
-        out.append(
-            dict(
-                batch=r["batch"],
-                tokens_per_s=round(r["tokens_per_s"] / base["tokens_per_s"], 3),
-                paired_median=round(statistics.median(paired), 3),
-                paired_min=round(min(paired), 3),
-                paired_max=round(max(paired), 3),
-            )
+        entry: dict[str, Any] = dict(
+            batch=r["batch"], tokens_per_s=round(r["tokens_per_s"] / base["tokens_per_s"], 3)
         )
+        for suffix in ("", "_cpu"):
+            key = f"round_tokens_per{suffix}_s"
+            if key in r and key in base:
+                paired = [a / b for a, b in zip(r[key], base[key])]
+                entry[f"paired_median{suffix}"] = round(statistics.median(paired), 3)
+                entry[f"paired_min{suffix}"] = round(min(paired), 3)
+                entry[f"paired_max{suffix}"] = round(max(paired), 3)
+        out.append(entry)
     return out
 
 
@@ -174,6 +183,12 @@ def print_noise(noise: list[dict[str, Any]]) -> None:
             f"| {e['batch']} | {e['paired_median']:.2f} | [{e['paired_min']:.2f}, "
             f"{e['paired_max']:.2f}] | {e['tokens_per_s']:.2f} |"
         )
+    for e in noise:
+        if "paired_median_cpu" in e:
+            print(
+                f"batch {e['batch']} by the CPU clocks: {e['paired_median_cpu']:.2f} "
+                f"[{e['paired_min_cpu']:.2f}, {e['paired_max_cpu']:.2f}]"
+            )
 
 
 def _print_cells(ratios: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> None:

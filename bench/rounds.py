@@ -26,6 +26,12 @@ def summarize(batch: int, rounds: list[dict], weight_bytes: int) -> dict:
         "weight_bytes": weight_bytes,
         # every round's, in order: round r of each configuration ran side by side under --interleave
         "round_tokens_per_s": [round(m["tokens"] / m["elapsed"], 1) for m in rounds],
+        # --lockstep: the same by the scheduler thread's CPU clock (bench/isolate.StepGate)
+        **(
+            {"round_tokens_per_cpu_s": [round(m["tokens"] / m["cpu_elapsed"], 1) for m in rounds]}
+            if all("cpu_elapsed" in m for m in rounds)
+            else {}
+        ),
         **best["state"],
     }
 
@@ -77,7 +83,13 @@ def run_isolated(
             with contextlib.ExitStack() as stack:
                 engines = {
                     n: stack.enter_context(
-                        EngineProcess(*table[n], batch, args, gated=args.lockstep)
+                        EngineProcess(
+                            *table[n],
+                            batch,
+                            args,
+                            gated=args.lockstep,
+                            in_process=getattr(args, "in_process", False),
+                        )
                     )
                     for n in group
                 }

@@ -206,14 +206,15 @@ def forked_engines(monkeypatch) -> None:
     monkeypatch.setattr(isolate, "multiprocessing", SimpleNamespace(get_context=lambda _: ctx))
 
 
-@pytest.mark.parametrize("mode", ["--isolate", "--lockstep"])
+@pytest.mark.parametrize("mode", ["--isolate", "--lockstep", "--lockstep --in-process"])
 def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(
     tmp_path, mode, capsys, forked_engines
 ):
     """--isolate: each configuration's engine in a process of its own, every round; the rounds
     still pair up for the adaptive rows' paired median, and baseline-twin's (a second plain
     engine) with baseline's for the noise floor. --lockstep: the same processes, measured at
-    once through their step gates."""
+    once through their step gates (--in-process: threads of this process, and each step also by
+    its thread's CPU clock)."""
     out_json = tmp_path / "isolated.json"
     stdout = run_bench_rollout(
         capsys,
@@ -222,12 +223,20 @@ def test_bench_rollout_isolate_opens_a_fresh_engine_process_every_round(
         "baseline",
         "baseline-twin",
         "ngram-adaptive",
-        mode,
+        *mode.split(),
         "--json",
         str(out_json),
     )
     report = json.loads(out_json.read_text())
-    assert report["args"]["lockstep"] is (mode == "--lockstep")
+    assert report["args"]["lockstep"] is mode.startswith("--lockstep")
+    cpu_rounds = [r.get("round_tokens_per_cpu_s") for r in report["results"]]
+    if mode.startswith("--lockstep"):  # by the CPU clock too: at least as fast as by the wall's
+        for r, cpu in zip(report["results"], cpu_rounds):
+            assert len(cpu) == 2 and all(
+                c >= 0.99 * w for c, w in zip(cpu, r["round_tokens_per_s"])
+            )
+    else:
+        assert cpu_rounds == [None] * 3
     rounds = {r["algorithm"]: r["round_tokens_per_s"] for r in report["results"]}
     assert set(rounds) == {"baseline", "baseline-twin", "ngram-adaptive"}
     assert all(len(v) == 2 and min(v) > 0 for v in rounds.values())

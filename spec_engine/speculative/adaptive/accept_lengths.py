@@ -48,6 +48,8 @@ class AcceptLengths:
         # for nested shapes, else the depth whose draft accepted them.
         self.survival: dict[tuple[int, int], float] = {}
         self.samples: dict[tuple[int, int], int] = {}  # samples each survival average has seen
+        # length() by depth, read several times a decode step, until the averages move
+        self.lengths: dict[int, Optional[float]] = {}
 
     def observe(
         self, mode: int, tokens: Sequence[Sequence[int]], paths: Optional[Sequence[Sequence[int]]]
@@ -74,6 +76,7 @@ class AcceptLengths:
         return [(d, d, [_leading(p, d) for p in paths]) for d in self.depths if d <= mode]
 
     def _add(self, pool: int, depth: int, accepted: Sequence[int]) -> None:
+        self.lengths.clear()
         n = min(len(accepted), STEP_SAMPLES)
         for k in range(1, depth + 1):
             share = sum(a >= k for a in accepted) / len(accepted)
@@ -86,9 +89,11 @@ class AcceptLengths:
 
     def length(self, depth: int) -> Optional[float]:
         """Expected tokens a verify at `depth` emits per request (None until measured)."""
-        pool = PLAIN if self.nested else depth
-        survival = [self.survival.get((pool, k)) for k in range(1, depth + 1)]
-        return None if None in survival else 1.0 + sum(survival)
+        if depth not in self.lengths:
+            pool = PLAIN if self.nested else depth
+            survival = [self.survival.get((pool, k)) for k in range(1, depth + 1)]
+            self.lengths[depth] = None if None in survival else 1.0 + sum(survival)
+        return self.lengths[depth]
 
     def set(self, survival: Sequence[float]) -> None:
         """P(a >= k) for k = 1, 2, ... (0 past the list) at every depth."""
@@ -96,6 +101,7 @@ class AcceptLengths:
             raise ValueError(f"survival probabilities must lie in [0, 1], got {list(survival)}")
         if any(b > a for a, b in zip(survival, survival[1:])):
             raise ValueError(f"survival probabilities must not grow with k, got {list(survival)}")
+        self.lengths.clear()
         for pool in [PLAIN] if self.nested else self.depths:
             for k in range(1, self.depths[-1] + 1):
                 self.survival[(pool, k)] = survival[k - 1] if k <= len(survival) else 0.0

@@ -30,8 +30,8 @@ for several tries).
 from __future__ import annotations
 
 import bisect
-import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -48,6 +48,13 @@ STALE_SHARE = 0.75
 # that noise to every other mode's cost.
 NOISE = 1.1
 EXPLORE_EVERY = 128  # steps of a bucket a mode may first go unrun before it is tried again
+
+
+def _median(values: Iterable[float]) -> float:
+    """statistics.median, without its overhead (read several times a decode step)."""
+    data = sorted(values)
+    half = len(data) // 2
+    return data[half] if len(data) % 2 else (data[half - 1] + data[half]) / 2
 
 
 def bucket(batch: int) -> int:
@@ -72,7 +79,15 @@ class ModeCost:
     # seconds per request of the draft catch-up before the mode's steps that followed another mode
     switch: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     interval: int = EXPLORE_EVERY  # steps unrun after which it is tried again
-    scaled: tuple = ()  # (key, cost) of _scaled_seconds: the reference and both step counts
+    scaled: tuple = ()  # (key, cost) of _scaled_seconds: what the scaled cost was computed from
+    # The cost model reads these every decode step, which on a host-bound engine (a one-layer
+    # model: a 2.5 ms step) it must not slow: `seconds` is kept until a measurement comes
+    # ((history length, newest), median), seconds_at's medians by their window.
+    median_of: tuple = ()
+    at_memo: dict = field(default_factory=dict)
+    # _then's (reference and steps, oldest step its windows hold, the reference's seconds around
+    # each latest step)
+    then: tuple = ()
 
     @property
     def latest(self) -> list[tuple[int, float]]:
@@ -84,7 +99,12 @@ class ModeCost:
     def seconds(self) -> Optional[float]:
         """Seconds per request per step: the median of the recent measurements (a step slowed by
         another process on the machine moves it only once it is the rule)."""
-        return statistics.median(s for _, s in self.latest) if self.history else None
+        if not self.history:
+            return None
+        key = (len(self.history), self.history[-1])  # steps only grow: a new newest, new key
+        if not self.median_of or self.median_of[0] != key:
+            self.median_of = (key, _median(s for _, s in self.latest))
+        return self.median_of[1]
 
     def add(self, seconds: float, step: int) -> None:
         """A measurement (seconds per request) taken at `step`."""
@@ -99,10 +119,26 @@ class ModeCost:
 
     def seconds_at(self, step: int) -> float:
         """The median of the RECENT measurements nearest `step` (of the last HISTORY)."""
-        at = bisect.bisect(self.history, step, key=lambda h: h[0])
-        start = min(max(at - RECENT // 2, 0), max(len(self.history) - RECENT, 0))
-        last = min(start + RECENT, len(self.history))
-        return statistics.median(self.history[i][1] for i in range(start, last))
+        start, last = self.window(step)
+        # Steps are unique and only grow along the history: a window's first step and length
+        # name its measurements.
+        key = (self.history[start][0], last - start)
+        median = self.at_memo.get(key)
+        if median is None:
+            if len(self.at_memo) >= HISTORY:
+                self.at_memo.clear()
+            median = self.at_memo[key] = _median(self.history[i][1] for i in range(start, last))
+        return median
+
+    def window(self, step: int) -> tuple[int, int]:
+        """The indices (start, end) of the RECENT measurements nearest `step`."""
+        n = len(self.history)
+        if step < self.history[0][0]:  # a mode not run for long: before the whole history
+            at = 0
+        else:
+            at = bisect.bisect(self.history, step, key=lambda h: h[0])
+        start = min(max(at - RECENT // 2, 0), max(n - RECENT, 0))
+        return start, min(start + RECENT, n)
 
     def newest_window(self) -> int:
         """The step of the oldest of the RECENT latest measurements (-1 if fewer)."""
@@ -130,12 +166,28 @@ def fitted_seconds(modes: dict[int, ModeCost]) -> dict[int, float]:
 
 def _scaled_seconds(cost: ModeCost, reference: ModeCost) -> float:
     """`cost`'s seconds per request with each measurement scaled by how `reference`'s cost moved
-    since it (kept until either is measured again: the model asks several times a step)."""
+    since it (kept while the reference's cost now and around each of them stay as they were: a
+    step of the reference mode often leaves its median where it was)."""
     if cost is reference or reference.newest_window() < 0:
         return cost.seconds
-    key = (id(reference), reference.steps, cost.steps)
+    now, then = reference.seconds, _then(cost, reference)
+    key = (id(reference), now, cost.steps, then)
     if not cost.scaled or cost.scaled[0] != key:
-        now = reference.seconds
-        scaled = [s * _beyond_noise(now / reference.seconds_at(t)) for t, s in cost.latest]
-        cost.scaled = (key, statistics.median(scaled))
+        scaled = [s * _beyond_noise(now / at) for (_, s), at in zip(cost.latest, then)]
+        cost.scaled = (key, _median(scaled))
     return cost.scaled[1]
+
+
+def _then(cost: ModeCost, reference: ModeCost) -> list[float]:
+    """`reference`'s seconds_at each of `cost`'s latest measurements, kept while none of their
+    windows can move: the reference's later measurements come after the newest of them (whose
+    window then holds RECENT measurements), and the oldest of them is still in its history."""
+    if cost.then and cost.then[0] == (id(reference), cost.steps):
+        if reference.history[0][0] <= cost.then[1]:
+            return cost.then[2]
+    latest = cost.latest
+    then = [reference.seconds_at(t) for t, _ in latest]
+    if reference.history[RECENT // 2 - RECENT][0] > latest[-1][0]:
+        first = reference.history[reference.window(latest[0][0])[0]][0]
+        cost.then = ((id(reference), cost.steps), first, then)
+    return then

@@ -104,6 +104,7 @@ class SpecCostModel:
         self.modes = [PLAIN, *self.depths]
         self.nested = nested
         self.costs: dict[int, dict[int, ModeCost]] = {}
+        self.fitted: dict[int, tuple] = {}  # bucket -> (its measurements' key, fitted seconds)
         self.accept = AcceptLengths(self.depths, nested, contained)
         self.frozen = False  # tests: measurements no longer move the model
         self.decisions = dict.fromkeys(self.modes, 0)  # steps run per mode
@@ -139,10 +140,13 @@ class SpecCostModel:
         best = self._best(rates)
         if self.frozen:
             return best
+        # A mode's interval is never below its own `interval` (_interval): most steps, no mode
+        # is near it, and the full interval is not worked out.
         due = [
             m
             for m in self.modes
             if m != best
+            and modes[m].since >= modes[m].interval
             and modes[m].since >= self._interval(m, modes, seconds, rates, best, catch_up, batch)
         ]
         return max(due, key=lambda m: modes[m].since) if due else best
@@ -188,8 +192,14 @@ class SpecCostModel:
 
     def seconds(self, batch: int) -> dict[int, float]:
         """Seconds per request of every measured mode at `batch`, as the reference mode runs now
-        (costs.fitted_seconds)."""
-        return fitted_seconds(self._bucket(batch))
+        (costs.fitted_seconds), fitted again only once a measurement came: a step's `observe`
+        and the next step's `choose` read the same fit."""
+        modes = self._bucket(batch)
+        key = tuple((len(c.history), c.history[-1] if c.history else None) for c in modes.values())
+        fit = self.fitted.get(bucket(batch))
+        if fit is None or fit[0] != key:
+            fit = self.fitted[bucket(batch)] = (key, fitted_seconds(modes))
+        return dict(fit[1])
 
     def rates(self, batch: int) -> dict[int, float]:
         """Expected tokens per second per request of every measured mode at `batch`."""

@@ -1,0 +1,95 @@
+"""--speculative-adaptive's cost model on the step times of a host-bound engine (a one-layer,
+hidden-64 Llama on CPU: docs/benchmarks/adaptive_tiny_cpu.md): it settles on the mode with the
+most tokens/s for a useless, an imitating and a perfect draft at batch 1, 16 and 64, its tries of
+the other modes stay within their budget, and the fits it keeps between steps are the fits it
+would compute afresh."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from spec_engine.speculative.adaptive.costs import PLAIN, ModeCost, fitted_seconds
+from spec_engine.speculative.adaptive.model import SpecCostModel
+
+# Seconds per request of a decode step, by batch size and mode (0: plain, else the depth of a
+# chain: steps 3, topk 1), as a tiny engine measured them on a 2-core VM (rounded): a draft
+# model's depth d drafts d times and verifies d + 1 tokens per request.
+STEP_S = {
+    1: {0: 2.3e-3, 1: 5.0e-3, 2: 6.2e-3, 3: 7.5e-3},
+    16: {0: 0.22e-3, 1: 1.6e-3, 2: 2.5e-3, 3: 3.5e-3},
+    64: {0: 0.19e-3, 1: 1.5e-3, 2: 2.3e-3, 3: 3.0e-3},
+}
+# The probability that a request accepts each next draft token.
+DRAFTS = {"useless": 0.0, "imitating": 0.75, "perfect": 1.0}
+STEPS = 600  # a generation of 128 tokens is ~128 steps: about five generations per batch
+
+
+def expected_rate(mode: int, p: float, batch: int) -> float:
+    """Tokens/s per request of `mode`: its expected accept length (1 + p + ... + p^d) over its
+    step time."""
+    return sum(p**k for k in range(mode + 1)) / STEP_S[batch][mode]
+
+
+def simulate(p: float, batch: int, seed: int = 0) -> list[int]:
+    """The modes the model chooses over STEPS steps whose times are STEP_S's within +-10% and
+    whose requests accept each draft token with probability `p`."""
+    rng = random.Random(seed)
+    model = SpecCostModel([1, 2, 3], nested=True)
+    chosen = []
+    for _ in range(STEPS):
+        mode = model.choose(batch, 0.0)
+        chosen.append(mode)
+        seconds = batch * STEP_S[batch][mode] * rng.uniform(0.9, 1.1)
+        tokens = []
+        for _ in range(batch if mode else 0):
+            accepted = 0
+            while accepted < mode and rng.random() < p:
+                accepted += 1
+            tokens.append([0] * (accepted + 1))
+        model.observe(mode, batch, seconds, tokens)
+    return chosen
+
+
+@pytest.mark.parametrize("batch", sorted(STEP_S))
+@pytest.mark.parametrize("draft", sorted(DRAFTS))
+def test_the_model_settles_on_the_mode_with_the_most_tokens_per_second(draft, batch):
+    p = DRAFTS[draft]
+    best = max(STEP_S[batch], key=lambda m: expected_rate(m, p, batch))
+    chosen = simulate(p, batch)
+    settled = chosen[STEPS // 3 :]
+    # Plain decoding wins for every draft at batch 16 and 64 and for a useless or imitating one
+    # at batch 1 (a depth-3 verify costs 3.3 plain steps there); a perfect draft wins at batch 1.
+    assert best == (3 if (draft, batch) == ("perfect", 1) else PLAIN)
+    assert max(set(settled), key=settled.count) == best
+    # Tries of the other modes: within the exploration budget, a few percent of the steps.
+    assert settled.count(best) >= 0.97 * len(settled)
+    # The tokens/s of the modes chosen, at their expected accept lengths: at least 0.95 of the
+    # best mode's.
+    tokens = sum(expected_rate(m, p, batch) * STEP_S[batch][m] for m in settled)
+    assert tokens / sum(STEP_S[batch][m] for m in settled) >= 0.95 * expected_rate(best, p, batch)
+
+
+def test_the_fits_kept_between_steps_are_the_fits_computed_afresh():
+    """The model keeps each bucket's fit, its medians and the reference's seconds around each
+    measurement between steps (a host-bound step is ~2 ms): a long noisy run, past the
+    measurements' history (HISTORY), with slow spells, stale measurements cleared and tries,
+    reads at every step what fitted_seconds makes of fresh copies of the same measurements."""
+    rng = random.Random(1)
+    model = SpecCostModel([1, 2, 3], nested=True)
+    for step in range(800):
+        mode = model.choose(16, 0.0)
+        spell = 1.25 if (step // 50) % 4 == 3 else 1.0  # a slow spell every 200 steps
+        stale = 0.5 if 100 <= step < 105 else 1.0  # the measurements before were cold
+        seconds = 16 * STEP_S[16][mode] * spell * stale * rng.uniform(0.95, 1.05)
+        model.observe(mode, 16, seconds, [[0, 0]] * 16 if mode else ())
+        if step % 16 == 0:  # a try now and then, as after a draft got better
+            model.costs[16][rng.choice([1, 2, 3])].since = 10**6
+        fresh = {
+            m: ModeCost(c.history.copy(), c.steps, c.seen, c.since)
+            for m, c in model.costs[16].items()
+        }
+        assert model.seconds(16) == fitted_seconds(fresh), step
+    plain = model.costs[16][PLAIN]
+    assert len(plain.history) == plain.history.maxlen and plain.steps > plain.history.maxlen
