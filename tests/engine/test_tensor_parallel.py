@@ -105,7 +105,16 @@ def test_reports_between_overlapped_steps_keep_the_ranks_in_lockstep(make_model)
                 reports.append(engine._post(engine.scheduler.memory_report))
 
         engine.scheduler.step = stepped
-        two = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True)
+        two: list = []
+        run = threading.Thread(
+            target=lambda: two.extend(engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)),
+            daemon=True,
+        )
+        run.start()
+        run.join(timeout=60)
+        if run.is_alive():  # ranks out of lockstep wait on each other: end rank 1 to stop
+            engine._ranks.procs[0].kill()
+            pytest.fail("tp 2 generation hung: the ranks fell out of lockstep")
         assert engine.scheduler.overlap
     assert [o["output_ids"] for o in two] == [o["output_ids"] for o in one]
     assert all(r.result(timeout=5)["owned_by_requests"] > 0 for r in reports)
