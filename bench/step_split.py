@@ -19,7 +19,8 @@ from typing import Any
 
 from spec_engine.core.scheduler import Scheduler
 
-WORKER_CALLS = ("prefill", "catch_up")  # decode: timed as decode, or decode_plain at depth 0
+# decode: timed as decode, or decode_plain at depth 0; an overlapped one's read as decode_read
+WORKER_CALLS = ("prefill", "catch_up")
 # (the scheduler's part, its method): the policy's plans, retractions and output processing
 SCHEDULER_CALLS = (("policy", "plan"), ("retraction", "plan_decode"), ("outputs", "process"))
 
@@ -56,6 +57,16 @@ def instrument(scheduler: Scheduler) -> None:
             setattr(worker, name, timed(getattr(worker, name), calls[name]))
     spec, plain = timed(worker.decode, calls["decode"]), timed(worker.decode, calls["decode_plain"])
     worker.decode = lambda reqs, *depth: (plain if depth == (0,) else spec)(reqs, *depth)
+    # An overlapped plain step (core/overlap.py, the default): its launch as decode, its read
+    # (a step later) as decode_read.
+    launch = timed(worker.launch_decode, calls["decode"])
+
+    def launched(*args: Any) -> Any:
+        pending = launch(*args)
+        pending.finish = timed(pending.finish, calls["decode_read"])
+        return pending
+
+    worker.launch_decode = launched
     for part, name in SCHEDULER_CALLS:
         owner = getattr(scheduler, part)
         setattr(owner, name, timed(getattr(owner, name), calls[name]))

@@ -23,7 +23,7 @@ import logging
 import operator
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
@@ -47,6 +47,15 @@ class Command(NamedTuple):
 STOP = Command("stop")
 # The path of a submission (Engine._add_requests): it only queues requests.
 SUBMIT = "_add_requests"
+# What the other ranks run when rank 0 drains its step in flight for a closure (a report): a
+# drain reads and processes a step, which every rank must do at the same point.
+DRAIN = Command("scheduler.drain")
+
+
+def _drains(commands: Iterable[Any]) -> bool:
+    """Whether these commands (or closures) first drain the step in flight: all but
+    submissions do."""
+    return any(getattr(command, "path", None) != SUBMIT for command in commands)
 
 
 class SchedulerLoop:
@@ -131,8 +140,11 @@ class SchedulerLoop:
                 return None
         items = self._take_queued()
         if self.tp.size > 1:
+            commands = [c for c, _ in items if isinstance(c, Command)]
+            if _drains(c for c, _ in items) and not _drains(commands):
+                commands.append(DRAIN)  # a closure drains rank 0: every rank drains alike
             try:
-                broadcast_pyobj([c for c, _ in items if isinstance(c, Command)], self.tp)
+                broadcast_pyobj(commands, self.tp)
             except Exception as e:
                 self._lose_ranks(items, e)
                 return None
@@ -155,7 +167,7 @@ class SchedulerLoop:
         """Run the commands in order; False once shut down. Every command but a submission
         first sees the decode step in flight read and processed (core/overlap.py): it finds
         the state a step-by-step scheduler leaves."""
-        if any(getattr(command, "path", None) != SUBMIT for command, _ in items):
+        if _drains(c for c, _ in items):
             self.scheduler.drain()
         for command, future in items:
             if command == STOP:

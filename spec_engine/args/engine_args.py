@@ -157,11 +157,11 @@ class EngineArgs:
         "Larger values reserve more KV for running requests' future tokens (fewer retractions, "
         "less concurrency).",
     )
-    enable_overlap_schedule: bool = _opt(
-        False,
-        "Overlap plain decode steps: launch step N+1 before step N's tokens are read back "
-        "(core/overlap.py; outputs are identical). Off by default until speculative decoding "
-        "overlaps too; SGLang overlaps by default.",
+    enable_overlap_schedule: Optional[bool] = _opt(
+        None,
+        "Overlap decode steps (SGLang's default): launch step N+1 before step N's tokens are "
+        "read back (core/overlap.py; outputs are identical). auto: on for plain decoding; "
+        "speculative decoding does not overlap yet.",
     )
     disable_overlap_schedule: bool = _opt(
         False, "SGLang's flag: never overlap steps (overrides --enable-overlap-schedule)."

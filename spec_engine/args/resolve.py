@@ -200,7 +200,20 @@ def resolve_auto(
         random_seed=args.random_seed if args.random_seed is not None else random.randrange(2**31),
         mem_fraction_static=args.mem_fraction_static
         or (MEM_FRACTION_CUDA if device == "cuda" else MEM_FRACTION_CPU),
+        **overlap_schedule(args),
     )
+
+
+def overlap_schedule(args: EngineArgs) -> dict[str, bool]:
+    """The two overlap flags as the engine runs them (get_server_info reports these): on unless
+    --disable-overlap-schedule, as in SGLang; auto is off with speculation, whose steps do not
+    overlap yet (an explicit --enable-overlap-schedule is kept for when they do)."""
+    enable = args.enable_overlap_schedule
+    if args.disable_overlap_schedule:
+        enable = False
+    elif enable is None:
+        enable = args.speculative_algorithm is None
+    return dict(enable_overlap_schedule=enable, disable_overlap_schedule=not enable)
 
 
 def attention_backend(

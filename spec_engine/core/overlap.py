@@ -17,16 +17,18 @@ step N is read back:
 * **KV.** A request that finished at step N was also launched in step N+1: its token there is
   dropped, and its KV is released (trimmed back to where it was before that step) only once
   step N+1 is read (`release_after`), never while a step in flight writes it. Its caller is
-  told at once, unless step N+1 holds only finished requests: then it is read first, so that
-  callers find the KV released as without overlap (Scheduler._complete).
+  told at once; when step N+1 holds only finished requests, their KV is released before they
+  are told, as without overlap, and step N+1 is read at the next drain (Scheduler._complete),
+  which comes before any launch: every step reads once, and no slot is reused meanwhile.
 * **Sync points.** The scheduler drains the step in flight (reads and processes it, launching
   nothing) before any step that is not a plain decode of the same requests: a prefill, a
   retraction, a request that needs its output ids on the host to sample (`overlappable`), a
   timeout; and the engine loop drains before every command but a submission, so aborts, pause,
   weight updates and flushes see exactly the state a step-by-step scheduler would.
 
-Outputs are identical with and without overlap (tests/engine/test_overlap.py); speculative
-workers do not overlap yet. SGLang's --disable-overlap-schedule turns it off.
+Outputs are identical with and without overlap (tests/engine/test_overlap.py). It is on by
+default for plain decoding, as in SGLang; SGLang's --disable-overlap-schedule turns it off, and
+speculative workers do not overlap yet (args/resolve.py's `overlap_schedule`).
 """
 
 from __future__ import annotations

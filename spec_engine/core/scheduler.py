@@ -66,7 +66,7 @@ class Scheduler:
         # The prefill batch being run: admitted, but not yet running (needed if the step fails).
         self.prefilling: list[Req] = []
         self.last_gen_throughput = 0.0
-        # Plain decoding overlaps its steps with --enable-overlap-schedule (core/overlap.py).
+        # Plain decoding overlaps its steps unless --disable-overlap-schedule (core/overlap.py).
         self.overlap = (
             args.enable_overlap_schedule
             and not args.disable_overlap_schedule
@@ -136,7 +136,8 @@ class Scheduler:
         """Read `done` back and process it: requests that finished while it was in flight drop
         its token and release their KV now; the others take theirs. A request that finishes
         here but is in the step in flight is told now, its KV released after that step, unless
-        that step holds only finished requests: then it is read first."""
+        that step holds only finished requests: then its KV is released at once (the step is
+        read at the next drain)."""
         result = done.pending.finish()  # the step's one read
         cost = self.rank0_value(StepCost(time.perf_counter() - done.launched, 0.0))
         release_after(self.kv, done.pending)
@@ -146,11 +147,11 @@ class Scheduler:
         self._drop_finished()
         self.policy.observe(done.group, result, emitted, cost)
         finished = [r for r in reqs if r.finished and id(r) in held]
-        if finished and self.inflight is not None:
-            if all(r.finished for r in self.inflight.pending.reqs):
-                # Nothing live in flight: read it now, so that the callers told below find the
-                # KV released, as without overlap.
-                emitted += self.drain()
+        if finished and all(r.finished for r in self.inflight.pending.reqs):
+            # Nothing live in flight: release its KV now, so that the callers told below find
+            # it released, as without overlap. It is read (the device waited for) only at the
+            # next drain, which comes before any launch, so no slot is reused meanwhile.
+            release_after(self.kv, self.inflight.pending)
         for req in finished:
             self.outputs.notify(req, True)
         return emitted

@@ -21,8 +21,8 @@ class TokenMismatch(RuntimeError):
 
 
 class TokenCheck:
-    """A worker whose prefill and decode results are compared across the ranks; everything
-    else is the wrapped worker's."""
+    """A worker whose prefill and decode results (overlapped or not) are compared across the
+    ranks; everything else is the wrapped worker's."""
 
     def __init__(self, worker: Any, group: TPGroup) -> None:
         self.worker = worker
@@ -36,6 +36,13 @@ class TokenCheck:
 
     def decode(self, reqs: Sequence[Any], *depth: Any) -> Any:
         return self._checked("decode", reqs, self.worker.decode(reqs, *depth))
+
+    def launch_decode(self, reqs: Sequence[Any], previous: Any = None) -> Any:
+        """An overlapped decode step (core/overlap.py): checked when it is read back."""
+        pending = self.worker.launch_decode(reqs, previous)
+        finish = pending.finish
+        pending.finish = lambda: self._checked("decode", pending.reqs, finish())
+        return pending
 
     def _checked(self, step: str, reqs: Sequence[Any], result: Any) -> Any:
         every = self.group.gather_objects(result.tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 
 import pytest
@@ -119,6 +120,27 @@ def test_resolve_auto_on_cpu():
             cuda_available=False,
             checkpoint_dtype=None,
         )
+
+
+@pytest.mark.parametrize(
+    "given, want",
+    [
+        ({}, True),  # SGLang's default
+        ({"disable_overlap_schedule": True}, False),
+        ({"enable_overlap_schedule": True, "disable_overlap_schedule": True}, False),
+        ({"speculative_algorithm": "NGRAM"}, False),  # speculative steps do not overlap yet
+        ({"speculative_algorithm": "NGRAM", "enable_overlap_schedule": True}, True),
+    ],
+)
+def test_overlap_schedule_resolves_on_for_plain_decoding(caplog, given, want):
+    """The overlap flags as the engine runs them: on unless disabled; auto is off with
+    speculation, silently (an explicit --enable-overlap-schedule is kept)."""
+    with caplog.at_level(logging.DEBUG):
+        args = resolve_auto(
+            EngineArgs(model_path="/m", **given), cuda_available=False, checkpoint_dtype=None
+        )
+    assert (args.enable_overlap_schedule, args.disable_overlap_schedule) == (want, not want)
+    assert not caplog.records
 
 
 def test_attention_backend_choice(monkeypatch, caplog):

@@ -9,6 +9,7 @@ import pytest
 
 from spec_engine import Engine
 from tests.conftest import random_prompts
+from tests.support.decode_steps import before_each_decode
 
 LOGPROB_TOL = 1e-4
 
@@ -44,8 +45,7 @@ def test_requests_arriving_while_others_run_match_transformers(llama_path, hf):
     results = {}
     with Engine(model_path=llama_path, random_seed=0) as engine:
         decode_sizes = []
-        decode = engine.scheduler.worker.decode
-        engine.scheduler.worker.decode = lambda reqs: decode_sizes.append(len(reqs)) or decode(reqs)
+        before_each_decode(engine, lambda reqs: decode_sizes.append(len(reqs)))
         worker = threading.Thread(
             target=lambda: results.setdefault(
                 "first",

@@ -1,8 +1,9 @@
-"""The overlap scheduler (core/overlap.py, issue #44 item 4): with --enable-overlap-schedule plain
-decode step N+1 is launched before step N is read back, and the outputs (tokens, log-probs,
-finish reasons) and the KV left cached are those of the step-by-step scheduler: greedy, sampled
-with seeds and min_new_tokens, stop ids, requests that must sample step by step (penalties),
-under retraction, and with aborts, pauses and weight changes landing between two steps."""
+"""The overlap scheduler (core/overlap.py, issue #44 item 4), on by default for plain decoding as
+in SGLang: decode step N+1 is launched before step N is read back, and the outputs (tokens,
+log-probs, finish reasons) and the KV left cached are those of the step-by-step scheduler
+(--disable-overlap-schedule): greedy, sampled with seeds and min_new_tokens, stop ids, requests
+that must sample step by step (penalties), under retraction, and with aborts, pauses and weight
+changes landing between two steps."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from spec_engine.engine_loop import Command
 from tests.conftest import random_prompts
 
 ASKED = dict(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[3, 7])
+OFF = {"disable_overlap_schedule": True}
 
 
 def mixed_params(count: int) -> list[dict]:
@@ -50,6 +52,11 @@ def outputs(outs: list[dict]) -> list[tuple]:
     ]
 
 
+def overlapping(overlap: bool) -> dict:
+    """Engine options: the default (overlap), or SGLang's flag turning it off."""
+    return {} if overlap else OFF
+
+
 def report(engine: Engine) -> dict[str, int]:
     """Where the KV is, read on the scheduler thread between steps (as /v1/loads reads it)."""
     return engine._call(engine.scheduler.memory_report)
@@ -78,7 +85,7 @@ def test_overlapped_steps_give_the_step_by_step_outputs_and_cache(model):
     batch 1 and 16: equal outputs, equal memory reports after each round."""
     runs = {}
     for overlap in (False, True):
-        with Engine(model_path=model, random_seed=3, enable_overlap_schedule=overlap) as engine:
+        with Engine(model_path=model, random_seed=3, **overlapping(overlap)) as engine:
             launches = count_launches(engine)
             got = []
             for batch in (1, 16):
@@ -95,13 +102,51 @@ def test_overlapped_steps_give_the_step_by_step_outputs_and_cache(model):
     assert runs[True] == runs[False]
 
 
-def test_disable_overlap_schedule_turns_it_off(model):
-    with Engine(
-        model_path=model, enable_overlap_schedule=True, disable_overlap_schedule=True
-    ) as engine:
-        launches = count_launches(engine)
-        engine.generate(input_ids=[[5, 6, 7]], sampling_params={"max_new_tokens": 4})
-        assert launches[0] == 0 and not engine.scheduler.overlap
+def timeline(engine: Engine) -> list[str]:
+    """The engine's decode steps in order: "launch" when an overlapped step is launched, "read"
+    when one is read back, "step" for a step-by-step decode (launched and read at once)."""
+    events: list[str] = []
+    worker = engine.scheduler.worker
+    launch, decode = worker.launch_decode, worker.decode
+
+    def launched(*args, **kwargs):
+        events.append("launch")
+        pending = launch(*args, **kwargs)
+        finish = pending.finish
+        pending.finish = lambda: events.append("read") or finish()
+        return pending
+
+    def decoded(*args, **kwargs):
+        events.append("step")
+        return decode(*args, **kwargs)
+
+    worker.launch_decode, worker.decode = launched, decoded
+    return events
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"disable_overlap_schedule": True}, {"enable_overlap_schedule": True, **OFF}],
+    ids=["default", "disabled", "both"],
+)
+def test_the_default_engine_overlaps_and_the_sglang_flag_stops_it(model, options):
+    """By default each plain decode step is launched before the one in flight is read back
+    (the last one, launched while the requests finish, is read at the next drain); SGLang's
+    --disable-overlap-schedule steps one at a time, and wins over --enable-overlap-schedule.
+    get_server_info reports the flags as the engine runs them."""
+    with Engine(model_path=model, random_seed=0, **options) as engine:
+        events = timeline(engine)
+        engine.generate(
+            input_ids=[[5, 6, 7], [8, 9]],
+            sampling_params={"max_new_tokens": 4, "ignore_eos": True},
+        )
+        info = engine.get_server_info()
+    on = not options
+    assert engine.scheduler.overlap is on
+    assert (info["enable_overlap_schedule"], info["disable_overlap_schedule"]) == (on, not on)
+    # Tokens 2..4 come from three decode steps (the prefill samples the first).
+    want = ["launch", "launch", "read", "launch", "read", "launch", "read", "read"]
+    assert events == (want if on else ["step"] * 3)
 
 
 def test_overlap_under_retraction_gives_the_step_by_step_outputs(model):
@@ -113,7 +158,7 @@ def test_overlap_under_retraction_gives_the_step_by_step_outputs(model):
     runs = {}
     for overlap in (False, True):
         with Engine(
-            model_path=model, random_seed=5, max_total_tokens=200, enable_overlap_schedule=overlap
+            model_path=model, random_seed=5, max_total_tokens=200, **overlapping(overlap)
         ) as engine:
             launches = count_launches(engine)
             runs[overlap] = outputs(
@@ -171,7 +216,7 @@ def test_commands_between_overlapped_steps_see_the_step_by_step_state(model, eve
     params = [{**p, "max_new_tokens": 12, "frequency_penalty": 0.0} for p in mixed_params(6)]
     runs = {}
     for overlap in (False, True):
-        with Engine(model_path=model, random_seed=2, enable_overlap_schedule=overlap) as engine:
+        with Engine(model_path=model, random_seed=2, **overlapping(overlap)) as engine:
             after_step(engine, 4, EVENTS[event])
             outs = engine.generate(
                 input_ids=prompts,
@@ -188,7 +233,7 @@ def test_commands_between_overlapped_steps_see_the_step_by_step_state(model, eve
 def test_an_overlapped_step_reads_once_and_after_launching_the_next(model):
     """Each step that launches a decode reads the host nothing before the launch and then once
     (the step in flight's tokens, log-probs and flags: core/readback.py)."""
-    with Engine(model_path=model, random_seed=1, enable_overlap_schedule=True) as engine:
+    with Engine(model_path=model, random_seed=1) as engine:
         reads = HostReads(engine._thread.ident)
         sched, worker = engine.scheduler, engine.scheduler.worker
         step, launch = sched.step, worker.launch_decode
@@ -214,9 +259,9 @@ def test_an_overlapped_step_reads_once_and_after_launching_the_next(model):
             )
     assert len(records) == 6  # one launch per token after the prefill's, and one more
     assert [before for before, _ in records] == [0] * 6
-    # The last: the requests finish, and the step in flight, theirs alone, is read right away
-    # (their callers then find their KV released).
-    assert [total for _, total in records] == [0, 1, 1, 1, 1, 2]
+    # The last: the requests finish; the step in flight, theirs alone, has its KV released at
+    # once (their callers find it released) and is read at the next drain, a step of its own.
+    assert [total for _, total in records] == [0, 1, 1, 1, 1, 1]
 
 
 def test_overlapped_streams_deliver_the_step_by_step_chunks(model):
@@ -226,7 +271,7 @@ def test_overlapped_streams_deliver_the_step_by_step_chunks(model):
     runs = {}
     for overlap in (False, True):
         with Engine(
-            model_path=model, random_seed=4, stream_interval=2, enable_overlap_schedule=overlap
+            model_path=model, random_seed=4, stream_interval=2, **overlapping(overlap)
         ) as engine:
             launches = count_launches(engine)
             chunks = engine.generate(

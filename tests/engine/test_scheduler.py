@@ -10,6 +10,7 @@ import torch
 
 from spec_engine import Engine
 from tests.conftest import random_prompts
+from tests.support.decode_steps import before_each_decode
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
 
@@ -117,14 +118,12 @@ def test_n_samples_share_the_prompt_kv(llama_path):
     }
     with Engine(model_path=llama_path, random_seed=0, max_total_tokens=4096) as engine:
         peak = []
-        decode = engine.scheduler.worker.decode
 
         def tracking_decode(reqs):
             r = engine.scheduler.memory_report()
             peak.append(r["total"] - r["free"])
-            return decode(reqs)
 
-        engine.scheduler.worker.decode = tracking_decode
+        before_each_decode(engine, tracking_decode)
         shared = engine.generate(input_ids=prompt, sampling_params=params)
         tree_after = engine.scheduler.memory_report()["cached"]
     with Engine(model_path=llama_path, random_seed=0, disable_radix_cache=True) as engine:
@@ -177,8 +176,7 @@ def test_abort_by_rid_ends_request_and_frees_memory(llama_path):
 def test_max_running_requests_is_respected(llama_path):
     with Engine(model_path=llama_path, random_seed=0, max_running_requests=3) as engine:
         sizes = []
-        decode = engine.scheduler.worker.decode
-        engine.scheduler.worker.decode = lambda reqs: sizes.append(len(reqs)) or decode(reqs)
+        before_each_decode(engine, lambda reqs: sizes.append(len(reqs)))
         outs = engine.generate(input_ids=random_prompts(10, 3, 10, seed=15), sampling_params=GREEDY)
     assert max(sizes) == 3
     assert all(len(o["output_ids"]) == 32 for o in outs)

@@ -90,6 +90,36 @@ def test_tp2_decodes_as_tp1(family, make_model, hf):
     assert max(abs(x - y) for x, y in zip(lb, logprobs)) < 1e-4
 
 
+def test_reports_between_overlapped_steps_keep_the_ranks_in_lockstep(make_model):
+    """A report (a closure, run on rank 0 alone) drains rank 0's decode step in flight; rank 1
+    drains with it (engine_loop.DRAIN), so the ranks stay in lockstep and tp 2 decodes as tp 1."""
+    path = _path("llama", make_model)
+    one = _generate(path, 1)
+    with Engine(model_path=path, tp_size=2, **ENGINE) as engine:
+        step, steps, reports = engine.scheduler.step, [0], []
+
+        def stepped() -> None:
+            step()
+            steps[0] += 1
+            if steps[0] in (3, 5):  # a decode step is in flight: posted, run before the next
+                reports.append(engine._post(engine.scheduler.memory_report))
+
+        engine.scheduler.step = stepped
+        two: list = []
+        run = threading.Thread(
+            target=lambda: two.extend(engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)),
+            daemon=True,
+        )
+        run.start()
+        run.join(timeout=60)
+        if run.is_alive():  # ranks out of lockstep wait on each other: end rank 1 to stop
+            engine._ranks.procs[0].kill()
+            pytest.fail("tp 2 generation hung: the ranks fell out of lockstep")
+        assert engine.scheduler.overlap
+    assert [o["output_ids"] for o in two] == [o["output_ids"] for o in one]
+    assert all(r.result(timeout=5)["owned_by_requests"] > 0 for r in reports)
+
+
 def test_each_rank_reads_only_its_shard(make_model, monkeypatch):
     """The split weights come off disk as safetensors slices, one block per rank."""
     from spec_engine.distributed.parallel_state import TPGroup, use_tp_group
@@ -116,15 +146,18 @@ def test_each_rank_reads_only_its_shard(make_model, monkeypatch):
 
 
 def test_debug_tp_check_tokens_fails_a_step_where_ranks_disagree():
-    """Rank 1 (spawned) samples another token for request "b" than rank 0: both ranks' checks
-    raise, naming the request, the tokens and the rank."""
+    """Rank 1 (spawned) samples another token for request "b" than rank 0, in a decode step
+    and in an overlapped one (checked when read back): both ranks' checks raise, naming the
+    request, the tokens and the rank."""
     reqs = [SimpleNamespace(input=SimpleNamespace(rid=rid)) for rid in "ab"]
     ranks = Ranks(sample_9_for_request_b, reqs, 2, torch.device("cpu"))
     try:
         group = ranks.connect()
         ranks.wait_ready()
-        with pytest.raises(TokenMismatch, match="request 'b' got 8 on rank 0 and 9 on rank 1"):
-            TokenCheck(Sampled([7, 8]), group).decode(reqs)
+        check = TokenCheck(Sampled([7, 8]), group)
+        for step in (lambda: check.decode(reqs), lambda: check.launch_decode(reqs).finish()):
+            with pytest.raises(TokenMismatch, match="request 'b' got 8 on rank 0 and 9 on rank 1"):
+                step()
     finally:
         ranks.stop(timeout_s=30)
     assert ranks.procs[0].exitcode == 0  # rank 1's check raised as well

@@ -26,13 +26,19 @@ class Sampled:
     def decode(self, reqs: Any) -> Any:
         return SimpleNamespace(tokens=self.tokens)
 
+    def launch_decode(self, reqs: Any, previous: Any = None) -> Any:
+        """An overlapped step: its tokens come with its read (`finish`)."""
+        return SimpleNamespace(reqs=reqs, finish=lambda: self.decode(reqs))
+
 
 def sample_9_for_request_b(reqs: Any, group: Any, ready: Callable[[], None]) -> None:
-    """Rank 1 samples [7, 9] under --debug-tp-check-tokens (rank 0: [7, 8]); it exits with 0
-    only if its check raised too."""
+    """Rank 1 samples [7, 9] under --debug-tp-check-tokens (rank 0: [7, 8]) in a decode step,
+    then in an overlapped one; it exits with 0 only if its check raised both times too."""
     ready()
-    try:
-        TokenCheck(Sampled([7, 8 + group.rank]), group).decode(reqs)
-    except TokenMismatch:
-        return
-    raise AssertionError("rank 1's token check passed")
+    check = TokenCheck(Sampled([7, 8 + group.rank]), group)
+    for step in (lambda: check.decode(reqs), lambda: check.launch_decode(reqs).finish()):
+        try:
+            step()
+        except TokenMismatch:
+            continue
+        raise AssertionError("rank 1's token check passed")
