@@ -33,9 +33,10 @@ state. None of it goes through the host here:
   decoding; each `PendingSpec` knows the step launched after it (`successor`), whose rows its
   read tightens.
 
-Overlapped: greedy requests of EAGLE, EAGLE-3 and single-layer MTP chains at page size 1 with
+Overlapped: greedy requests of EAGLE, EAGLE-3, single-layer MTP and STANDALONE chains (a
+STANDALONE draft first runs the root token at its slot, on the device too) at page size 1 with
 the torch_native backend, the accept alarm not set to disable. Everything else (sampled
-requests, top-k > 1 trees, NGRAM, STANDALONE, multi-layer MTP, --speculative-adaptive, requests
+requests, top-k > 1 trees, NGRAM, a self-draft, multi-layer MTP, --speculative-adaptive, requests
 with penalties, grammars, min_new_tokens still to reach or top-p replay) runs the synchronous
 step: the scheduler drains the step in flight first. Outputs are those of the synchronous path
 (tests/engine/test_spec_overlap.py).
@@ -114,7 +115,18 @@ def launch_chain(
     slots = table[pool_idx[:, None], positions].to(torch.int64).reshape(-1)
     keys = table[pool_idx, :width].to(torch.int64)
     seen = torch.arange(width, device=device)[None, None, :] < (positions + 1)[:, :, None]
-    drafts = _draft_chain(worker, reqs, kv, max(bounds), shape.steps)
+    if worker.features:
+        first = torch.stack([r.spec_state.ids for r in reqs])
+        hidden = torch.stack([r.spec_state.hidden for r in reqs])
+        drafts = _draft_chain(worker, reqs, (first, hidden), kv, kv - 1, max(bounds), shape.steps)
+    else:  # a STANDALONE draft runs the root first, writing its KV at the root's slot
+        at_root = slots.view(b, n)[:, 0]
+        root = _batch(ForwardMode.DECODE, roots, kv[:, None], at_root, pool_idx, kv, bounds)
+        root.seq_lens, root.seq_lens_cpu = kv + 1, [k + 1 for k in bounds]
+        root.extend_seq_lens_cpu = root.extend_prefix_lens_cpu = None
+        top = torch.softmax(worker.draft.forward(root, None)[0], -1).topk(1, dim=-1).indices
+        first = worker.draft.to_target_ids(top)
+        drafts = _draft_chain(worker, reqs, (first, None), kv + 1, kv, max(bounds) + 1, shape.steps)
     ids = torch.cat((roots[:, None], drafts), dim=1).reshape(-1)
     worker.verify_steps += 1
     out = worker.runner.forward(
@@ -142,13 +154,17 @@ def launch_chain(
         logprob_inputs(logits, reqs, row_req, argmax, [], (), asked) if asked.anything else ()
     )
     if not worker.draft.shares_target:
-        last = torch.arange(b, device=device) * n + accepted
-        feats = worker._features(out)
-        batch = _batch(ForwardMode.DRAFT_EXTEND, argmax, positions, slots, pool_idx, kv, bounds)
-        batch.kv_indices, batch.kv_mask, batch.logits_indices = keys, seen, last
+        # A feature draft pairs each emitted token with the feature before it, a STANDALONE
+        # draft reads the accepted path's tokens (the verify's inputs).
+        tokens = argmax if worker.features else ids
+        batch = _batch(ForwardMode.DRAFT_EXTEND, tokens, positions, slots, pool_idx, kv, bounds)
+        batch.kv_indices, batch.kv_mask = keys, seen
+        batch.logits_indices = torch.arange(b, device=device) * n + accepted
+        feats = worker._features(out) if worker.features else None
         draft_logits, nxt = worker.draft.forward(batch, feats)
-        probs, top = torch.softmax(draft_logits, -1).topk(1, dim=-1)
-        worker.keep_states(reqs, probs, worker.draft.to_target_ids(top), nxt)
+        if worker.features:
+            probs, top = torch.softmax(draft_logits, -1).topk(1, dim=-1)
+            worker.keep_states(reqs, probs, worker.draft.to_target_ids(top), nxt)
 
     def finish() -> StepResult:
         values = read_back(argmax, accepted, flags, *lp_inputs)  # the step's one read
@@ -168,25 +184,30 @@ def launch_chain(
 
 
 def _draft_chain(
-    worker: EagleWorker, reqs: Sequence[Req], kv: torch.Tensor, widest: int, steps: int
+    worker: EagleWorker,
+    reqs: Sequence[Req],
+    first: tuple[torch.Tensor, Optional[torch.Tensor]],
+    prefix_lens: torch.Tensor,
+    pos_base: torch.Tensor,
+    widest: int,
+    steps: int,
 ) -> torch.Tensor:
-    """The chain's draft tokens [B, steps]: the first from each request's draft state, the
-    others from draft steps over the device lengths (EagleWorker._draft_trees at top-k 1)."""
+    """The chain's draft tokens [B, steps]: `first` the first level's ids [B, 1] and features
+    (None: a STANDALONE draft), the others from draft steps over the device lengths
+    (EagleWorker._draft_trees at top-k 1; `widest`: a bound of `prefix_lens`)."""
     b = len(reqs)
-    ids = torch.stack([r.spec_state.ids for r in reqs])  # [B, 1]
-    hidden = torch.stack([r.spec_state.hidden for r in reqs])
-    tokens = [ids]
+    f_tokens, f_hidden = first
+    tokens = [f_tokens]
     if steps > 1:
         scratch = worker.alloc_kv([0], [(steps - 1) * b], [0])
-        prefix = worker._prefix_indices(reqs, kv, widest)
+        prefix = worker._prefix_indices(reqs, prefix_lens, widest)
         path = torch.empty(b, 0, dtype=torch.int64, device=worker.device)
-        f_tokens, f_hidden = ids, hidden
         for step in range(1, steps):
             own = scratch.device[(step - 1) * b : step * b]
             _, c, nxt = worker._draft_step(
-                reqs, step, own, (f_tokens, f_hidden, path), prefix, kv - 1
+                reqs, step, own, (f_tokens, f_hidden, path), prefix, pos_base
             )
-            f_tokens, f_hidden = c.view(b, 1), nxt
+            f_tokens, f_hidden = c.view(b, 1), nxt if worker.features else None
             path = torch.cat((path, own[:, None]), dim=1)
             tokens.append(f_tokens)
         worker.runner.allocator.free(scratch.host)

@@ -95,14 +95,13 @@ class EagleWorker(SpecWorker):
         self.max_running = args.max_running_requests
         self.max_lag = draft_lag.MAX_LAG  # set from the feature rows' size by plain steps
         self.extend_cost = draft_lag.ExtendCost()  # --speculative-adaptive's catch-up estimate
-        # Overlapped steps (speculative/chain_overlap.py): feature-draft chains of one shape,
+        # Overlapped steps (speculative/chain_overlap.py): chains of one shape with a draft model,
         # page size 1, device lengths through torch_native attention, no alarm that would stop
         # speculating between a step's launch and its read, batch-invariant kernels (the
         # overlapped attention pads to a bound of the lengths: only invariant kernels give the
         # synchronous step's values at another width). Else synchronous steps.
         self.can_overlap = (
             self.topk == 1
-            and self.features
             and not self.multi_layer
             and not self.adaptive
             and not draft.shares_target

@@ -46,6 +46,7 @@ def models(small_vocab, make_model, tmp_path_factory):  # noqa: F811
         "eagle3": build_eagle_draft(str(root / "eagle3"), target, version=3, std=0.3),
         "eagle": eagle,
         "mimo": mimo,
+        "small": make_model("llama", num_layers=1, initializer_range=0.5, seed=5, **shape),
     }
 
 
@@ -53,6 +54,7 @@ ALGORITHMS = {
     "EAGLE3": ("target", "eagle3"),
     "EAGLE": ("target", "eagle"),
     "MTP": ("mimo", None),
+    "STANDALONE": ("target", "small"),
 }
 
 
@@ -125,8 +127,9 @@ def test_overlapped_chain_steps_give_the_synchronous_outputs_and_cache(models):
     assert len(lengths) > 3 and max(lengths) > 2  # drafts accepted, at several lengths
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "MTP"])
-def test_eagle2_and_mtp_chains_overlap_alike(models, algorithm):
+@pytest.mark.parametrize("algorithm", ["EAGLE", "MTP", "STANDALONE"])
+def test_other_chains_overlap_alike(models, algorithm):
+    """EAGLE-2, MTP and STANDALONE (a small LM draft) at batch 6."""
     run = with_and_without_overlap(models, algorithm, lambda e: two_rounds(e, 6))
     assert max(o[6] for o in run[0]) > 1  # drafts accepted
 
