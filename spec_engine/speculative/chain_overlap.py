@@ -12,8 +12,12 @@ state. None of it goes through the host here:
   `resolve_placeholders`, SGLang's FutureMap); the others give their host values. The draft's
   next-round state (`Req.spec_state`) is set at launch to rows of the step's device tensors, so
   any later step, overlapped or synchronous, drafts from it.
-* **Acceptance** on the device: a greedy chain accepts the drafts that equal the target's argmax
-  at their parent (a cumulative product), emits the argmax at the last accepted node; an
+* **Acceptance** on the device (`_walk`, speculative/verify.py's walk at top-k 1): a greedy
+  chain accepts the drafts equal to the target's argmax at their parent and emits the argmax
+  after them; a sampled one compares each draft's target probability with its uniform and
+  draws from the residual where it stops. A uniform's index counts the request's output
+  tokens, which the host knows only up to the step in flight's: the host tabulates the
+  uniforms for every count that step may emit, the device picks by what it did emit. An
   accepted chain needs no KV moves (node j already sits at position kv + j). The draft extends
   over all `n` verify rows (SGLang's fixed-width draft extend) and keeps its output at the last
   accepted row: rows past it write draft KV beyond the committed length, never read before the
@@ -23,7 +27,7 @@ state. None of it goes through the host here:
 * **KV.** The host keeps each request's `kv_len` at an upper bound of its committed length
   (every slot up to it allocated): a launch allocates positions kv_len .. kv_len + n - 1 (the
   verify's worst case, what `decode_kv_demand` reports) and moves the bound by `n`. When a step
-  is read (`finish`, the step's one host read: argmax, accept lengths, NaN flags, asked
+  is read (`finish`, the step's one host read: emitted tokens, accept lengths, NaN flags, asked
   log-probs) the bound is trimmed to what it may still need: committed + n for a request in
   the step launched after it, the committed length otherwise (then the synchronous path finds
   the exact state). A request that finished while a step was in flight keeps its KV until that
@@ -33,13 +37,15 @@ state. None of it goes through the host here:
   decoding; each `PendingSpec` knows the step launched after it (`successor`), whose rows its
   read tightens.
 
-Overlapped: greedy requests of EAGLE, EAGLE-3, single-layer MTP and STANDALONE chains (a
-STANDALONE draft first runs the root token at its slot, on the device too) at page size 1 with
-the torch_native backend, the accept alarm not set to disable. Everything else (sampled
-requests, top-k > 1 trees, NGRAM, a self-draft, multi-layer MTP, --speculative-adaptive, requests
-with penalties, grammars, min_new_tokens still to reach or top-p replay) runs the synchronous
-step: the scheduler drains the step in flight first. Outputs are those of the synchronous path
-(tests/engine/test_spec_overlap.py).
+Overlapped: greedy and sampled requests of EAGLE, EAGLE-3, single-layer MTP and STANDALONE
+chains (a STANDALONE draft first runs the root token at its slot, on the device too) at page
+size 1 with the torch_native backend and --enable-deterministic-inference (the overlapped
+attention pads to a bound of the lengths, the synchronous one to the lengths: only
+batch-invariant kernels give the same values at both widths), the accept alarm not set to
+disable. Everything else (top-k > 1 trees, NGRAM, a self-draft, multi-layer MTP,
+--speculative-adaptive; requests with penalties, grammars, min_new_tokens still to reach or
+top-p replay) runs the synchronous step: the scheduler drains the step in flight first.
+Outputs are those of the synchronous path (tests/engine/test_spec_overlap.py).
 """
 
 from __future__ import annotations
@@ -63,8 +69,17 @@ from spec_engine.core.readback import read_back
 from spec_engine.core.request import Req
 from spec_engine.core.worker import PendingDecode, StepResult, resolve_placeholders
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
+from spec_engine.layers.sampler import inverse_cdf, request_uniform
 from spec_engine.speculative.base import SpecWorker
-from spec_engine.speculative.verify import Acceptance, LogprobAsk, emitted_logprobs, logprob_inputs
+from spec_engine.speculative.verify import (
+    ACCEPT_STREAM,
+    RESIDUAL_STREAM,
+    Acceptance,
+    LogprobAsk,
+    emitted_logprobs,
+    logprob_inputs,
+    target_probs,
+)
 
 # The worker these functions serve: an EagleWorker (speculative/eagle_worker.py), which imports
 # this module.
@@ -74,21 +89,21 @@ EagleWorker = SpecWorker
 @dataclass
 class PendingSpec(PendingDecode):
     """A chain step launched and not yet read: `tokens` its bonus tokens, `kv` the committed KV
-    lengths after it (both [B], on the device); `before`: each request's committed length before
-    it, where the host knows it (else filled when the previous step is read)."""
+    lengths after it, `emitted` how many tokens each request emits (all [B], on the device);
+    `before`: each request's committed length before it, where the host knows it (else filled
+    when the previous step is read)."""
 
     kv: Optional[torch.Tensor] = None
+    emitted: Optional[torch.Tensor] = None  # [B]: tokens each request emits
     before: list[Optional[int]] = field(default_factory=list)
     successor: Optional[PendingSpec] = None
 
 
 def chain_request_ok(worker: EagleWorker, req: Req) -> bool:
-    """Whether `req`'s next verify needs nothing of its newest tokens on the host: greedy, no
-    bans left (min_new_tokens reached), no top-p replay."""
+    """Whether `req`'s next verify needs nothing of its newest tokens on the host: no bans left
+    (min_new_tokens reached), no top-p replay."""
     sp = req.input.sampling_params
-    return (
-        sp.is_greedy and not req.banned_tokens(worker.eos_token_ids) and not wants_top_p_replay(sp)
-    )
+    return not req.banned_tokens(worker.eos_token_ids) and not wants_top_p_replay(sp)
 
 
 def launch_chain(
@@ -139,11 +154,14 @@ def launch_chain(
     chains = [list(range(-1, n - 1)) for _ in reqs]
     logits = mask_trees(logits, [r.grammar for r in reqs], chains, [[0] * n for _ in reqs])
     logits = apply_processors_to_trees(logits, reqs, chains, [[0] * n for _ in reqs])
-    argmax = logits.argmax(-1)
-    grid = argmax.view(b, n)
-    accepted = (drafts == grid[:, :-1]).to(torch.int64).cumprod(1).sum(1)  # drafts accepted
-    bonus = grid.gather(1, accepted[:, None]).squeeze(1)
+    ahead = None
+    if rows:  # the tokens the step in flight emits, per request (0: not in it)
+        ahead = worker._tensor([-1 - rows[id(r)] if id(r) in rows else 0 for r in reqs])
+        ahead = resolve_placeholders(ahead, previous.emitted)
+    accepted, emitted = _walk(worker, reqs, logits, drafts, ahead)
+    bonus = emitted.gather(1, accepted[:, None]).squeeze(1)
     committed = kv + accepted + 1
+    emitted = emitted.reshape(-1)  # per verify row, the token emitted there if any
     asked = LogprobAsk(
         [r.input.return_logprob for r in reqs],
         [r.input.top_logprobs_num for r in reqs],
@@ -151,12 +169,12 @@ def launch_chain(
     )
     row_req = [i for i in range(b) for _ in range(n)]
     lp_inputs = (
-        logprob_inputs(logits, reqs, row_req, argmax, [], (), asked) if asked.anything else ()
+        logprob_inputs(logits, reqs, row_req, emitted, [], (), asked) if asked.anything else ()
     )
     if not worker.draft.shares_target:
         # A feature draft pairs each emitted token with the feature before it, a STANDALONE
         # draft reads the accepted path's tokens (the verify's inputs).
-        tokens = argmax if worker.features else ids
+        tokens = emitted if worker.features else ids
         batch = _batch(ForwardMode.DRAFT_EXTEND, tokens, positions, slots, pool_idx, kv, bounds)
         batch.kv_indices, batch.kv_mask = keys, seen
         batch.logits_indices = torch.arange(b, device=device) * n + accepted
@@ -167,7 +185,7 @@ def launch_chain(
             worker.keep_states(reqs, probs, worker.draft.to_target_ids(top), nxt)
 
     def finish() -> StepResult:
-        values = read_back(argmax, accepted, flags, *lp_inputs)  # the step's one read
+        values = read_back(emitted, accepted, flags, *lp_inputs)  # the step's one read
         return _result(worker, pending, values, n, asked, detect)
 
     pending = PendingSpec(
@@ -176,11 +194,70 @@ def launch_chain(
         bonus,
         finish,
         kv=committed,
+        emitted=accepted + 1,
         before=[None if id(r) in rows else r.kv_len - n for r in reqs],
     )
     if previous is not None:
         previous.successor = pending
     return pending
+
+
+def _walk(
+    worker: EagleWorker,
+    reqs: Sequence[Req],
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    ahead: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each chain's walk on the device, as speculative/verify.py walks it on the host: the drafts
+    accepted [B], and per node [B, n] the token emitted there if the walk stops there. Greedy:
+    a draft equal to its parent's argmax is accepted, the argmax emitted. Sampled: a draft whose
+    target probability p passes u <= p / threshold_acc or p >= threshold_single (or whose
+    parent's residual is empty) is accepted, else the residual's draw emitted; `ahead` (tokens
+    the step in flight emits, per request) picks each node's uniforms from a host table over
+    every count it may emit (their index counts the request's output tokens)."""
+    b, steps = drafts.shape
+    n, device = steps + 1, worker.device
+    grid = logits.argmax(-1).view(b, n)
+    accept = drafts == grid[:, :-1]
+    sampled = [i for i, r in enumerate(reqs) if not r.input.sampling_params.is_greedy]
+    emitted = grid
+    if sampled:
+        row_req = [i for i in range(b) for _ in range(n)]
+        probs = target_probs(logits, reqs, row_req).view(b, n, -1)
+        p = probs[:, :-1].gather(2, drafts[:, :, None]).squeeze(2).double()
+        residual = probs.clone()
+        residual[:, :-1].scatter_(2, drafts[:, :, None], 0.0)
+        empty = residual.sum(-1) <= 0
+        u_acc, u_res = _uniforms(reqs, sampled, n, device)
+        pick = torch.zeros(b, dtype=torch.int64, device=device) if ahead is None else ahead
+        u_acc, u_res = (u[torch.arange(b, device=device), pick] for u in (u_acc, u_res))
+        drawn = inverse_cdf(residual.view(b * n, -1), u_res.reshape(-1)).view(b, n)
+        passes = (u_acc[:, :-1] <= p / worker.threshold_acc) | (p >= worker.threshold_single)
+        is_sampled = torch.zeros(b, 1, dtype=torch.bool, device=device)
+        is_sampled[sampled] = True
+        accept = torch.where(is_sampled, passes | empty[:, :-1], accept)
+        emitted = torch.where(is_sampled, drawn, grid)
+    accepted = accept.to(torch.int64).cumprod(1).sum(1)
+    padded = torch.cat((drafts, grid[:, :1]), dim=1)  # the drafts, node by node (last: unused)
+    node = torch.arange(n, device=device)[None, :]
+    return accepted, torch.where(node < accepted[:, None], padded, emitted)
+
+
+def _uniforms(
+    reqs: Sequence[Req], sampled: list[int], n: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, n + 1, n] uniforms of each sampled request's walk (ACCEPT and RESIDUAL streams): at
+    [i, e, j] the one of node j when the step in flight emits e tokens."""
+    acc = [[[0.0] * n for _ in range(n + 1)] for _ in reqs]
+    res = [[[0.0] * n for _ in range(n + 1)] for _ in reqs]
+    for i in sampled:
+        seed, base = reqs[i].input.seed, len(reqs[i].output_ids)
+        for e in range(n + 1):
+            for j in range(n):
+                acc[i][e][j] = request_uniform(seed, base + e + j, ACCEPT_STREAM)
+                res[i][e][j] = request_uniform(seed, base + e + j, RESIDUAL_STREAM)
+    return (torch.tensor(t, dtype=torch.float64, device=device) for t in (acc, res))
 
 
 def _draft_chain(

@@ -69,6 +69,7 @@ def chain(models: dict, algorithm: str = "EAGLE3", **extra) -> dict:
         speculative_num_steps=3,
         speculative_eagle_topk=1,
         skip_tokenizer_init=True,
+        random_seed=3,
         # Batch-invariant kernels: an overlapped step pads its attention to a bound of the
         # lengths (the synchronous one to the lengths), the same values only with these.
         enable_deterministic_inference=True,
@@ -136,6 +137,31 @@ def test_other_chains_overlap_alike(models, algorithm):
     assert max(o[6] for o in run[0]) > 1  # drafts accepted
 
 
+def test_sampled_chain_steps_overlap_with_the_synchronous_draws(models):
+    """Sampled requests (seeded; top-k, top-p, min-p, temperature) mixed with greedy ones: the
+    walks' uniforms are picked on the device by what the step in flight emits."""
+    prompts = random_prompts(8, 3, 12, seed=9, vocab=8)
+    params = [
+        {
+            "temperature": 0.8 + 0.1 * (i % 3),
+            "top_k": 6 if i % 2 else -1,
+            "top_p": 0.9,
+            "min_p": 0.02 * (i % 2),
+            "max_new_tokens": 6 + (i * 5) % 11,
+            "ignore_eos": True,
+        }
+        if i % 4
+        else {"temperature": 0.0, "max_new_tokens": 9}
+        for i in range(8)
+    ]
+
+    def run(engine: Engine) -> list:
+        return spec_outputs(engine.generate(input_ids=prompts, sampling_params=params, **ASKED))
+
+    got = with_and_without_overlap(models, "EAGLE3", run)
+    assert max(o[6] for o in got) > 1.5
+
+
 @pytest.mark.parametrize("event", ["abort", "pause-retract", "weights"])
 def test_commands_between_overlapped_chain_steps_see_the_synchronous_state(models, event):
     """An abort, a pause that retracts or a weight change lands right after the 3rd step, on
@@ -155,18 +181,21 @@ def test_commands_between_overlapped_chain_steps_see_the_synchronous_state(model
 
 
 def test_an_overlapped_chain_step_reads_once(models):
-    """One read per overlapped step (the step in flight's tokens, accept lengths, flags and
-    log-probs: within test_host_reads.py's budget), none in the first (nothing in flight), two
-    in the last (the step in flight, of finished requests only, read at once); sampled requests
-    take the synchronous steps."""
+    """One read per overlapped step, greedy and sampled requests alike (the step in flight's
+    tokens, accept lengths, flags and log-probs: within test_host_reads.py's budget), none in
+    the first (nothing in flight), two in the last (the step in flight, of finished requests
+    only, read at once); requests with penalties take the synchronous steps."""
     with Engine(**chain(models), enable_overlap_schedule=True) as engine:
-        greedy = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+        params = [
+            {"temperature": 0.9 * (i % 2), "max_new_tokens": 16, "ignore_eos": True}
+            for i in range(8)
+        ]
         prompts = random_prompts(8, 3, 12, seed=6, vocab=8)
         with StepReads(engine) as steps:
-            engine.generate(input_ids=prompts, sampling_params=greedy, **ASKED)
+            engine.generate(input_ids=prompts, sampling_params=params, **ASKED)
         reads = [s.reads for s in steps.decode_steps("spec")]
         assert len(reads) > 3 and reads == [0] + [1] * (len(reads) - 2) + [2]
         launches = count_launches(engine)
-        sampled = {"temperature": 0.9, "max_new_tokens": 8, "ignore_eos": True}
-        engine.generate(input_ids=prompts[:2], sampling_params=sampled)
+        penalised = {"frequency_penalty": 0.5, "max_new_tokens": 8, "ignore_eos": True}
+        engine.generate(input_ids=prompts[:2], sampling_params=penalised)
         assert launches[0] == 0
