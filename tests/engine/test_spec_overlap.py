@@ -162,9 +162,9 @@ def test_sampled_chain_steps_overlap_with_the_synchronous_draws(models):
     assert max(o[6] for o in got) > 1.5
 
 
-@pytest.mark.parametrize("event", ["abort", "pause-retract", "weights"])
+@pytest.mark.parametrize("event", ["abort", "weights"])
 def test_commands_between_overlapped_chain_steps_see_the_synchronous_state(models, event):
-    """An abort, a pause that retracts or a weight change lands right after the 3rd step, on
+    """An abort or a weight change (test_overlap.py's events) lands right after the 3rd step, on
     the scheduler thread, as a command posted then would: the step in flight is read first."""
     prompts = random_prompts(4, 3, 12, seed=4, vocab=8)
     params = [{**p, "max_new_tokens": 12} for p in greedy_params(4)]
