@@ -41,8 +41,8 @@ Overlapped: greedy and sampled requests of EAGLE, EAGLE-3, single-layer MTP and 
 chains (a STANDALONE draft first runs the root token at its slot, on the device too) at page
 size 1 with the torch_native backend and --enable-deterministic-inference (the overlapped
 attention pads to a bound of the lengths, the synchronous one to the lengths: only
-batch-invariant kernels give the same values at both widths), the accept alarm not set to
-disable. Everything else (top-k > 1 trees, NGRAM, a self-draft, multi-layer MTP,
+batch-invariant kernels give the same values at both widths), one rank, the accept alarm not
+set to disable. Everything else (top-k > 1 trees, NGRAM, a self-draft, multi-layer MTP,
 --speculative-adaptive; requests with penalties, grammars, min_new_tokens still to reach or
 top-p replay) runs the synchronous step: the scheduler drains the step in flight first.
 Outputs are those of the synchronous path (tests/engine/test_spec_overlap.py).

@@ -99,7 +99,8 @@ class EagleWorker(SpecWorker):
         # page size 1, device lengths through torch_native attention, no alarm that would stop
         # speculating between a step's launch and its read, batch-invariant kernels (the
         # overlapped attention pads to a bound of the lengths: only invariant kernels give the
-        # synchronous step's values at another width). Else synchronous steps.
+        # synchronous step's values at another width), one rank (not tried at --tp-size > 1).
+        # Else synchronous steps.
         self.can_overlap = (
             self.topk == 1
             and not self.multi_layer
@@ -111,6 +112,7 @@ class EagleWorker(SpecWorker):
             and isinstance(draft.attn_backend, TorchNativeBackend)
             and args.speculative_on_collapse != "disable"
             and args.enable_deterministic_inference
+            and runner.tp.size == 1
         )
 
     # ---------------------------------------------------------------- memory
