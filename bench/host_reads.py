@@ -156,8 +156,9 @@ def _wrap_steps(engine: Any, around: Callable[[Callable[[], None], dict], None])
         return decode(reqs, *depth)
 
     def seen_launch(reqs: Any, previous: Any = None) -> Any:
-        """An overlapped plain step (core/overlap.py): it reads the step launched before it."""
-        seen.setdefault("kind", "plain")
+        """An overlapped step (core/overlap.py; a speculative worker's: a chain step,
+        speculative/chain_overlap.py): it reads the step launched before it."""
+        seen.setdefault("kind", "spec" if hasattr(worker, "shapes") else "plain")
         seen["batch"] = seen.get("batch", 0) + len(reqs)
         return launch(reqs, previous)
 

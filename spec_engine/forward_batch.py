@@ -46,9 +46,11 @@ class ForwardBatch:
     # Optional [B] list of bool masks [q_len, kv_len] replacing the causal mask (tree verify).
     custom_masks: Optional[list[torch.Tensor]] = None
     # DECODE rows that do not read a request's table row (draft tree branches): the KV slots
-    # each row attends to, padded, and which of them are real.
+    # each row attends to, padded, and which of them are real. Also extends of the same number
+    # of rows per request whose lengths live on the device (an overlapped chain step's verify
+    # and draft extend): then the mask is per query row, [B, Q, L].
     kv_indices: Optional[torch.Tensor] = None  # [B, L] int64
-    kv_mask: Optional[torch.Tensor] = None  # [B, L] bool
+    kv_mask: Optional[torch.Tensor] = None  # [B, L] or [B, Q, L] bool
     # Return hidden states for every token (speculative drafts read them), not only logits rows.
     capture_hidden: bool = False
     # Set by the runner: the memory this forward reads and writes, and the attention backend

@@ -160,8 +160,9 @@ class EngineArgs:
     enable_overlap_schedule: Optional[bool] = _opt(
         None,
         "Overlap decode steps (SGLang's default): launch step N+1 before step N's tokens are "
-        "read back (core/overlap.py; outputs are identical). auto: on for plain decoding; "
-        "speculative decoding does not overlap yet.",
+        "read back (core/overlap.py; outputs are identical). auto: on for plain decoding, off "
+        "with speculation; given, chain drafts (--speculative-eagle-topk 1) overlap too under "
+        "--enable-deterministic-inference (speculative/chain_overlap.py).",
     )
     disable_overlap_schedule: bool = _opt(
         False, "SGLang's flag: never overlap steps (overrides --enable-overlap-schedule)."

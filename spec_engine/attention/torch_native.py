@@ -70,6 +70,7 @@ class TorchNativeBackend(AttentionBackend):
         if (
             self.batch_invariant
             or batch.mode.is_decode()
+            or batch.kv_indices is not None
             or (batch.batch_size > 1 and max(batch.extend_seq_lens_cpu) <= SHORT_EXTEND)
         ):
             batch.attn_meta = self._batched(batch)
@@ -151,6 +152,11 @@ class TorchNativeBackend(AttentionBackend):
                 None,
             )
         b, q_lens, kv_lens = batch.batch_size, batch.extend_seq_lens_cpu, batch.seq_lens_cpu
+        if batch.kv_indices is not None:  # n rows per request, lengths on the device
+            mask = batch.kv_mask
+            valid = mask.any(1)
+            idx = batch.kv_indices.masked_fill(~valid, 0).view(-1)
+            return _Padded(b, mask.shape[1], idx, mask, None, None)
         q_max, kv_max = max(q_lens), max(kv_lens)
         idx = table[batch.req_pool_indices, :kv_max].to(torch.int64)
         mask = torch.zeros(b, q_max, kv_max, dtype=torch.bool, device=self.device)

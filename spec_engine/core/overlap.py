@@ -75,6 +75,8 @@ def live_rows(pending: PendingDecode, result: StepResult) -> tuple[list[Req], St
         token_ids_logprobs=pick(result.token_ids_logprobs),
         top_p_ids=pick(result.top_p_ids),
         failed=failed,
+        drafted=pick(result.drafted),
+        accept_paths=pick(result.accept_paths),
     )
     return [pending.reqs[j] for j in idx], rows
 

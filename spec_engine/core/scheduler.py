@@ -66,11 +66,13 @@ class Scheduler:
         # The prefill batch being run: admitted, but not yet running (needed if the step fails).
         self.prefilling: list[Req] = []
         self.last_gen_throughput = 0.0
-        # Plain decoding overlaps its steps unless --disable-overlap-schedule (core/overlap.py).
+        # Decode steps overlap (core/overlap.py) where the worker can: plain decoding unless
+        # --disable-overlap-schedule; speculative chain steps with --enable-overlap-schedule
+        # (speculative/chain_overlap.py).
         self.overlap = (
             args.enable_overlap_schedule
             and not args.disable_overlap_schedule
-            and args.speculative_algorithm is None
+            and worker.can_overlap
         )
         self.inflight: Optional[InFlight] = None
 
@@ -112,9 +114,12 @@ class Scheduler:
             self.overlap
             and bool(self.running)
             and not self.admission.has_work()
-            and all(overlappable(r) for r in self.running)
+            and all(self._overlappable(r) for r in self.running)
             and self.worker.decode_kv_demand(self.running) <= self.kv.available_tokens()
         )
+
+    def _overlappable(self, req: Req) -> bool:
+        return overlappable(req) and self.worker.overlappable(req)
 
     def drain(self) -> int:
         """Read and process the step in flight, launching nothing; returns the tokens taken."""
@@ -158,7 +163,7 @@ class Scheduler:
 
     def _decode(self, group: DecodeGroup) -> int:
         """Decode one group of the policy's plan; returns the tokens its requests took."""
-        if self.overlap and group.depth is None and all(overlappable(r) for r in group.reqs):
+        if self.overlap and group.depth is None and all(map(self._overlappable, group.reqs)):
             return self._launch(group)
         emitted = self.drain()
         start = time.perf_counter()

@@ -103,6 +103,13 @@ class ModelWorker:
         self.device = runner.device
         self.vocab_size = runner.model_config.vocab_size
 
+    # Whether decode steps may overlap (core/overlap.py), and which requests' steps may.
+    can_overlap = True
+
+    def overlappable(self, req: Req) -> bool:
+        """Whether `req` may be in an overlapped step (beyond core/overlap.overlappable)."""
+        return True
+
     def decode_kv_demand(self, reqs: Sequence[Req], depth: Optional[int] = None) -> int:
         """KV tokens (whole pages) the next decode step of `reqs` at `depth` (see `decode`) will
         allocate."""

@@ -61,6 +61,9 @@ class StageTimes:
 
 
 class SpecWorker(ModelWorker):
+    # Speculative steps overlap only where a worker says so (speculative/chain_overlap.py).
+    can_overlap = False
+
     def __init__(
         self,
         runner: ModelRunner,

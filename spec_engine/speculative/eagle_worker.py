@@ -38,12 +38,14 @@ import torch
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.args.resolve import DraftKind
 from spec_engine.args.spec_shapes import SpecShape
+from spec_engine.attention.torch_native import TorchNativeBackend
 from spec_engine.core.request import Req
 from spec_engine.core.worker import AllocFn, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
 from spec_engine.speculative import draft_lag
 from spec_engine.speculative.base import SpecWorker
+from spec_engine.speculative.chain_overlap import PendingSpec, chain_request_ok, launch_chain
 from spec_engine.speculative.draft_runner import DraftRunner
 from spec_engine.speculative.tree import DraftTree, select_trees
 
@@ -93,6 +95,25 @@ class EagleWorker(SpecWorker):
         self.max_running = args.max_running_requests
         self.max_lag = draft_lag.MAX_LAG  # set from the feature rows' size by plain steps
         self.extend_cost = draft_lag.ExtendCost()  # --speculative-adaptive's catch-up estimate
+        # Overlapped steps (speculative/chain_overlap.py): chains of one shape with a draft model,
+        # page size 1, device lengths through torch_native attention, no alarm that would stop
+        # speculating between a step's launch and its read, batch-invariant kernels (the
+        # overlapped attention pads to a bound of the lengths: only invariant kernels give the
+        # synchronous step's values at another width), one rank (not tried at --tp-size > 1).
+        # Else synchronous steps.
+        self.can_overlap = (
+            self.topk == 1
+            and not self.multi_layer
+            and not self.adaptive
+            and not draft.shares_target
+            and self.page_size == 1
+            and self.shape(None).draft_tokens == self.steps + 1
+            and isinstance(runner.attn_backend, TorchNativeBackend)
+            and isinstance(draft.attn_backend, TorchNativeBackend)
+            and args.speculative_on_collapse != "disable"
+            and args.enable_deterministic_inference
+            and runner.tp.size == 1
+        )
 
     # ---------------------------------------------------------------- memory
 
@@ -114,6 +135,24 @@ class EagleWorker(SpecWorker):
     def _speculate_kv_demand(self, reqs: Sequence[Req], shape: SpecShape) -> int:
         scratch = -(-self._scratch_size(len(reqs), shape.steps) // self.page_size) * self.page_size
         return self.verify_kv_demand(reqs, [shape.draft_tokens] * len(reqs)) + scratch
+
+    # ---------------------------------------------------------------- overlap
+
+    def overlappable(self, req: Req) -> bool:
+        return chain_request_ok(self, req)
+
+    def launch_decode(
+        self, reqs: Sequence[Req], previous: Optional[PendingSpec] = None
+    ) -> PendingSpec:
+        """A chain step launched without reading anything back (speculative/chain_overlap.py)."""
+        return launch_chain(self, reqs, previous)
+
+    def keep_states(
+        self, reqs: Sequence[Req], probs: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor
+    ) -> None:
+        """Each request's next-round draft state: row i of the draft's outputs."""
+        for i, r in enumerate(reqs):
+            r.spec_state = DraftState(probs[i], ids[i], hidden[i])
 
     # ---------------------------------------------------------------- prefill
 

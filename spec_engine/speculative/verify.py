@@ -145,7 +145,7 @@ def verify_trees(
     argmax_t = masked.argmax(-1)
     scored = asked is not None and asked.anything
     lp_inputs = (
-        _logprob_inputs(logits, reqs, row_req, argmax_t, walks, inputs, asked) if scored else ()
+        logprob_inputs(logits, reqs, row_req, argmax_t, walks, inputs, asked) if scored else ()
     )
     argmax, flag_values, *values = read_back(argmax_t, flags, *inputs, *lp_inputs)
     walk_values, lp_values = values[: len(inputs)], values[len(inputs) :]
@@ -273,7 +273,7 @@ def _walk_host(
         node_start += n
 
 
-def _logprob_inputs(
+def logprob_inputs(
     logits: torch.Tensor,
     reqs: Sequence[Req],
     row_req: list[int],
@@ -328,7 +328,7 @@ def emitted_logprobs(
     lp_values: list,
 ) -> tuple[LogProbs, TopLogProbs, Optional[list[list[list[float]]]]]:
     """Target log-softmax at the request's temperature of every emitted token (and top-k), from
-    `_logprob_inputs`' values: an emitted token is a row's argmax, a child's token at its parent's
+    `logprob_inputs`' values: an emitted token is a row's argmax, a child's token at its parent's
     row or a node's draw; and per emitted token, its row's log-probs of the asked ids."""
     at_argmax, at_children, at_draws, vals, ids, at_chosen = lp_values
     value = {(row, token): v for row, (token, v) in enumerate(zip(argmax, at_argmax))}
