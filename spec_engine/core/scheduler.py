@@ -155,8 +155,12 @@ class Scheduler:
         if finished and all(r.finished for r in self.inflight.pending.reqs):
             # Nothing live in flight: release its KV now, so that the callers told below find
             # it released, as without overlap. It is read (the device waited for) only at the
-            # next drain, which comes before any launch, so no slot is reused meanwhile.
-            release_after(self.kv, self.inflight.pending)
+            # next drain, which comes before any launch, so no slot is reused meanwhile; a step
+            # whose KV lengths are known only once read is read now.
+            if self.inflight.pending.release_unread:
+                release_after(self.kv, self.inflight.pending)
+            else:
+                emitted += self.drain()
         for req in finished:
             self.outputs.notify(req, True)
         return emitted

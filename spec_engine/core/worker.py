@@ -83,6 +83,9 @@ class PendingDecode:
     starts: list[int]
     tokens: torch.Tensor
     finish: Callable[[], StepResult]
+    # The KV lengths before it are exact on the host, so finished requests may release their KV
+    # before it is read (a speculative chain step learns them only at the previous step's read).
+    release_unread = True
 
 
 def resolve_placeholders(ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,7 @@ class PendingSpec(PendingDecode):
     `before`: each request's committed length before it, where the host knows it (else filled
     when the previous step is read)."""
 
+    release_unread = False
     kv: Optional[torch.Tensor] = None
     emitted: Optional[torch.Tensor] = None  # [B]: tokens each request emits
     before: list[Optional[int]] = field(default_factory=list)
