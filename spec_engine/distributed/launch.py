@@ -134,7 +134,8 @@ class Ranks:
 
     def report_failed(self, error: str) -> None:
         """This process's rank failed to start (for rank 0 on another node)."""
-        self.store.set(f"failed/{self.rank}", error)
+        with contextlib.suppress(Exception):  # the store may be gone: the error raised stands
+            self.store.set(f"failed/{self.rank}", error)
 
     def wait_ready(self) -> None:
         """Wait until every other rank has built its engine; a rank's failure raises, naming
