@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Optional, Union
 
@@ -64,28 +65,29 @@ class Engine(EngineControl, SchedulerLoop):
     def __init__(self, engine_args: Optional[EngineArgs] = None, **kwargs: Any) -> None:
         config = _resolve_config(engine_args, kwargs)
         args = config.args
+        if args.node_rank > 0:
+            raise ValueError(
+                f"--node-rank {args.node_rank}: node 0 holds rank 0 and the Engine; run this "
+                "node's ranks with `python -m spec_engine.launch_server --node-rank "
+                f"{args.node_rank} ...` (or spec_engine.engine.serve_node), which serves nothing "
+                "and returns when rank 0 stops the engine"
+            )
         self._ranks: Optional[Ranks] = None
         tp = SINGLE
         if args.tp_size > 1:
-            self._ranks = Ranks(
-                _serve_rank,
-                config,
-                args.tp_size,
-                torch.device(args.device),
-                split_address(args.dist_init_addr),
-                args.base_gpu_id,
-                args.dist_timeout,
-            )
+            self._ranks = _node_ranks(config)
         try:
             with _on_base_gpu(args):
                 if self._ranks is not None:
                     tp = self._ranks.connect()
                 self._build(config, tp)
             if self._ranks is not None:
+                self._ranks.report_ready()
                 self._ranks.wait_ready()
         except BaseException as e:
             if self._ranks is None:
                 raise
+            self._ranks.report_failed(traceback.format_exc())  # for ranks on other nodes
             # A collective that failed on this rank: another rank died; say which and why.
             why = self._ranks.failure() if isinstance(e, torch.distributed.DistError) else None
             self._ranks.stop(timeout_s=0.0)
@@ -100,6 +102,7 @@ class Engine(EngineControl, SchedulerLoop):
         (`_loop` in its process's main thread)."""
         engine = cls.__new__(cls)
         engine._ranks = None
+        engine._stopped_by = None
         engine._build(config, tp)
         return engine
 
@@ -436,3 +439,52 @@ def _serve_rank(config: EngineConfig, tp: TPGroup, ready: Callable[[], None]) ->
     engine = Engine._rank(config, tp)
     ready()
     engine._loop()
+    if engine.stopped_by is not None:
+        raise RuntimeError(engine.stopped_by)
+
+
+def _node_ranks(config: EngineConfig) -> Ranks:
+    """The ranks this node starts beside its process's own (every rank but rank 0's own at
+    --nnodes 1)."""
+    args = config.args
+    return Ranks(
+        _serve_rank,
+        config,
+        args.tp_size,
+        torch.device(args.device),
+        split_address(args.dist_init_addr),
+        args.base_gpu_id,
+        args.dist_timeout,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+    )
+
+
+def serve_node(engine_args: EngineArgs) -> None:
+    """Node --node-rank > 0 of a multi-node engine (SGLang's launch_server at node_rank >= 1):
+    run this node's ranks, this process being the first, until rank 0 stops the engine; serves
+    nothing. Raises if a rank fails or rank 0 goes away without stopping it."""
+    config = _resolve_config(engine_args, {})
+    args = config.args
+    if args.nnodes == 1 or args.node_rank == 0:
+        raise ValueError("serve_node runs a node > 0 of --nnodes > 1; node 0 runs the Engine")
+    ranks = _node_ranks(config)
+    try:
+        if args.device == "cuda":
+            torch.cuda.set_device(args.base_gpu_id)
+        else:
+            torch.set_num_threads(max(1, torch.get_num_threads() // ranks.per_node))
+        try:
+            tp = ranks.connect()
+            engine = Engine._rank(config, tp)
+            ranks.report_ready()
+            ranks.wait_ready()
+        except BaseException:
+            ranks.report_failed(traceback.format_exc())
+            raise
+        logger.info("node %d: ranks %d..%d serve", args.node_rank, ranks.rank, ranks.local.stop - 1)
+        engine._loop()
+        if engine.stopped_by is not None:
+            raise RuntimeError(f"node {args.node_rank}: {engine.stopped_by}")
+    finally:
+        ranks.stop()

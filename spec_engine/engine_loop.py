@@ -136,7 +136,9 @@ class SchedulerLoop:
             try:
                 return [(c, None) for c in broadcast_pyobj([], self.tp)]
             except Exception as e:
-                logger.error("tensor-parallel rank 0 is gone (%s); rank %d exits", e, self.tp.rank)
+                # Kept for the process: a rank whose rank 0 vanished exits with an error.
+                self._stopped_by = f"tensor-parallel rank 0 is gone ({e})"
+                logger.error("%s; rank %d exits", self._stopped_by, self.tp.rank)
                 return None
         items = self._take_queued()
         if self.tp.size > 1:

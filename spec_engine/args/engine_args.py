@@ -314,7 +314,7 @@ class EngineArgs:
         "At startup, run every captured size with a padded batch and compare with eager; refuse to "
         "start on a mismatch, naming the size and mode.",
     )
-    # Tensor parallelism (SGLang's flags; multi-node engines: --nnodes, refused for now)
+    # Tensor parallelism (SGLang's flags)
     tp_size: int = _opt(
         1,
         "Tensor-parallel ranks of the engine: this process is rank 0 and starts the others (on "
@@ -333,8 +333,20 @@ class EngineArgs:
     )
     dist_init_addr: Optional[str] = _opt(
         None,
-        "HOST:PORT where rank 0 serves the ranks' rendezvous store.",
+        "HOST:PORT where rank 0 serves the ranks' rendezvous store (the same on every node; "
+        "required at --nnodes > 1).",
         unset="a free port on 127.0.0.1",
+    )
+    nnodes: int = _opt(
+        1,
+        "Machines the engine's --tp-size ranks span, --tp-size / --nnodes on each (a divisor "
+        "of --tp-size); node 0 holds rank 0 and serves, the others run "
+        "`launch_server --node-rank R`.",
+    )
+    node_rank: int = _opt(
+        0,
+        "This machine's node (0..--nnodes - 1): it runs global ranks node_rank * tp_size / "
+        "nnodes onwards; at > 0 it serves nothing and exits when rank 0 stops the engine.",
     )
     base_gpu_id: int = _opt(
         0,

@@ -86,6 +86,30 @@ def check_parallelism(args: Any) -> None:
     if args.base_gpu_id < 0:
         raise ValueError(f"--base-gpu-id must be >= 0, got {args.base_gpu_id}")
     split_address(args.dist_init_addr)
+    check_nodes(args)
+
+
+def check_nodes(args: Any) -> None:
+    """--nnodes and --node-rank (SGLang's): the ranks split evenly over the nodes, which meet
+    at --dist-init-addr."""
+    check_positive("nnodes", args.nnodes)
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(
+            f"--node-rank must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes}), got "
+            f"{args.node_rank}"
+        )
+    if args.nnodes == 1:
+        return
+    if args.tp_size % args.nnodes:
+        raise ValueError(
+            f"--tp-size {args.tp_size} is not divisible by --nnodes {args.nnodes}: every node "
+            "runs --tp-size / --nnodes ranks; pick a --tp-size that is a multiple of --nnodes"
+        )
+    if args.dist_init_addr is None:
+        raise ValueError(
+            f"--nnodes {args.nnodes} needs --dist-init-addr HOST:PORT: the address where node 0 "
+            "serves the ranks' rendezvous store, reachable from every node and the same on each"
+        )
 
 
 def split_address(addr: Optional[str]) -> tuple[str, int]:

@@ -39,10 +39,6 @@ _ONE_DEVICE = (
     "an engine runs its ranks by tensor parallelism only (--tp-size); for more throughput run "
     "more engines (scripts/train.py --rollout-num-gpus, or several servers behind a router)"
 )
-_ONE_NODE = (
-    "an engine's ranks run on one machine for now (--tp-size ranks started by rank 0 there); "
-    "multi-node engines are not built yet"
-)
 _NO_MOE = (
     "specrl's MoE layers (GLM-4.5, DeepSeek-V3) run their experts unfused, split by features "
     "(--ep-size 1) or whole per rank (--ep-size equal to --tp-size): no DeepEP, all-to-all or "
@@ -113,8 +109,6 @@ SGLANG_FLAGS: dict[str, SGLangFlag] = {
     # Parallelism
     "dp_size": _refuse(1, _ONE_DEVICE, int),
     "pp_size": _refuse(1, _ONE_DEVICE, int),
-    "nnodes": _refuse(1, _ONE_NODE, int),
-    "node_rank": _refuse(0, _ONE_NODE, int),
     "gpu_id_step": _refuse(1, "rank r runs on GPU --base-gpu-id + r", int),
     "load_balance_method": _noop("round_robin", "one engine per server: nothing to balance"),
     "enable_dp_attention": _refuse(False, _ONE_DEVICE),

@@ -84,10 +84,12 @@ def check_tensor_parallel(
                 "--disable-cuda-graph (the ranks then run eagerly)"
             )
         gpus = torch.cuda.device_count()
-        last = args.base_gpu_id + n - 1
+        per_node = n // args.nnodes  # each node's ranks: GPUs base_gpu_id.. on that node
+        last = args.base_gpu_id + per_node - 1
         if last >= gpus:
+            nodes = f" over --nnodes {args.nnodes}" if args.nnodes > 1 else ""
             raise ValueError(
-                f"{flag} from --base-gpu-id {args.base_gpu_id} needs GPUs "
+                f"{flag}{nodes} from --base-gpu-id {args.base_gpu_id} needs GPUs "
                 f"{args.base_gpu_id}..{last}, and this machine has {gpus}"
             )
 

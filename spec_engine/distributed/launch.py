@@ -6,10 +6,17 @@ running the same engine on its shard and the same scheduler loop on what rank 0 
 Rank 0 serves the engine's TCPStore (on `--dist-init-addr`, else a free loopback port); each
 rank checks in on it before the process groups form, so a rank that dies while starting is
 reported by number with its traceback instead of leaving the others waiting in a collective.
+
+Over --nnodes machines (SGLang's multi-node engines) each node runs --tp-size / --nnodes ranks:
+node r's process is global rank r * per_node and spawns the next per_node - 1. Node 0's
+process is rank 0; another node's (`launch_server --node-rank r`) joins node 0's store at
+--dist-init-addr, serves nothing and returns when rank 0 stops the engine. Ranks on other
+nodes report ready or their startup traceback through the store (`ready/R`, `failed/R`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -42,7 +49,8 @@ def rank_device(device: torch.device, base_gpu_id: int, rank: int) -> torch.devi
 
 
 class Ranks:
-    """Ranks 1..size-1 of one engine, spawned; `connect()` gives rank 0's group."""
+    """The ranks of one engine this node spawns (beside this process's own rank, the node's
+    first); `connect()` gives this process's group."""
 
     def __init__(
         self,
@@ -53,27 +61,35 @@ class Ranks:
         address: tuple[str, int] = ("127.0.0.1", 0),
         base_gpu_id: int = 0,
         timeout_s: Optional[int] = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
     ) -> None:
-        """`address`: where rank 0 serves the store (port 0: a free one)."""
+        """`address`: where rank 0 serves the store (port 0: a free one, on one node only);
+        `size` ranks over `nnodes` nodes, of which this is `node_rank`."""
         host, port = address
         self.size, self.device, self.base_gpu_id = size, device, base_gpu_id
+        self.per_node = size // nnodes
+        self.rank = node_rank * self.per_node  # this process's
+        self.local = range(self.rank + 1, self.rank + self.per_node)  # spawned here
         self.timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        # Another node's client waits (up to the timeout) for node 0's store to come up.
         self.store = dist.TCPStore(
             host,
             port,
             size,
-            is_master=True,
+            is_master=node_rank == 0,
             wait_for_workers=False,
             timeout=self.timeout or timedelta(minutes=30),
         )
         ctx = multiprocessing.get_context("spawn")
         self._messages = ctx.Queue()
-        threads = max(1, (os.cpu_count() or 1) // size)
+        threads = max(1, (os.cpu_count() or 1) // self.per_node)
         self.procs = [
             ctx.Process(
                 target=_rank_main,
                 args=(target, payload, rank, size, host, self.store.port, device.type),
                 kwargs=dict(
+                    local_rank=rank - self.rank,
                     base_gpu_id=base_gpu_id,
                     timeout=self.timeout,
                     threads=threads,
@@ -82,24 +98,53 @@ class Ranks:
                 name=f"spec-engine-tp{rank}",
                 daemon=True,
             )
-            for rank in range(1, size)
+            for rank in self.local
         ]
         for p in self.procs:
             p.start()
         self._ready: set[int] = set()
 
     def connect(self) -> TPGroup:
-        """Rank 0's group, once every rank has checked in on the store."""
-        for rank in range(1, self.size):
+        """This process's group, once every rank has checked in on the store."""
+        self.store.set(f"joined/{self.rank}", "1")
+        deadline = self._deadline()
+        for rank in range(self.size):
             while not self.store.check([f"joined/{rank}"]):
                 self._raise_if_failed()
+                self._raise_if_late(deadline, rank, "join")
                 time.sleep(_POLL_S)
-        return connect(self.store, 0, self.size, self.device, self.timeout)
+        return connect(self.store, self.rank, self.size, self.device, self.timeout)
+
+    def _deadline(self) -> Optional[float]:
+        """When waiting for ranks on other nodes gives up (--dist-timeout; none without it)."""
+        return time.monotonic() + self.timeout.total_seconds() if self.timeout else None
+
+    def _raise_if_late(self, deadline: Optional[float], rank: int, what: str) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            node = rank // self.per_node
+            raise RankFailed(
+                f"tensor-parallel rank {rank} (node {node}) did not {what} within "
+                f"--dist-timeout {self.timeout.total_seconds():g} s; is node {node} running "
+                f"(`launch_server --node-rank {node}` with the same --dist-init-addr)?"
+            )
+
+    def report_ready(self) -> None:
+        """This process's rank has built its engine (for rank 0 on another node)."""
+        self.store.set(f"ready/{self.rank}", "1")
+
+    def report_failed(self, error: str) -> None:
+        """This process's rank failed to start (for rank 0 on another node)."""
+        with contextlib.suppress(Exception):  # the store may be gone: the error raised stands
+            self.store.set(f"failed/{self.rank}", error)
 
     def wait_ready(self) -> None:
-        """Wait until every rank has built its engine; a rank's failure raises, naming it."""
+        """Wait until every other rank has built its engine; a rank's failure raises, naming
+        it."""
+        deadline = self._deadline()
         while len(self._ready) < self.size - 1:
             self._raise_if_failed(wait=_POLL_S)
+            missing = min(set(range(self.size)) - self._ready - {self.rank}, default=self.rank)
+            self._raise_if_late(deadline, missing, "start")
 
     def failure(self, grace_s: float = 5.0) -> Optional[str]:
         """Why a rank failed (its traceback, or its exit code), if one did within `grace_s`."""
@@ -113,10 +158,11 @@ class Ranks:
                 return None
 
     def _raise_if_failed(self, wait: float = 0.0) -> None:
+        self._check_other_nodes()
         try:
             rank, error = self._messages.get(timeout=wait) if wait else self._messages.get_nowait()
         except queue.Empty:
-            for rank, p in enumerate(self.procs, start=1):
+            for rank, p in zip(self.local, self.procs):
                 if p.exitcode is not None and rank not in self._ready:
                     raise RankFailed(
                         f"tensor-parallel rank {rank} exited with code {p.exitcode} while "
@@ -129,12 +175,26 @@ class Ranks:
             raise RankFailed(f"tensor-parallel rank {rank} failed to start:\n{error}")
         self._ready.add(rank)
 
+    def _check_other_nodes(self) -> None:
+        """Ranks on other nodes: ready, or failed (raises with their traceback)."""
+        for rank in range(self.size):
+            if rank // self.per_node == self.rank // self.per_node or rank in self._ready:
+                continue
+            if self.store.check([f"failed/{rank}"]):
+                error = self.store.get(f"failed/{rank}").decode()
+                raise RankFailed(
+                    f"tensor-parallel rank {rank} (node {rank // self.per_node}) failed to "
+                    f"start:\n{error}"
+                )
+            if self.store.check([f"ready/{rank}"]):
+                self._ready.add(rank)
+
     def dead_rank(self, grace_s: float = 2.0) -> Optional[str]:
         """Which rank has died, by number, pid and exit code, waiting up to `grace_s` for one
         whose connections broke to be reaped; None if every rank lives."""
         deadline = time.monotonic() + grace_s
         while True:
-            for rank, p in enumerate(self.procs, start=1):
+            for rank, p in zip(self.local, self.procs):
                 if p.exitcode is not None:
                     return (
                         f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
@@ -165,15 +225,17 @@ def _rank_main(
     port: int,
     device_type: str,
     *,
+    local_rank: int,
     base_gpu_id: int,
     timeout: Optional[timedelta],
     threads: int,
     messages: Any,
 ) -> None:
     """A spawned rank: join the store and the groups, then run `target`; any failure goes to
-    rank 0 with its traceback."""
+    its node's first rank with its traceback (and to rank 0 through the store)."""
+    store = None
     try:
-        device = rank_device(torch.device(device_type), base_gpu_id, rank)
+        device = rank_device(torch.device(device_type), base_gpu_id, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
@@ -183,7 +245,16 @@ def _rank_main(
         )
         store.set(f"joined/{rank}", "1")
         group = connect(store, rank, size, device, timeout)
-        target(payload, group, lambda: messages.put((rank, None)))
+
+        def ready() -> None:
+            store.set(f"ready/{rank}", "1")
+            messages.put((rank, None))
+
+        target(payload, group, ready)
     except BaseException:
-        messages.put((rank, traceback.format_exc()))
+        error = traceback.format_exc()
+        messages.put((rank, error))
+        if store is not None:
+            with contextlib.suppress(Exception):  # rank 0 may be gone: the store with it
+                store.set(f"failed/{rank}", error)
         raise SystemExit(1) from None

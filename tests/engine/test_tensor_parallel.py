@@ -168,7 +168,6 @@ def test_debug_tp_check_tokens_fails_a_step_where_ranks_disagree():
     [
         (dict(tp_size=3), r"num_attention_heads \(4\) is not divisible by --tp-size 3"),
         (dict(dist_init_addr="localhost"), "--dist-init-addr must be HOST:PORT, got 'localhost'"),
-        (dict(nnodes=2), "--nnodes 2.*multi-node engines are not built yet"),
         (dict(ep_size=2), "--ep-size 2: LlamaForCausalLM has no MoE layers; drop --ep-size"),
         (dict(ep_size=3), r"--ep-size 3 with --tp-size 2: .* one of \[1, 2\]"),
         (dict(quantization="fp8"), "--tp-size 2: FP8 weight .* not divisible by .* 128"),
@@ -188,10 +187,16 @@ def test_cuda_ranks_need_their_gpus_and_eager_forwards(llama_path, monkeypatch):
 
     target = ModelConfig.from_pretrained(llama_path)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    cuda = dict(device="cuda", tp_size=2, ep_size=1, base_gpu_id=0, speculative_algorithm=None)
+    cuda = dict(
+        device="cuda", tp_size=2, nnodes=1, ep_size=1, base_gpu_id=0, speculative_algorithm=None
+    )
     with pytest.raises(ValueError, match="CUDA graphs .* add --disable-cuda-graph"):
         check_tensor_parallel(SimpleNamespace(**cuda, disable_cuda_graph=False), target)
     check_tensor_parallel(SimpleNamespace(**cuda, disable_cuda_graph=True), target)
+    # --nnodes 2: each node's two ranks on its own GPUs 0..1
+    check_tensor_parallel(
+        SimpleNamespace(**dict(cuda, tp_size=4, nnodes=2), disable_cuda_graph=True), target
+    )
     late = SimpleNamespace(**dict(cuda, base_gpu_id=1), disable_cuda_graph=True)
     with pytest.raises(ValueError, match="base-gpu-id 1 needs GPUs 1..2, and this machine has 2"):
         check_tensor_parallel(late, target)

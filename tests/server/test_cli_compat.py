@@ -140,7 +140,7 @@ def test_compat_flags_are_logged_once_or_refused_with_the_alternative(llama_path
     lines = [r.getMessage() for r in caplog.records if "has no effect in specrl" in r.getMessage()]
     assert len(lines) == 3 and any("--enable-torch-compile True" in x for x in lines), lines
     for argv, needle in (
-        (["--nnodes", "2"], "--nnodes 2 is not supported: an engine's ranks run on one machine"),
+        (["--dp-size", "2"], "--dp-size 2 is not supported: an engine runs its ranks by tensor"),
         (["--quantization", "awq"], "specrl serves block-FP8 weights only (--quantization fp8"),
         (["--kv-cache-dtype", "fp8_e5m2"], "fp8 KV caches are not implemented"),
         (["--speculative-draft-model-revision", "main"], "--speculative-draft-model-path"),
