@@ -82,7 +82,8 @@ def fill_from_output(sample: Sample, output: dict[str, Any]) -> Sample:
     sample.loss_mask = (sample.loss_mask or [1] * previous) + [1] * new
     sample.rollout_log_probs = (sample.rollout_log_probs or []) + log_probs
     sample.status = Status.from_finish_reason(meta["finish_reason"])
-    sample.weight_versions = sample.weight_versions + [version]
+    if new or sample.status is not Status.ABORTED:  # an abort before any token added nothing
+        sample.weight_versions = sample.weight_versions + [version]
     known = previous == 0 or sample.token_weight_versions is not None
     sample.token_weight_versions = (
         (sample.token_weight_versions or []) + [version] * new if known else None

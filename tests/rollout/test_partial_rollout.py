@@ -122,10 +122,15 @@ def test_partial_groups_are_continued_and_every_group_is_trained_once(
         ]
         begun = [rollout_id - s.metadata.get("start_rollout_id", rollout_id) for s in samples]
         oldest = 0 if mask else max(begun)
-        assert staleness_metrics(groups, rollout_id) == {
-            "rollout/weight_version_lag/mean": sum(lags) / len(lags),
-            "rollout/weight_version_lag/max": float(oldest),
-        }
+        # None left when masking and both groups had finished in earlier rollouts: no metric.
+        assert staleness_metrics(groups, rollout_id) == (
+            {
+                "rollout/weight_version_lag/mean": sum(lags) / len(lags),
+                "rollout/weight_version_lag/max": float(oldest),
+            }
+            if lags
+            else {}
+        )
         stale_max = max(stale_max, oldest)
         assert metrics["rollout/groups_leftover"] == len(manager.data_source.buffer) == 4
         # perf/tokens_per_s counts each token in the rollout that generated it
@@ -236,6 +241,12 @@ def test_fill_from_output_appends_a_continuation():
     # the two requests' counters summed: 4 verify passes, 1 + 0 drafts accepted, 8 drafted
     assert s.spec_info["spec_verify_ct"] == 4 and s.spec_info["spec_draft_token_num"] == 8
     assert s.spec_info["spec_accept_length"] == (1 + 0 + 4) / 4
+    # Aborted before its first token (waiting, or on its way in): no version added to it.
+    waiting = Sample(index=1, tokens=[1, 2])
+    fill_from_output(waiting, output([], [], "", "abort", "3"))
+    assert waiting.status is Status.ABORTED and waiting.weight_versions == []
+    fill_from_output(waiting, output([4], [-0.4], "c", "stop", "4"))
+    assert waiting.weight_versions == ["4"] and waiting.token_weight_versions == ["4"]
     custom = Sample(index=3, tokens=[1, 2, 7], response_length=1)  # no log-probs recorded
     with pytest.raises(ValueError, match="sample 3 continues a response of 1 tokens"):
         fill_from_output(custom, output([4], [-0.4], "c", "stop", "4"))

@@ -125,8 +125,6 @@ def _run(rank: int, world_size: int, ports: list[int], jobs: dict, out_dir: str)
             **options,
         )
         actor = TrainActor(args, rank=rank, world_size=world_size, master_port=ports[i])
-        if i == 0:  # the checkpoint writer starts while the models train
-            actor.warm_checkpoint_writer()
         try:
             experts = actor.gpt.decoder.layers[-1].mlp.experts.local_experts
             assert len(experts) == 8 // world_size
