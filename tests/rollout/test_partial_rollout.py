@@ -103,7 +103,9 @@ def test_partial_groups_are_continued_and_every_group_is_trained_once(
             added = s.response_length - n
             assert s.token_weight_versions[n:] == [version] * added
             if old.status is Status.ABORTED:  # one more request, under this rollout's weights
-                assert s.weight_versions == old.weight_versions + [version]
+                # (listed if it added a token or finished: an abort before any adds nothing)
+                adds = added > 0 or s.status is not Status.ABORTED
+                assert s.weight_versions == old.weight_versions + [version] * adds
                 continued += added > 0
             else:  # finished before, in a group that had not
                 assert s.weight_versions == old.weight_versions and added == 0
