@@ -143,7 +143,7 @@ class KVAppend:
 
     def __init__(self, append_kv: Callable[..., None]) -> None:
         self.append_kv = append_kv
-        self._counts = torch.empty(0, dtype=torch.int32)
+        self._counts = torch.empty(0, dtype=torch.int32, device="cpu")  # grown on loc.device
 
     def __call__(
         self,
