@@ -128,6 +128,43 @@ class HostReads:
         return taken
 
 
+# torch functions that make a tensor from host data (on a GPU, a copy from the host).
+FROM_HOST = ("tensor", "as_tensor", "from_numpy")
+_UPLOAD = os.path.join(_ROOT, "spec_engine", "mem", "upload.py")
+
+
+class HostCopies(HostReads):
+    """Counts tensors made from host data on one thread while entered (`torch.tensor`,
+    `torch.as_tensor`, `torch.from_numpy`), with the project line of each; those that
+    spec_engine/mem/upload.py makes (one per `upload`: a step's arrays in one pinned copy) count
+    as ("upload", its caller's line), every other as a stray pageable copy."""
+
+    def __enter__(self) -> HostCopies:
+        if self.thread is None:
+            self.thread = threading.get_ident()
+        for name in FROM_HOST:
+            self._wrap(torch, name)
+        return self
+
+    def _record(self, method: str) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        frame = sys._getframe(2)  # the torch function's caller (_record <- counted <- it)
+        if os.path.abspath(frame.f_code.co_filename) == _UPLOAD:
+            method, frame = "upload", frame.f_back
+        while frame is not None and not os.path.abspath(frame.f_code.co_filename).startswith(
+            _PACKAGES
+        ):
+            frame = frame.f_back
+        site = "?"
+        if frame is not None:
+            path = os.path.relpath(os.path.abspath(frame.f_code.co_filename), _ROOT)
+            site = f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+        with self._lock:
+            self.count += 1
+            self.sites[(method, site)] += 1
+
+
 @dataclass
 class StepRecord:
     """One scheduler step: what it ran and the host reads it made."""

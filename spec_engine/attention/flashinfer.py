@@ -22,7 +22,7 @@ import torch
 
 from spec_engine.attention.base import AttentionBackend
 from spec_engine.forward_batch import ForwardBatch, causal_mask
-from spec_engine.mem.kv_pool import range_positions
+from spec_engine.mem.upload import upload
 
 if TYPE_CHECKING:
     from spec_engine.layers.attention import Attention
@@ -155,14 +155,9 @@ class FlashInferBackend(AttentionBackend):
             lens = valid.sum(1)
         else:
             # From the host's lengths: the indptr FlashInfer's plan reads on the host is already
-            # there, and the slots come in one gather of known size (no boolean-mask indexing,
-            # which waits for the device to learn its output size).
+            # there (a host tensor, no copy), and the slots come from the device's (_table_slots).
             lens = torch.tensor(batch.seq_lens_cpu, dtype=torch.int32, device=torch.device("cpu"))
-            cols = range_positions([0] * len(lens), batch.seq_lens_cpu)
-            rows = batch.req_pool_indices.repeat_interleave(
-                batch.seq_lens, output_size=cols.numel()
-            )
-            indices = batch.req_to_token_pool.req_to_token[rows, cols.to(self.device)]
+            indices = _table_slots(batch)
         wrapper.plan(
             _indptr(lens),
             indices.to(torch.int32),
@@ -177,22 +172,15 @@ class FlashInferBackend(AttentionBackend):
         )
 
     def _plan_extend(self, wrapper: Any, batch: ForwardBatch, always_mask: bool) -> None:
-        table = batch.req_to_token_pool.req_to_token
         q_lens, kv_lens = batch.extend_seq_lens_cpu, batch.seq_lens_cpu
-        # Every request's slots 0 .. kv_len - 1 in one gather, without reading the rows back
-        # to the host (a sync) or a kernel per request.
-        cols = range_positions([0] * len(kv_lens), kv_lens)
-        rows = batch.req_pool_indices.repeat_interleave(
-            torch.tensor(kv_lens, device=self.device), output_size=cols.numel()
-        )
-        indices = table[rows, cols.to(self.device)].to(torch.int32)
+        indices = _table_slots(batch).to(torch.int32)
         masks = batch.custom_masks
         if masks is None and always_mask:
             masks = [causal_mask(n - q, n, self.device) for q, n in zip(q_lens, kv_lens)]
         custom = torch.cat([m.reshape(-1) for m in masks]) if masks is not None else None
         wrapper.plan(
-            _indptr(torch.tensor(q_lens, device=self.device)),
-            _indptr(torch.tensor(kv_lens, device=self.device)),
+            _indptr(upload(self.device, (q_lens, torch.int64))[0]),
+            _indptr(batch.seq_lens),
             indices,
             torch.ones(len(q_lens), dtype=torch.int32, device=self.device),
             self.num_heads,
@@ -223,6 +211,20 @@ class FlashInferBackend(AttentionBackend):
         )
         out = batch.attn_meta.wrapper.run(q.view(-1, nh, hd).to(self.dtype), cache)
         return out.view(-1, nh * hd).to(q.dtype)
+
+
+def _table_slots(batch: ForwardBatch) -> torch.Tensor:
+    """Every request's slots 0 .. seq_len - 1, request after request, in one gather on the
+    table's device: no read of the rows back (a sync), no kernel per request, and host work of
+    the batch's size, not its contexts' (the total is a Python sum of the host lengths)."""
+    lens = batch.seq_lens
+    total = sum(batch.seq_lens_cpu)
+    first = lens.cumsum(0) - lens
+    cols = torch.arange(total, device=lens.device) - first.repeat_interleave(
+        lens, output_size=total
+    )
+    rows = batch.req_pool_indices.repeat_interleave(lens, output_size=total)
+    return batch.req_to_token_pool.req_to_token[rows, cols]
 
 
 def _indptr(lens: torch.Tensor) -> torch.Tensor:

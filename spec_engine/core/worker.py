@@ -39,6 +39,7 @@ from spec_engine.layers.sampler import (
     request_uniform,
 )
 from spec_engine.mem.allocator import Slots
+from spec_engine.mem.upload import upload
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
 
 # alloc_kv(start_lens, end_lens, last_slots) -> slots; evicts cached prefixes when needed.
@@ -156,17 +157,20 @@ class ModelWorker:
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(offset - 1)
                 done.append(i)
+        ids_t, positions_t, pool_t, ends_t, rows_t = self._upload(
+            input_ids, positions, [r.req_pool_idx for r in reqs], ends, logits_rows
+        )
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
+            input_ids=ids_t,
+            positions=positions_t,
             out_cache_loc=out_loc,
-            req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
-            seq_lens=self._tensor(ends),
+            req_pool_indices=pool_t,
+            seq_lens=ends_t,
             seq_lens_cpu=ends,
             extend_seq_lens_cpu=[r.extend_len for r in reqs],
             extend_prefix_lens_cpu=starts,
-            logits_indices=self._tensor(logits_rows),
+            logits_indices=rows_t,
             capture_hidden=capture_hidden,
         )
         out = self.runner.forward(batch)
@@ -191,9 +195,7 @@ class ModelWorker:
     def _decode(
         self, reqs: Sequence[Req], capture_hidden: bool = False
     ) -> tuple[StepResult, ForwardOutput]:
-        out = self._forward_decode(
-            reqs, self._tensor([r.output_ids[-1] for r in reqs]), capture_hidden
-        )
+        out = self._forward_decode(reqs, [r.output_ids[-1] for r in reqs], capture_hidden)
         result = StepResult(tokens=[[] for _ in reqs])
         self._sample_into(result, out.logits, reqs, range(len(reqs)))
         return result, out
@@ -205,11 +207,9 @@ class ModelWorker:
         request of `previous`, the step still in flight, takes its input id from that step's
         sampled tokens on the device (SGLang's FutureMap: a negative placeholder, gathered)."""
         rows = {id(r): j for j, r in enumerate(previous.reqs)} if previous is not None else {}
-        ids = self._tensor([-1 - rows[id(r)] if id(r) in rows else r.output_ids[-1] for r in reqs])
-        if rows:
-            ids = resolve_placeholders(ids, previous.tokens)
+        ids = [-1 - rows[id(r)] if id(r) in rows else r.output_ids[-1] for r in reqs]
         starts = [r.kv_len for r in reqs]
-        out = self._forward_decode(reqs, ids)
+        out = self._forward_decode(reqs, ids, placeholders=previous.tokens if rows else None)
         # A request of `previous` has one token in flight: it counts for its seed and bans.
         draw = self._draw(out.logits, reqs, [1 if id(r) in rows else 0 for r in reqs])
         result = StepResult(tokens=[[] for _ in reqs])
@@ -221,18 +221,29 @@ class ModelWorker:
         return PendingDecode(list(reqs), starts, draw[0].token_ids, finish)
 
     def _forward_decode(
-        self, reqs: Sequence[Req], input_ids: torch.Tensor, capture_hidden: bool = False
+        self,
+        reqs: Sequence[Req],
+        input_ids: list[int],
+        capture_hidden: bool = False,
+        placeholders: Optional[torch.Tensor] = None,
     ) -> ForwardOutput:
+        """`input_ids`: the host ids, placeholders -1 - j standing for `placeholders[j]` (the
+        step in flight's tokens on the device)."""
         starts = [r.kv_len for r in reqs]
         ends = [s + 1 for s in starts]
         out_loc = self._alloc(reqs, starts, ends)
+        ids, positions, pool_rows, seq_lens = self._upload(
+            input_ids, starts, [r.req_pool_idx for r in reqs], ends
+        )
+        if placeholders is not None:
+            ids = resolve_placeholders(ids, placeholders)
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=input_ids,
-            positions=self._tensor(starts),
+            input_ids=ids,
+            positions=positions,
             out_cache_loc=out_loc,
-            req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
-            seq_lens=self._tensor(ends),
+            req_pool_indices=pool_rows,
+            seq_lens=seq_lens,
             seq_lens_cpu=ends,
             capture_hidden=capture_hidden,
         )
@@ -335,7 +346,11 @@ class ModelWorker:
                 result.token_ids_logprobs[i].append(chosen)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return self._upload(values)[0]
+
+    def _upload(self, *values: Sequence[int]) -> list[torch.Tensor]:
+        """Int64 tensors of host values on the worker's device, in one copy (mem/upload.py)."""
+        return upload(self.device, *((v, torch.int64) for v in values))
 
 
 def read_sample(drawn: DrawnTokens, flags: torch.Tensor) -> tuple[SampleOutput, list[int]]:
@@ -385,29 +400,41 @@ def sampling_batch(
         if not greedy:
             (filtered if k < vocab_size or sp.top_p < 1.0 or sp.min_p > 0.0 else plain).append(i)
 
-    def rows(indices: list[int]) -> Optional[torch.Tensor]:
-        return torch.tensor(indices, dtype=torch.int64, device=device) if indices else None
-
     chosen_width = max((len(r.input.token_ids_logprob) for r in reqs), default=0)
-    chosen = None
-    if chosen_width:  # padded with id 0; each row's own ids are cut out after the read
-        padded = [list(r.input.token_ids_logprob) for r in reqs]
-        padded = [ids + [0] * (chosen_width - len(ids)) for ids in padded]
-        chosen = torch.tensor(padded, dtype=torch.int64, device=device)
-
+    # Padded with id 0; each row's own ids are cut out after the read.
+    padded = [
+        [*r.input.token_ids_logprob, *[0] * (chosen_width - len(r.input.token_ids_logprob))]
+        for r in reqs
+    ]
+    int64, f32 = torch.int64, torch.float32
+    temps_t, ks_t, ps_t, mins_t, uniforms_t, plain_t, filtered_t, ban_rows, ban_ids, chosen = (
+        upload(
+            device,
+            (temps, f32),
+            (ks, int64),
+            (ps, f32),
+            (mins, f32),
+            (uniforms, torch.float64),
+            (plain, int64),
+            (filtered, int64),
+            (banned_rows, int64),
+            (banned_ids, int64),
+            (padded, int64),
+        )
+    )
     return SamplingBatch(
-        temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
-        top_ks=torch.tensor(ks, dtype=torch.int64, device=device),
-        top_ps=torch.tensor(ps, dtype=torch.float32, device=device),
-        min_ps=torch.tensor(mins, dtype=torch.float32, device=device),
-        uniforms=torch.tensor(uniforms, dtype=torch.float64, device=device),
+        temperatures=temps_t,
+        top_ks=ks_t,
+        top_ps=ps_t,
+        min_ps=mins_t,
+        uniforms=uniforms_t,
         all_greedy=not plain and not filtered,
         unit_temperature=all(t == 1.0 for t in temps),
-        plain_rows=rows(plain),
-        filter_rows=rows(filtered),
+        plain_rows=plain_t if plain else None,
+        filter_rows=filtered_t if filtered else None,
         need_logprobs=any(r.input.return_logprob for r in reqs),
         top_logprobs_num=max((r.input.top_logprobs_num for r in reqs), default=0),
-        banned=(rows(banned_rows), rows(banned_ids)) if banned_rows else None,
+        banned=(ban_rows, ban_ids) if banned_rows else None,
         filter_k_max=max((ks[i] for i in filtered), default=None),
-        token_ids=chosen,
+        token_ids=chosen.view(len(reqs), chosen_width) if chosen_width else None,
     )

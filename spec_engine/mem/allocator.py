@@ -17,6 +17,8 @@ from typing import NamedTuple, Optional, Union
 import numpy as np
 import torch
 
+from spec_engine.mem.upload import upload
+
 
 class Slots(NamedTuple):
     """KV slots, the same values on the host (bookkeeping) and on the device (kernels)."""
@@ -92,7 +94,7 @@ class PageAllocator:
 
     def _slots(self, values: list[int]) -> Slots:
         host = np.asarray(values, dtype=np.int64)
-        return Slots(host, torch.as_tensor(host, dtype=torch.int64, device=self.device))
+        return Slots(host, upload(self.device, (host, torch.int64))[0])
 
     def free(self, slots: Union[torch.Tensor, np.ndarray]) -> None:
         """Free the pages that hold `slots`; the slots must cover whole pages from page starts

@@ -9,6 +9,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from spec_engine.mem.upload import upload
+
 
 class KVPool:
     """K and V buffers per layer, shape [num_slots, num_kv_heads, head_dim].
@@ -198,11 +200,14 @@ class ReqToTokenPool:
         self.req_to_token[index[0], index[1]] = slots.to(torch.int32)
         self.host[cells] = _host_values(slots, host)
 
-    def _device_cells(self, cell_rows: np.ndarray, cell_cols: np.ndarray) -> torch.Tensor:
-        """[2, n] (row, position) of the cells, copied to the table's device once."""
-        return torch.as_tensor(np.stack((cell_rows, cell_cols)), device=torch.device("cpu")).to(
-            self.req_to_token.device
+    def _device_cells(
+        self, cell_rows: np.ndarray, cell_cols: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, positions) of the cells on the table's device, in one copy."""
+        rows, cols = upload(
+            self.req_to_token.device, (cell_rows, torch.int64), (cell_cols, torch.int64)
         )
+        return rows, cols
 
 
 def _cells(
@@ -219,17 +224,3 @@ def _cells(
 def _host_values(slots: torch.Tensor, host: Optional[np.ndarray]) -> np.ndarray:
     """`host`, or the slots read back (one read, at admission: a cached prefix's slots)."""
     return host if host is not None else np.asarray(slots.tolist(), dtype=np.int64)
-
-
-def range_positions(starts: Sequence[int], ends: Sequence[int]) -> torch.Tensor:
-    """starts[0] .. ends[0] - 1, starts[1] .. ends[1] - 1, ... as one int64 tensor on the host
-    (the positions of a batch's table cells, built without a kernel per request)."""
-    sizes = [e - s for s, e in zip(starts, ends)]
-    lens = _host(sizes)
-    first = _host(starts) - (lens.cumsum(0) - lens)
-    total = sum(sizes)  # a Python sum: reading a tensor back is a sync on a device
-    return torch.arange(total, device="cpu") + first.repeat_interleave(lens, output_size=total)
-
-
-def _host(values: Sequence[int]) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int64, device="cpu")

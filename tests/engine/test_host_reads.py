@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from bench.host_reads import HostReads, StepReads, worst
+from bench.host_reads import HostCopies, HostReads, StepReads, worst
 from spec_engine import Engine
 from spec_engine.core.readback import read_back
 from tests.conftest import random_prompts
@@ -95,3 +95,31 @@ def test_read_back_gives_each_part_as_its_own_tolist_in_one_read():
     want = logp.tolist()
     assert [math.isnan(v) for v in got_logp] == [math.isnan(v) for v in want]
     assert [v for v in got_logp if not math.isnan(v)] == [v for v in want if not math.isnan(v)]
+
+
+def test_plain_decode_steps_send_their_inputs_in_a_few_pinned_copies(models):
+    """No tensor from host data but through mem/upload.py in a plain decode step (on a GPU,
+    `torch.tensor(values, device=cuda)` is a pageable copy per array): the KV slots, their table
+    cells, the forward's inputs and the sampling parameters, one copy each, at batch 1, 32 and
+    128, greedy and sampled with log-probs."""
+    greedy = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+    sampled = {"temperature": 0.9, "top_k": 20, "max_new_tokens": 4, "ignore_eos": True}
+    asked = dict(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[3, 7])
+    with Engine(
+        model_path=models["target"],
+        random_seed=0,
+        max_running_requests=max(BATCHES),
+        context_length=128,
+    ) as engine:
+        for batch in BATCHES:
+            prompts = random_prompts(batch, 3, 12, seed=batch)
+            for run in (dict(sampling_params=greedy), dict(sampling_params=sampled, **asked)):
+                counted = StepReads(engine)
+                counted.reads = HostCopies(engine._thread.ident)
+                with counted:
+                    engine.generate(input_ids=prompts, **run)
+                steps = counted.decode_steps("plain")
+                assert steps and max(s.batch for s in steps) == batch
+                for s in steps:
+                    kinds = {method for method, _ in s.sites}
+                    assert kinds <= {"upload"} and s.reads <= 4, "\n".join(worst([s]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from spec_engine.attention.torch_native import TorchNativeBackend
@@ -201,3 +202,28 @@ def test_flashinfer_extend_plan_gathers_every_requests_slots(monkeypatch):
         assert indices.device == device and indices.dtype == torch.int32
         if device == CPU:
             assert torch.equal(indices, want)
+
+
+def test_upload_sends_each_part_in_its_own_dtype_from_one_buffer():
+    """mem.upload: parts of odd byte lengths (each next part stays aligned for its dtype),
+    empty parts, every dtype a step sends; off the CPU one copy (the meta device stands in)."""
+    from spec_engine.mem.upload import upload
+
+    parts = [
+        ([0.1, -2.5, 3e38], torch.float32),
+        ([2**62, -1, 0], torch.int64),
+        ([True, False, True], torch.bool),
+        ([], torch.int64),
+        ([7, 9], torch.int32),
+        ([1 / 3], torch.float64),
+    ]
+    got = upload(CPU, *parts)
+    for (values, dtype), tensor in zip(parts, got):
+        assert tensor.dtype == dtype and torch.equal(tensor, torch.tensor(values, dtype=dtype))
+    assert len({t.untyped_storage().data_ptr() for t in got}) == 1  # views of one buffer
+    meta = upload(torch.device("meta"), *parts)
+    assert [(t.device.type, t.dtype, t.shape) for t in meta] == [
+        ("meta", t.dtype, t.shape) for t in got
+    ]
+    with pytest.raises(ValueError, match="torch.float16"):
+        upload(CPU, ([1.0], torch.float16))
