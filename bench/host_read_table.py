@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from bench.host_reads import StepReads, StepTimes
+from bench.host_reads import HostCopies, HostReads, StepReads, StepTimes
 
 MODES = ("plain", "eagle3", "eagle3-adaptive")
 
@@ -81,7 +81,7 @@ def measure(engine: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]
 
     engine.generate(input_ids=prompts(), sampling_params=params)  # warm-up
     best = best_cpu = float("inf")
-    with StepReads(engine) as counted:
+    with StepReads(engine, HostCopies if args.copies else HostReads) as counted:
         for _ in range(args.repeats):
             start, cpu = time.perf_counter(), time.process_time()
             engine.generate(input_ids=prompts(), sampling_params=params)
@@ -142,14 +142,16 @@ def host_time(engine: Any, mode: str, batch: int, args: argparse.Namespace) -> d
     return row
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]], what: str = "reads") -> str:
+    """`what`: what the counts are (reads, or host-to-device copies with --copies)."""
+
     def reads(r: dict, kind: str) -> str:
         if not r[f"{kind}_steps"]:
             return "-"
         return f"{r[f'{kind}_reads_mean']:.1f} (max {r[f'{kind}_reads_max']})"
 
     lines = [
-        "| mode | batch | tokens/s | tokens per CPU-s | reads per plain step | reads per spec "
+        f"| mode | batch | tokens/s | tokens per CPU-s | {what} per plain step | {what} per spec "
         "step |",
         "|---|---|---|---|---|---|",
     ]
@@ -178,7 +180,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 rows.append({"mode": mode, **measure(engine, batch, args)})
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
     if not args.host_time:
-        print(table(rows))
+        print(table(rows, "copies" if args.copies else "reads"))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -208,6 +210,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "--host-time",
         action="store_true",
         help="measure the scheduler thread's CPU time per decode step instead (thread_time)",
+    )
+    parser.add_argument(
+        "--copies",
+        action="store_true",
+        help="count tensors made from host data per step (host-to-device copies) instead of reads",
     )
     parser.add_argument(
         "--profile", type=int, default=0, help="with --host-time: cProfile, top N entries"

@@ -222,10 +222,11 @@ class StepReads:
     """Host reads per scheduler step of one engine: wraps its scheduler's `step` (and its
     worker's `decode`, to know each step's depth) on the instance while entered."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, counter: type[HostReads] = HostReads) -> None:
         self.engine = engine
         self.steps: list[StepRecord] = []
-        self.reads = HostReads(engine._thread.ident)
+        # `counter`: what a step's count counts (HostCopies: tensors made from host data).
+        self.reads = counter(engine._thread.ident)
 
     def __enter__(self) -> StepReads:
         reads = self.reads

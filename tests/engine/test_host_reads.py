@@ -114,9 +114,7 @@ def test_plain_decode_steps_send_their_inputs_in_a_few_pinned_copies(models):
         for batch in BATCHES:
             prompts = random_prompts(batch, 3, 12, seed=batch)
             for run in (dict(sampling_params=greedy), dict(sampling_params=sampled, **asked)):
-                counted = StepReads(engine)
-                counted.reads = HostCopies(engine._thread.ident)
-                with counted:
+                with StepReads(engine, HostCopies) as counted:
                     engine.generate(input_ids=prompts, **run)
                 steps = counted.decode_steps("plain")
                 assert steps and max(s.batch for s in steps) == batch
