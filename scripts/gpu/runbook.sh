@@ -18,6 +18,9 @@
 #                                       per-step times at batch 128 (fixed, forced, plain)
 #   bash scripts/gpu/runbook.sh host-pad  the graph tests, then fixed EAGLE-3 against plain at
 #                                       batch 64 and 128 (under four minutes of device time)
+#   bash scripts/gpu/runbook.sh scale   the next lease (under 8 minutes): the GPU tests of what
+#                                       landed since (fused kernels, pinned uploads, overlap on,
+#                                       FP8 releases), plain and EAGLE-3 at batch 1 / 32 / 128
 # Results (logs, JSON, summary.md naming the device) go to $OUT (the device tool's), else to
 # docs/benchmarks/data/gpu_<device>/ to commit. Archives made by scripts/gpu/pack.sh in .gpu_pack/ are
 # unpacked first (a machine without internet); with internet, `pip install -e ".[gpu]"` instead.
@@ -255,6 +258,29 @@ step_host_pad() {  # a short call: the padded extend masks built batch-wide (gra
   fi
 }
 
+step_scale() {  # one call (under 8 minutes): what landed after the fifth lease; <= 8 files to $OUT
+  local out=${OUT:-}
+  RESULTS=/tmp/specrl-results
+  mkdir -p "$RESULTS"
+  step_env
+  timeout 150 python3 -m pytest tests/gpu/test_gpu_scale.py tests/gpu/test_gpu.py -m gpu \
+    -k "scale or fused or graphs" -q -rs -p no:cacheprovider 2>&1 | tee "$RESULTS/pytest_gpu.txt"
+  timeout 120 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --algorithms baseline --batch-sizes 1 32 128 --input-len 128 \
+    --output-len 128 --context-length 512 --repeats 2 --work-dir "$WORK" \
+    --json "$RESULTS/decode.json" 2>&1 | tee "$RESULTS/decode.txt"
+  timeout 120 python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda \
+    --dtype bfloat16 --algorithms baseline eagle3 --batch-sizes 1 32 128 --steps 3 --topk 1 \
+    --forced-acceptance --input-len 128 --output-len 128 --context-length 512 --repeats 2 \
+    --work-dir "$WORK" --json "$RESULTS/eagle3.json" 2>&1 | tee "$RESULTS/eagle3.txt"
+  step_summary
+  if [ -n "$out" ]; then
+    for f in env.txt pytest_gpu.txt decode.json eagle3.json decode.txt eagle3.txt summary.md; do
+      [ -e "$RESULTS/$f" ] && tail -c 2000000 "$RESULTS/$f" > "$out/$f"
+    done
+  fi
+}
+
 step_probe() {  # the 8B checkpoints (built once), then scripts.gpu.probe_adaptive "$@"
   RESULTS=${OUT:-$RESULTS}
   python3 -m scripts.bench_rollout --preset llama-3.1-8b --device cuda --dtype bfloat16 \
@@ -281,7 +307,8 @@ case "${1:-all}" in
   host) step_host ;;
   host-all) step_host_all ;;
   host-pad) step_host_pad ;;
+  scale) step_scale ;;
   probe) shift; step_probe "$@" ;;
-  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease|recheck|moe-adaptive|adaptive|host|host-all|host-pad|probe ARGS" >&2
+  *) echo "usage: bash scripts/gpu/runbook.sh env|tests|decode|eagle3|weights|loop|summary|all|lease|recheck|moe-adaptive|adaptive|host|host-all|host-pad|scale|probe ARGS" >&2
      exit 2 ;;
 esac

@@ -29,6 +29,7 @@ def test_gpu_tests_collect_without_optional_packages(tmp_path):
             "tests/gpu/test_gpu.py",
             "tests/gpu/test_gpu_moe.py",
             "tests/gpu/test_gpu_adaptive.py",
+            "tests/gpu/test_gpu_scale.py",
             "-m",
             "gpu",
             "-p",
@@ -42,9 +43,10 @@ def test_gpu_tests_collect_without_optional_packages(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
     collected = [line for line in lines if "tests/gpu/test_gpu.py::" in line]
-    # One float32 greedy test per model family, and ten others.
-    assert len(collected) == len(FAMILIES) + 10, out.stdout[-3000:]
+    # One float32 greedy test per model family, and eleven others.
+    assert len(collected) == len(FAMILIES) + 11, out.stdout[-3000:]
     assert sum("tests/gpu/test_gpu_moe.py::" in line for line in lines) == 5, out.stdout[-3000:]
     assert sum("tests/gpu/test_gpu_adaptive.py::" in line for line in lines) == 4, out.stdout[
         -3000:
     ]
+    assert sum("tests/gpu/test_gpu_scale.py::" in line for line in lines) == 4, out.stdout[-3000:]
