@@ -298,3 +298,37 @@ def test_each_rank_dequantizes_or_quantizes_only_its_block_of_a_push(
         assert sorted(seen[r]) == sorted(wanted)
     sums = results[0][0]
     assert sums == results[1][0] == {n: tensor_checksum(expected[n]) for n in sums}
+
+
+def test_a_bin_checkpoints_fp8_weights_are_narrowed_before_they_are_dequantized(
+    release, monkeypatch, tmp_path
+):
+    """A pytorch_model.bin (memory-mapped, no slices to read) holding the FP8 release: rank 1
+    narrows each split weight and its scale grid to its block first and dequantizes that alone,
+    to the values it reads from the safetensors release (checked against DeepSeek's
+    weight_dequant above)."""
+    import shutil
+
+    from spec_engine.models.registry import model_class
+    from spec_engine.weights.loader import build_model, hf_tensor
+
+    path = release("deepseek_v3")
+    binary = str(tmp_path / "bin")
+    shutil.copytree(path, binary, ignore=shutil.ignore_patterns("*.safetensors*"))
+    stored = read_shards(path)
+    torch.save(stored, f"{binary}/pytorch_model.bin")
+    config = ModelConfig.from_pretrained(path)
+    seen, ranks = _record_blocks(monkeypatch)
+    models = []
+    for source in (binary, path):  # the .bin load alone is recorded
+        ranks[threading.get_ident()] = 1 if source == binary else 0
+        with use_tp_group(TPGroup(rank=1, size=2)):
+            cpu = torch.device("cpu")
+            models.append(build_model(model_class(config), config, torch.float32, cpu, source))
+    spec = weight_spec(models[0])
+    fp8_weights = [n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn]
+    held = [n for n in fp8_weights if spec[n].param is not None]
+    assert sorted(seen[1]) == sorted(tuple(hf_tensor(models[0], n).shape) for n in held)
+    assert any(spec[n].shard is not None for n in held)
+    for name in held:
+        assert torch.equal(hf_tensor(models[0], name), hf_tensor(models[1], name)), name
