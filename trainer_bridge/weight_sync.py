@@ -1,8 +1,8 @@
 """Push trainer weights (Hugging Face names) into rollout engines, in buckets, and verify them.
 
-Three paths, as in slime: `tensor` (colocated: per-dtype flattened buckets passed as tensors
-through the engine's call; the engine also accepts CUDA IPC handles, which this pusher does not
-send yet), `distributed` (disaggregated: the trainer is rank 0 of a group
+Three paths, as in slime: `tensor` (per-dtype flattened buckets passed as tensors through the
+engine's call; colocated, shared as CUDA IPC or shared-memory handles, one entry per engine rank:
+see `ColocatedPlan`), `distributed` (disaggregated: the trainer is rank 0 of a group
 with every engine and broadcasts each tensor) and `disk` (a Hugging Face checkpoint the engines
 load). Into FP8 engines (--quantization fp8) the `tensor` and `distributed` paths send the
 quantized linears in FP8 with their block scales, as slime does; `disk` writes them unquantized
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from spec_engine.distributed.parallel_state import TPGroup
 from spec_engine.dtypes import DTYPES
 from spec_engine.weights import fp8
 from spec_engine.weights.fp8 import is_scale_name
@@ -107,6 +108,105 @@ def buckets(
         yield bucket
 
 
+def with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """(item, whether it is the last): each item once the next is known."""
+    pending, has = None, False
+    for item in items:
+        if has:
+            yield pending, False
+        pending, has = item, True
+    if has:
+        yield pending, True
+
+
+def outgoing(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    block: Optional[tuple[int, int]],
+    sent: Optional[dict[str, torch.Tensor]] = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors as they travel: into FP8 engines (`block`) each quantized linear of the
+    target and its MTP layers as float8_e4m3fn with its float32 `weight_scale_inv`, as slime
+    sends them (half of BF16's bytes); the rest as given. `sent`, if given, keeps what was
+    given, for --check-weight-update-equal."""
+    for name, tensor in named_tensors:
+        tensor = tensor.detach()
+        if sent is not None:
+            sent[name] = tensor.cpu()
+        # An external draft (`draft.` names) stays unquantized.
+        if (
+            block is not None
+            and fp8.quantized_weight(name, tensor)
+            and not name.startswith(DRAFT_PREFIX)
+        ):
+            weight, scale = fp8.quantize(tensor, block)
+            yield name, weight
+            yield fp8.scale_name(name), scale
+        else:
+            yield name, tensor
+
+
+@dataclass(frozen=True)
+class ColocatedPlan:
+    """A colocated push from a trainer of several ranks, slime's way (update_weight_from_tensor's
+    _send_to_colocated_engine): the engines' ranks sit on the trainer's devices in order (engine
+    i's `sizes[i]` ranks on trainer ranks offset_i = sum(sizes[:i]) onwards), and each trainer
+    rank shares its own copy of every bucket (on its own device: the IPC handle is of that
+    device), so entry j of engine i's `serialized_named_tensors` comes from trainer rank
+    offset_i + j, which shares a device with engine rank j. An engine whose ranks reach past the
+    trainer's (fewer trainer ranks than engine ranks) gets rank 0's copy in every entry instead,
+    as a trainer of one rank sends. Decided on rank 0 (`block`: the FP8 block the engines serve
+    in) and sent to the other ranks."""
+
+    block: Optional[tuple[int, int]]
+    sizes: tuple[int, ...]
+    world: int  # the trainer's ranks
+
+    def offsets(self) -> list[int]:
+        return [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+
+    def per_rank(self, engine: int) -> bool:
+        """Whether engine `engine`'s entries come from its own trainer ranks."""
+        return self.offsets()[engine] + self.sizes[engine] <= self.world
+
+    def shares(self, rank: int) -> bool:
+        """Whether trainer rank `rank` serializes an entry (of the engine on its device)."""
+        return any(
+            o <= rank < o + size and self.per_rank(i)
+            for i, (o, size) in enumerate(zip(self.offsets(), self.sizes))
+        )
+
+    def entries(self, gathered: Sequence[Optional[str]]) -> list[list[str]]:
+        """Each engine's serialized_named_tensors of one bucket, from every trainer rank's
+        serialized copy (`gathered`, by rank; rank 0's always there)."""
+        return [
+            list(gathered[o : o + size]) if self.per_rank(i) else [gathered[0]] * size
+            for i, (o, size) in enumerate(zip(self.offsets(), self.sizes))
+        ]
+
+
+def share_colocated(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], cfg: WeightSyncConfig, trainer: TPGroup
+) -> None:
+    """Trainer rank `trainer.rank` (not 0) of a colocated `tensor` push that rank 0's
+    WeightPusher(trainer=...) makes: the same tensors (every rank's whole, as the export gathers
+    give them), bucketed alike; each bucket serialized here (if the plan uses this rank's) and
+    gathered to rank 0, and kept alive until rank 0 reports the engines' copies done."""
+    plan = trainer.gather_objects(None)[0]
+    if not isinstance(plan, ColocatedPlan):
+        raise RuntimeError(f"trainer rank 0 could not start the colocated push: {plan}")
+    mine = plan.shares(trainer.rank)
+    chunks = buckets(outgoing(named_tensors, plan.block), cfg.update_weight_buffer_size)
+    for bucket, _ in with_last(chunks):
+        payload = [b.to_dict() for b in FlattenedBucket.pack(bucket)]
+        trainer.gather_objects(serialize_shared(payload) if mine else None)
+        failed = trainer.gather_objects(None)[0]  # rank 0's: the engines are done with it
+        del payload
+        if mine and torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+        if failed is not None:
+            raise RuntimeError(f"the colocated push failed on trainer rank 0: {failed}")
+
+
 class WeightPusher:
     """Sends one weight version to every engine; keeps the broadcast group between pushes."""
 
@@ -116,12 +216,18 @@ class WeightPusher:
         cfg: WeightSyncConfig,
         output_dir: Optional[str] = None,
         colocated: bool = False,
+        trainer: Optional[TPGroup] = None,
     ) -> None:
         """`colocated`: the engines run on this machine and device (--colocate), so tensor-mode
-        buckets are shared with them (CUDA IPC, shared memory on CPU) rather than copied."""
+        buckets are shared with them (CUDA IPC, shared memory on CPU) rather than copied.
+        `trainer`: a colocated push from a trainer of several ranks, this pusher its rank 0 (a
+        gloo group of them; the others call share_colocated in step): each engine rank gets the
+        copy of the trainer rank on its device (ColocatedPlan)."""
         self.engines = [RayEngine(e) if _is_ray_actor(e) else e for e in engines]
         self.cfg = cfg
         self.colocated = colocated
+        several = trainer is not None and trainer.size > 1 and cfg.weight_sync_mode == "tensor"
+        self.trainer = trainer if colocated and several else None
         self.disk_dir = cfg.weight_sync_dir or os.path.join(output_dir or ".", "weight_sync")
         self._group: Optional[dist.ProcessGroup] = None
         # One group per pusher: engines keep a joined group's name, so a new pusher needs a new one.
@@ -130,6 +236,7 @@ class WeightPusher:
         self._last_disk_version: Optional[str] = None
         self._block: Optional[tuple[Optional[tuple[int, int]]]] = None  # asked once, see _fp8_block
         self._sizes: Optional[list[int]] = None  # asked once, see _tp_sizes
+        self._plan: Optional[ColocatedPlan] = None  # this push's, with `trainer`
 
     def push(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str
@@ -145,49 +252,34 @@ class WeightPusher:
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._push_disk(tensors, version)
         else:
-            pending: Optional[list[tuple[str, torch.Tensor]]] = None
-            block = self._fp8_block()
-            outgoing = self._outgoing(named_tensors, block, sent)
-            for bucket in buckets(outgoing, self.cfg.update_weight_buffer_size):
-                # Each bucket goes out once the next is known, so the last one carries the version.
-                if pending is not None:
-                    self._push_bucket(pending, None)
-                pending = bucket
+            block = self._plan_colocated() if self.trainer is not None else self._fp8_block()
+            keep = sent if self.cfg.check_weight_update_equal else None
+            chunks = buckets(
+                outgoing(named_tensors, block, keep), self.cfg.update_weight_buffer_size
+            )
+            # Each bucket goes out once the next is known, so the last one carries the version.
+            for bucket, last in with_last(chunks):
+                self._push_bucket(bucket, version if last else None)
                 count += 1
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            if pending is None:
+            if count == 0:
                 raise ValueError("no weights to push")
-            self._push_bucket(pending, version)
         if self.cfg.check_weight_update_equal:
             self.verify(sent)
         seconds = time.perf_counter() - start
         return {"bytes": float(nbytes), "seconds": seconds, "buckets": float(count)}
 
-    def _outgoing(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        block: Optional[tuple[int, int]],
-        sent: dict[str, torch.Tensor],
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors as they travel: into FP8 engines (`block`) each quantized linear of the
-        target and its MTP layers as float8_e4m3fn with its float32 `weight_scale_inv`, as slime
-        sends them (half of BF16's bytes); the rest as given. `sent` keeps what was given, for
-        --check-weight-update-equal."""
-        for name, tensor in named_tensors:
-            tensor = tensor.detach()
-            if self.cfg.check_weight_update_equal:
-                sent[name] = tensor.cpu()
-            # An external draft (`draft.` names) stays unquantized.
-            if (
-                block is not None
-                and fp8.quantized_weight(name, tensor)
-                and not name.startswith(DRAFT_PREFIX)
-            ):
-                weight, scale = fp8.quantize(tensor, block)
-                yield name, weight
-                yield fp8.scale_name(name), scale
-            else:
-                yield name, tensor
+    def _plan_colocated(self) -> Optional[tuple[int, int]]:
+        """Decide the colocated push's plan and send it to the other trainer ranks (an error
+        instead, so that none waits for buckets that will not come); returns the FP8 block."""
+        try:
+            plan = ColocatedPlan(self._fp8_block(), tuple(self._tp_sizes()), self.trainer.size)
+        except Exception as e:
+            self.trainer.gather_objects(repr(e))
+            raise
+        self.trainer.gather_objects(plan)
+        self._plan = plan
+        return plan.block
 
     def _fp8_block(self) -> Optional[tuple[int, int]]:
         """The FP8 block every engine serves its weights in (None: unquantized engines, or
@@ -233,24 +325,34 @@ class WeightPusher:
             payload = [b.to_dict() for b in FlattenedBucket.pack(bucket)]
             per_engine: list[dict[str, Any]] = [{"named_tensors": payload}] * len(self.engines)
             if self.colocated:
-                # Each engine rank opens the bucket in place (SGLang's one entry per rank: the
-                # same one here, this process's copy); the call returns once every rank copied.
+                # Each engine rank opens the bucket in place (SGLang's one entry per rank): the
+                # copy of the trainer rank on its device (ColocatedPlan), or this process's copy
+                # in every entry (a trainer of one rank); the call returns once every rank copied.
                 shared = serialize_shared(payload)
-                per_engine = [
-                    {"serialized_named_tensors": [shared] * size} for size in self._tp_sizes()
+                entries = [[shared] * size for size in self._tp_sizes()]
+                if self.trainer is not None:
+                    entries = self._plan.entries(self.trainer.gather_objects(shared))
+                per_engine = [{"serialized_named_tensors": e} for e in entries]
+            failed: Optional[BaseException] = None
+            try:
+                calls = [
+                    self._pool.submit(
+                        e.update_weights_from_tensor,
+                        load_format="flattened_bucket",
+                        flush_cache=last,
+                        weight_version=version,
+                        **tensors,
+                    )
+                    for e, tensors in zip(self.engines, per_engine)
                 ]
-            calls = [
-                self._pool.submit(
-                    e.update_weights_from_tensor,
-                    load_format="flattened_bucket",
-                    flush_cache=last,
-                    weight_version=version,
-                    **tensors,
-                )
-                for e, tensors in zip(self.engines, per_engine)
-            ]
-            for call in calls:
-                call.result()
+                for call in calls:
+                    call.result()
+            except BaseException as e:  # the other trainer ranks learn of it below
+                failed = e
+            if self.trainer is not None:  # the others may free their copies (or raise) now
+                self.trainer.gather_objects(None if failed is None else repr(failed))
+            if failed is not None:
+                raise failed
             if self.colocated and torch.cuda.is_available():
                 torch.cuda.ipc_collect()  # free the IPC-shared blocks the engines released
             return

@@ -11,7 +11,10 @@ Over --nnodes machines (SGLang's multi-node engines) each node runs --tp-size / 
 node r's process is global rank r * per_node and spawns the next per_node - 1. Node 0's
 process is rank 0; another node's (`launch_server --node-rank r`) joins node 0's store at
 --dist-init-addr, serves nothing and returns when rank 0 stops the engine. Ranks on other
-nodes report ready or their startup traceback through the store (`ready/R`, `failed/R`).
+nodes report ready or their startup traceback through the store (`ready/R`, `failed/R`), and
+while they live they beat (`alive/R`, a counter every BEAT_S): node 0 has no process to watch
+for them, so when a collective fails, a rank of another node whose beat stopped is the one
+named as dead (`dead_rank`), as a dead local rank is by its exit code.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -37,6 +41,10 @@ logger = logging.getLogger(__name__)
 # A rank's target: target(payload, group, ready) builds its engine, calls ready(), then serves.
 RankTarget = Callable[[Any, TPGroup, Callable[[], None]], None]
 _POLL_S = 0.05
+# A rank on another node adds to its `alive/R` counter this often; one whose counter stood still
+# for STALE_S is taken for dead (its process or its node died).
+BEAT_S = 0.5
+STALE_S = 4 * BEAT_S
 
 
 class RankFailed(RuntimeError):
@@ -90,6 +98,7 @@ class Ranks:
                 args=(target, payload, rank, size, host, self.store.port, device.type),
                 kwargs=dict(
                     local_rank=rank - self.rank,
+                    beats=node_rank > 0,
                     base_gpu_id=base_gpu_id,
                     timeout=self.timeout,
                     threads=threads,
@@ -103,6 +112,8 @@ class Ranks:
         for p in self.procs:
             p.start()
         self._ready: set[int] = set()
+        if node_rank > 0:
+            beat(self.store, self.rank)
 
     def connect(self) -> TPGroup:
         """This process's group, once every rank has checked in on the store."""
@@ -190,18 +201,51 @@ class Ranks:
                 self._ready.add(rank)
 
     def dead_rank(self, grace_s: float = 2.0) -> Optional[str]:
-        """Which rank has died, by number, pid and exit code, waiting up to `grace_s` for one
-        whose connections broke to be reaped; None if every rank lives."""
-        deadline = time.monotonic() + grace_s
+        """Which rank has died, waiting up to `grace_s` for one whose connections broke to be
+        reaped: a local rank by number, pid and exit code; on rank 0, a rank of another node
+        whose beat stopped for STALE_S (waiting that long) or that reported its failure. None if
+        every rank lives."""
+        remote = [r for r in range(self.size) if r // self.per_node != self.rank // self.per_node]
+        remote = remote if self.rank == 0 else []
+        start = time.monotonic()
+        deadline = start + max(grace_s, STALE_S + 2 * _POLL_S if remote else 0.0)
+        beats = {rank: (-1, start) for rank in remote}  # rank: (count, when it last moved)
         while True:
+            now = time.monotonic()
             for rank, p in zip(self.local, self.procs):
                 if p.exitcode is not None:
                     return (
                         f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
                     )
-            if time.monotonic() > deadline:
+            for rank in remote:
+                dead = self._remote_death(rank, beats, now)
+                if dead is not None:
+                    return dead
+            if now > deadline:
                 return None
             time.sleep(_POLL_S)
+
+    def _remote_death(
+        self, rank: int, beats: dict[int, tuple[int, float]], now: float
+    ) -> Optional[str]:
+        """Why rank `rank` of another node is dead (its reported failure, or a beat that stopped
+        for STALE_S), else None; `beats` keeps its last count and when it moved."""
+        node = rank // self.per_node
+        try:
+            if self.store.check([f"failed/{rank}"]):
+                error = self.store.get(f"failed/{rank}").decode().strip().splitlines()
+                return f"tensor-parallel rank {rank} (node {node}) failed: {error[-1]}"
+            count = self.store.add(f"alive/{rank}", 0)
+        except Exception:  # the store is rank 0's own: gone only at shutdown
+            return None
+        if count != beats[rank][0]:
+            beats[rank] = (count, now)
+        elif now - beats[rank][1] > STALE_S:
+            return (
+                f"tensor-parallel rank {rank} (node {node}) stopped answering: no beat through "
+                f"the store for {STALE_S:g} s (its process or node {node} died)"
+            )
+        return None
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Wait for the ranks to exit (rank 0 has told them to), then end the ones that did not."""
@@ -226,6 +270,7 @@ def _rank_main(
     device_type: str,
     *,
     local_rank: int,
+    beats: bool,
     base_gpu_id: int,
     timeout: Optional[timedelta],
     threads: int,
@@ -244,6 +289,8 @@ def _rank_main(
             host, port, size, is_master=False, timeout=timeout or timedelta(minutes=30)
         )
         store.set(f"joined/{rank}", "1")
+        if beats:
+            beat(store, rank)
         group = connect(store, rank, size, device, timeout)
 
         def ready() -> None:
@@ -258,3 +305,16 @@ def _rank_main(
             with contextlib.suppress(Exception):  # rank 0 may be gone: the store with it
                 store.set(f"failed/{rank}", error)
         raise SystemExit(1) from None
+
+
+def beat(store: Any, rank: int) -> None:
+    """Add to rank `rank`'s `alive/R` counter every BEAT_S, in a daemon thread, while the
+    process lives and the store answers (rank 0 watches it: Ranks.dead_rank)."""
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # the store gone: the engine stopped
+            while True:
+                store.add(f"alive/{rank}", 1)
+                time.sleep(BEAT_S)
+
+    threading.Thread(target=run, name=f"spec-engine-beat{rank}", daemon=True).start()

@@ -166,6 +166,8 @@ def _add_native_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.stopped_by is not None:  # a tensor-parallel rank died: the engine stopped
+            return JSONResponse({"error": {"message": engine.stopped_by}}, status_code=503)
         return Response(status_code=200)
 
     @app.get("/health_generate")

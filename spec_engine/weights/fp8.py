@@ -173,6 +173,20 @@ def scale_shard(name: str, shard: Shard, shape: tuple[int, ...], block: tuple[in
     return Shard(shard.dim, shard.start // size, shard.length // size)
 
 
+def with_scale_shards(
+    shards: Mapping[str, Shard], shapes: Mapping[str, tuple[int, ...]], block: tuple[int, int]
+) -> dict[str, Shard]:
+    """A tensor-parallel rank's blocks (`shards`, by weight name) and, for each FP8 weight among
+    them that has a scale grid (`shapes`: every tensor's whole shape, scales included), the
+    matching block of its `*_scale_inv` (scale_shard): what the rank takes of a block-FP8
+    checkpoint or update before dequantizing it."""
+    cuts = dict(shards)
+    for name, shard in shards.items():
+        if scale_name(name) in shapes and name in shapes:
+            cuts[scale_name(name)] = scale_shard(name, shard, shapes[name], block)
+    return cuts
+
+
 def _is_fp8(dtype: str) -> bool:
     return str(dtype).removeprefix("torch.").upper() in _FP8_DTYPE_NAMES
 
@@ -244,19 +258,32 @@ def fake_quantized(
         yield name, served(name, tensor, block)
 
 
-def dequantized_update(
-    tensors: list[tuple[str, torch.Tensor]], block: Optional[tuple[int, int]]
-) -> tuple[list[tuple[str, torch.Tensor]], set[str]]:
-    """A weight update's tensors with FP8 weights sent with their `*_scale_inv` (a trainer that
-    quantizes before sending, as slime does) dequantized; and the names of those, whose values
-    are FP8 values already. An engine without FP8 weights (`block` None) is refused them."""
-    if not any(is_scale_name(n) or t.dtype == FP8_DTYPE for n, t in tensors):
-        return tensors, set()
+def update_metadata(
+    entries: Iterable[tuple[str, tuple[int, ...], str]], block: Optional[tuple[int, int]]
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, whole shape, dtype) of a weight update's tensors as the engine takes them: FP8
+    weights sent with their `*_scale_inv` (a trainer that quantizes before sending, as slime
+    does) as F32, their scales checked against them (dequantized_metadata) and left out. An
+    engine without FP8 weights (`block` None) is refused them."""
+    entries = list(entries)
+    if not any(is_scale_name(n) or _is_fp8(d) for n, _, d in entries):
+        return entries
     if block is None:
         raise ValueError(
             "FP8 weights or block scales were sent to an engine that serves unquantized weights; "
             "send BF16/float32 weights, or start the engine with --quantization fp8"
         )
+    return list(dequantized_metadata(entries, BlockFP8(block)))
+
+
+def dequantized_update(
+    tensors: list[tuple[str, torch.Tensor]], block: Optional[tuple[int, int]]
+) -> tuple[list[tuple[str, torch.Tensor]], set[str]]:
+    """A weight update's tensors (checked by update_metadata; under tensor parallelism the
+    rank's blocks, each FP8 weight's with the same block of its scale grid) with FP8 weights
+    dequantized by their scales; and the names of those, whose values are FP8 values already."""
+    if block is None or not any(is_scale_name(n) or t.dtype == FP8_DTYPE for n, t in tensors):
+        return tensors, set()
     scales = {n: t for n, t in tensors if is_scale_name(n)}
     out = list(dequantized_tensors(tensors, scales, BlockFP8(block)))
     return out, {n for n, t in tensors if t.dtype == FP8_DTYPE}

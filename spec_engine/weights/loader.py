@@ -180,8 +180,9 @@ def iterate_checkpoint(
     """(name, tensor) of every tensor in the checkpoint (those whose names `only` accepts: the
     others are not read), as models take them: a block-FP8 checkpoint's weights dequantized to
     float32 and its scales left out (weights/fp8.py); a name in `shards` (a tensor-parallel
-    rank's blocks) read as that block alone from safetensors (whole from a memory-mapped .bin,
-    narrowed at the copy)."""
+    rank's blocks) read as that block alone (a safetensors slice; a memory-mapped .bin's tensor
+    narrowed), so an FP8 weight is dequantized, or quantized by --quantization fp8, as the
+    rank's block alone."""
     fmt = fp8.read_block_fp8(model_path)
     if fmt is None:
         for name, tensor in _stored_tensors(model_path, only, shards):
@@ -194,15 +195,11 @@ def iterate_checkpoint(
 
     # A rank's block of an FP8 weight is scaled by the same block of its scale grid (SGLang's
     # block-FP8 loader reads both so), read as a slice too.
-    scale_shards = {}
+    cuts = {}
     if shards:
         shapes = {name: shape for name, shape, _ in _stored_metadata(model_path)}
-        scale_shards = {
-            fp8.scale_name(n): fp8.scale_shard(n, s, shapes[n], fmt.block)
-            for n, s in shards.items()
-            if fp8.scale_name(n) in shapes and n in shapes
-        }
-    scales = dict(_stored_tensors(model_path, wanted_scale, scale_shards))
+        cuts = fp8.with_scale_shards(shards, shapes, fmt.block)
+    scales = dict(_stored_tensors(model_path, wanted_scale, cuts))
 
     def wanted(name: str) -> bool:  # the scales are read above, once
         return not fp8.is_scale_name(name) and (only is None or only(name))
@@ -219,8 +216,10 @@ def _stored_tensors(
     as the rank's block)."""
     shards = shards or {}
     for path in checkpoint_files(model_path):
-        if path.endswith(".bin"):
-            yield from ((n, t) for n, t in _read_bin(path).items() if only is None or only(n))
+        if path.endswith(".bin"):  # memory-mapped: a block narrowed is all that is read
+            for name, tensor in _read_bin(path).items():
+                if only is None or only(name):
+                    yield name, shards[name].take(tensor) if name in shards else tensor
             continue
         with _open_safetensors(path) as f:
             for name in f.keys():
@@ -352,6 +351,34 @@ def check_weights(
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}{more}")
+
+
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """Refuse an update's tensor with NaN or Inf values (before anything is copied)."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ValueError(
+            f"weight {name!r} has non-finite values (NaN or Inf); nothing was updated — check "
+            "the trainer's weights before pushing them"
+        )
+
+
+def check_one_value_per_slot(model: nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
+    """Two names landing in one place (a tied embedding and head) must carry equal values."""
+    spec = weight_spec(model)
+    params = named_params(model)
+    seen: dict[tuple, tuple[str, torch.Tensor]] = {}
+    for name, tensor in items:
+        slot = spec[name]
+        if slot.param is None:
+            continue
+        key = (params[slot.param].untyped_storage().data_ptr(), slot.rows)
+        if key in seen and not torch.equal(seen[key][1].to(tensor.dtype), tensor):
+            raise ValueError(
+                f"weights {seen[key][0]!r} and {name!r} are one tensor in this model (tied) but "
+                "were "
+                "sent with different values; send one of them"
+            )
+        seen[key] = (name, tensor)
 
 
 def copy_weights(

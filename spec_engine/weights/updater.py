@@ -28,6 +28,8 @@ from torch import nn
 from spec_engine.distributed.parallel_state import SINGLE, TPGroup
 from spec_engine.weights import fp8
 from spec_engine.weights.loader import (
+    check_finite,
+    check_one_value_per_slot,
     check_weights,
     checkpoint_metadata,
     copy_weights,
@@ -35,7 +37,6 @@ from spec_engine.weights.loader import (
     hf_tensor,
     is_ignored,
     iterate_checkpoint,
-    named_params,
     refresh_derived,
     tensor_checksum,
     weight_spec,
@@ -128,8 +129,10 @@ class WeightUpdater:
         self, named_tensors: Iterable[tuple[str, object]]
     ) -> tuple[dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor]]]], int]:
         """The tensors of an update by the model they update, all checked (an FP8 engine's
-        quantized as it serves them); and their bytes."""
-        groups: dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor]]]] = {}
+        quantized as it serves them); and their bytes. Names, whole shapes and dtypes are checked
+        first; then a tensor-parallel rank takes its block of each split tensor (an FP8 weight's
+        with the same block of its scale grid, as loading reads them) and (de)quantizes that
+        block alone: blocks hold whole FP8 blocks, so the values are those of the whole."""
         received = 0
         pairs = []
         for name, value in named_tensors:
@@ -138,22 +141,40 @@ class WeightUpdater:
             tensor = materialize(value)
             received += tensor.numel() * tensor.element_size()
             pairs.append((name, tensor))
-        pairs, exact = fp8.dequantized_update(pairs, fp8_block(self.target))
+        block = fp8_block(self.target)
+        meta = fp8.update_metadata(((n, tuple(t.shape), str(t.dtype)) for n, t in pairs), block)
+        shapes = {name: tuple(tensor.shape) for name, tensor in pairs}
+        routes: dict[str, tuple[nn.Module, str]] = {}
+        for name, _, _ in meta:
+            if not is_ignored(name):
+                model, local = self._route(name)
+                if model is not None:  # not another rank's experts or an MTP layer no draft uses
+                    routes[name] = (model, local)
+        models = {id(model): model for model, _ in routes.values()}
+        for model in models.values():
+            mine = [m for m in meta if m[0] in routes and routes[m[0]][0] is model]
+            check_weights(model, ((routes[n][1], shape, dtype) for n, shape, dtype in mine))
+        shards = {n: weight_spec(m)[local].shard for n, (m, local) in routes.items()}
+        shards = {n: s for n, s in shards.items() if s is not None}
+        cuts = fp8.with_scale_shards(shards, shapes, block) if block is not None else shards
+        pairs = [
+            (n, cuts[n].take(t) if n in cuts else t)
+            for n, t in pairs
+            if (fp8.weight_name(n) if fp8.is_scale_name(n) else n) in routes
+        ]
+        pairs, exact = fp8.dequantized_update(pairs, block)
+        groups: dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor]]]] = {}
         for name, tensor in pairs:
-            if is_ignored(name):
-                continue
-            model, local = self._route(name)
-            if model is not None:
-                # An FP8 engine quantizes what arrives unquantized (what arrived in FP8 is exact).
-                block = self._fp8_block(model)
-                if block is not None and name not in exact:
-                    tensor = fp8.served(local, tensor, block)
-                groups.setdefault(id(model), (model, []))[1].append((local, tensor))
+            model, local = routes[name]
+            # An FP8 engine quantizes what arrives unquantized (what arrived in FP8 is exact).
+            model_block = self._fp8_block(model)
+            if model_block is not None and name not in exact:
+                tensor = fp8.served(local, tensor, model_block)
+            groups.setdefault(id(model), (model, []))[1].append((local, tensor))
         for model, items in groups.values():
-            check_weights(model, ((n, tuple(t.shape), t.dtype) for n, t in items))
-            _check_one_value_per_slot(model, items)
+            check_one_value_per_slot(model, items)
             for name, tensor in items:
-                _check_finite(name, tensor)
+                check_finite(name, tensor)
         if self.draft is not None:
             draft_items = groups.get(id(self.draft.model), (None, []))[1]
             self.draft.check_update(dict(draft_items))
@@ -213,7 +234,7 @@ class WeightUpdater:
         # A pass over the files before the first copy: a NaN found half-way would leave the
         # model half-updated.
         for name, tensor in iterate_checkpoint(model_path, _held(routes), shards):
-            _check_finite(name, tensor)
+            check_finite(name, tensor)
         return routes, models, shards
 
     def on_every_rank(self, check: Callable[[], T], done: str = "updated") -> T:
@@ -466,30 +487,3 @@ def _held(routes: dict[str, tuple[Optional[nn.Module], str]]) -> Callable[[str],
     """Whether a checkpoint name is read at all: not another rank's experts (--ep-size > 1) or
     an MTP layer no draft uses, which are checked by name and shape but never read."""
     return lambda name: name in routes and routes[name][0] is not None
-
-
-def _check_finite(name: str, tensor: torch.Tensor) -> None:
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        raise ValueError(
-            f"weight {name!r} has non-finite values (NaN or Inf); nothing was updated — check "
-            "the trainer's weights before pushing them"
-        )
-
-
-def _check_one_value_per_slot(model: nn.Module, items: list[tuple[str, torch.Tensor]]) -> None:
-    """Two names landing in one place (a tied embedding and head) must carry equal values."""
-    spec = weight_spec(model)
-    params = named_params(model)
-    seen: dict[tuple, tuple[str, torch.Tensor]] = {}
-    for name, tensor in items:
-        slot = spec[name]
-        if slot.param is None:
-            continue
-        key = (params[slot.param].untyped_storage().data_ptr(), slot.rows)
-        if key in seen and not torch.equal(seen[key][1].to(tensor.dtype), tensor):
-            raise ValueError(
-                f"weights {seen[key][0]!r} and {name!r} are one tensor in this model (tied) but "
-                "were "
-                "sent with different values; send one of them"
-            )
-        seen[key] = (name, tensor)

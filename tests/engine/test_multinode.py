@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
+import time
 
 import pytest
 
@@ -126,3 +128,49 @@ def test_node_1_fails_by_name_when_rank_0_dies(llama_path, tmp_path):
         _end(node1)
     assert node1.returncode != 0
     assert "node 1: tensor-parallel rank 0 is gone" in open(log).read()
+
+
+def test_a_rank_dying_on_node_1_fails_node_0s_requests_by_name(llama_path, tmp_path):
+    """Node 1's process killed mid-generation: node 0's request in flight fails within seconds
+    with an error naming rank 1 and its node (node 1's heartbeat through the store stopped), the
+    engine stops, and /health says so."""
+    from fastapi.testclient import TestClient
+
+    from spec_engine.server.http_server import create_app
+
+    addr, log = f"127.0.0.1:{_free_port()}", str(tmp_path / "node1.log")
+    node1 = _launch_node_1(llama_path, addr, log)
+    try:
+        engine = Engine(model_path=llama_path, tp_size=2, nnodes=2, dist_init_addr=addr, **ENGINE)
+        try:
+            client = TestClient(create_app(engine))
+            assert client.get("/health").status_code == 200
+            done: dict[str, object] = {}
+            started = threading.Event()
+
+            def generate() -> None:
+                params = {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}
+                try:
+                    for _ in engine.generate(
+                        input_ids=[5, 6, 7], sampling_params=params, stream=True
+                    ):
+                        started.set()
+                except Exception as e:
+                    done["error"] = str(e)
+                done["at"] = time.monotonic()
+
+            thread = threading.Thread(target=generate, daemon=True)
+            thread.start()
+            assert started.wait(30)
+            killed = time.monotonic()
+            os.killpg(node1.pid, signal.SIGKILL)
+            thread.join(15)
+            assert "at" in done and "error" in done, "the request outlived the kill (or hung)"
+            assert done["at"] - killed < 8
+            assert "tensor-parallel rank 1 (node 1)" in done["error"], done["error"]
+            health = client.get("/health")
+            assert health.status_code == 503 and "rank 1 (node 1)" in health.text
+        finally:
+            engine.shutdown()
+    finally:
+        _end(node1)

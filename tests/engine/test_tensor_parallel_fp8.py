@@ -11,15 +11,23 @@ refused before any rank starts, naming the weight and the sizes (SGLang's rule).
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+from collections.abc import Callable
+from datetime import timedelta
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from spec_engine import Engine
+from spec_engine.distributed.parallel_state import TPGroup, connect, use_tp_group
 from spec_engine.models.hf_config import ModelConfig
-from spec_engine.weights.loader import checkpoint_files, tensor_checksum
+from spec_engine.weights import fp8
+from spec_engine.weights.loader import checkpoint_files, tensor_checksum, weight_spec
 from tests.engine.test_tensor_parallel import (  # noqa: F401  (forked_ranks: a fixture)
     ENGINE,
     GREEDY,
@@ -103,7 +111,6 @@ def test_fp8_release_at_tp2_decodes_as_tp1_and_updates_as_a_fresh_load(family, r
 
 
 def test_each_rank_reads_its_slices_of_fp8_weights_and_scales(release, monkeypatch):
-    from spec_engine.distributed.parallel_state import TPGroup, use_tp_group
     from spec_engine.models.registry import model_class
     from spec_engine.weights.loader import build_model, hf_tensor
 
@@ -199,3 +206,129 @@ def test_a_split_inside_fp8_blocks_is_refused_naming_the_sizes(make_model, tmp_p
     assert scale_shard("x.down_proj.weight", Shard(1, 32, 32), (64, 64), BLOCK) == Shard(1, 2, 2)
     # Not split (one KV head on each of 2 ranks): its whole grid, the short edge block included.
     assert scale_shard("x.k_proj.weight", Shard(0, 0, 24), (24, 64), BLOCK) == Shard(0, 0, 2)
+
+
+def _two_ranks(work: Callable[[TPGroup], Any]) -> list[Any]:
+    """work(group) on ranks 0 and 1 of a gloo group, each a thread of this process (a real
+    torch.distributed group over one store: a rank's updater gathers its checks and checksums
+    from the other)."""
+    store, results, errors = dist.HashStore(), [None, None], []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = work(
+                connect(store, rank, 2, torch.device("cpu"), timedelta(seconds=30))
+            )
+        except BaseException as e:  # raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return results
+
+
+def _record_blocks(monkeypatch) -> tuple[dict[int, list[tuple[int, ...]]], dict[int, int]]:
+    """(the shapes fp8.quantize and fp8.dequantize see by rank, the rank of each thread that
+    records: a thread records once it is entered there)."""
+    seen: dict[int, list[tuple[int, ...]]] = {0: [], 1: []}
+    ranks: dict[int, int] = {}
+    quantize, dequantize = fp8.quantize, fp8.dequantize
+
+    def recorded(fn):
+        def call(weight, *args):
+            if threading.get_ident() in ranks:
+                seen[ranks[threading.get_ident()]].append(tuple(weight.shape))
+            return fn(weight, *args)
+
+        return call
+
+    monkeypatch.setattr(fp8, "quantize", recorded(quantize))
+    monkeypatch.setattr(fp8, "dequantize", recorded(dequantize))
+    return seen, ranks
+
+
+@pytest.mark.parametrize("sent", ["fp8 with scales", "bf16 into --quantization fp8"])
+def test_each_rank_dequantizes_or_quantizes_only_its_block_of_a_push(
+    sent, release, qwen3_pair, monkeypatch
+):
+    """A push arrives whole on every rank; each rank takes its block first (an FP8 weight's with
+    the same block of its scale grid) and (de)quantizes that alone, and the ranks then hold
+    exactly what DeepSeek's weight_dequant (or weight_quant then weight_dequant) makes of the
+    whole tensor."""
+    from spec_engine.models.registry import model_class
+    from spec_engine.weights.loader import build_model, hf_tensor
+    from spec_engine.weights.updater import WeightUpdater
+
+    if sent == "fp8 with scales":  # as a trainer quantizing before it sends (slime)
+        path, new = release("deepseek_v3"), release("deepseek_v3", seed=3)
+        config, update = ModelConfig.from_pretrained(path), read_shards(new)
+        expected = {n: t.to(torch.float32) for n, t in dequantized_tensors(new).items()}
+    else:
+        path, new = qwen3_pair
+        config = ModelConfig.from_pretrained(path)
+        config = dataclasses.replace(config, weight_block_size=(128, 128))
+        update = load_file(checkpoint_files(new)[0])
+        expected = {n: t.to(torch.float32) for n, t in update.items()}
+        for n, t in update.items():
+            if fp8.is_quantized_linear(n):
+                expected[n] = weight_dequant(*weight_quant(t, 128), 128)
+    seen, ranks = _record_blocks(monkeypatch)
+
+    def rank(group: TPGroup) -> tuple[dict[str, str], list[tuple[int, ...]]]:
+        with use_tp_group(group):
+            model = build_model(
+                model_class(config), config, torch.float32, torch.device("cpu"), path
+            )
+        updater = WeightUpdater(model, torch.device("cpu"), tp=group)
+        ranks[threading.get_ident()] = group.rank  # the load above is not recorded
+        updater.apply(list(update.items()))
+        spec = weight_spec(model)
+        quantized = [n for n in update if fp8.is_quantized_linear(n) and spec[n].param is not None]
+        held = [tuple(hf_tensor(model, n).shape) for n in quantized]
+        return updater.checksums(), held
+
+    results = _two_ranks(rank)
+    for r, (_, held) in enumerate(results):
+        # A split weight as the rank's block (kv_a_proj_with_mqa, not split, whole).
+        wanted = held if sent == "fp8 with scales" else held + held  # quantize, then dequantize
+        assert sorted(seen[r]) == sorted(wanted)
+    sums = results[0][0]
+    assert sums == results[1][0] == {n: tensor_checksum(expected[n]) for n in sums}
+
+
+def test_a_bin_checkpoints_fp8_weights_are_narrowed_before_they_are_dequantized(
+    release, monkeypatch, tmp_path
+):
+    """A pytorch_model.bin (memory-mapped, no slices to read) holding the FP8 release: rank 1
+    narrows each split weight and its scale grid to its block first and dequantizes that alone,
+    to the values it reads from the safetensors release (checked against DeepSeek's
+    weight_dequant above)."""
+    import shutil
+
+    from spec_engine.models.registry import model_class
+    from spec_engine.weights.loader import build_model, hf_tensor
+
+    path = release("deepseek_v3")
+    binary = str(tmp_path / "bin")
+    shutil.copytree(path, binary, ignore=shutil.ignore_patterns("*.safetensors*"))
+    stored = read_shards(path)
+    torch.save(stored, f"{binary}/pytorch_model.bin")
+    config = ModelConfig.from_pretrained(path)
+    seen, ranks = _record_blocks(monkeypatch)
+    models = []
+    for source in (binary, path):  # the .bin load alone is recorded
+        ranks[threading.get_ident()] = 1 if source == binary else 0
+        with use_tp_group(TPGroup(rank=1, size=2)):
+            cpu = torch.device("cpu")
+            models.append(build_model(model_class(config), config, torch.float32, cpu, source))
+    spec = weight_spec(models[0])
+    fp8_weights = [n for n, t in stored.items() if t.dtype == torch.float8_e4m3fn]
+    held = [n for n in fp8_weights if spec[n].param is not None]
+    assert sorted(seen[1]) == sorted(tuple(hf_tensor(models[0], n).shape) for n in held)
+    assert any(spec[n].shard is not None for n in held)
+    for name in held:
+        assert torch.equal(hf_tensor(models[0], name), hf_tensor(models[1], name)), name

@@ -75,8 +75,8 @@ def test_distributed_push_reaches_both_ranks_and_a_bad_one_changes_neither(make_
     with Engine(model_path=new, tp_size=1, **ENGINE) as engine:
         expected = _outputs(engine)
     tensors = load_file(f"{new}/model.safetensors")
-    # The NaN lies in rank 1's block (a column of down_proj's second half); every rank gets
-    # the whole tensor and refuses it.
+    # The NaN lies in rank 1's block (a column of down_proj's second half): rank 1 finds it in
+    # its block and every rank refuses the update, naming rank 1.
     bad = {n: t.clone() for n, t in tensors.items()}
     bad["model.layers.0.mlp.down_proj.weight"][:, -1] = float("nan")
     port, errors = free_port(), []
@@ -91,7 +91,7 @@ def test_distributed_push_reaches_both_ranks_and_a_bad_one_changes_neither(make_
             engine.init_weights_update_group("127.0.0.1", port, 2, 3, "w", "gloo")
         joined = engine.init_weights_update_group("127.0.0.1", port, 1, 3, "w", "gloo")
         assert joined["message"] == "joined 'w' (gloo) as ranks 1..2 of 3"
-        with pytest.raises(ValueError, match="non-finite.*tensor-parallel rank 0; no rank updated"):
+        with pytest.raises(ValueError, match="non-finite.*tensor-parallel rank 1; no rank updated"):
             engine.update_weights_from_distributed(names, dtypes, shapes, "w")
         assert engine.get_weights_checksum() == sums
         assert _outputs(engine) == before

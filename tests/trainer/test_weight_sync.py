@@ -5,15 +5,27 @@ is caught by --check-weight-update-equal."""
 from __future__ import annotations
 
 import os
+import threading
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from spec_engine import Engine
+from spec_engine.distributed.parallel_state import TPGroup
+from spec_engine.weights.loader import tensor_checksum
 from tests.conftest import random_prompts
 from tiny.checkpoints import add_mimo_mtp
-from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig, buckets
+from trainer_bridge import weight_sync
+from trainer_bridge.weight_sync import (
+    ColocatedPlan,
+    WeightPusher,
+    WeightSyncConfig,
+    buckets,
+    share_colocated,
+)
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 PROMPTS = random_prompts(3, 4, 20, seed=11)
@@ -113,6 +125,65 @@ def test_check_weight_update_equal_fails_loudly(mimo_pair):
         pusher.close()
 
 
+def _push_from_trainer_ranks(engines, tensors, cfg, world, monkeypatch):
+    """Push `tensors` colocated from a trainer of `world` ranks (threads of this process over a
+    gloo group; rank 0 the pusher, the others share_colocated, each with its own copy); returns
+    (each engine's serialized_named_tensors per call, the texts each trainer rank serialized)."""
+    produced: dict[int, list[str]] = {rank: [] for rank in range(world)}
+    ranks: dict[int, int] = {}  # thread -> trainer rank
+    serialize = weight_sync.serialize_shared
+
+    def recorded(payload):
+        produced[ranks[threading.get_ident()]].append(serialize(payload))
+        return produced[ranks[threading.get_ident()]][-1]
+
+    monkeypatch.setattr(weight_sync, "serialize_shared", recorded)
+    calls: list[list[list[str]]] = [[] for _ in engines]
+    for engine, seen in zip(engines, calls):
+        update = engine.update_weights_from_tensor
+
+        def recording(update=update, seen=seen, **kwargs):
+            seen.append(list(kwargs["serialized_named_tensors"]))
+            return update(**kwargs)
+
+        monkeypatch.setattr(engine, "update_weights_from_tensor", recording)
+    store, errors = dist.HashStore(), []
+
+    def trainer_rank(rank: int) -> None:
+        ranks[threading.get_ident()] = rank
+        try:
+            group = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=30))
+            trainer = TPGroup(rank, world, cpu_group=group)
+            mine = {n: t.clone() for n, t in tensors.items()}
+            if rank == 0:
+                pusher = WeightPusher(engines, cfg, colocated=True, trainer=trainer)
+                pusher.push(mine.items(), version="step-3")
+                pusher.close()
+            else:
+                share_colocated(mine.items(), cfg, trainer)
+        except BaseException as e:  # raised below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=trainer_rank, args=(r,)) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    return calls, produced
+
+
+def test_an_engine_past_the_trainers_ranks_gets_rank_0s_copy():
+    # Engines of 1 and 2 ranks on a trainer of 2: engine 0 on trainer rank 0, engine 1's ranks
+    # on trainer ranks 1 and 2, of which there is none: rank 0's copy in both of its entries.
+    plan = ColocatedPlan(block=None, sizes=(1, 2), world=2)
+    assert plan.entries(["a", "b"]) == [["a"], ["a", "a"]]
+    assert [plan.shares(r) for r in range(2)] == [True, False]
+    plan = ColocatedPlan(block=None, sizes=(1, 2), world=3)
+    assert plan.entries(["a", "b", "c"]) == [["a"], ["b", "c"]]
+    assert [plan.shares(r) for r in range(3)] == [True, True, True]
+
+
 def test_bad_config_is_refused():
     with pytest.raises(
         ValueError, match="--weight-sync-mode must be one of tensor, distributed, disk"
@@ -120,12 +191,15 @@ def test_bad_config_is_refused():
         WeightSyncConfig(weight_sync_mode="nccl")
 
 
-def test_distributed_and_colocated_pushes_reach_every_rank_of_multi_rank_engines(make_model):
+def test_distributed_and_colocated_pushes_reach_every_rank_of_multi_rank_engines(
+    make_model, monkeypatch
+):
     """A tp-1 and a tp-2 engine in one group of 4 (the trainer, then each engine's ranks from
     its rank_offset: 1, then 2..3); the push lands on every rank, as the checksums gathered
     from the ranks confirm (--check-weight-update-equal). Then a colocated tensor push (one
     shared-memory entry per engine rank, SGLang's serialized_named_tensors) of the old weights
-    back, on every rank too."""
+    back, on every rank too; then one from a trainer of three ranks (weight_sync.ColocatedPlan),
+    each engine rank's entry from the trainer rank on its device."""
     old, new = make_model("qwen2", seed=31), make_model("qwen2", seed=32)
     small = dict(skip_tokenizer_init=True, max_total_tokens=256, log_level="warning")
     with Engine(model_path=new, **small) as fresh:
@@ -144,6 +218,18 @@ def test_distributed_and_colocated_pushes_reach_every_rank_of_multi_rank_engines
         assert [outputs(e) for e in engines] == [before, before] != [expected, expected]
         assert [e.weight_version for e in engines] == ["step-2", "step-2"]
         pusher.close()
+        # From a trainer of three ranks, slime's way: the engines' ranks sit on trainer ranks
+        # 0 | 1, 2, and each engine rank's entry is the copy its trainer rank shared.
+        calls, produced = _push_from_trainer_ranks(engines, tensors_of(new), cfg, 3, monkeypatch)
+        assert len(calls[0]) == len(calls[1]) > 1  # one call per bucket
+        for call in calls[0]:
+            assert len(call) == 1 and call[0] in produced[0]
+        for call in calls[1]:
+            assert len(call) == 2 and call[0] in produced[1] and call[1] in produced[2]
+        assert [outputs(e) for e in engines] == [expected, expected]
+        sums = {n: tensor_checksum(t) for n, t in tensors_of(new).items()}
+        assert [e.get_weights_checksum() for e in engines] == [sums, sums]
+        assert [e.weight_version for e in engines] == ["step-3", "step-3"]
     finally:
         for engine in engines:
             engine.shutdown()

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
+from spec_engine.distributed.parallel_state import TPGroup
 from trainer_bridge.actor import build
 from trainer_bridge.actor.train_step import TrainSteps
 from trainer_bridge.drafts.mtp_training import DraftLearningRate
@@ -27,7 +28,7 @@ from trainer_bridge.loss import LossConfig
 from trainer_bridge.options import TrainerArgs, check_mtp_flags
 from trainer_bridge.parallel.data import DataParallel
 from trainer_bridge.parallel.expert import exports_with_rank0
-from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig
+from trainer_bridge.weight_sync import WeightPusher, WeightSyncConfig, share_colocated
 
 
 class TrainActor(TrainSteps):
@@ -69,6 +70,7 @@ class TrainActor(TrainSteps):
         self.step = 0
         self._pusher: Optional[WeightPusher] = None
         self._pusher_key: Any = None
+        self._push_group: Optional[TPGroup] = None
 
     def ready(self) -> int:
         """This rank, once the model is built and loaded (for Ray callers waiting on start-up)."""
@@ -86,15 +88,28 @@ class TrainActor(TrainSteps):
     ) -> dict[str, float]:
         """Push the policy (and MTP layers) into the engines as weight `version` (see
         weight_sync; `colocated`: the engines share this rank's device)."""
+        # Colocated tensor pushes from several ranks: each rank shares its own copy, for the
+        # engine rank on its device (weight_sync.ColocatedPlan, slime's way).
+        trainer = None
+        if colocated and cfg.weight_sync_mode == "tensor" and self.world_size > 1:
+            trainer = self._trainer_group()
         if self.rank != 0:
-            self._join_gathers()
+            if trainer is None:
+                self._join_gathers()
+                return {}
+            tensors = self.online_draft.with_draft(self.hf_named_tensors())
+            try:
+                share_colocated(tensors, cfg, trainer)
+            finally:
+                for _ in tensors:  # after a failure, in step with rank 0's gathers below
+                    pass
             return {}
         engine_ids = tuple(getattr(e, "_actor_id", id(e)) for e in engines)
         key = (cfg, output_dir, colocated, engine_ids)
         if self._pusher is None or self._pusher_key != key:
             if self._pusher is not None:
                 self._pusher.close()
-            self._pusher = WeightPusher(engines, cfg, output_dir, colocated)
+            self._pusher = WeightPusher(engines, cfg, output_dir, colocated, trainer)
             self._pusher_key = key
         tensors = self.online_draft.with_draft(self.hf_named_tensors())
         try:
@@ -103,6 +118,17 @@ class TrainActor(TrainSteps):
             # After a failure the other TP ranks are still gathering: finish with them.
             for _ in tensors:
                 pass
+
+    def _trainer_group(self) -> TPGroup:
+        """A gloo group of every trainer rank (objects on the CPU whatever the device), made
+        once, by every rank in the same call."""
+        if self._push_group is None:
+            import torch.distributed as dist
+
+            self._push_group = TPGroup(
+                self.rank, self.world_size, cpu_group=dist.new_group(backend="gloo")
+            )
+        return self._push_group
 
     def _join_gathers(self) -> None:
         """Rank 0 exports; the other ranks of its tensor-parallel and expert groups take part in
