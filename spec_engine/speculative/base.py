@@ -34,7 +34,7 @@ from spec_engine.core.request import Req
 from spec_engine.core.worker import AllocFn, ModelWorker, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
-from spec_engine.speculative.tree import DraftTree
+from spec_engine.speculative.tree import DraftTree, tree_tensors
 from spec_engine.speculative.verify import Acceptance, LogprobAsk, verify_trees
 
 
@@ -210,8 +210,15 @@ class SpecWorker(ModelWorker):
             [r.input.top_logprobs_num for r in reqs],
             [r.input.token_ids_logprob for r in reqs],
         )
-        accepts, flag_values, logprobs, top, chosen = verify_trees(
-            logits, trees, reqs, banned, self.threshold_single, self.threshold_acc, flags, asked
+        (accepts, flag_values, logprobs, top, chosen), _ = verify_trees(
+            logits,
+            tree_tensors(list(trees), self.device),
+            reqs,
+            banned,
+            self.threshold_single,
+            self.threshold_acc,
+            flags,
+            asked,
         )
         bad_rows: set[int] = set()
         if detect:

@@ -44,6 +44,45 @@ class DraftTree:
         return torch.tensor(rows, dtype=torch.bool, device=device)
 
 
+@dataclass
+class TreeTensors:
+    """A verify step's draft trees on the device, padded to the widest tree's N nodes: per
+    request [B, N] its node tokens, parents (-1: the root, and padding nodes, which are nobody's
+    child, so no walk reaches them), depths and verify rows (the trees' nodes sit in the verify
+    batch tree after tree; a padding node names its tree's root row). On the host: the tree
+    sizes, the deepest node's depth and a bound of a node's children."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    rows: torch.Tensor
+    sizes: list[int]
+    depth: int
+    fanout: int
+
+
+def tree_tensors(trees: list[DraftTree], device: torch.device) -> TreeTensors:
+    """`trees` as TreeTensors, copied to the device in one transfer."""
+    n = max(t.size for t in trees)
+    table, offset = [], 0
+    for t in trees:
+        pad = n - t.size
+        rows = list(range(offset, offset + t.size)) + [offset] * pad
+        table.append([t.tokens + [0] * pad, t.parents + [-1] * pad, t.depths + [0] * pad, rows])
+        offset += t.size
+    tokens, parents, depths, rows = torch.tensor(table, dtype=torch.int64, device=device).unbind(1)
+    fanout = max(len(kids) for t in trees for kids in t.children())
+    return TreeTensors(
+        tokens,
+        parents,
+        depths,
+        rows,
+        [t.size for t in trees],
+        max(max(t.depths) for t in trees),
+        fanout,
+    )
+
+
 def chain(root: int) -> DraftTree:
     """A tree of the root alone (a plain decode step)."""
     return DraftTree([root], [-1], [0])
