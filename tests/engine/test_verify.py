@@ -1,7 +1,8 @@
-"""Tree verification on the device (speculative/verify.py's `walk_trees`): every request's walk
-at once, bit for bit the walk the engine made on the host before (tests/support/host_walk.py,
-today's code kept as the oracle), node for node and token for token; and a request's walk does
-not depend on which others share its step."""
+"""Draft trees and their verification on the device (speculative/tree.py's `select_trees` and
+`tree_masks`, speculative/verify.py's `walk_trees`): every request's tree and walk at once, bit
+for bit what the engine built and walked on the host before (tests/support/host_walk.py, today's
+code kept as the oracle), node for node and token for token; and a request's walk does not
+depend on which others share its step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import pytest
 import torch
 
 from spec_engine.speculative import verify
-from spec_engine.speculative.tree import DraftTree, tree_tensors
+from spec_engine.speculative.tree import (
+    DraftTree,
+    host_trees,
+    select_trees,
+    tree_masks,
+    tree_tensors,
+)
 from tests.support import host_walk
 
 CPU = torch.device("cpu")
@@ -209,3 +216,51 @@ def test_children_holding_all_the_mass_accept_the_last_child_and_the_walk_goes_o
     # Request 1: u = 1 - 2^-20 passes 0.1 + 0.1; the residual without tokens 1, 2 draws token 4.
     assert walk.tokens.tolist() == [[2, 3], [4, 4]]
     assert walk.rows.tolist()[0] == [0, 2] and walk.rows.tolist()[1][0] == 3
+
+
+def _candidates(g: torch.Generator, b: int, k: int, steps: int) -> tuple[torch.Tensor, ...]:
+    """EAGLE's draft candidates (eagle_worker._draft_trees' expansion with random draft
+    probabilities drawn from a few values, so that scores tie): tokens, scores, parents [B, C],
+    depths [C]."""
+    values = torch.tensor([0.5, 0.25, 0.125, 0.6], device=CPU)
+
+    def probs(rows: int) -> torch.Tensor:
+        return values[torch.randint(0, 4, (rows, k), generator=g, device=CPU)]
+
+    scores, tokens = [probs(b)], [torch.randint(0, 9, (b, k), generator=g, device=CPU)]
+    parents = [torch.full((b, k), -1, dtype=torch.int64, device=CPU)]
+    depths = [torch.ones(k, dtype=torch.int64, device=CPU)]
+    frontier, f_scores, offset = torch.arange(k, device=CPU).expand(b, k), scores[0], k
+    for step in range(1, steps):
+        child = (f_scores[:, :, None] * probs(b * k).view(b, k, k)).reshape(b, k * k)
+        scores.append(child)
+        tokens.append(torch.randint(0, 9, (b, k * k), generator=g, device=CPU))
+        parents.append(frontier[:, :, None].expand(b, k, k).reshape(b, k * k))
+        depths.append(torch.full((k * k,), step + 1, dtype=torch.int64, device=CPU))
+        sel = child.topk(k, dim=-1).indices
+        frontier, f_scores, offset = offset + sel, child.gather(1, sel), offset + k * k
+    return torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(depths)
+
+
+def test_trees_and_masks_built_on_the_device_equal_the_host_built():
+    """select_trees on the device (no read) keeps the candidates, parents and depths the host
+    selection kept (ties to the shallower candidate), and each tree's attention mask (prefix,
+    then its ancestors) is the host-built one, for top-k 1..4, depth 1..5, any tree size."""
+    g = torch.Generator(device=CPU).manual_seed(3)
+    rng = random.Random(3)
+    for _ in range(40):
+        b, k, steps = rng.randrange(1, 5), rng.randrange(1, 5), rng.randrange(1, 6)
+        cands = _candidates(g, b, k, steps)
+        nodes = rng.randrange(2, cands[0].shape[1] + 2)
+        roots = [rng.randrange(9) for _ in range(b)]
+        want = host_walk.select_trees(roots, *cands, nodes)
+        trees = select_trees(torch.tensor(roots, device=CPU), *cands, nodes, depth=steps, fanout=k)
+        got = host_trees(trees)
+        assert [(t.tokens, t.parents, t.depths) for t in got] == [
+            (t.tokens, t.parents, t.depths) for t in want
+        ]
+        kv_lens = [rng.randrange(4) for _ in range(b)]
+        masks = tree_masks(trees, kv_lens, CPU)
+        for mask, tree, kv in zip(masks, want, kv_lens):
+            prefix = [[True] * kv + row for row in host_walk.tree_mask(tree)]
+            assert mask.tolist() == prefix

@@ -1,6 +1,7 @@
-"""Today's tree walk on the host (the engine's before the device walk, speculative/verify.py's
-`verify_trees`, kept verbatim as the oracle the device walk must equal node for node and token
-for token): per request, greedy by the target's argmax, sampled by SGLang's target-only rule
+"""Today's draft trees and tree walk on the host (the engine's before they moved to the device,
+kept verbatim as the oracles the device versions must equal): `select_trees` and `tree_mask`
+(speculative/tree.py's), and `verify_trees` (speculative/verify.py's), node for node and token
+for token: per request, greedy by the target's argmax, sampled by SGLang's target-only rule
 with the running float sum of the children's probabilities accumulated in Python floats."""
 
 from __future__ import annotations
@@ -280,3 +281,61 @@ def emitted_logprobs(
             for acc, c in zip(accepts, asked.chosen)
         ]
     return (lps if any(asked.want) else None), (tops if any(asked.top_nums) else None), chosen
+
+
+def tree_mask(tree: DraftTree) -> list[list[bool]]:
+    """[n, n]: node i attends to node j iff j is i or an ancestor of i."""
+    n = tree.size
+    rows = []
+    for node in range(n):
+        row = [False] * n
+        while node >= 0:
+            row[node] = True
+            node = tree.parents[node]
+        rows.append(row)
+    return rows
+
+
+def select_trees(
+    roots: list[int],
+    tokens: torch.Tensor,
+    scores: torch.Tensor,
+    parents: torch.Tensor,
+    depths: torch.Tensor,
+    num_nodes: int,
+) -> list[DraftTree]:
+    """Keep each request's best `num_nodes - 1` draft candidates, by cumulative draft probability.
+
+    tokens/scores/parents: [B, C] candidates in generation order (a parent before its children;
+    parents hold candidate indices, -1 for the root); depths: [C]. Ties go to the shallower
+    candidate, and since a child's score never exceeds its parent's, every kept candidate's
+    parent is kept too.
+    """
+    keep = num_nodes - 1
+    # Stable sort on descending score: among equal scores, earlier (shallower) candidates win.
+    order = torch.sort(-scores, dim=1, stable=True).indices[:, :keep]
+    b, c = tokens.shape
+    # The step's draft read: the chosen candidates, their tokens, parents and depths at once.
+    chosen_f, tokens_f, parents_f, depths_l = read_back(
+        torch.sort(order, dim=1).values, tokens, parents, depths
+    )
+    trees = []
+    for row in range(b):
+        cands = chosen_f[row * keep : (row + 1) * keep]
+        tokens_l, parents_l = tokens_f[row * c : (row + 1) * c], parents_f[row * c : (row + 1) * c]
+        node_of = {cand: i + 1 for i, cand in enumerate(cands)}
+        tree_parents = [-1] + [
+            node_of.get(parents_l[cand], 0) if parents_l[cand] >= 0 else 0 for cand in cands
+        ]
+        missing = [
+            cand for cand in cands if parents_l[cand] >= 0 and parents_l[cand] not in node_of
+        ]
+        assert not missing, "draft tree lost a parent; candidate scores must not grow with depth"
+        trees.append(
+            DraftTree(
+                [roots[row]] + [tokens_l[cand] for cand in cands],
+                tree_parents,
+                [0] + [depths_l[cand] for cand in cands],
+            )
+        )
+    return trees
