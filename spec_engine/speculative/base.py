@@ -4,8 +4,9 @@ keeping exactly the KV of accepted tokens.
 KV of a verify step: each request gets slots for positions kv_len .. kv_len + n - 1 (n = tree
 size), continuing its pages, and tree node i writes the slot of position kv_len + i. After
 acceptance the accepted path's K/V is copied down to positions kv_len .. kv_len + a (node i of
-the path to position kv_len + i, safe in ascending order since a path node's index is never
-below its depth), and whole pages past the kept positions are freed. The same slot layout
+the path to position kv_len + i; every source is read before any destination is written), by
+one gather over the walks' fixed-width device paths, and whole pages past the kept positions are
+freed (by the walks' host values, read with the verify's tokens). The same slot layout
 works for any page size and leaves the request-to-token row contiguous.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -35,7 +37,7 @@ from spec_engine.core.worker import AllocFn, ModelWorker, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
 from spec_engine.speculative.tree import DraftTree, TreeTensors, host_trees, tree_masks
-from spec_engine.speculative.verify import Acceptance, LogprobAsk, verify_trees
+from spec_engine.speculative.verify import Acceptance, LogprobAsk, WalkTensors, verify_trees
 
 
 class StageTimes:
@@ -162,9 +164,9 @@ class SpecWorker(ModelWorker):
         batch = self._verify_batch(reqs, trees)
         slots = batch.out_cache_loc
         out = self.runner.forward(batch)
-        result, accepts = self._accept(out.logits, reqs, trees, on_host)
+        result, accepts, walk = self._accept(out.logits, reqs, trees, on_host)
         start = self.timings.add("verify_s", start)
-        self._keep_accepted(reqs, trees.sizes, accepts, slots)
+        self._keep_accepted(reqs, trees.sizes, accepts, walk, slots)
         self.timings.add("bookkeeping_s", start)
         return result, accepts, out
 
@@ -202,9 +204,10 @@ class SpecWorker(ModelWorker):
         reqs: Sequence[Req],
         trees: TreeTensors,
         on_host: Optional[Sequence[DraftTree]],
-    ) -> tuple[StepResult, list[Acceptance]]:
+    ) -> tuple[StepResult, list[Acceptance], WalkTensors]:
         """Accept each tree's longest path the target agrees with (tree rejection sampling at the
-        requests' sampling parameters), with the emitted tokens' log-probs."""
+        requests' sampling parameters), with the emitted tokens' log-probs: on the host, and the
+        walks on the device."""
         detect = self.runner.args.enable_nan_detection
         logits, flags = replace_nan(logits) if detect else (logits, nonfinite_flags(logits))
         if any(_walks_paths(r) for r in reqs):  # the trees' paths on the host: a read
@@ -222,7 +225,7 @@ class SpecWorker(ModelWorker):
             [r.input.token_ids_logprob for r in reqs],
         )
         # The verify's read: the walks, the NaN flags and the asked log-probs in one copy.
-        (accepts, flag_values, logprobs, top, chosen), _ = verify_trees(
+        (accepts, flag_values, logprobs, top, chosen), walk = verify_trees(
             logits,
             trees,
             reqs,
@@ -252,47 +255,56 @@ class SpecWorker(ModelWorker):
                 i: NONFINITE_LOGITS for i, a in enumerate(accepts) if bad_rows.intersection(a.rows)
             },
         )
-        return result, accepts
+        return result, accepts, walk
 
     def _keep_accepted(
         self,
         reqs: Sequence[Req],
         sizes: Sequence[int],
         accepts: Sequence[Acceptance],
+        walk: WalkTensors,
         slots: torch.Tensor,
     ) -> None:
-        """`slots`: the verify's slots, request after request (positions kv_len .. + size - 1)."""
+        """`slots`: the verify's slots, request after request (positions kv_len .. + size - 1).
+        The accepted path's KV moves down by the device paths (`walk`), the rest is freed by the
+        host's (`accepts`, the same walks read back)."""
         # The same slots on the host (the table's mirror): which to free costs no read.
         host = self.runner.req_to_token_pool.read_ranges_host(
             [r.req_pool_idx for r in reqs],
             [r.kv_len for r in reqs],
             [r.kv_len + n for r, n in zip(reqs, sizes)],
         )
-        src, dst, free = [], [], []
+        free = []
         page = self.page_size
         offset = 0
         for r, n, acc in zip(reqs, sizes, accepts):
             k = r.kv_len
-            for j, node in enumerate(acc.path):
-                if node != j:
-                    src.append(offset + node)
-                    dst.append(offset + j)
             kept = len(acc.path)
             first_free = -(-(k + kept) // page) * page  # pages holding a kept position stay
             free.extend(range(offset + first_free - k, offset + n))
             r.kv_len = k + kept
             offset += n
-        if src:
-            # One gather for the moves: per-request indexing costs a kernel each.
-            picked = slots[self._tensor(src + dst)]
-            src_t, dst_t = picked[: len(src)], picked[len(src) :]
-            pool = self.runner.kv_pool
-            for buf in pool.buffers():
-                buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
-            if self.runner.routing is not None:  # accepted tokens' routing moves with their KV
-                self.runner.routing.move(src_t, dst_t)
+        if any(node != j for acc in accepts for j, node in enumerate(acc.path)):
+            self._move_accepted(sizes, walk, slots)
         if free:
             self.runner.allocator.free(host[free])
+
+    def _move_accepted(self, sizes: Sequence[int], walk: WalkTensors, slots: torch.Tensor) -> None:
+        """Copy each accepted path's KV (and routing) down, node path[j] to position kv_len + j,
+        in one gather over the fixed-width paths: entries past a walk move its root onto itself
+        (harmless; the root is no other move's destination)."""
+        b, width = walk.path.shape
+        starts = self._tensor(list(accumulate(sizes, initial=0))[:-1])[:, None]
+        steps = torch.arange(width, device=self.device)[None, :]
+        on_path = steps <= walk.accepted[:, None]
+        src = starts + torch.where(on_path, walk.path, 0)
+        dst = starts + torch.where(on_path, steps, 0)
+        picked = slots[torch.cat((src.reshape(-1), dst.reshape(-1)))]
+        src_t, dst_t = picked[: b * width], picked[b * width :]
+        for buf in self.runner.kv_pool.buffers():
+            buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
+        if self.runner.routing is not None:  # accepted tokens' routing moves with their KV
+            self.runner.routing.move(src_t, dst_t)
 
 
 def _walks_paths(req: Req) -> bool:
