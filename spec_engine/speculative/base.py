@@ -4,8 +4,9 @@ keeping exactly the KV of accepted tokens.
 KV of a verify step: each request gets slots for positions kv_len .. kv_len + n - 1 (n = tree
 size), continuing its pages, and tree node i writes the slot of position kv_len + i. After
 acceptance the accepted path's K/V is copied down to positions kv_len .. kv_len + a (node i of
-the path to position kv_len + i, safe in ascending order since a path node's index is never
-below its depth), and whole pages past the kept positions are freed. The same slot layout
+the path to position kv_len + i; every source is read before any destination is written), by
+one gather over the walks' fixed-width device paths, and whole pages past the kept positions are
+freed (by the walks' host values, read with the verify's tokens). The same slot layout
 works for any page size and leaves the request-to-token row contiguous.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -34,8 +36,8 @@ from spec_engine.core.request import Req
 from spec_engine.core.worker import AllocFn, ModelWorker, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
-from spec_engine.speculative.tree import DraftTree
-from spec_engine.speculative.verify import Acceptance, LogprobAsk, verify_trees
+from spec_engine.speculative.tree import DraftTree, TreeTensors, host_trees, tree_masks
+from spec_engine.speculative.verify import Acceptance, LogprobAsk, WalkTensors, verify_trees
 
 
 class StageTimes:
@@ -149,69 +151,89 @@ class SpecWorker(ModelWorker):
         self._alloc(reqs, starts, [s + n for s, n in zip(starts, sizes)])
 
     def verify(
-        self, reqs: Sequence[Req], trees: Sequence[DraftTree]
+        self,
+        reqs: Sequence[Req],
+        trees: TreeTensors,
+        on_host: Optional[Sequence[DraftTree]] = None,
     ) -> tuple[StepResult, list[Acceptance], ForwardOutput]:
-        """Run the target over every tree (slots already allocated), accept, keep accepted KV."""
+        """Run the target over every tree (slots already allocated), accept, keep accepted KV.
+        `on_host`: the trees on the host where the worker has them (else read when a request
+        needs them: `_accept`)."""
         start = self.timings.now()
         self.verify_steps += 1
         batch = self._verify_batch(reqs, trees)
         slots = batch.out_cache_loc
         out = self.runner.forward(batch)
-        result, accepts = self._accept(out.logits, reqs, trees)
+        result, accepts, walk = self._accept(out.logits, reqs, trees, on_host)
         start = self.timings.add("verify_s", start)
-        self._keep_accepted(reqs, [t.size for t in trees], accepts, slots)
+        self._keep_accepted(reqs, trees.sizes, accepts, walk, slots)
         self.timings.add("bookkeeping_s", start)
         return result, accepts, out
 
-    def _verify_batch(self, reqs: Sequence[Req], trees: Sequence[DraftTree]) -> ForwardBatch:
+    def _verify_batch(self, reqs: Sequence[Req], trees: TreeTensors) -> ForwardBatch:
         """The TARGET_VERIFY forward of each tree after its request's KV, node i at position
         kv_len + its depth writing the slot of kv_len + i, attending by the tree's mask."""
-        ids, positions = [], []
-        for r, tree in zip(reqs, trees):
-            ids.extend(tree.tokens)
-            positions.extend(r.kv_len + d for d in tree.depths)
-        sizes = [t.size for t in trees]
+        sizes = trees.sizes
         kv_lens = [r.kv_len for r in reqs]
         ends = [k + n for k, n in zip(kv_lens, sizes)]
+        positions = self._tensor(kv_lens)[:, None] + trees.depths
+        ids, positions = trees.tokens.reshape(-1), positions.reshape(-1)
+        width = trees.tokens.shape[1]
+        if any(n < width for n in sizes):  # padded trees (NGRAM's): their real nodes
+            real = self._tensor([i * width + k for i, n in enumerate(sizes) for k in range(n)])
+            ids, positions = ids[real], positions[real]
         return ForwardBatch(
             mode=ForwardMode.TARGET_VERIFY,
-            input_ids=self._tensor(ids),
-            positions=self._tensor(positions),
+            input_ids=ids,
+            positions=positions,
             out_cache_loc=self.runner.req_to_token_pool.read_ranges(
                 [r.req_pool_idx for r in reqs], kv_lens, ends
             ),
             req_pool_indices=self._tensor([r.req_pool_idx for r in reqs]),
             seq_lens=self._tensor(ends),
             seq_lens_cpu=ends,
-            extend_seq_lens_cpu=sizes,
+            extend_seq_lens_cpu=list(sizes),
             extend_prefix_lens_cpu=kv_lens,
-            custom_masks=_verify_masks(trees, kv_lens, self.device),
+            custom_masks=tree_masks(trees, kv_lens, self.device),
             capture_hidden=True,
         )
 
     def _accept(
-        self, logits: torch.Tensor, reqs: Sequence[Req], trees: Sequence[DraftTree]
-    ) -> tuple[StepResult, list[Acceptance]]:
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Req],
+        trees: TreeTensors,
+        on_host: Optional[Sequence[DraftTree]],
+    ) -> tuple[StepResult, list[Acceptance], WalkTensors]:
         """Accept each tree's longest path the target agrees with (tree rejection sampling at the
-        requests' sampling parameters), with the emitted tokens' log-probs."""
+        requests' sampling parameters), with the emitted tokens' log-probs: on the host, and the
+        walks on the device."""
         detect = self.runner.args.enable_nan_detection
         logits, flags = replace_nan(logits) if detect else (logits, nonfinite_flags(logits))
-        logits = _process_tree_logits(logits, reqs, trees)
-        parents, tokens = [t.parents for t in trees], [t.tokens for t in trees]
-        logits = mask_trees(logits, [r.grammar for r in reqs], parents, tokens)
-        logits = apply_processors_to_trees(logits, reqs, parents, tokens)
+        if any(_walks_paths(r) for r in reqs):  # the trees' paths on the host: a read
+            on_host = on_host if on_host is not None else host_trees(trees)
+            logits = _process_tree_logits(logits, reqs, on_host)
+            parents, tokens = [t.parents for t in on_host], [t.tokens for t in on_host]
+            logits = mask_trees(logits, [r.grammar for r in reqs], parents, tokens)
+            logits = apply_processors_to_trees(logits, reqs, parents, tokens)
         banned = [
-            [r.banned_tokens(self.eos_token_ids, d) for d in range(max(t.depths) + 1)]
-            for r, t in zip(reqs, trees)
+            [r.banned_tokens(self.eos_token_ids, d) for d in range(trees.depth + 1)] for r in reqs
         ]
-        # The verify's read: the target's argmax and the NaN flags in one copy.
         asked = LogprobAsk(
             [r.input.return_logprob for r in reqs],
             [r.input.top_logprobs_num for r in reqs],
             [r.input.token_ids_logprob for r in reqs],
         )
-        accepts, flag_values, logprobs, top, chosen = verify_trees(
-            logits, trees, reqs, banned, self.threshold_single, self.threshold_acc, flags, asked
+        # The verify's read: the walks, the NaN flags and the asked log-probs in one copy.
+        (accepts, flag_values, logprobs, top, chosen), walk = verify_trees(
+            logits,
+            trees,
+            reqs,
+            banned,
+            self.threshold_single,
+            self.threshold_acc,
+            flags,
+            asked,
         )
         bad_rows: set[int] = set()
         if detect:
@@ -224,7 +246,7 @@ class SpecWorker(ModelWorker):
             logprobs=logprobs,
             top_logprobs=top,
             token_ids_logprobs=chosen,
-            drafted=[t.size - 1 for t in trees],
+            drafted=[n - 1 for n in trees.sizes],
             accept_paths=[a.path for a in accepts],
             top_p_ids=top_p_ids,
             # Only rows that produced an emitted token count: a rejected draft branch (say, a
@@ -233,61 +255,66 @@ class SpecWorker(ModelWorker):
                 i: NONFINITE_LOGITS for i, a in enumerate(accepts) if bad_rows.intersection(a.rows)
             },
         )
-        return result, accepts
+        return result, accepts, walk
 
     def _keep_accepted(
         self,
         reqs: Sequence[Req],
         sizes: Sequence[int],
         accepts: Sequence[Acceptance],
+        walk: WalkTensors,
         slots: torch.Tensor,
     ) -> None:
-        """`slots`: the verify's slots, request after request (positions kv_len .. + size - 1)."""
+        """`slots`: the verify's slots, request after request (positions kv_len .. + size - 1).
+        The accepted path's KV moves down by the device paths (`walk`), the rest is freed by the
+        host's (`accepts`, the same walks read back)."""
         # The same slots on the host (the table's mirror): which to free costs no read.
         host = self.runner.req_to_token_pool.read_ranges_host(
             [r.req_pool_idx for r in reqs],
             [r.kv_len for r in reqs],
             [r.kv_len + n for r, n in zip(reqs, sizes)],
         )
-        src, dst, free = [], [], []
+        free = []
         page = self.page_size
         offset = 0
         for r, n, acc in zip(reqs, sizes, accepts):
             k = r.kv_len
-            for j, node in enumerate(acc.path):
-                if node != j:
-                    src.append(offset + node)
-                    dst.append(offset + j)
             kept = len(acc.path)
             first_free = -(-(k + kept) // page) * page  # pages holding a kept position stay
             free.extend(range(offset + first_free - k, offset + n))
             r.kv_len = k + kept
             offset += n
-        if src:
-            # One gather for the moves: per-request indexing costs a kernel each.
-            picked = slots[self._tensor(src + dst)]
-            src_t, dst_t = picked[: len(src)], picked[len(src) :]
-            pool = self.runner.kv_pool
-            for buf in pool.buffers():
-                buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
-            if self.runner.routing is not None:  # accepted tokens' routing moves with their KV
-                self.runner.routing.move(src_t, dst_t)
+        if any(node != j for acc in accepts for j, node in enumerate(acc.path)):
+            self._move_accepted(sizes, walk, slots)
         if free:
             self.runner.allocator.free(host[free])
 
+    def _move_accepted(self, sizes: Sequence[int], walk: WalkTensors, slots: torch.Tensor) -> None:
+        """Copy each accepted path's KV (and routing) down, node path[j] to position kv_len + j,
+        in one gather over the fixed-width paths: entries past a walk move its root onto itself
+        (harmless; the root is no other move's destination)."""
+        b, width = walk.path.shape
+        starts = self._tensor(list(accumulate(sizes, initial=0))[:-1])[:, None]
+        steps = torch.arange(width, device=self.device)[None, :]
+        on_path = steps <= walk.accepted[:, None]
+        src = starts + torch.where(on_path, walk.path, 0)
+        dst = starts + torch.where(on_path, steps, 0)
+        picked = slots[torch.cat((src.reshape(-1), dst.reshape(-1)))]
+        src_t, dst_t = picked[: b * width], picked[b * width :]
+        for buf in self.runner.kv_pool.buffers():
+            buf.index_copy_(0, dst_t, buf.index_select(0, src_t))
+        if self.runner.routing is not None:  # accepted tokens' routing moves with their KV
+            self.runner.routing.move(src_t, dst_t)
 
-def _verify_masks(
-    trees: Sequence[DraftTree], kv_lens: Sequence[int], device: torch.device
-) -> list[torch.Tensor]:
-    """Each tree's [size, kv_len + size] mask (the prefix, then the tree), built on the host
-    and copied in one transfer: the per-request masks are views of it."""
-    cpu = torch.device("cpu")
-    host = [
-        torch.cat((torch.ones(t.size, k, dtype=torch.bool, device=cpu), t.mask(cpu)), dim=1)
-        for t, k in zip(trees, kv_lens)
-    ]
-    flat = torch.cat([m.reshape(-1) for m in host]).to(device)
-    return [v.view(m.shape) for v, m in zip(flat.split([m.numel() for m in host]), host)]
+
+def _walks_paths(req: Req) -> bool:
+    """Whether `req`'s verify rows depend on their draft paths: penalties or logit bias, a
+    grammar, a custom logit processor."""
+    return (
+        req.input.sampling_params.changes_logits
+        or req.grammar is not None
+        or req.input.custom_logit_processor is not None
+    )
 
 
 def _process_tree_logits(

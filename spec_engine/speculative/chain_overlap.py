@@ -76,8 +76,8 @@ from spec_engine.speculative.verify import (
     RESIDUAL_STREAM,
     Acceptance,
     LogprobAsk,
-    emitted_logprobs,
-    logprob_inputs,
+    host_logprobs,
+    path_logprobs,
     target_probs,
 )
 
@@ -169,9 +169,10 @@ def launch_chain(
         [r.input.token_ids_logprob for r in reqs],
     )
     row_req = [i for i in range(b) for _ in range(n)]
-    lp_inputs = (
-        logprob_inputs(logits, reqs, row_req, emitted, [], (), asked) if asked.anything else ()
-    )
+    lp_inputs = ()
+    if asked.anything:
+        at_rows = torch.arange(b * n, device=device).view(b, n)
+        lp_inputs = path_logprobs(logits, reqs, row_req, at_rows, emitted.view(b, n), asked)
     if not worker.draft.shares_target:
         # A feature draft pairs each emitted token with the feature before it, a STANDALONE
         # draft reads the accepted path's tokens (the verify's inputs).
@@ -344,7 +345,7 @@ def _result(
         bad_rows = {row for row, bad in enumerate(flag_values) if bad}
     logprobs = top = chosen = None
     if asked.anything:
-        logprobs, top, chosen = emitted_logprobs(accepts, asked, argmax, [], [], lp_values)
+        logprobs, top, chosen = host_logprobs(accepts, asked, n, lp_values)
     failed = {i: NONFINITE_LOGITS for i, a in enumerate(accepts) if bad_rows.intersection(a.rows)}
     result = StepResult(
         tokens=[a.tokens for a in accepts],

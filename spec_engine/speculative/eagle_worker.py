@@ -47,7 +47,7 @@ from spec_engine.speculative import draft_lag
 from spec_engine.speculative.base import SpecWorker
 from spec_engine.speculative.chain_overlap import PendingSpec, chain_request_ok, launch_chain
 from spec_engine.speculative.draft_runner import DraftRunner
-from spec_engine.speculative.tree import DraftTree, select_trees
+from spec_engine.speculative.tree import TreeTensors, select_trees
 
 
 @dataclass
@@ -195,14 +195,15 @@ class EagleWorker(SpecWorker):
             return result
         start = self.timings.now()
         feats = self._features(out) if self.features else None
-        entries, rows, offset = [], [], 0
-        for r, tree, acc in zip(reqs, trees, accepts):
+        entries, rows = [], []
+        for r, acc in zip(reqs, accepts):
             kept = len(acc.path)
             first = r.kv_len - kept
-            tokens = acc.tokens if self.features else [tree.tokens[n] for n in acc.path]
+            # A STANDALONE draft reads the accepted path's tokens: the root (the last output),
+            # then the accepted drafts.
+            tokens = acc.tokens if self.features else [r.output_ids[-1], *acc.tokens[:-1]]
             entries.append(DraftExtend(r, first, tokens, keep_state=True))
-            rows.extend(offset + n for n in acc.path)
-            offset += tree.size
+            rows.extend(acc.rows)  # the path's verify rows
         hidden = feats[self._tensor(rows)] if feats is not None else None
         self._extend_draft(entries, hidden, mode=ForwardMode.DRAFT_EXTEND)
         self.timings.add("draft_s", start)
@@ -323,7 +324,7 @@ class EagleWorker(SpecWorker):
 
     def _draft_trees(
         self, reqs: Sequence[Req], scratch: torch.Tensor | None, shape: SpecShape
-    ) -> list[DraftTree]:
+    ) -> TreeTensors:
         b, k = len(reqs), self.topk
         roots = [r.output_ids[-1] for r in reqs]
         kv_lens = self._tensor([r.kv_len for r in reqs])
@@ -374,12 +375,14 @@ class EagleWorker(SpecWorker):
             f_hidden = nxt[parent_rows] if nxt is not None and self.features else None
             f_path = torch.cat((f_path[parent_rows], own[parent_rows][:, None]), dim=1)
         return select_trees(
-            roots,
+            self._tensor(roots),
             torch.cat(tokens_l, 1),
             torch.cat(scores_l, 1),
             torch.cat(parents_l, 1),
             torch.cat(depth_l),
             shape.draft_tokens,
+            depth=shape.steps,
+            fanout=k,
         )
 
     def _draft_step(

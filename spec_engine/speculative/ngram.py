@@ -21,7 +21,7 @@ from spec_engine.core.request import Req
 from spec_engine.core.worker import AllocFn, StepResult
 from spec_engine.runner.model_runner import ModelRunner
 from spec_engine.speculative.base import SpecWorker
-from spec_engine.speculative.tree import DraftTree
+from spec_engine.speculative.tree import DraftTree, tree_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -160,4 +160,4 @@ class NgramWorker(SpecWorker):
             trees.append(self.cache.draft(ids, nodes))
         self.alloc_verify_slots(reqs, [t.size for t in trees])
         self.timings.add("draft_s", start)
-        return self.verify(reqs, trees)[0]
+        return self.verify(reqs, tree_tensors(trees, self.device), trees)[0]

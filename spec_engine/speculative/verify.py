@@ -23,7 +23,7 @@ import torch
 from spec_engine.core.readback import read_back
 from spec_engine.core.request import Req
 from spec_engine.layers.sampler import filtered_probs, inverse_cdf, request_uniform
-from spec_engine.speculative.tree import DraftTree
+from spec_engine.speculative.tree import TreeTensors
 
 # Uniform streams of a request (stream 0 is plain sampling).
 ACCEPT_STREAM = 1
@@ -100,257 +100,242 @@ def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) 
     return probs
 
 
+class WalkTensors(NamedTuple):
+    """Every request's walk on the device, fixed width (W = the deepest depth + 1): the accepted
+    path's nodes, root first [B, W]; the emitted tokens (the accepted drafts, then the bonus
+    token) [B, W]; the verify row whose distribution produced each [B, W]; the accepted drafts
+    [B]. Entries past a request's walk are padding (path: node 0)."""
+
+    path: torch.Tensor
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    accepted: torch.Tensor
+
+
 def verify_trees(
     logits: torch.Tensor,
-    trees: Sequence[DraftTree],
+    trees: TreeTensors,
     reqs: Sequence[Req],
     banned: Sequence[Sequence[list[int]]],
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
     flags: Optional[torch.Tensor] = None,
     asked: Optional[LogprobAsk] = None,
-) -> Verified:
-    """Walk each request's tree against the target logits ([sum of tree sizes, vocab], float32).
+) -> tuple[Verified, WalkTensors]:
+    """Walk each request's tree against the target logits ([sum of tree sizes, vocab], float32),
+    every request at once on the device (`walk_trees`), and read the walks back.
 
     banned[i][d]: tokens request i may not emit at depth d (EOS/stop ids before min_new_tokens).
-    One read brings back the target's argmax, `flags` (a [rows] tensor, the verify's NaN rows),
-    every sampled walk's inputs and, where `asked`, the log-probs of every token the step may
-    emit (the target's log-softmax at the request's temperature, and its top log-probs).
+    One read brings back the walks, `flags` (a [rows] tensor, the verify's NaN rows) and, where
+    `asked`, the emitted tokens' log-probs (the target's log-softmax at the request's
+    temperature, and its top log-probs).
     """
-    offsets, row_req = [], []
-    for i, tree in enumerate(trees):
-        offsets.append(len(row_req))
-        row_req.extend([i] * tree.size)
-    masked = logits
-    ban_rows, ban_ids = [], []
-    for i, tree in enumerate(trees):
-        for node, depth in enumerate(tree.depths):
-            if depth < len(banned[i]):
-                ban_rows.extend([offsets[i] + node] * len(banned[i][depth]))
-                ban_ids.extend(banned[i][depth])
-    if ban_rows:
-        masked = logits.index_put(
-            (
-                torch.tensor(ban_rows, device=logits.device),
-                torch.tensor(ban_ids, device=logits.device),
-            ),
-            torch.tensor(float("-inf"), device=logits.device),
-        )
-    greedy = [r.input.sampling_params.is_greedy for r in reqs]
-    sampled = [i for i, g in enumerate(greedy) if not g]
-    walks = [_SampledWalk(trees[i], offsets[i], reqs[i]) for i in sampled]
-    # Sampled walks' inputs are computed for every node up front, so that the step reads the
-    # argmax, the flags and the walks' inputs in one copy.
-    inputs = _walk_inputs(walks, target_probs(masked, reqs, row_req)) if walks else ()
-    argmax_t = masked.argmax(-1)
+    row_req = [i for i, n in enumerate(trees.sizes) for _ in range(n)]
+    masked = _ban(logits, trees, banned)
+    sampled = [i for i, r in enumerate(reqs) if not r.input.sampling_params.is_greedy]
+    probs = target_probs(masked, reqs, row_req) if sampled else None
+    walk = walk_trees(
+        trees, masked.argmax(-1), probs, reqs, sampled, threshold_single, threshold_acc
+    )
     scored = asked is not None and asked.anything
     lp_inputs = (
-        logprob_inputs(logits, reqs, row_req, argmax_t, walks, inputs, asked) if scored else ()
+        path_logprobs(logits, reqs, row_req, walk.rows, walk.tokens, asked) if scored else ()
     )
-    argmax, flag_values, *values = read_back(argmax_t, flags, *inputs, *lp_inputs)
-    walk_values, lp_values = values[: len(inputs)], values[len(inputs) :]
-    out: list[Optional[Acceptance]] = [
-        _walk_greedy(tree, argmax, offsets[i]) if greedy[i] else None
-        for i, tree in enumerate(trees)
-    ]
-    if walks:
-        _walk_host(walks, *walk_values, threshold_single, threshold_acc)
-        for i, walk in zip(sampled, walks):
-            out[i] = Acceptance(walk.path, walk.tokens, walk.rows)
+    path, tokens, accepted, flag_values, *lp_values = read_back(
+        walk.path, walk.tokens, walk.accepted, flags, *lp_inputs
+    )
+    width, offset, accepts = trees.depth + 1, 0, []
+    for i, (a, size) in enumerate(zip(accepted, trees.sizes)):
+        nodes = path[i * width : i * width + a + 1]
+        accepts.append(
+            Acceptance(nodes, tokens[i * width : i * width + a + 1], [offset + n for n in nodes])
+        )
+        offset += size
     if not scored:
-        return Verified(out, flag_values)
-    return Verified(
-        out, flag_values, *emitted_logprobs(out, asked, argmax, walks, walk_values, lp_values)
-    )
+        return Verified(accepts, flag_values), walk
+    return Verified(accepts, flag_values, *host_logprobs(accepts, asked, width, lp_values)), walk
 
 
-def _walk_greedy(tree: DraftTree, argmax: list[int], offset: int) -> Acceptance:
-    kids = tree.children()
-    node, path, tokens, rows = 0, [0], [], []
-    while True:
-        best = argmax[offset + node]
-        tokens.append(best)
-        rows.append(offset + node)
-        match = next((k for k in kids[node] if tree.tokens[k] == best), None)
-        if match is None:
-            return Acceptance(path, tokens, rows)
-        path.append(match)
-        node = match
+def _ban(
+    logits: torch.Tensor, trees: TreeTensors, banned: Sequence[Sequence[list[int]]]
+) -> torch.Tensor:
+    """`logits` with -inf at each node's banned tokens (its request's at the node's depth)."""
+    most = max((len(ids) for per_depth in banned for ids in per_depth), default=0)
+    if not most:
+        return logits
+    b, width = len(banned), trees.depth + 1
+    vocab = logits.shape[-1]
+    table = [[vocab] * (width * most) for _ in range(b)]  # id `vocab`: nothing banned
+    for i, per_depth in enumerate(banned):
+        for d, ids in enumerate(per_depth[:width]):
+            table[i][d * most : d * most + len(ids)] = ids
+    device = logits.device
+    ids = torch.tensor(table, dtype=torch.int64, device=device).view(b, width, most)
+    at_nodes = ids.gather(1, trees.depths[:, :, None].expand(-1, -1, most))  # [B, N, most]
+    # Padding nodes name their root's row at depth 0: they ban what the root bans.
+    mask = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.bool, device=device)
+    rows = trees.rows[:, :, None].expand_as(at_nodes)
+    mask[rows.reshape(-1), at_nodes.reshape(-1)] = True
+    return logits.masked_fill(mask[:, :vocab], float("-inf"))
 
 
-class _SampledWalk:
-    """One sampled request's walk down its tree: where it stands and what it emitted."""
+def walk_trees(
+    trees: TreeTensors,
+    argmax: torch.Tensor,
+    probs: Optional[torch.Tensor],
+    reqs: Sequence[Req],
+    sampled: list[int],
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+) -> WalkTensors:
+    """Every request's walk down its tree at once, a level per iteration (at most the trees'
+    depth), no read: `argmax` [rows] the target's (banned tokens masked), `probs` [rows, vocab]
+    its distributions (None: no sampled request).
 
-    def __init__(self, tree: DraftTree, offset: int, req: Req) -> None:
-        self.tree, self.offset, self.req = tree, offset, req
-        self.kids = tree.children()
-        self.node, self.path, self.tokens, self.rows = 0, [0], [], []
-        self.level = len(req.output_ids)
-        self.child_p: list[float] = []  # target probability of each node's token at its parent
-
-    def pairs(self) -> list[tuple[int, int]]:
-        """(verify row of its parent, token) of every node but the root, in node order."""
-        tree = self.tree
-        return [(self.offset + tree.parents[k], tree.tokens[k]) for k in range(1, tree.size)]
-
-    def accept(self, node: int) -> None:
-        self.tokens.append(self.tree.tokens[node])
-        self.path.append(node)
-        self.node = node
-        self.level += 1
-
-    def descend(self, threshold_single: float, threshold_acc: float) -> None:
-        """Accept children level by level until none is: the walk then stands at the node whose
-        residual distribution draws the emitted token (its row recorded)."""
-        while True:
-            self.rows.append(self.offset + self.node)
-            u = request_uniform(self.req.input.seed, self.level, ACCEPT_STREAM)
-            acc = 0.0
-            for k in self.kids[self.node]:
-                p = self.child_p[k]
-                acc += p
-                if u <= acc / threshold_acc or p >= threshold_single:
-                    self.accept(k)
-                    break
-            else:
-                return
-
-
-def _walk_inputs(
-    walks: list[_SampledWalk], probs: torch.Tensor
-) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """What the walks read, on the device, for every node at once (a read per request and level
-    made a GPU verify step wait on the host as often): each child's target probability at its
-    parent (node order, roots left out), and per node (walk after walk) whether its residual
-    (the target with its children removed) is empty and the token it draws: a walk stops at a
-    node whose children were all tried, and its uniform there is the node's depth's."""
-    device = probs.device
-    pairs = [pair for w in walks for pair in w.pairs()]
-    child_p = None
-    if pairs:
-        rows, toks = zip(*pairs)
-        child_p = probs[torch.tensor(rows, device=device), torch.tensor(toks, device=device)]
-    node_rows, uniforms, zero_rows, zero_toks = [], [], [], []
-    for w in walks:
-        for k, kids in enumerate(w.kids):
-            zero_rows.extend([len(node_rows)] * len(kids))
-            zero_toks.extend(w.tree.tokens[c] for c in kids)
-            node_rows.append(w.offset + k)
-            level = w.level + w.tree.depths[k]  # the walk's level once it stands at node k
-            uniforms.append(request_uniform(w.req.input.seed, level, RESIDUAL_STREAM))
-    residual = probs[torch.tensor(node_rows, device=device)]  # a copy
-    if zero_rows:
-        rows_t = torch.tensor(zero_rows, device=device)
-        residual[rows_t, torch.tensor(zero_toks, device=device)] = 0.0
-    empty = residual.sum(-1) <= 0
-    drawn = inverse_cdf(residual, torch.tensor(uniforms, dtype=torch.float64, device=device))
-    return child_p, empty, drawn
+    Greedy: the lowest-numbered child whose token is the argmax at its parent is accepted, the
+    argmax emitted where none is. Sampled (requests `sampled`), SGLang's target-only rule: at
+    the walk's level one uniform u (ACCEPT_STREAM, indexed by the request's output tokens so far
+    plus the level) is compared with the running sum of the target probabilities of the
+    children in node order, summed in float64 (Python floats, as the host walk summed them);
+    the first child with u <= sum / threshold_acc or p >= threshold_single is accepted. If none
+    is and the node's residual (the target without its children's tokens) is empty (the
+    children hold all the mass and u passed their float sum by rounding), the last child is
+    accepted; else the residual's inverse-CDF draw at the node's level (RESIDUAL_STREAM) is
+    emitted."""
+    tokens, parents, rows = trees.tokens, trees.parents, trees.rows
+    b, n = tokens.shape
+    device = tokens.device
+    nodes = torch.arange(n, device=device)
+    at_argmax = argmax[rows]  # [B, N]
+    cur = torch.zeros(b, dtype=torch.int64, device=device)
+    path = torch.zeros(b, trees.depth + 1, dtype=torch.int64, device=device)
+    accepted = torch.zeros(b, dtype=torch.int64, device=device)
+    active = torch.ones(b, dtype=torch.bool, device=device)
+    if sampled:
+        child_p, cum_p, empty, drawn, u_acc = _sampled_inputs(trees, probs, reqs, sampled)
+        is_sampled = torch.zeros(b, dtype=torch.bool, device=device)
+        is_sampled[sampled] = True
+    for level in range(trees.depth):
+        kids = (parents == cur[:, None]) & active[:, None]
+        hit = kids & (tokens == at_argmax.gather(1, cur[:, None]))
+        if sampled:
+            u = u_acc[:, level : level + 1]
+            passes = (u <= cum_p / threshold_acc) | (child_p >= threshold_single)
+            hit = torch.where(is_sampled[:, None], kids & passes, hit)
+        first = torch.where(hit, nodes, n).min(1).values  # the lowest-numbered hit
+        found = first < n
+        if sampled:
+            last = torch.where(kids, nodes, -1).max(1).values
+            at_empty = empty.gather(1, cur[:, None]).squeeze(1)
+            fallback = is_sampled & ~found & at_empty & (last >= 0)
+            first = torch.where(found, first, last)
+            found = found | fallback
+        cur = torch.where(found, first, cur)
+        path[:, level + 1] = torch.where(found, first, 0)
+        accepted += found
+        active = found
+    bonus = at_argmax.gather(1, cur[:, None]).squeeze(1)
+    if sampled:
+        bonus = torch.where(is_sampled, drawn.gather(1, cur[:, None]).squeeze(1), bonus)
+    steps = torch.arange(trees.depth + 1, device=device)[None, :]
+    drafts = torch.cat((tokens.gather(1, path[:, 1:]), bonus[:, None]), dim=1)
+    emitted = torch.where(steps < accepted[:, None], drafts, bonus[:, None])
+    return WalkTensors(path, emitted, rows.gather(1, path), accepted)
 
 
-def _walk_host(
-    walks: list[_SampledWalk],
-    child_p: Optional[list[float]],
-    empty: list[int],
-    drawn: list[int],
-    threshold_single: float,
-    threshold_acc: float,
-) -> None:
-    """The walks on the host from `_walk_inputs`' values: down while a child is accepted; at a
-    node with an empty residual (the children hold all the mass and u only passed their float
-    sum by rounding) the last child is accepted and the walk goes on; else the node's draw is
-    the emitted token."""
-    child_start = node_start = 0
-    for w in walks:
-        n = w.tree.size
-        w.child_p = [0.0] + (child_p or [])[child_start : child_start + n - 1]  # the root: none
-        child_start += n - 1
-        while True:
-            w.descend(threshold_single, threshold_acc)
-            if not empty[node_start + w.node]:
-                w.tokens.append(drawn[node_start + w.node])
-                break
-            w.accept(w.kids[w.node][-1])
-        node_start += n
+def _sampled_inputs(
+    trees: TreeTensors, probs: torch.Tensor, reqs: Sequence[Req], sampled: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What sampled walks read, per node [B, N]: its token's target probability at its parent
+    (float64 of the float32), the running float64 sum of it and its older siblings' (added in
+    node order, a sibling rank per iteration), whether its residual is empty, its residual's
+    draw; and per request its ACCEPT uniform at each level [B, depth + 1]."""
+    tokens, parents, rows = trees.tokens, trees.parents, trees.rows
+    b, n = tokens.shape
+    device = tokens.device
+    has_parent = parents >= 0
+    parent = parents.clamp(min=0)
+    child_p = probs[rows.gather(1, parent), tokens].double()
+    older = (parents[:, None, :] == parents[:, :, None]) & (
+        torch.arange(n, device=device)[None, :] < torch.arange(n, device=device)[:, None]
+    )  # [B, k, j]: j an older sibling of k
+    rank = older.sum(-1)
+    previous = (older * torch.arange(1, n + 1, device=device)).max(-1).values - 1
+    cum_p = child_p.clone()
+    for r in range(1, trees.fanout):
+        before = cum_p.gather(1, previous.clamp(min=0))
+        cum_p = torch.where(has_parent & (rank == r), before + child_p, cum_p)
+    # Each node's residual: its row's distribution, its children's tokens removed (a padding
+    # node's or the root's "parent" entry goes to a scratch row).
+    residual = torch.cat((probs[rows.reshape(-1)], probs.new_zeros(1, probs.shape[-1])))
+    flat = torch.arange(b, device=device)[:, None] * n + parent
+    residual[torch.where(has_parent, flat, b * n).reshape(-1), tokens.reshape(-1)] = 0.0
+    residual = residual[:-1]
+    empty = (residual.sum(-1) <= 0).view(b, n)
+    width = trees.depth + 1
+    uniforms = [[[0.0] * width for _ in reqs] for _ in range(2)]
+    for i in sampled:
+        seed, base = reqs[i].input.seed, len(reqs[i].output_ids)
+        for stream, table in zip((ACCEPT_STREAM, RESIDUAL_STREAM), uniforms):
+            table[i] = [request_uniform(seed, base + d, stream) for d in range(width)]
+    u_acc, u_res = torch.tensor(uniforms, dtype=torch.float64, device=device).unbind(0)
+    drawn = inverse_cdf(residual, u_res.gather(1, trees.depths).reshape(-1)).view(b, n)
+    return child_p, cum_p, empty, drawn, u_acc
 
 
-def logprob_inputs(
+def path_logprobs(
     logits: torch.Tensor,
     reqs: Sequence[Req],
     row_req: list[int],
-    argmax: torch.Tensor,
-    walks: list[_SampledWalk],
-    walk_inputs: tuple,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
     asked: LogprobAsk,
-) -> tuple[
-    torch.Tensor,
-    Optional[torch.Tensor],
-    Optional[torch.Tensor],
-    Optional[torch.Tensor],
-    Optional[torch.Tensor],
-    Optional[torch.Tensor],
-]:
-    """On the device, the log-probs of every token a step may emit, before the walks pick: each
-    row's argmax (greedy walks), each child's token at its parent's row and each node's residual
-    draw (sampled walks); with top log-probs asked, every row's (values, ids); with
-    token_ids_logprob, every row's log-probs of its request's ids (padded with id 0)."""
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """On the device, at each emitted token's verify row ([B, W] `rows`, `tokens`): the target's
+    log-softmax at the request's temperature of the token [B, W]; with top log-probs asked, the
+    row's top (values, ids) [B, W, k]; with token_ids_logprob, the row's log-probs of its
+    request's ids [B, W, width] (padded with id 0). Every row's log-softmax and top-k are taken
+    over the whole verify batch, then gathered."""
     device = logits.device
     temps = torch.tensor(
         [reqs[i].input.sampling_params.logit_scale for i in row_req], device=device
     )
     logp = torch.log_softmax(logits / temps[:, None], -1)
-    at_argmax = logp.gather(1, argmax[:, None]).squeeze(1)
-    at_children = at_draws = None
-    pairs = [pair for w in walks for pair in w.pairs()]
-    if pairs:
-        rows, toks = zip(*pairs)
-        at_children = logp[torch.tensor(rows, device=device), torch.tensor(toks, device=device)]
-    if walks:
-        nodes = torch.tensor(
-            [w.offset + k for w in walks for k in range(w.tree.size)], device=device
-        )
-        at_draws = logp[nodes].gather(1, walk_inputs[2][:, None]).squeeze(1)
+    at_tokens = logp[rows, tokens]
     top = max(asked.top_nums)
-    vals, ids = logp.topk(top, dim=-1) if top else (None, None)
+    vals = ids = None
+    if top:
+        vals, ids = logp.topk(top, dim=-1)
+        vals, ids = vals[rows], ids[rows]
     at_chosen = None
     width = asked.chosen_width
     if width:
         padded = [list(asked.chosen[i]) + [0] * (width - len(asked.chosen[i])) for i in row_req]
-        at_chosen = logp.gather(1, torch.tensor(padded, dtype=torch.int64, device=device))
-    return at_argmax, at_children, at_draws, vals, ids, at_chosen
+        at_chosen = logp.gather(1, torch.tensor(padded, dtype=torch.int64, device=device))[rows]
+    return at_tokens, vals, ids, at_chosen
 
 
-def emitted_logprobs(
-    accepts: Sequence[Acceptance],
-    asked: LogprobAsk,
-    argmax: list[int],
-    walks: list[_SampledWalk],
-    walk_values: list,
-    lp_values: list,
+def host_logprobs(
+    accepts: Sequence[Acceptance], asked: LogprobAsk, width: int, lp_values: list
 ) -> tuple[LogProbs, TopLogProbs, Optional[list[list[list[float]]]]]:
-    """Target log-softmax at the request's temperature of every emitted token (and top-k), from
-    `logprob_inputs`' values: an emitted token is a row's argmax, a child's token at its parent's
-    row or a node's draw; and per emitted token, its row's log-probs of the asked ids."""
-    at_argmax, at_children, at_draws, vals, ids, at_chosen = lp_values
-    value = {(row, token): v for row, (token, v) in enumerate(zip(argmax, at_argmax))}
-    if walks:
-        pairs = [pair for w in walks for pair in w.pairs()]
-        value.update(zip(pairs, at_children or []))
-        nodes = [w.offset + k for w in walks for k in range(w.tree.size)]
-        value.update(((row, token), v) for row, token, v in zip(nodes, walk_values[2], at_draws))
-    k = max(asked.top_nums)
-    lps, tops = [], []
-    for acc, w, n in zip(accepts, asked.want, asked.top_nums):
-        lps.append([value[(row, token)] for row, token in zip(acc.rows, acc.tokens)] if w else [])
+    """`path_logprobs`' values read back ([B, W] flattened, W = `width`), cut to each request's
+    emitted tokens and its asked numbers."""
+    at_tokens, vals, ids, at_chosen = lp_values
+    k, chosen_width = max(asked.top_nums), asked.chosen_width
+    lps, tops, chosen = [], [], []
+    for i, (acc, want, top_n) in enumerate(zip(accepts, asked.want, asked.top_nums)):
+        cells = range(i * width, i * width + len(acc.tokens))
+        lps.append([at_tokens[c] for c in cells] if want else [])
         tops.append(
-            [list(zip(vals[r * k : r * k + n], ids[r * k : r * k + n])) for r in acc.rows]
-            if n
+            [list(zip(vals[c * k : c * k + top_n], ids[c * k : c * k + top_n])) for c in cells]
+            if top_n
             else []
         )
-    chosen = None
-    width = asked.chosen_width
-    if width:
-        chosen = [
-            [at_chosen[r * width : r * width + len(c)] for r in acc.rows]
-            for acc, c in zip(accepts, asked.chosen)
-        ]
-    return (lps if any(asked.want) else None), (tops if any(asked.top_nums) else None), chosen
+        if chosen_width:
+            n = len(asked.chosen[i])
+            chosen.append([at_chosen[c * chosen_width : c * chosen_width + n] for c in cells])
+    return (
+        lps if any(asked.want) else None,
+        tops if any(asked.top_nums) else None,
+        chosen if chosen_width else None,
+    )

@@ -21,6 +21,7 @@ from spec_engine.speculative.adaptive.model import SpecCostModel
 from spec_engine.speculative.base import SpecWorker
 from spec_engine.speculative.draft_runner import DraftRunner
 from spec_engine.speculative.eagle_worker import EagleWorker
+from spec_engine.speculative.tree import host_trees
 from tests.conftest import random_prompts
 from tiny.checkpoints import add_mimo_mtp, build_checkpoint, build_eagle_draft
 
@@ -51,11 +52,12 @@ def verified(monkeypatch):
 
     verifying: list = []  # the step whose verify is running (not the startup self-check's)
 
-    def record_tree(self, reqs, trees):
-        seen.append({"trees": [(t.size, max(t.depths)) for t in trees], "graph": None})
+    def record_tree(self, reqs, trees, on_host=None):
+        kept = host_trees(trees)  # the trees live on the device: read here, for the record
+        seen.append({"trees": [(t.size, max(t.depths)) for t in kept], "graph": None})
         verifying.append(seen[-1])
         try:
-            return verify(self, reqs, trees)
+            return verify(self, reqs, trees, on_host)
         finally:
             verifying.clear()
 

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from spec_engine import Engine
 from spec_engine.speculative.base import SpecWorker
+from spec_engine.speculative.tree import host_trees
 from tiny.checkpoints import add_mimo_mtp, build_eagle_draft
 
 
@@ -109,9 +110,10 @@ def trees(monkeypatch) -> list:
     seen: list = []
     verify = SpecWorker.verify
 
-    def recording(self, reqs, trees):
-        seen.append([(t.tokens, t.parents) for t in trees])
-        return verify(self, reqs, trees)
+    def recording(self, reqs, trees, on_host=None):
+        # The trees live on the device: read here, for the record.
+        seen.append([(t.tokens, t.parents) for t in host_trees(trees)])
+        return verify(self, reqs, trees, on_host)
 
     monkeypatch.setattr(SpecWorker, "verify", recording)
     return seen
