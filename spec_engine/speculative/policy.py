@@ -73,9 +73,12 @@ class SpecPolicy(DecodePolicy):
 
     def _adaptive_depth(self, running: list[Req]) -> int:
         """The cost model's mode for a step of `running`, charged what a try's catch-up would
-        pay first."""
-        catch_up = self.worker.catch_up_seconds(running)
-        return self.rank0_value(self.adaptive.choose(len(running), catch_up))
+        pay first (estimated only when the model works its choice out: not while one holds)."""
+        mode = self.adaptive.held(len(running))
+        if mode is None:
+            catch_up = self.worker.catch_up_seconds(running)
+            mode = self.adaptive.choose(len(running), catch_up)
+        return self.rank0_value(mode)
 
     def prefilling(self, reqs: Sequence[Req]) -> None:
         for req in reqs:
@@ -86,9 +89,9 @@ class SpecPolicy(DecodePolicy):
         the step; a plain group's drafts fall behind unless plain steps keep them (never stale
         with NGRAM or --speculative-adaptive: draft_lag.py)."""
         self.worker.catch_up(group.reqs, full_only=group.depth == 0)
-        if group.depth == 0:
-            for req in group.reqs:
-                req.draft_stale = not self.worker.plain_steps_keep_draft
+        if group.depth == 0 and not self.worker.plain_steps_keep_draft:
+            for req in group.reqs:  # (never set otherwise: no per-request loop per plain step)
+                req.draft_stale = True
 
     def observe(self, group: DecodeGroup, result: StepResult, emitted: int, cost: StepCost) -> None:
         depth = group.depth
