@@ -31,7 +31,11 @@ cost below the chosen mode's rate; plain decoding: its measured rate) waits `MAX
 steps once its cost rests on `RECENT` measurements: its cost, not the draft, keeps it behind (on
 fewer, the warm-up's alone, it may have been measured cold, and is tried as any losing mode).
 `choose(batch)` is a pure function of the state, so the scheduler may ask it again within a step
-(after a retraction changed the batch); `observe` moves it.
+(after a retraction changed the batch); `observe` moves it. Settled (no try due), a choice holds for
+up to RECHECK_EVERY steps without the model being read (`held`; the policy then asks the worker for
+no catch-up estimate either): the held mode's steps are measured as ever, so a choice they overturn
+runs at most that many steps longer, and a hold ends before a try may come due (a try whose
+interval moved with the fitted costs meanwhile comes at most a hold later).
 
 Every speculative worker may switch mode per step: NGRAM has no draft state, a draft model
 drafts any depth from the same state, and under this flag the draft-model workers record what
