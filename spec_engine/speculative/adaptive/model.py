@@ -31,8 +31,9 @@ cost below the chosen mode's rate; plain decoding: its measured rate) waits `MAX
 steps once its cost rests on `RECENT` measurements: its cost, not the draft, keeps it behind (on
 fewer, the warm-up's alone, it may have been measured cold, and is tried as any losing mode).
 `choose(batch)` is a pure function of the state, so the scheduler may ask it again within a step
-(after a retraction changed the batch); `observe` moves it. Settled (no try due), a choice holds for
-up to RECHECK_EVERY steps without the model being read (`held`; the policy then asks the worker for
+(after a retraction changed the batch); `observe` moves it. Settled (no try due) and clear (its
+expected tokens/s HOLD_MARGIN ahead of the runner-up's), a choice holds for up to RECHECK_EVERY
+steps without the model being read (`held`; the policy then asks the worker for
 no catch-up estimate either): the held mode's steps are measured as ever, so a choice they overturn
 runs at most that many steps longer, and a hold ends before a try may come due (a try whose
 interval moved with the fitted costs meanwhile comes at most a hold later).
@@ -80,6 +81,11 @@ LATEST_STEPS = 256  # steps the report lists (mode, batch, milliseconds): a gene
 # step cost ~5% of the step. A mode's costs move by one measurement in RECENT a step, so a
 # choice that the measurements overturn runs at most this many steps longer.
 RECHECK_EVERY = 16
+# A choice holds only while its expected tokens/s lead the runner-up's by this factor: in a near
+# tie noisy step times flip the choice, and a wrong flip held RECHECK_EVERY steps costs more than
+# reading the model every step (NGRAM at batch 64 on a loaded VM, a near tie by its wall-clock
+# costs, held depth 3 for stretches: a third of its steps, at 0.57 of plain by the CPU clocks).
+HOLD_MARGIN = 1.2
 
 
 def _affordable_interval(
@@ -172,7 +178,9 @@ class SpecCostModel:
                 wait = min(wait, need - cost.since)
         if due:
             return max(due, key=lambda m: modes[m].since)
-        self.hold = (bucket(batch), best, wait)
+        runner_up = max((r for m, r in rates.items() if m != best), default=0.0)
+        clear = rates.get(best, 0.0) >= HOLD_MARGIN * runner_up
+        self.hold = (bucket(batch), best, wait if clear else 1)
         return best
 
     def held(self, batch: int) -> Optional[int]:
