@@ -6,10 +6,14 @@ would compute afresh."""
 
 from __future__ import annotations
 
+import itertools
 import random
+import types
 
 import pytest
 
+from spec_engine import Engine
+from spec_engine.speculative import policy as policy_module
 from spec_engine.speculative.adaptive import model as model_module
 from spec_engine.speculative.adaptive.costs import PLAIN, ModeCost, fitted_seconds
 from spec_engine.speculative.adaptive.model import SpecCostModel
@@ -24,6 +28,7 @@ STEP_S = {
 }
 # The probability that a request accepts each next draft token.
 DRAFTS = {"useless": 0.0, "imitating": 0.75, "perfect": 1.0}
+GREEDY_20 = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 20}
 STEPS = 600  # a generation of 128 tokens is ~128 steps: about five generations per batch
 
 
@@ -175,3 +180,34 @@ def test_a_near_tie_is_worked_out_every_step():
             tokens = [[0] * (1 + mode * int(p))] if mode else ()
             model.observe(mode, 1, STEP_S[1][mode], tokens)
         assert (holds > 150) == held, (p, holds)
+
+
+def test_on_cpu_the_model_reads_the_scheduler_threads_cpu_time(make_model, monkeypatch):
+    """On a CPU device a step's cost is the scheduler thread's CPU time from the policy's
+    `prepare` to its `observe` (a shared machine's wall clock adds the step's waits for a core),
+    one reading for every decode step the model observes."""
+    ticks = itertools.count(0.0, 1.0)  # a thread clock that advances 1 s per reading
+    monkeypatch.setattr(
+        policy_module, "time", types.SimpleNamespace(thread_time=lambda: next(ticks))
+    )
+    seen = []
+    observe = SpecCostModel.observe
+
+    def recording(self, mode, batch, seconds, *args, **kwargs):
+        seen.append(seconds)
+        return observe(self, mode, batch, seconds, *args, **kwargs)
+
+    monkeypatch.setattr(SpecCostModel, "observe", recording)
+    target = make_model("llama", num_layers=1, seed=1)
+    with Engine(
+        model_path=target,
+        random_seed=0,
+        speculative_adaptive=True,
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=4,
+        disable_cuda_graph=True,
+        max_running_requests=2,
+        context_length=64,
+    ) as engine:
+        engine.generate(input_ids=[[5, 6, 7, 5, 6, 7, 5, 6]] * 2, sampling_params=GREEDY_20)
+    assert len(seen) >= 10 and set(seen) == {1.0}
