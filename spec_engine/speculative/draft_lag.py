@@ -12,11 +12,12 @@ catches every lagging request up with one batched draft extend over all its reco
 (EagleWorker.catch_up), leaving the draft exactly where the per-step extends would have.
 
 Bounds: a request that lags lag_limit() positions is caught up before the next step, so a
-record holds at most that many feature rows (views of their step's output, which lives until every
-request of that step has caught up or been released). A record is dropped when the request's KV
-is released (finished, aborted, retracted: a retracted request's prefill rebuilds its draft from
-the target's prefill), and the positions it covers stay out of the prefix cache (their draft KV
-is missing; EagleWorker.release).
+record holds at most that many feature rows (each as its step's output and a row index, the output
+living until every request of that step has caught up or been released; the rows are gathered at
+the catch-up, so a plain step makes no tensor per request). A record is dropped when the
+request's KV is released (finished, aborted, retracted: a retracted request's prefill rebuilds
+its draft from the target's prefill), and the positions it covers stay out of the prefix cache
+(their draft KV is missing; EagleWorker.release).
 """
 
 from __future__ import annotations
@@ -56,19 +57,21 @@ class DraftLag:
 
     start: int  # the first position without draft KV
     tokens: list[int] = field(default_factory=list)
-    features: list[torch.Tensor] = field(default_factory=list)  # feature drafts: one row each
+    # feature drafts, one per position: (its step's feature rows, the request's row there)
+    features: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
 
 def record(reqs: Sequence[Req], tokens: Sequence[int], features: Optional[torch.Tensor]) -> None:
     """After a plain step decoded position kv_len - 1 of each request: add the draft's input
-    token and (feature drafts) the target's feature row there."""
-    rows = features.unbind(0) if features is not None else None
+    token and (feature drafts) the target's feature row there (`features`: the step's rows, in
+    the order of `reqs`)."""
     for i, (r, token) in enumerate(zip(reqs, tokens)):
-        if r.draft_lag is None:
-            r.draft_lag = DraftLag(r.kv_len - 1)
-        r.draft_lag.tokens.append(token)
-        if rows is not None:
-            r.draft_lag.features.append(rows[i])
+        lag = r.draft_lag
+        if lag is None:
+            lag = r.draft_lag = DraftLag(r.kv_len - 1)
+        lag.tokens.append(token)
+        if features is not None:
+            lag.features.append((features, i))
 
 
 def lagging(req: Req, limit: Optional[int] = None) -> bool:
@@ -83,8 +86,22 @@ def take(reqs: Sequence[Req]) -> tuple[list[DraftLag], Optional[torch.Tensor]]:
     lags = [r.draft_lag for r in reqs]
     for r in reqs:
         r.draft_lag = None
-    rows = [f for lag in lags for f in lag.features]
-    return lags, torch.stack(rows) if rows else None
+    offsets: dict[int, int] = {}  # id of a step's feature rows -> their first row in `outputs`
+    outputs: list[torch.Tensor] = []
+    index: list[int] = []
+    total = 0
+    for lag in lags:
+        for rows, i in lag.features:
+            offset = offsets.get(id(rows))
+            if offset is None:
+                offset = offsets[id(rows)] = total
+                outputs.append(rows)
+                total += len(rows)
+            index.append(offset + i)
+    if not outputs:
+        return lags, None
+    stacked = torch.cat(outputs)
+    return lags, stacked[torch.tensor(index, dtype=torch.int64, device=stacked.device)]
 
 
 class ExtendCost:

@@ -93,7 +93,11 @@ class EagleWorker(SpecWorker):
         self.multi_layer = draft.mtp_layers > 1
         self.adaptive = args.speculative_adaptive
         self.max_running = args.max_running_requests
-        self.max_lag = draft_lag.MAX_LAG  # set from the feature rows' size by plain steps
+        self.max_lag: Optional[int] = None  # from the feature rows' size: the first plain step
+        # The most positions any request's draft may lag now (plain steps since the catch-up of
+        # every lagging request, or the longest record a full-only catch-up left): below
+        # max_lag, a plain step's catch-up check reads no request.
+        self.lag_bound = 0
         self.extend_cost = draft_lag.ExtendCost()  # --speculative-adaptive's catch-up estimate
         # Overlapped steps (speculative/chain_overlap.py): chains of one shape with a draft model,
         # page size 1, device lengths through torch_native attention, no alarm that would stop
@@ -222,15 +226,24 @@ class EagleWorker(SpecWorker):
             [t[0] for t in result.tokens] if self.features else [r.output_ids[-1] for r in reqs]
         )
         draft_lag.record(reqs, tokens, feats)
-        self.max_lag = draft_lag.lag_limit(feats, self.max_running)
+        if self.max_lag is None:
+            self.max_lag = draft_lag.lag_limit(feats, self.max_running)
+        self.lag_bound += 1
         return result
 
     def catch_up(self, reqs: Sequence[Req], full_only: bool = False) -> None:
         """One draft extend over every recorded position of the lagging requests in `reqs`
         (`full_only`: of those whose record reached draft_lag.lag_limit), which leaves each
-        one's draft KV and next-round state at its last position."""
+        one's draft KV and next-round state at its last position. Under --speculative-adaptive
+        `reqs` is every running request (one group a step), so a catch-up of them bounds every
+        lag (lag_bound)."""
+        if full_only and (self.max_lag is None or self.lag_bound < self.max_lag):
+            return  # no request has lagged max_lag plain steps yet
         limit = self.max_lag if full_only else None
         lagging = [r for r in reqs if draft_lag.lagging(r, limit)]
+        # What lags after this catch-up: the records short of the limit (none without one).
+        lengths = [len(r.draft_lag.tokens) for r in reqs if r.draft_lag is not None]
+        self.lag_bound = max((n for n in lengths if n < limit), default=0) if limit else 0
         if not lagging:
             return
         start = self.timings.now()

@@ -16,7 +16,11 @@ The scheduler sees it as a core.policy.DecodePolicy: it asks for each decode ste
   catching a lagging draft up before a speculative step (`prepare`);
 * the engine-wide counters /v1/loads and get_server_info report.
 
-Measured seconds enter through `observe` alone (the scheduler's StepCost), besides the draft
+Measured seconds enter through `observe` alone (the scheduler's StepCost; on a CPU device the
+scheduler thread's CPU time from `prepare` to `observe` instead: on a machine shared with other
+processes the wall clock adds each step's waits for a core, which on a loaded 2-core VM made a
+one-layer model's 3 ms plain step measure 10-35 ms, varying from minute to minute, and a near tie
+any mode's), besides the draft
 extends the worker times for its catch-up estimate (draft_lag.ExtendCost); both are read by one
 decision, `_adaptive_depth`. They differ per process: with several ranks running this scheduler
 (--tp-size > 1) that decision is made on rank 0 and broadcast (`rank0_value`).
@@ -24,6 +28,7 @@ decision, `_adaptive_depth`. They differ per process: with several ranks running
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -57,6 +62,10 @@ class SpecPolicy(DecodePolicy):
             args.weight_version,
         )
         self.adaptive = SpecCostModel.from_args(args) if args.speculative_adaptive else None
+        # On CPU the cost model reads the step's CPU time on this thread (module docstring):
+        # the time at the end of `prepare`, None elsewhere.
+        self.cpu_clock = worker.device.type == "cpu"
+        self.step_began: Optional[float] = None
         self.counters = SpecCounters()
 
     def plan(self, running: list[Req]) -> list[DecodeGroup]:
@@ -73,9 +82,12 @@ class SpecPolicy(DecodePolicy):
 
     def _adaptive_depth(self, running: list[Req]) -> int:
         """The cost model's mode for a step of `running`, charged what a try's catch-up would
-        pay first."""
-        catch_up = self.worker.catch_up_seconds(running)
-        return self.rank0_value(self.adaptive.choose(len(running), catch_up))
+        pay first (estimated only when the model works its choice out: not while one holds)."""
+        mode = self.adaptive.held(len(running))
+        if mode is None:
+            catch_up = self.worker.catch_up_seconds(running)
+            mode = self.adaptive.choose(len(running), catch_up)
+        return self.rank0_value(mode)
 
     def prefilling(self, reqs: Sequence[Req]) -> None:
         for req in reqs:
@@ -86,9 +98,11 @@ class SpecPolicy(DecodePolicy):
         the step; a plain group's drafts fall behind unless plain steps keep them (never stale
         with NGRAM or --speculative-adaptive: draft_lag.py)."""
         self.worker.catch_up(group.reqs, full_only=group.depth == 0)
-        if group.depth == 0:
-            for req in group.reqs:
-                req.draft_stale = not self.worker.plain_steps_keep_draft
+        if group.depth == 0 and not self.worker.plain_steps_keep_draft:
+            for req in group.reqs:  # (never set otherwise: no per-request loop per plain step)
+                req.draft_stale = True
+        if self.adaptive is not None and self.cpu_clock:
+            self.step_began = time.thread_time()
 
     def observe(self, group: DecodeGroup, result: StepResult, emitted: int, cost: StepCost) -> None:
         depth = group.depth
@@ -101,10 +115,13 @@ class SpecPolicy(DecodePolicy):
         if depth in (None, self.worker.max_depth):
             self.alarm.record(passes, emitted)
         if self.adaptive is not None:
+            seconds = cost.seconds
+            if self.step_began is not None:
+                seconds, self.step_began = time.thread_time() - self.step_began, None
             self.adaptive.observe(
                 depth,
                 len(group.reqs),
-                cost.seconds,
+                seconds,
                 result.tokens,
                 result.accept_paths,
                 cost.prepare_seconds,

@@ -48,6 +48,11 @@ STALE_SHARE = 0.75
 # that noise to every other mode's cost.
 NOISE = 1.1
 EXPLORE_EVERY = 128  # steps of a bucket a mode may first go unrun before it is tried again
+# A mode measured fewer times costs its fastest step, not the median: another process only slows
+# steps, and the median of two is their mean, so one warm-up step taken in a load spike (a
+# one-layer model's depth 3 timed at 20x its cost on a loaded VM) would keep the mode unchosen
+# until its next try; a mode rated too fast is chosen, and so measured, at once instead.
+MEDIAN_OF = 3
 
 
 def _median(values: Iterable[float]) -> float:
@@ -98,12 +103,15 @@ class ModeCost:
     @property
     def seconds(self) -> Optional[float]:
         """Seconds per request per step: the median of the recent measurements (a step slowed by
-        another process on the machine moves it only once it is the rule)."""
+        another process on the machine moves it only once it is the rule); of fewer than
+        MEDIAN_OF, the fastest (a median of two is their mean: one slow step would move it)."""
         if not self.history:
             return None
         key = (len(self.history), self.history[-1])  # steps only grow: a new newest, new key
         if not self.median_of or self.median_of[0] != key:
-            self.median_of = (key, _median(s for _, s in self.latest))
+            recent = [s for _, s in self.latest]
+            robust = len(recent) >= MEDIAN_OF
+            self.median_of = (key, _median(recent) if robust else min(recent))
         return self.median_of[1]
 
     def add(self, seconds: float, step: int) -> None:

@@ -31,7 +31,12 @@ cost below the chosen mode's rate; plain decoding: its measured rate) waits `MAX
 steps once its cost rests on `RECENT` measurements: its cost, not the draft, keeps it behind (on
 fewer, the warm-up's alone, it may have been measured cold, and is tried as any losing mode).
 `choose(batch)` is a pure function of the state, so the scheduler may ask it again within a step
-(after a retraction changed the batch); `observe` moves it.
+(after a retraction changed the batch); `observe` moves it. Settled (no try due) and clear (its
+expected tokens/s HOLD_MARGIN ahead of the runner-up's), a choice holds for up to RECHECK_EVERY
+steps without the model being read (`held`; the policy then asks the worker for
+no catch-up estimate either): the held mode's steps are measured as ever, so a choice they overturn
+runs at most that many steps longer, and a hold ends before a try may come due (a try whose
+interval moved with the fitted costs meanwhile comes at most a hold later).
 
 Every speculative worker may switch mode per step: NGRAM has no draft state, a draft model
 drafts any depth from the same state, and under this flag the draft-model workers record what
@@ -71,6 +76,16 @@ MAX_EXPLORE_EVERY = 2048  # the longest interval between tries of a mode
 # 260 steps, not EXPLORE_EVERY.
 EXPLORE_BUDGET = 0.01
 LATEST_STEPS = 256  # steps the report lists (mode, batch, milliseconds): a generation or two
+# Settled (no mode due for a try), a choice holds for up to this many steps of its bucket without
+# the model being read: on a host-bound engine (a one-layer model: a 2-4 ms step) reading it every
+# step cost ~5% of the step. A mode's costs move by one measurement in RECENT a step, so a
+# choice that the measurements overturn runs at most this many steps longer.
+RECHECK_EVERY = 16
+# A choice holds only while its expected tokens/s lead the runner-up's by this factor: in a near
+# tie noisy step times flip the choice, and a wrong flip held RECHECK_EVERY steps costs more than
+# reading the model every step (NGRAM at batch 64 on a loaded VM, a near tie by its wall-clock
+# costs, held depth 3 for stretches: a third of its steps, at 0.57 of plain by the CPU clocks).
+HOLD_MARGIN = 1.2
 
 
 def _affordable_interval(
@@ -110,6 +125,10 @@ class SpecCostModel:
         self.decisions = dict.fromkeys(self.modes, 0)  # steps run per mode
         self.last_mode: Optional[int] = None
         self.clock = 0  # decode steps observed: the time of a measurement
+        # (bucket, mode, steps left): the choice `choose` made while no try was due, which holds
+        # until a try may come due (or RECHECK_EVERY steps) unless a step of another mode or
+        # bucket runs
+        self.hold: Optional[tuple[int, int, int]] = None
         # (mode, batch, milliseconds) of the latest steps: why a mode was chosen, for the report
         self.latest: deque = deque(maxlen=LATEST_STEPS)
 
@@ -129,6 +148,9 @@ class SpecCostModel:
         """The mode of the next decode step of `batch` requests: PLAIN or a depth; `catch_up`:
         the seconds a lagging draft's catch-up would take before a speculative step now (None:
         not known; the mode's recent switches stand in for it)."""
+        held = self.held(batch)
+        if held is not None:
+            return held
         modes = self._bucket(batch)
         if not self.frozen:
             order = [self.depths[-1], PLAIN, *reversed(self.depths[:-1])]
@@ -142,14 +164,32 @@ class SpecCostModel:
             return best
         # A mode's interval is never below its own `interval` (_interval): most steps, no mode
         # is near it, and the full interval is not worked out.
-        due = [
-            m
-            for m in self.modes
-            if m != best
-            and modes[m].since >= modes[m].interval
-            and modes[m].since >= self._interval(m, modes, seconds, rates, best, catch_up, batch)
-        ]
-        return max(due, key=lambda m: modes[m].since) if due else best
+        due, wait = [], RECHECK_EVERY
+        for m in self.modes:
+            if m == best:
+                continue
+            cost = modes[m]
+            need = cost.interval
+            if cost.since >= need:
+                need = self._interval(m, modes, seconds, rates, best, catch_up, batch)
+            if cost.since >= need:
+                due.append(m)
+            else:
+                wait = min(wait, need - cost.since)
+        if due:
+            return max(due, key=lambda m: modes[m].since)
+        runner_up = max((r for m, r in rates.items() if m != best), default=0.0)
+        clear = rates.get(best, 0.0) >= HOLD_MARGIN * runner_up
+        self.hold = (bucket(batch), best, wait if clear else 1)
+        return best
+
+    def held(self, batch: int) -> Optional[int]:
+        """The mode of the next step of `batch` requests while a settled choice holds (see
+        RECHECK_EVERY), without reading the model; None: `choose` works it out."""
+        hold = self.hold
+        if hold is not None and hold[2] > 0 and hold[0] == bucket(batch):
+            return hold[1]
+        return None
 
     def _interval(
         self,
@@ -248,6 +288,9 @@ class SpecCostModel:
         self.clock += 1
         self.latest.append((mode, batch, round(1000 * seconds, 3)))
         switched, self.last_mode = mode != self.last_mode, mode
+        hold = self.hold
+        held = hold is not None and hold[1] == mode and hold[0] == bucket(batch)
+        self.hold = (hold[0], mode, hold[2] - 1) if held else None
         if self.frozen or batch <= 0:
             return
         modes = self._bucket(batch)
@@ -259,8 +302,10 @@ class SpecCostModel:
             cost.switch.append(catch_up / batch)
         if mode != PLAIN and tokens:
             self.accept.observe(mode, tokens, paths)
-        if cost.steps > WARM_STEPS:
-            cost.interval = self._next_interval(batch, mode, seconds / batch, tokens)
+        if cost.steps > WARM_STEPS:  # a held choice was the best mode: _next_interval's first
+            cost.interval = (
+                EXPLORE_EVERY if held else self._next_interval(batch, mode, seconds / batch, tokens)
+            )
 
     def _next_interval(
         self, batch: int, mode: int, seconds: float, tokens: Sequence[Sequence[int]]
@@ -280,6 +325,7 @@ class SpecCostModel:
     def weights_updated(self) -> None:
         """New weights: a draft may now predict better or worse, so every mode is tried again
         at the first interval."""
+        self.hold = None
         for modes in self.costs.values():
             for cost in modes.values():
                 cost.interval = EXPLORE_EVERY
@@ -298,12 +344,14 @@ class SpecCostModel:
         for mode, seconds in ((PLAIN, plain_s), *per_depth.items()):
             modes[mode] = ModeCost(deque([(0, seconds)], maxlen=HISTORY), WARM_STEPS, True, 0)
         self.frozen = True
+        self.hold = None
 
     def set_accept(self, survival: Sequence[float]) -> None:
         """Tests and tools: set P(a >= k) for k = 1, 2, ... (0 past the list) at every depth,
         and freeze the model."""
         self.accept.set(survival)
         self.frozen = True
+        self.hold = None
 
     def report(self) -> dict[str, Any]:
         """For get_server_info: the accept length per depth, the costs per bucket (as fitted:
