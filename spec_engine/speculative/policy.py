@@ -16,11 +16,12 @@ The scheduler sees it as a core.policy.DecodePolicy: it asks for each decode ste
   catching a lagging draft up before a speculative step (`prepare`);
 * the engine-wide counters /v1/loads and get_server_info report.
 
-Measured seconds enter through `observe` alone (the scheduler's StepCost; on a CPU device the
-scheduler thread's CPU time from `prepare` to `observe` instead: on a machine shared with other
-processes the wall clock adds each step's waits for a core, which on a loaded 2-core VM made a
-one-layer model's 3 ms plain step measure 10-35 ms, varying from minute to minute, and a near tie
-any mode's), besides the draft
+Measured seconds enter through `observe` alone (the scheduler's StepCost; on a CPU device whose
+torch runs one thread, the scheduler thread's CPU time from `prepare` to `observe` instead: on a
+machine shared with other processes the wall clock adds each step's waits for a core, which on a
+loaded 2-core VM made a one-layer model's 3 ms plain step measure 10-35 ms, varying from minute
+to minute, and a near tie any mode's; with several torch threads the work of torch's pool is not
+on this thread's clock, so the wall clock stays), besides the draft
 extends the worker times for its catch-up estimate (draft_lag.ExtendCost); both are read by one
 decision, `_adaptive_depth`. They differ per process: with several ranks running this scheduler
 (--tp-size > 1) that decision is made on rank 0 and broadcast (`rank0_value`).
@@ -32,6 +33,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import torch
 
 from spec_engine.args.engine_args import EngineArgs
 from spec_engine.core.policy import DecodeGroup, DecodePolicy, StepCost
@@ -62,9 +65,9 @@ class SpecPolicy(DecodePolicy):
             args.weight_version,
         )
         self.adaptive = SpecCostModel.from_args(args) if args.speculative_adaptive else None
-        # On CPU the cost model reads the step's CPU time on this thread (module docstring):
-        # the time at the end of `prepare`, None elsewhere.
-        self.cpu_clock = worker.device.type == "cpu"
+        # On CPU with one torch thread the cost model reads the step's CPU time on this thread
+        # (module docstring): the time at the end of `prepare`, None elsewhere.
+        self.cpu_clock = worker.device.type == "cpu" and torch.get_num_threads() == 1
         self.step_began: Optional[float] = None
         self.counters = SpecCounters()
 

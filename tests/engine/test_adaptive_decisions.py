@@ -6,11 +6,14 @@ would compute afresh."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import types
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 from spec_engine import Engine
 from spec_engine.speculative import policy as policy_module
@@ -183,9 +186,9 @@ def test_a_near_tie_is_worked_out_every_step():
 
 
 def test_on_cpu_the_model_reads_the_scheduler_threads_cpu_time(make_model, monkeypatch):
-    """On a CPU device a step's cost is the scheduler thread's CPU time from the policy's
-    `prepare` to its `observe` (a shared machine's wall clock adds the step's waits for a core),
-    one reading for every decode step the model observes."""
+    """On a CPU device with one torch thread a step's cost is the scheduler thread's CPU time
+    from the policy's `prepare` to its `observe` (a shared machine's wall clock adds the step's
+    waits for a core), one reading for every decode step the model observes."""
     ticks = itertools.count(0.0, 1.0)  # a thread clock that advances 1 s per reading
     monkeypatch.setattr(
         policy_module, "time", types.SimpleNamespace(thread_time=lambda: next(ticks))
@@ -199,15 +202,29 @@ def test_on_cpu_the_model_reads_the_scheduler_threads_cpu_time(make_model, monke
 
     monkeypatch.setattr(SpecCostModel, "observe", recording)
     target = make_model("llama", num_layers=1, seed=1)
-    with Engine(
-        model_path=target,
-        random_seed=0,
-        speculative_adaptive=True,
-        speculative_algorithm="NGRAM",
-        speculative_num_draft_tokens=4,
-        disable_cuda_graph=True,
-        max_running_requests=2,
-        context_length=64,
-    ) as engine:
+    with (
+        one_torch_thread(),
+        Engine(
+            model_path=target,
+            random_seed=0,
+            speculative_adaptive=True,
+            speculative_algorithm="NGRAM",
+            speculative_num_draft_tokens=4,
+            disable_cuda_graph=True,
+            max_running_requests=2,
+            context_length=64,
+        ) as engine,
+    ):
         engine.generate(input_ids=[[5, 6, 7, 5, 6, 7, 5, 6]] * 2, sampling_params=GREEDY_20)
     assert len(seen) >= 10 and set(seen) == {1.0}
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread while entered (the CPU clock's condition), as it was after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
