@@ -164,20 +164,16 @@ def train_env() -> dict[str, str]:
     }
 
 
-class RLLoopRun:
-    """scripts/train.py with test_train_loop.py's loop_args (forked from
-    tests/support/forkserver.py's server), started when the first test asks for it and left
-    running meanwhile (a test can do other work, e.g. start other runs, before it
-    waits with finished()). Runs in a session of its own: stop() ends what it started."""
+class LoopRun:
+    """scripts/train.py with `argv` (forked from tests/support/forkserver.py's server), started
+    at once and left running meanwhile (a test can do other work, e.g. start other runs, before
+    it waits with finished()); its stdout and stderr in `root`, its --output-dir `out`. Runs in a
+    session of its own: stop() ends what it started."""
 
-    def __init__(self, model: str, data: str, root: str) -> None:
-        from tests.e2e.test_train_loop import loop_args
+    def __init__(self, argv: list[str], root: str, out: str) -> None:
         from tests.support.forkserver import Session
 
-        self.out = os.path.join(root, "run")
-        self.saved_rollouts = os.path.join(root, "rollouts", "r{rollout_id}.pt")
-        argv = loop_args(model, data, self.out)
-        argv += ["--save-debug-rollout-data", self.saved_rollouts]
+        self.out = out
         self._logs = [os.path.join(root, name) for name in ("stdout.log", "stderr.log")]
         for path in self._logs:
             open(path, "w").close()
@@ -212,6 +208,20 @@ class RLLoopRun:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+class RLLoopRun(LoopRun):
+    """scripts/train.py with test_train_loop.py's loop_args, started when the first test asks for
+    it (LoopRun)."""
+
+    def __init__(self, model: str, data: str, root: str) -> None:
+        from tests.e2e.test_train_loop import loop_args
+
+        self.out = os.path.join(root, "run")
+        self.saved_rollouts = os.path.join(root, "rollouts", "r{rollout_id}.pt")
+        argv = loop_args(model, data, self.out)
+        argv += ["--save-debug-rollout-data", self.saved_rollouts]
+        super().__init__(argv, root, self.out)
 
 
 @pytest.fixture(scope="session")

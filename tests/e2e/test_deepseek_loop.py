@@ -9,10 +9,12 @@ tests/trainer/test_trainer_moe.py.)"""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.test_train_loop import base_args, metrics, run
+from tests.conftest import LoopRun
+from tests.e2e.test_train_loop import base_args, metrics
 
 pytest.importorskip("ray")
 
@@ -31,39 +33,44 @@ GLM45_FLAGS = ["--moe-router-bias-update-rate", "1e-2", "--qkv-format", "thd"]
 GLM45_FLAGS += ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "30"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch,extra", [("deepseek_v3", []), ("glm4_moe", GLM45_FLAGS)])
-def test_moe_loop_trains_its_mtp_layer_online(arch, extra, task, make_model, tmp_path):
+# The flags of both runs. Greedy (top-1) sampling of the one prompt: every rollout holds the same
+# responses (and every group one reward: no policy gradient), so the MTP loss falls only if the
+# next-n layer learns, and accept lengths rise only if the engine drafts with it.
+MTP_FLAGS = ["--enable-mtp-training", "--check-weight-update-equal", "--rollout-top-k", "1"]
+MTP_FLAGS += ["--lr", "1e-3", "--draft-lr", "1e-2", "--sglang-speculative-algorithm", "EAGLE"]
+MTP_FLAGS += ["--sglang-speculative-num-steps", "2", "--sglang-speculative-eagle-topk", "1"]
+ARCHS = {"deepseek_v3": [], "glm4_moe": GLM45_FLAGS}
+
+
+@pytest.fixture(scope="module")
+def moe_runs(task, make_model, tmp_path_factory) -> Iterator[dict[str, LoopRun]]:
+    """Both runs side by side (each spends much of its time waiting on its Ray, engine and
+    trainer starting), the second started once the first's Ray is up: two Ray startups at once
+    may time out."""
     from tiny.run_assets import MOE_RUN
 
-    model = make_model(arch, **MOE_RUN)
-    out = str(tmp_path / "run")
-    argv = base_args(model, task, out)
-    argv[argv.index("--num-rollout") + 1] = "3"
-    run(
-        argv
-        + extra
-        + [
-            "--enable-mtp-training",
-            "--check-weight-update-equal",
-            # Greedy (top-1) sampling of the one prompt: every rollout holds the same responses
-            # (and every group one reward: no policy gradient), so the MTP loss falls only if the
-            # next-n layer learns, and accept lengths rise only if the engine drafts with it.
-            "--rollout-top-k",
-            "1",
-            "--lr",
-            "1e-3",
-            "--draft-lr",
-            "1e-2",
-            "--sglang-speculative-algorithm",
-            "EAGLE",
-            "--sglang-speculative-num-steps",
-            "2",
-            "--sglang-speculative-eagle-topk",
-            "1",
-        ]
-    )
-    rows = metrics(out)
+    runs: dict[str, LoopRun] = {}
+    try:
+        for arch, extra in ARCHS.items():
+            model = make_model(arch, **MOE_RUN)
+            root = tmp_path_factory.mktemp(arch)
+            out = str(root / "run")
+            argv = base_args(model, task, out) + extra + MTP_FLAGS
+            argv[argv.index("--num-rollout") + 1] = "3"
+            for earlier in runs.values():
+                earlier.ray_started()
+            runs[arch] = LoopRun(argv, str(root), out)
+        yield runs
+    finally:
+        for run in runs.values():
+            run.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_loop_trains_its_mtp_layer_online(arch, moe_runs):
+    moe_runs[arch].finished(timeout=300)
+    rows = metrics(moe_runs[arch].out)
     # The engines took every push (--check-weight-update-equal compares the engine's checksum of
     # every tensor it holds, the next-n layer's and the routers' bias included, with the pushed
     # one, or fails the run).

@@ -1,5 +1,7 @@
-"""Every example in examples/ runs as a user would run it (a subprocess from the repo root) and
-does what it says: real outputs are checked, not just the exit status."""
+"""Every example in examples/ runs as a user would run it (a process of its own from the repo root:
+the shell scripts as subprocesses, the Python scripts as __main__ in a process forked from
+tests/support/forkserver.py's server, torch and the engine already imported) and does what it
+says: real outputs are checked, not just the exit status."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -75,6 +76,16 @@ class Example:
 def run(cmd: list[str], log_dir: Path, timeout: float, **env: str) -> str:
     """Run an example to completion; returns its stdout."""
     return Example(cmd, log_dir, timeout, **env).wait()
+
+
+def run_script(script: str, argv: list[str], timeout: float) -> str:
+    """`python examples/<script> *argv` from the repo root, forked from the server; its stdout."""
+    from tests.support.forkserver import python_c
+
+    code = f"import runpy; runpy.run_path({str(EXAMPLES / script)!r}, run_name='__main__')"
+    proc = python_c(code, argv, timeout, cwd=str(REPO))
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
 
 
 def metrics(out_dir: Path) -> list[dict]:
@@ -146,9 +157,8 @@ def test_serve_and_query_with_curl_and_openai(model, tmp_path):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
-def test_speculative_algorithms_are_lossless_and_report_acceptance(model, tmp_path):
-    cmd = [sys.executable, "examples/speculative/speculative_engine.py", "--model-path", model]
-    out = run(cmd, tmp_path, timeout=180)
+def test_speculative_algorithms_are_lossless_and_report_acceptance(model):
+    out = run_script("speculative/speculative_engine.py", ["--model-path", model], timeout=180)
     rows = re.findall(
         r"^(\w+)\s+lossless=(\w+) accept_length=\[(.*)\] verify_ct=\[(.*)\]$", out, re.MULTILINE
     )
@@ -165,10 +175,9 @@ def test_speculative_algorithms_are_lossless_and_report_acceptance(model, tmp_pa
     assert accepted["NGRAM"][-1] > 1.0  # the repetitive prompt: NGRAM drafts get accepted
 
 
-def test_weight_update_from_a_training_loop(tmp_path):
+def test_weight_update_from_a_training_loop():
     # No --model-path: the example builds its own tiny model.
-    cmd = [sys.executable, "examples/weight_update/train_and_update.py", "--steps", "4"]
-    out = run(cmd, tmp_path, timeout=180)
+    out = run_script("weight_update/train_and_update.py", ["--steps", "4"], timeout=180)
     assert "checksums match: True" in out
     assert "engine greedy == trained model greedy: True" in out
     before = re.search(r"^before: version=(\S+) (.*)$", out, re.MULTILINE)

@@ -366,7 +366,11 @@ def joint_of_tokens_2_and_3(hf, path, params) -> torch.Tensor:
     return joint
 
 
-def sample_counts(path, params, samples=4000, **kwargs) -> tuple[torch.Tensor, float]:
+def sample_counts(path, params, samples=1500, **kwargs) -> tuple[torch.Tensor, float]:
+    """Counts of (t2, t3) over `samples` draws, and the acceptance length. 1500 draws: the lossy
+    acceptance's p-values are below 1e-24 (1e-68 and less at 4000), and an EAGLE tree whose
+    residual keeps its tried children, or whose acceptance and residual share a uniform, gives
+    p below 1e-14 too (measured on this test's models and seed)."""
     with Engine(model_path=path, random_seed=0, skip_tokenizer_init=True, **kwargs) as engine:
         outs = engine.generate(
             input_ids=PROMPT,

@@ -80,13 +80,16 @@ def _python_c(
     exec(code, {"__name__": "__main__"})
 
 
-def python_c(code: str, argv: list[str], timeout: float) -> CompletedProcess:
-    """`python -c code *argv` in a process from the server, in the test's working directory and
-    with no MASTER_* variables; its exit code and output as
+def python_c(
+    code: str, argv: list[str], timeout: float, cwd: str | None = None
+) -> CompletedProcess:
+    """`python -c code *argv` in a process from the server, in `cwd` (the test's working
+    directory by default) and with no MASTER_* variables; its exit code and output as
     subprocess.run(capture_output=True, text=True)'s."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "stdout.log"), os.path.join(tmp, "stderr.log")
-        proc = context().Process(target=_python_c, args=(code, argv, out, err, os.getcwd()))
+        args = (code, argv, out, err, cwd or os.getcwd())
+        proc = context().Process(target=_python_c, args=args)
         proc.start()
         proc.join(timeout)
         if proc.is_alive():

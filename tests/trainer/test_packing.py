@@ -7,8 +7,6 @@ equals megatron's own attention run on each sequence alone; what packing cannot 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -355,10 +353,12 @@ def test_dynamic_batch_size_trains_as_fixed_micro_batches(actor, layout):
 
 
 def test_bench_packing_times_each_way_to_size_micro_batches(tmp_path):
+    from tests.support.forkserver import run_main
+
     out = tmp_path / "packing.json"
-    cmd = [sys.executable, "-m", "scripts.bench_packing", "--repeats", "1"]
-    cmd += ["--batches", "tiny run", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    argv = ["--repeats", "1", "--batches", "tiny run", "--json", str(out)]
+    # python -m scripts.bench_packing, forked from the server that has megatron imported
+    proc = run_main("scripts.bench_packing", argv, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())}
     # 32 sequences of at most 11 tokens (281 in all) in micro batches of 64 positions: 7 fixed
