@@ -13,15 +13,14 @@ import os
 import pytest
 
 from rollout.debug_data import load_debug_rollout_data
-from tests.conftest import LoopRun
-from tests.e2e.test_train_loop import base_args
+from tests.e2e.test_train_loop import base_args, run
 
 pytest.importorskip("ray")
 
 
 @pytest.mark.slow
 def test_a_two_device_engine_rolls_out_as_tp_1_takes_every_push_and_restarts_whole(
-    rl_task, request, tmp_path
+    rl_task, rollout_only_run, tmp_path
 ):
     model, data = rl_task
     out = str(tmp_path / "run")
@@ -41,16 +40,7 @@ def test_a_two_device_engine_rolls_out_as_tp_1_takes_every_push_and_restarts_who
         "--save-debug-rollout-data",
         saved,
     ]
-    # The shared tp-1 run (tests/conftest.py's rollout_only_run), unless an earlier test made it,
-    # runs beside this one, started once this one's Ray is up: two Ray startups at once may time
-    # out.
-    loop = LoopRun(argv, str(tmp_path), out)
-    try:
-        loop.ray_started()
-        _, tp1_out = request.getfixturevalue("rollout_only_run")
-        proc = loop.finished(timeout=300)
-    finally:
-        loop.stop()
+    proc = run(argv)
     assert "starting 1 engine(s) and 1 trainer rank(s)" in proc.stdout + proc.stderr
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -63,6 +53,7 @@ def test_a_two_device_engine_rolls_out_as_tp_1_takes_every_push_and_restarts_who
     assert "engine 0 died (" in proc.stderr and "engine 0 restarted in" in proc.stderr
     # Rollout 0, from --hf-checkpoint's weights: the tokens the tp-1 engine sampled with the same
     # seeds (ties aside: none here), log-probs within float32 rounding of a split reduction.
+    _, tp1_out = rollout_only_run
     # Samples by index (each index has its prompt and sampling seed); groups come in the order
     # they finished.
     ours, theirs = (
