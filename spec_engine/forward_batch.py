@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from spec_engine.mem.kv_pool import KVPool, ReqToTokenPool
+from spec_engine.mem.upload import upload
 
 
 class ForwardMode(enum.Enum):
@@ -101,7 +102,14 @@ def padded_masks(
     host = [blocks, list(accumulate(blocks, initial=0))[:-1], starts[:b], cols[:b]]
     host.append([p + q for q, p in zip(q_lens, prefixes)])
     host.append(list(prefixes))
-    meta = torch.tensor(host, dtype=torch.int64, device=torch.device("cpu")).to(device)
+    ones = [
+        k
+        for i, q in enumerate(q_lens)
+        for k in range(starts[i] + q * cols[i], starts[i + 1], cols[i])
+    ]
+    ones.extend(range(starts[b], starts[-1]))
+    meta, ones_t = upload(device, (host, torch.int64), (ones, torch.int64))
+    meta = meta.view(len(host), b)
     req = torch.arange(b, device=device).repeat_interleave(meta[0], output_size=total)
     first, start, stride, block_cols, prefix = (m[req] for m in meta[1:])
     local = torch.arange(total, device=device) - first
@@ -112,11 +120,5 @@ def padded_masks(
     else:
         values = torch.cat([m.reshape(-1) for m in real])
     flat[start + row * stride + col] = values
-    ones = [
-        k
-        for i, q in enumerate(q_lens)
-        for k in range(starts[i] + q * cols[i], starts[i + 1], cols[i])
-    ]
-    ones.extend(range(starts[b], starts[-1]))
-    flat[torch.tensor(ones, dtype=torch.int64, device=torch.device("cpu")).to(device)] = True
+    flat[ones_t] = True
     return [v.view(width, c) for v, c in zip(flat.split([width * c for c in cols]), cols)]

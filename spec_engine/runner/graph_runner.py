@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from spec_engine.forward_batch import ForwardBatch, ForwardMode, padded_masks
+from spec_engine.mem.upload import upload
 from spec_engine.runner.graph_capture import Outputs, capture
 
 logger = logging.getLogger(__name__)
@@ -357,8 +358,11 @@ class GraphRunner:
     ) -> Padded:
         b, w, rows = batch.batch_size, self.width, size * self.width
         q_lens, prefixes = batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu
-        token_rows = torch.tensor(
-            [i * w + j for i, q in enumerate(q_lens) for j in range(q)], device=self.device
+        seq_lens_cpu = [p + w for p in prefixes] + [w] * (size - b)
+        token_rows, seq_lens = upload(
+            self.device,
+            ([i * w + j for i, q in enumerate(q_lens) for j in range(q)], torch.int64),
+            (seq_lens_cpu, torch.int64),
         )
         ids, pos, loc = self.input_ids[:rows], self.positions[:rows], self.out_cache_loc[:rows]
         for buf, src in (
@@ -370,8 +374,7 @@ class GraphRunner:
             buf.index_copy_(0, token_rows, src)
         rpi, lens = self.req_pool_indices[:size], self.seq_lens[:size]
         rpi[:b], rpi[b:] = batch.req_pool_indices, self.dummy_row
-        seq_lens_cpu = [p + w for p in prefixes] + [w] * (size - b)
-        lens.copy_(torch.tensor(seq_lens_cpu, device=self.device))
+        lens.copy_(seq_lens)
         masks = padded_masks(q_lens, prefixes, w, size, batch.custom_masks, self.device)
         padded = replace(
             batch,

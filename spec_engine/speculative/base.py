@@ -12,7 +12,6 @@ works for any page size and leaves the request-to-token row contiguous.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from itertools import accumulate
 from typing import Optional
@@ -36,30 +35,9 @@ from spec_engine.core.request import Req
 from spec_engine.core.worker import AllocFn, ModelWorker, StepResult
 from spec_engine.forward_batch import ForwardBatch, ForwardMode
 from spec_engine.runner.model_runner import ForwardOutput, ModelRunner
+from spec_engine.speculative.stage_times import StageTimes
 from spec_engine.speculative.tree import DraftTree, TreeTensors, host_trees, tree_masks
 from spec_engine.speculative.verify import Acceptance, LogprobAsk, WalkTensors, verify_trees
-
-
-class StageTimes:
-    """Seconds spent per stage of the speculative steps (get_server_info's breakdown). Kernels
-    run asynchronously on CUDA: each boundary synchronizes the device, or host time would charge
-    one stage's GPU work to the next (the steps synchronize at these points anyway, to read
-    accepted tokens back)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.seconds = {"draft_s": 0.0, "verify_s": 0.0, "bookkeeping_s": 0.0}
-
-    def now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def add(self, stage: str, start: float) -> float:
-        """Charge the time since `start` to `stage`; returns the new start."""
-        end = self.now()
-        self.seconds[stage] += end - start
-        return end
 
 
 class SpecWorker(ModelWorker):

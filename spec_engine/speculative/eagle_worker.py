@@ -176,7 +176,9 @@ class EagleWorker(SpecWorker):
         feats = self._features(out) if self.features else None
         self._extend_draft(entries, feats)
         end = self.timings.add("draft_s", start)
-        self.extend_cost.add(sum(len(e.tokens) for e in entries), end - start)
+        if self.adaptive:  # the catch-up estimate's sample (on CUDA it waits for the extend)
+            positions = sum(len(e.tokens) for e in entries)
+            self.extend_cost.add(positions, self.timings.elapsed(start, end))
         return result
 
     # ---------------------------------------------------------------- decode
@@ -251,7 +253,7 @@ class EagleWorker(SpecWorker):
         entries = [DraftExtend(r, lag.start, lag.tokens, True) for r, lag in zip(lagging, lags)]
         self._extend_draft(entries, feats, mode=ForwardMode.DRAFT_EXTEND)
         end = self.timings.add("draft_s", start)
-        self.extend_cost.add(sum(len(lag.tokens) for lag in lags), end - start)
+        self.extend_cost.add(sum(len(lag.tokens) for lag in lags), self.timings.elapsed(start, end))
 
     def catch_up_seconds(self, reqs: Sequence[Req]) -> Optional[float]:
         return self.extend_cost.predict(draft_lag.positions(reqs))

@@ -13,6 +13,7 @@ from itertools import accumulate
 import torch
 
 from spec_engine.core.readback import read_back
+from spec_engine.mem.upload import upload
 
 
 @dataclass
@@ -103,7 +104,8 @@ def tree_masks(trees: TreeTensors, kv_lens: list[int], device: torch.device) -> 
     for _ in range(trees.depth):
         up = torch.where(up >= 0, trees.parents.gather(1, up.clamp(min=0)), -1)
         seen |= up[:, :, None] == nodes
-    meta = torch.tensor([starts[:-1], cols, kv_lens, sizes], dtype=torch.int64, device=device)
+    meta = upload(device, ([starts[:-1], cols, list(kv_lens), list(sizes)], torch.int64))[0]
+    meta = meta.view(4, b)
     start, col, kv, size = meta[:, :, None, None]
     at = start + nodes[:, None] * col + kv + nodes  # [B, N, N]: where (i, j) of the tree sits
     inside = (nodes[:, None] < size) & (nodes < size)

@@ -23,6 +23,7 @@ import torch
 from spec_engine.core.readback import read_back
 from spec_engine.core.request import Req
 from spec_engine.layers.sampler import filtered_probs, inverse_cdf, request_uniform
+from spec_engine.mem.upload import upload
 from spec_engine.speculative.tree import TreeTensors
 
 # Uniform streams of a request (stream 0 is plain sampling).
@@ -84,16 +85,14 @@ def target_probs(logits: torch.Tensor, reqs: Sequence[Req], row_req: list[int]) 
         mins.append(sp.min_p)
         if k < vocab or sp.top_p < 1.0 or sp.min_p > 0.0:
             filtered.append(row)
-    device = logits.device
-    probs = torch.softmax(logits / torch.tensor(temps, device=device)[:, None], -1)
+    f32, int64 = torch.float32, torch.int64
+    temps_t, rows, ks_t, ps_t, mins_t = upload(
+        logits.device, (temps, f32), (filtered, int64), (ks, int64), (ps, f32), (mins, f32)
+    )
+    probs = torch.softmax(logits / temps_t[:, None], -1)
     if filtered:
-        rows = torch.tensor(filtered, device=device)
         kept, ids = filtered_probs(
-            probs[rows],
-            torch.tensor(ks, device=device)[rows],
-            torch.tensor(ps, device=device)[rows],
-            torch.tensor(mins, device=device)[rows],
-            max(ks[row] for row in filtered),
+            probs[rows], ks_t[rows], ps_t[rows], mins_t[rows], max(ks[row] for row in filtered)
         )
         dense = torch.zeros_like(probs[rows]).scatter_(1, ids, kept)
         probs[rows] = dense / dense.sum(-1, keepdim=True)
@@ -278,7 +277,7 @@ def _sampled_inputs(
         seed, base = reqs[i].input.seed, len(reqs[i].output_ids)
         for stream, table in zip((ACCEPT_STREAM, RESIDUAL_STREAM), uniforms):
             table[i] = [request_uniform(seed, base + d, stream) for d in range(width)]
-    u_acc, u_res = torch.tensor(uniforms, dtype=torch.float64, device=device).unbind(0)
+    u_acc, u_res = upload(device, (uniforms, torch.float64))[0].view(2, b, width).unbind(0)
     drawn = inverse_cdf(residual, u_res.gather(1, trees.depths).reshape(-1)).view(b, n)
     return child_p, cum_p, empty, drawn, u_acc
 
@@ -296,9 +295,16 @@ def path_logprobs(
     row's top (values, ids) [B, W, k]; with token_ids_logprob, the row's log-probs of its
     request's ids [B, W, width] (padded with id 0). Every row's log-softmax and top-k are taken
     over the whole verify batch, then gathered."""
-    device = logits.device
-    temps = torch.tensor(
-        [reqs[i].input.sampling_params.logit_scale for i in row_req], device=device
+    width = asked.chosen_width
+    padded = (
+        [list(asked.chosen[i]) + [0] * (width - len(asked.chosen[i])) for i in row_req]
+        if width
+        else []
+    )
+    temps, chosen = upload(
+        logits.device,
+        ([reqs[i].input.sampling_params.logit_scale for i in row_req], torch.float32),
+        (padded, torch.int64),
     )
     logp = torch.log_softmax(logits / temps[:, None], -1)
     at_tokens = logp[rows, tokens]
@@ -308,10 +314,8 @@ def path_logprobs(
         vals, ids = logp.topk(top, dim=-1)
         vals, ids = vals[rows], ids[rows]
     at_chosen = None
-    width = asked.chosen_width
     if width:
-        padded = [list(asked.chosen[i]) + [0] * (width - len(asked.chosen[i])) for i in row_req]
-        at_chosen = logp.gather(1, torch.tensor(padded, dtype=torch.int64, device=device))[rows]
+        at_chosen = logp.gather(1, chosen.view(len(row_req), width))[rows]
     return at_tokens, vals, ids, at_chosen
 
 

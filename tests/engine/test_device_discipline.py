@@ -192,20 +192,46 @@ def test_self_check_tolerance_scales_with_the_outputs():
     assert err > bound
 
 
-def test_stage_times_synchronize_cuda(monkeypatch):
-    """Speculative stage timings wait for the device on CUDA (kernels run asynchronously), and
-    only there."""
-    from spec_engine.speculative.base import StageTimes
+def test_stage_times_mark_cuda_with_events_and_never_synchronize_a_step(monkeypatch):
+    """Speculative stage timings on CUDA (kernels run asynchronously): each boundary records an
+    event, a stage's seconds are collected once its end event completed (query), nothing waits
+    for the device until the breakdown is asked for; `elapsed` (the adaptive catch-up estimate)
+    waits for its end. On CPU the host clock."""
+    from spec_engine.speculative import stage_times
 
-    synced = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
-    cuda = StageTimes(torch.device("cuda", 0))
-    start = cuda.now()
-    cuda.add("verify_s", start)
-    assert synced == [torch.device("cuda", 0)] * 2 and cuda.seconds["verify_s"] >= 0
-    cpu = StageTimes(torch.device("cpu"))
+    clock = iter(range(100))
+
+    class Event:  # CUDA's event API on a fake device clock: one tick per record
+        def __init__(self) -> None:
+            self.at, self.done, self.waited = next(clock), False, False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            self.done = self.waited = True
+
+        def elapsed_time(self, end: Event) -> float:
+            assert end.done, "elapsed_time of an event still running"
+            return 1e3 * (end.at - self.at)  # milliseconds
+
+    events = []
+    monkeypatch.setattr(stage_times, "_event", lambda: events.append(Event()) or events[-1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: pytest.fail("synchronize"))
+    times = stage_times.StageTimes(torch.device("cuda", 0))
+    start = times.now()
+    mid = times.add("draft_s", start)
+    end = times.add("verify_s", mid)
+    assert not any(e.waited for e in events)
+    events[1].done = True  # the draft ran, the verify still runs: only the draft is counted
+    times.add("bookkeeping_s", times.now())
+    assert times._seconds == {"draft_s": 1.0, "verify_s": 0.0, "bookkeeping_s": 0.0}
+    assert not any(e.waited for e in events)
+    assert times.elapsed(mid, end) == 1.0 and end.waited
+    assert times.seconds == {"draft_s": 1.0, "verify_s": 1.0, "bookkeeping_s": 1.0}
+    cpu = stage_times.StageTimes(torch.device("cpu"))
     cpu.add("draft_s", cpu.now())
-    assert len(synced) == 2
+    assert len(events) == 5 and cpu.seconds["draft_s"] >= 0
 
 
 def test_ray_workers_keep_the_callers_pythonpath():

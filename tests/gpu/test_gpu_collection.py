@@ -49,4 +49,4 @@ def test_gpu_tests_collect_without_optional_packages(tmp_path):
     assert sum("tests/gpu/test_gpu_adaptive.py::" in line for line in lines) == 4, out.stdout[
         -3000:
     ]
-    assert sum("tests/gpu/test_gpu_scale.py::" in line for line in lines) == 4, out.stdout[-3000:]
+    assert sum("tests/gpu/test_gpu_scale.py::" in line for line in lines) == 5, out.stdout[-3000:]

@@ -1,6 +1,7 @@
 """CUDA checks of what landed after the fifth lease (marked gpu; skipped without CUDA): a step's
-inputs in one pinned copy (mem/upload.py), the overlap scheduler on by default, and FP8 release
-checkpoints on the GPU (dequantized at load, as on CPU)."""
+inputs in one pinned copy (mem/upload.py), the overlap scheduler on by default, FP8 release
+checkpoints on the GPU (dequantized at load, as on CPU), and speculative steps that never
+synchronize the device (stage times from CUDA events)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from spec_engine.mem.upload import upload
 from tests.conftest import random_prompts
 from tests.engine.test_engine_greedy import assert_matches_hf
 from tests.engine.test_fp8_checkpoints import GREEDY, fp8, oracle  # noqa: F401  (fixtures)
+from tests.engine.test_speculative import models  # noqa: F401  (module fixture)
 
 CUDA = torch.device("cuda")
 
@@ -63,3 +65,30 @@ def test_cuda_fp8_release_matches_transformers_on_the_dequantized_weights(fp8, o
     with Engine(model_path=fp8[name], device="cuda", dtype="float32", random_seed=0) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_hf(hf, oracle[name], prompts, outs, GREEDY["max_new_tokens"])
+
+
+@pytest.mark.gpu
+def test_cuda_speculative_tree_steps_never_synchronize_and_time_their_stages(models, monkeypatch):  # noqa: F811
+    """An EAGLE-3 tree engine's decode steps call no torch.cuda.synchronize (each reads the device
+    once, at its end); the stage breakdown comes from events, positive for every stage."""
+    with Engine(
+        model_path=models["target"],
+        device="cuda",
+        random_seed=0,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=models["eagle3"],
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=5,
+    ) as engine:
+        prompts = random_prompts(8, 3, 30, seed=63)
+        params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+        engine.generate(input_ids=prompts, sampling_params=params)  # graphs captured
+        synced = []
+        real = torch.cuda.synchronize
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: synced.append(a) or real())
+        engine.generate(input_ids=prompts, sampling_params=params)
+        monkeypatch.setattr(torch.cuda, "synchronize", real)
+        breakdown = engine.get_server_info()["internal_states"][0]["spec_time_breakdown"]
+    assert synced == []
+    assert all(breakdown[k] > 0 for k in ("draft_s", "verify_s", "bookkeeping_s")), breakdown
