@@ -49,7 +49,9 @@ def upload(device: torch.device, *parts: tuple[Values, torch.dtype]) -> list[tor
     if device.type == "cpu":
         sent = host
     else:
-        staged = torch.empty(host.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        staged = torch.empty(
+            host.shape, dtype=torch.uint8, device="cpu", pin_memory=device.type == "cuda"
+        )
         sent = staged.copy_(host).to(device, non_blocking=device.type == "cuda")
     return [
         sent[start : start + a.nbytes].view(dtype)

@@ -44,33 +44,40 @@ def models(make_model, tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("name", list(ALGORITHMS))
-def test_decode_steps_read_the_host_once(models, name):
-    """Every decode step at batch 1, 32 and 128 (requests finishing included), greedy, and
-    sampled with top-k returning log-probs and top log-probs (sampled tree walks and log-probs
-    are read in the verify's copy)."""
+GREEDY = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+SAMPLED = {"temperature": 0.9, "top_k": 20, "max_new_tokens": 4, "ignore_eos": True}
+ASKED = dict(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[3, 7])
+
+
+def open_engine(models: dict[str, str], name: str) -> Engine:
+    """An engine of ALGORITHMS[name] over the module's tiny models, batch up to 128."""
     target, kwargs = ALGORITHMS[name]
     kwargs = dict(kwargs)
     if "draft" in kwargs:
         kwargs["speculative_draft_model_path"] = models[kwargs.pop("draft")]
-    kind = "plain" if name == "plain" else "spec"
-    greedy = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
-    sampled = {"temperature": 0.9, "top_k": 20, "max_new_tokens": 4, "ignore_eos": True}
-    # A penalty walks each draft path on the host: the tree step reads its trees first.
-    penalised = {"frequency_penalty": 0.5, "max_new_tokens": 4, "ignore_eos": True}
-    with Engine(
+    return Engine(
         model_path=models[target],
         random_seed=0,
         max_running_requests=max(BATCHES),
         context_length=128,
         **kwargs,
-    ) as engine:
+    )
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_decode_steps_read_the_host_once(models, name):
+    """Every decode step at batch 1, 32 and 128 (requests finishing included), greedy, and
+    sampled with top-k returning log-probs and top log-probs (sampled tree walks and log-probs
+    are read in the verify's copy)."""
+    kind = "plain" if name == "plain" else "spec"
+    # A penalty walks each draft path on the host: the tree step reads its trees first.
+    penalised = {"frequency_penalty": 0.5, "max_new_tokens": 4, "ignore_eos": True}
+    with open_engine(models, name) as engine:
         for batch in BATCHES:
             prompts = random_prompts(batch, 3, 12, seed=batch)
-            asked = dict(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[3, 7])
-            runs = [(dict(sampling_params=greedy), 1), (dict(sampling_params=sampled, **asked), 1)]
+            runs = [(dict(sampling_params=GREEDY), 1), (dict(sampling_params=SAMPLED, **ASKED), 1)]
             if name in ("eagle2", "standalone"):
-                runs.append((dict(sampling_params=[penalised] + [greedy] * (batch - 1)), 2))
+                runs.append((dict(sampling_params=[penalised] + [GREEDY] * (batch - 1)), 2))
             for run, budget in runs:
                 with StepReads(engine) as counted:
                     outs = engine.generate(input_ids=prompts, **run)
@@ -108,24 +115,11 @@ def test_decode_steps_send_their_inputs_in_pinned_copies(models, name):
     greedy and sampled with log-probs: a plain step makes four (the KV slots, their table
     cells, the forward's inputs, the sampling parameters); an EAGLE-3 tree step (its verify
     padded as a graph would be) makes more, each a pinned copy."""
-    greedy = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
-    sampled = {"temperature": 0.9, "top_k": 20, "max_new_tokens": 4, "ignore_eos": True}
-    asked = dict(return_logprob=True, top_logprobs_num=2, token_ids_logprob=[3, 7])
-    target, kwargs = ALGORITHMS[name]
-    kwargs = dict(kwargs)
-    if "draft" in kwargs:
-        kwargs["speculative_draft_model_path"] = models[kwargs.pop("draft")]
     kind, most = ("plain", 4) if name == "plain" else ("spec", None)
-    with Engine(
-        model_path=models[target],
-        random_seed=0,
-        max_running_requests=max(BATCHES),
-        context_length=128,
-        **kwargs,
-    ) as engine:
+    with open_engine(models, name) as engine:
         for batch in BATCHES:
             prompts = random_prompts(batch, 3, 12, seed=batch)
-            for run in (dict(sampling_params=greedy), dict(sampling_params=sampled, **asked)):
+            for run in (dict(sampling_params=GREEDY), dict(sampling_params=SAMPLED, **ASKED)):
                 with StepReads(engine, HostCopies) as counted:
                     engine.generate(input_ids=prompts, **run)
                 steps = counted.decode_steps(kind)
